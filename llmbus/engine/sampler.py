@@ -1,0 +1,223 @@
+"""Turns one step's logits into one token per sequence: penalties, greedy or warped random draws.
+
+Per row, in order: repetition penalty (HF convention, over prompt + output tokens), presence and
+frequency penalties (OpenAI convention, over output tokens), then argmax (temperature 0) or
+temperature, top-k, top-p, min-p (each as the transformers logits warper of the same name) and a
+draw by the exponential race ``argmax(probs / Exponential(1))``.
+
+Seeds are stateless: a seeded row's randomness at a step comes only from ``(seed, number of output
+tokens so far)``, so the same request gives the same tokens whatever shares its batch, in whatever
+order, and whichever worker process (of the same device type) continues it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.engine.sequence import Sequence, TokenLogprob
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
+GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None where the row's params.logprobs is None
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed for a seeded request's draw after ``step`` output tokens."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
+
+
+def _needs_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _column(values: list, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=like.device).unsqueeze(1)
+
+
+def _check_ids(ids: torch.Tensor, seqs: list[Sequence]) -> None:
+    if ids.numel() and int(ids.min()) < 0:
+        bad = [s.request_id for s in seqs if any(t < 0 for t in s.all_token_ids)]
+        raise ValueError(f"negative token id in request(s) {bad}")
+
+
+def apply_penalties(
+    logits: torch.Tensor, seqs: list[Sequence], prompt_cache: weakref.WeakKeyDictionary | None = None
+) -> torch.Tensor:
+    """Returns penalised copies of ``logits`` [B, V] (row i for seqs[i]); the input is not modified.
+
+    Repetition: a logit of any token seen in prompt or output is divided by the penalty when
+    positive and multiplied when negative. Presence/frequency: ``logit -= presence * (count > 0)
+    + frequency * count`` over output tokens. Token ids >= V are ignored (as transformers does).
+    ``prompt_cache`` (Sequence -> device tensor of prompt ids) saves re-uploading prompts each step.
+    """
+    b, v = logits.shape
+    dev = logits.device
+    prompts = []
+    for s in seqs:
+        cached = prompt_cache.get(s) if prompt_cache is not None else None
+        # NOTE: prompt_token_ids never change after admission; the length check guards misuse.
+        if cached is None or cached.numel() != len(s.prompt_token_ids) or cached.device != dev:
+            cached = torch.tensor(s.prompt_token_ids, dtype=torch.long, device=dev)
+            if prompt_cache is not None:
+                prompt_cache[s] = cached
+        prompts.append(cached)
+    out_ids = torch.tensor([t for s in seqs for t in s.output_token_ids], dtype=torch.long, device=dev)
+    out_rows = torch.arange(b, device=dev).repeat_interleave(
+        torch.tensor([len(s.output_token_ids) for s in seqs], device=dev)
+    )
+    prompt_rows = torch.arange(b, device=dev).repeat_interleave(
+        torch.tensor([p.numel() for p in prompts], device=dev)
+    )
+    all_ids = torch.cat(prompts + [out_ids])
+    _check_ids(all_ids, seqs)
+    # Column v absorbs ids outside the vocabulary; it is dropped below.
+    seen = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)
+    seen[torch.cat([prompt_rows, out_rows]), all_ids.clamp(max=v)] = True
+    counts = torch.zeros(b, v + 1, dtype=logits.dtype, device=dev)
+    counts.index_put_((out_rows, out_ids.clamp(max=v)), torch.ones_like(out_ids, dtype=logits.dtype), accumulate=True)
+    rep = _column([s.params.repetition_penalty for s in seqs], logits, logits.dtype)
+    pres = _column([s.params.presence_penalty for s in seqs], logits, logits.dtype)
+    freq = _column([s.params.frequency_penalty for s in seqs], logits, logits.dtype)
+    seen, counts = seen[:, :v], counts[:, :v]
+    out = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+    return out - pres * (counts > 0).to(logits.dtype) - freq * counts
+
+
+def warp_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p filtering, row i by params[i] (none greedy).
+
+    Each step matches the transformers warper of the same name (ties at the top-k boundary are
+    kept; top-p keeps the smallest high-probability set whose mass exceeds top_p; min-p drops tokens
+    below ``min_p * max prob``; the most likely token always survives). Filtered logits are -inf.
+    """
+    temps = _column([p.temperature for p in params], logits, logits.dtype)
+    x = logits / temps
+    v = x.shape[1]
+    ks = [p.top_k if 0 < p.top_k < v else v for p in params]
+    do_k = any(k < v for k in ks)
+    do_p = any(p.top_p < 1.0 for p in params)
+    do_min = any(p.min_p > 0.0 for p in params)
+    if not (do_k or do_p or do_min):
+        return x
+    # NOTE: one ascending sort serves all three filters; masking keeps the order, so position -1
+    # always holds the most likely token, which is never removed.
+    srt, idx = x.sort(dim=-1)
+    remove = torch.zeros_like(srt, dtype=torch.bool)
+    if do_k:
+        kth = srt.gather(1, v - _column(ks, x, torch.long))
+        remove |= srt < kth
+    if do_p:
+        cum = srt.masked_fill(remove, float("-inf")).softmax(-1).cumsum(-1)
+        remove |= cum <= 1.0 - _column([p.top_p for p in params], x, x.dtype)
+        remove[:, -1] = False
+    if do_min:
+        probs = srt.masked_fill(remove, float("-inf")).softmax(-1)
+        remove |= probs < _column([p.min_p for p in params], x, x.dtype) * probs[:, -1:]
+        remove[:, -1] = False
+    return x.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+
+
+class Sampler:
+    """Samples one token per row of a step's logits; see the module docstring for the pipeline.
+
+    ``seed`` seeds the generator shared by unseeded random rows (None: nondeterministic).
+    Logprobs are ``log_softmax`` of the RAW logits, before penalties, temperature and filtering:
+    they describe the model's distribution, not the warped one the token was drawn from.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._prompt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed & _MASK64)
+            self._generators[device] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] == 0:
+            raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab > 0], got {list(logits.shape)}")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
+        raw = logits.float()
+        if not seqs:
+            return SamplerOutput([], [])
+        x = raw
+        pen = [i for i, s in enumerate(seqs) if _needs_penalty(s.params)]
+        if pen:
+            x = raw.clone()
+            x[pen] = apply_penalties(raw[pen], [seqs[i] for i in pen], self._prompt_cache)
+        rand = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_EPS]
+        tokens = x.argmax(dim=-1)  # NOTE: all-greedy batches stop here: one argmax
+        if rand:
+            tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
+        # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
+        bad = ~torch.isfinite(raw.amax(dim=-1))
+        token_list, bad_list = tokens.tolist(), bad.tolist()
+        if any(bad_list):
+            ids = [s.request_id for s, b in zip(seqs, bad_list) if b]
+            raise ValueError(f"logits rows have no finite maximum (all -inf, inf or NaN) for request(s) {ids}")
+        return SamplerOutput(token_list, self._logprobs(raw, tokens, token_list, seqs))
+
+    def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        probs = warp_logits(x, [s.params for s in seqs]).softmax(dim=-1)
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        free = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        if not seeded:  # one batched draw from the Sampler's own generator
+            q = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
+        else:
+            q = torch.empty_like(probs)
+        if free and seeded:
+            q[free] = torch.empty(len(free), probs.shape[1], device=probs.device).exponential_(
+                generator=self._generator(probs.device)
+            )
+        for i in seeded:  # NOTE: per-row loop only for seeded rows: each needs its own generator
+            s = seqs[i]
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(step_seed(s.params.seed, len(s.output_token_ids)))
+            q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+        # NOTE: clamping q keeps 0/q at 0, so a zero-probability token can never win the race.
+        return (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], seqs: list[Sequence]
+    ) -> list[TokenLogprob | None]:
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not want:
+            return out
+        lp = raw[want].log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
+        n_max = min(max(seqs[i].params.logprobs for i in want), lp.shape[1])
+        top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            n = seqs[i].params.logprobs
+            top = list(zip(top_i[j][:n], top_v[j][:n]))
+            out[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[j], top=top)
+        return out
