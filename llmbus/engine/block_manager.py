@@ -1,0 +1,217 @@
+"""The KV block allocator with an automatic prefix cache. Pure Python: no torch, no I/O.
+
+A sequence's blocks are the ids in ``seq.block_table`` (token ``i`` lives in block
+``block_table[i // block_size]``); the runner turns them into cache slots with ``llmbus.kv.layout``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from llmbus.engine.sequence import Sequence
+from llmbus.kv.hashing import block_hash, root_hash
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks to sequences and shares full prefix blocks between them.
+
+    Invariants:
+
+    - A block with ``ref_count > 0`` is never evicted and never handed to another sequence except
+      through a prefix hit (which only shares full, hashed blocks).
+    - A full block whose tokens are all computed is immutable: once committed its hash names its
+      bytes, so any sequence with the same salted prefix may share it.
+    - Every block is in exactly one place: held (ref_count > 0), the free list (ref 0, unhashed),
+      or the evictable LRU (ref 0, hashed, still findable by hash). ``num_free_blocks`` counts the
+      last two.
+    - Hashes chain from ``root_hash(model_id, kv_format, seq.cache_salt)``, so tenants with
+      different salts never share a block.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        model_id: str = "",
+        kv_format: str = "model",
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_id = model_id
+        self.kv_format = kv_format
+        self._ref = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        # NOTE: oldest first; only ref-0 blocks that are indexed by hash live here.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._index: dict[bytes, int] = {}  # hash -> block id
+        self._hash_of: dict[int, bytes] = {}  # block id -> hash, for indexed blocks only
+
+    # --- counters -----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation may take: free plus evictable (ref 0, cached)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently indexed by hash (held or evictable)."""
+        return len(self._index)
+
+    def ref_count(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is outside [0, {self.num_blocks})")
+        return self._ref[block_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix lookup ------------------------------------------------------------------------
+
+    def _root(self, seq: Sequence) -> bytes:
+        return root_hash(self.model_id, self.kv_format, seq.cache_salt)
+
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[bytes, int]]:
+        """(hash, block id) of the longest cached run of the seq's full blocks, leaving one token."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = seq.all_token_ids
+        bs = self.block_size
+        hits: list[tuple[bytes, int]] = []
+        parent = self._root(seq)
+        for start in range(0, len(tokens) - bs + 1, bs):
+            parent = block_hash(parent, tokens[start : start + bs])
+            block = self._index.get(parent)
+            if block is None:
+                break
+            hits.append((parent, block))
+        # NOTE: the last token must be computed so its logits give the next token.
+        if hits and len(hits) * bs >= len(tokens):
+            hits.pop()
+        return hits
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens ``allocate`` would take from the prefix cache now (no side effects).
+
+        For a seq that already holds blocks, its ``num_computed_tokens``.
+        """
+        if seq.block_table:
+            return seq.num_computed_tokens
+        return len(self._prefix_hits(seq)) * self.block_size
+
+    # --- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make ``seq.block_table`` cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        A seq holding no blocks first claims its longest cached prefix (setting
+        ``num_computed_tokens`` and ``block_hashes``). All or nothing: returns False, changing
+        nothing, when the free and evictable blocks cannot cover the rest.
+        """
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
+        hits: list[tuple[bytes, int]] = []
+        if not seq.block_table:
+            if seq.num_computed_tokens != 0:
+                raise ValueError(
+                    f"sequence {seq.request_id!r} holds no blocks but has "
+                    f"num_computed_tokens={seq.num_computed_tokens}; reset it to 0 first"
+                )
+            hits = self._prefix_hits(seq)
+        computed = seq.num_computed_tokens + len(hits) * self.block_size
+        held = len(seq.block_table) + len(hits)
+        needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
+        # Hit blocks that sit in the evictable LRU stop being available once claimed.
+        claimed_idle = sum(1 for _, b in hits if self._ref[b] == 0)
+        if needed > self.num_free_blocks - claimed_idle:
+            return False
+        for h, b in hits:
+            if self._ref[b] == 0:
+                del self._evictable[b]
+            self._ref[b] += 1
+            seq.block_table.append(b)
+            seq.block_hashes.append(h)
+        if hits:
+            seq.num_computed_tokens = computed
+            if seq.num_preemptions == 0:
+                # NOTE: usage reports prompt tokens served from cache on first admission only;
+                # a recompute after preemption does not change it.
+                seq.num_cached_tokens = min(computed, seq.num_prompt_tokens)
+        for _ in range(needed):
+            seq.block_table.append(self._take_block())
+        return True
+
+    def allocate_computed(self, seq: Sequence, num_computed_tokens: int) -> bool:
+        """Give a block-less seq fresh blocks for ``num_computed_tokens`` tokens whose KV the
+        caller writes itself (a handoff from another worker); sets ``num_computed_tokens``.
+
+        No prefix lookup. The blocks are hashed by the next ``commit``. All or nothing.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.request_id!r} already holds blocks")
+        # NOTE: at least one token must stay uncomputed: its logits give the next token.
+        if not isinstance(num_computed_tokens, int) or not 0 <= num_computed_tokens < seq.num_tokens:
+            raise ValueError(
+                f"num_computed_tokens must be an integer in [0, {seq.num_tokens - 1}], "
+                f"got {num_computed_tokens!r}"
+            )
+        needed = self.blocks_for(num_computed_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        seq.block_table = [self._take_block() for _ in range(needed)]
+        seq.block_hashes = []
+        seq.num_computed_tokens = num_computed_tokens
+        return True
+
+    def _take_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)  # least recently used
+            del self._index[self._hash_of.pop(block)]
+        self._ref[block] = 1
+        return block
+
+    # --- commit and free ----------------------------------------------------------------------
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash every full, fully computed block of ``seq`` not hashed yet; index new hashes.
+
+        If another block already holds a hash, the index keeps it and this seq's copy stays
+        unindexed (it returns to the free list when released).
+        """
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        start = len(seq.block_hashes)
+        if start >= full:
+            return
+        tokens = seq.all_token_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq)
+        for i in range(start, full):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(parent)
+            block = seq.block_table[i]
+            if self.enable_prefix_caching and parent not in self._index and block not in self._hash_of:
+                self._index[parent] = block
+                self._hash_of[block] = parent
+
+    def free(self, seq: Sequence) -> None:
+        """Release the seq's blocks, last block first; idempotent. Clears its table and hashes."""
+        # NOTE: tail-first, so the LRU evicts a sequence's last blocks before its first ones,
+        # which keeps the most shareable (earliest) prefix blocks cached longest.
+        for block in reversed(seq.block_table):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        seq.block_hashes = []

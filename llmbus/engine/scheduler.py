@@ -1,0 +1,249 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Pure Python state machine.
+
+Each ``schedule()`` spends a token budget: first on running decodes, then on running prefills'
+next chunks, then on admitting waiting sequences oldest first. The runner computes positions
+``[seq.num_computed_tokens, + num_new_tokens)`` of every scheduled entry; ``update()`` then advances
+the counters, appends sampled tokens and finishes sequences.
+
+A sequence that can never run (a prompt longer than ``max_model_len``, or more tokens than the whole
+block pool holds) is not left to wedge the queue: when it reaches the head of the waiting queue it is
+finished with ``"length"``, reported in ``SchedulerOutput.rejected`` and returned by ``update()``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmbus.engine.block_manager import BlockManager
+from llmbus.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # the per-step token budget
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk may use the whole remaining budget
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(
+                f"SchedulerConfig.long_prefill_token_threshold must be an integer >= 0, got {t!r}"
+            )
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(
+                f"SchedulerConfig.enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
+            )
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # computes positions [seq.num_computed_tokens, +num_new_tokens)
+    sample: bool  # True when this chunk reaches the last known token -> sample a new token
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # every entry with num_new_tokens == 1 first, then longer chunks
+    preempted: list[Sequence]
+    num_batched_tokens: int
+    # Sequences that can never run (prompt longer than max_model_len, or more blocks than the whole
+    # pool): finished with "length" without computing anything; update() returns them too.
+    rejected: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # admission order
+        self._by_id: dict[str, Sequence] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (it may already hold blocks with computed KV, e.g. a handoff)."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING:
+            raise ValueError(
+                f"sequence {seq.request_id!r} must be waiting to be added, it is {seq.status.value}"
+            )
+        if seq.num_prompt_tokens == 0:
+            raise ValueError(f"sequence {seq.request_id!r} has an empty prompt")
+        self._by_id[seq.request_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a waiting or running sequence with "abort" and free its blocks now."""
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return seq
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted: list[Sequence] = []
+
+        def preempt_for(seq: Sequence) -> bool:
+            """Preempt the newest running seq; False if that was ``seq`` itself."""
+            nonlocal budget
+            victim = max(self._running, key=lambda s: s.arrival)
+            entry = scheduled.pop(victim.request_id, None)
+            if entry is not None:
+                budget += entry.num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim)
+            return victim is not seq
+
+        # Running sequences: decodes first, then unfinished prefills, oldest first within each.
+        order = sorted(self._running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:
+                continue
+            while not self.block_manager.allocate(seq, n):
+                if not preempt_for(seq):
+                    break
+            else:
+                scheduled[seq.request_id] = self._entry(seq, n)
+                budget -= n
+
+        # Waiting sequences, oldest first; skip admission after a preemption (the pool is full).
+        rejected: list[Sequence] = []
+        max_seqs = self.config.max_num_seqs
+        while self._waiting and budget > 0 and not preempted and len(self._running) < max_seqs:
+            seq = self._waiting[0]
+            if self._never_fits(seq):
+                self._waiting.popleft()
+                self._finish(seq, "length")
+                rejected.append(seq)
+                continue
+            remaining = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
+            n = self._chunk(remaining, budget)
+            if n == 0 or not self.block_manager.allocate(seq, n):
+                break  # strict FCFS: the head waits for budget or blocks
+            self._waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            scheduled[seq.request_id] = self._entry(seq, n)
+            budget -= n
+
+        entries = sorted(scheduled.values(), key=lambda e: e.num_new_tokens != 1)
+        return SchedulerOutput(
+            scheduled=entries,
+            preempted=preempted,
+            num_batched_tokens=sum(e.num_new_tokens for e in entries),
+            rejected=rejected,
+        )
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute now: the budget-limited chunk, or 0 when the rest cannot be split."""
+        if remaining <= 1:
+            return min(remaining, budget)
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _never_fits(self, seq: Sequence) -> bool:
+        # NOTE: the engine rejects these up front; this keeps a stray one from wedging the queue
+        # (it would wait forever at the head). It also ends a sequence that preempted itself
+        # because its own context outgrew the whole pool.
+        bm = self.block_manager
+        too_long = seq.num_prompt_tokens > self.config.max_model_len
+        return too_long or bm.blocks_for(seq.num_tokens) > bm.num_blocks
+
+    @staticmethod
+    def _entry(seq: Sequence, n: int) -> ScheduledSeq:
+        return ScheduledSeq(seq=seq, num_new_tokens=n, sample=seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._by_id.pop(seq.request_id, None)
+        if seq in self._running:
+            self._running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # --- after the step -----------------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]
+    ) -> list[Sequence]:
+        """Apply a computed step; return the sequences that finished (including ``output.rejected``)."""
+        finished: list[Sequence] = list(output.rejected)
+        for entry in output.scheduled:
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule() and update()
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.commit(seq)
+            if not entry.sample:
+                continue
+            if seq.request_id not in sampled:
+                raise ValueError(f"no sampled token for {seq.request_id!r}, which was scheduled to sample")
+            token, logprob = sampled[seq.request_id]
+            seq.output_token_ids.append(token)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (token in seq.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
