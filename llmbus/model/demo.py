@@ -1,0 +1,142 @@
+"""Deterministic random models in Hugging Face format, generated locally.
+
+``write_random_model`` writes config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json (ChatML template) and generation_config.json; the same arguments give the
+same bytes. ``make_demo_model`` picks the two demo sizes; ``ensure_demo_model`` caches them under
+``default_demo_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from llmbus.engine.attention import torch_dtype
+from llmbus.model.config import ModelConfig, normalize_dtype
+from llmbus.model.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_TOKENS, tokenizer_config, train_tokenizer_json
+from llmbus.model.loader import expected_tensors
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_END_ID, _IM_END_ID = SPECIAL_TOKENS.index(ENDOFTEXT), SPECIAL_TOKENS.index(IM_END)
+
+DEMO_SIZES: dict[str, dict[str, Any]] = {
+    # about 1.3M parameters: fast tests
+    "small": {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096},
+    # about 100M parameters: a CPU decode step is compute-bound. bf16 (faster than fp32 on
+    # AVX512-BF16 CPUs, half the disk); load with dtype="float32" where bf16 is slow.
+    "large": {"vocab_size": 16384, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+              "num_attention_heads": 12, "num_key_value_heads": 4, "max_position_embeddings": 4096,
+              "dtype": "bfloat16"},
+}
+
+
+def _base_config(architecture: str) -> dict[str, Any]:
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}")
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[architecture]],
+        "model_type": architecture,
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": 0.08,
+        "tie_word_embeddings": False,
+        "bos_token_id": _END_ID,
+        "eos_token_id": _IM_END_ID,
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    if architecture == "qwen2":
+        cfg.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": 0})
+    elif architecture == "mistral":
+        cfg["sliding_window"] = None
+    else:
+        cfg.update({"attention_bias": False, "mlp_bias": False})
+    return cfg
+
+
+def _random_weights(cfg: ModelConfig, std: float, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_tensors(cfg).items():
+        if name.endswith("norm.weight"):  # near 1, not exactly: the test sees a wrong norm weight
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            t = std * torch.randn(shape, generator=gen)
+        out[name] = t.to(torch_dtype(cfg.dtype)).contiguous()
+    return out
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_random_model(out_dir: str | Path, config_overrides: dict[str, Any] | None = None, seed: int = 0,
+                       architecture: str = "llama") -> Path:
+    """Write a random HF-format model (weights ~ N(0, initializer_range)) to ``out_dir``.
+
+    ``config_overrides`` are config.json fields (``dtype`` picks the stored weight dtype). The
+    tokenizer has at most ``vocab_size`` entries; embedding rows past it are never produced by it."""
+    raw = _base_config(architecture) | dict(config_overrides or {})
+    if "torch_dtype" in raw:
+        raw["dtype"] = raw.pop("torch_dtype")
+    raw["dtype"] = normalize_dtype(raw.get("dtype", "float32"))
+    cfg = ModelConfig.from_dict(raw)
+    tokenizer_json = train_tokenizer_json(min(cfg.vocab_size, 16384))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", raw)
+    std = float(raw.get("initializer_range", 0.08))
+    save_file(_random_weights(cfg, std, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", tokenizer_config(cfg.max_position_embeddings))
+    _write_json(out / "generation_config.json",
+                {"bos_token_id": _END_ID, "eos_token_id": [_IM_END_ID, _END_ID], "do_sample": False})
+    return out
+
+
+def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> Path:
+    """Write the ``small`` (~1.3M params, fp32) or ``large`` (~100M params, bf16) demo model."""
+    if size not in DEMO_SIZES:
+        raise ValueError(f"demo model size must be one of {sorted(DEMO_SIZES)}, got {size!r}")
+    return write_random_model(out_dir, DEMO_SIZES[size], seed=seed, architecture="llama")
+
+
+def default_demo_dir(size: str = "small") -> Path:
+    """Where ``ensure_demo_model`` keeps a demo model: ``$LLMBUS_DATA_DIR/models/demo-<size>``,
+    else ``~/.cache/llmbus/models/demo-<size>``."""
+    if size not in DEMO_SIZES:
+        raise ValueError(f"demo model size must be one of {sorted(DEMO_SIZES)}, got {size!r}")
+    data = os.environ.get("LLMBUS_DATA_DIR")
+    root = Path(data) / "models" if data else Path.home() / ".cache" / "llmbus" / "models"
+    return root / f"demo-{size}"
+
+
+def ensure_demo_model(size: str = "small") -> Path:
+    """The demo model's directory, generated on first use (written aside, then renamed into place)."""
+    target = default_demo_dir(size)
+    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    make_demo_model(tmp, size)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race; its copy is byte-identical
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return target

@@ -1,0 +1,137 @@
+"""The Llama-architecture decoder (Llama 2/3, Qwen2/2.5, Mistral) over a paged KV cache.
+
+Tokens of a whole batched step arrive flattened (``[T]``); the attention backend, given at
+construction, writes each layer's new keys/values into that layer's cache object and attends per
+sequence using the step's ``AttentionMetadata``. q/k/v and gate/up projections are fused: the
+loader stacks the Hugging Face weights (``q;k;v`` and ``gate;up`` along the output dim).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from llmbus.model.config import ModelConfig
+from llmbus.model.rope import RotaryEmbedding, apply_rotary
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """HF's RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.scale = d**-0.5
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.qkv_bias else None
+        self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
+
+    def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = backend.forward(q, k, v, cache, meta, self.scale)
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        i, h = cfg.intermediate_size, cfg.hidden_size
+        self.gate_up_weight = _param(2 * i, h, dtype=dtype, device=device)
+        self.gate_up_bias = _param(2 * i, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.down_weight = _param(h, i, dtype=dtype, device=device)
+        self.down_bias = _param(h, dtype=dtype, device=device) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(self, h, cos, sin, cache, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameters are allocated uninitialised; ``llmbus.model.loader`` fills them.
+
+    ``backend`` may be swapped after loading (``model.backend = ...``) as long as the caches
+    handed to ``forward`` come from that backend's ``allocate_cache``."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device="cpu",
+                 backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend or TorchAttentionBackend()
+        v, h = config.vocab_size, config.hidden_size
+        self.embed_tokens = _param(v, h, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps, dtype, device)
+        # NOTE: with tied embeddings there is no lm_head parameter; the embedding doubles as it.
+        self.lm_head = None if config.tie_word_embeddings else _param(v, h, dtype=dtype, device=device)
+        rope_device = "cpu" if torch.device(device).type == "meta" else device
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, rope_device)
+
+    def _apply(self, fn, recurse=True):  # keep the rope frequencies on the parameters' device
+        out = super()._apply(fn, recurse)
+        if self.embed_tokens.device.type != "meta":
+            self.rotary.to(self.embed_tokens.device)
+        return out
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[object],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` int64 (the step's tokens, decodes first) ->
+        final hidden states ``[T, hidden]`` in the model dtype. Writes every layer's KV cache."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must be 1-D and the same length, got {tuple(input_ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} per-layer KV caches, got {len(kv_caches)}")
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, cache, meta, self.backend)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 (the product is formed in the model dtype, as HF does)."""
+        return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,162 @@
+"""Demo models: determinism, sizes, the trained tokenizer, the chat template, streaming detokenization."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+
+import pytest
+
+from llmbus.model.cli import register
+from llmbus.model.config import ModelConfig
+from llmbus.model.demo import DEMO_SIZES, _base_config, ensure_demo_model, make_demo_model, write_random_model
+from llmbus.model.loader import load_model
+from llmbus.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.model_factory import PagedDriver
+
+TEXTS = [
+    "Hello, world! The cache holds 16 tokens per block.",
+    "  leading and trailing spaces, tabs\tand\nnewlines  ",
+    "中文分词测试：你好，世界。日本語のテキストも。한국어도",
+    "emoji 🤖🚀 family 👨‍👩‍👧 flag 🇯🇵 and skin tone 👍🏽",
+    "def f(x):\n    return {'a': [1, 2.5e-3]}  # code ü ß é ñ",
+    "\x00\x07 control bytes and U+FFFF \uffff and a lone 𝔘",
+]
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return make_demo_model(tmp_path_factory.mktemp("demo") / "small", "small")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    return Tokenizer.from_dir(demo_dir)
+
+
+def _digests(path):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_generation_is_byte_for_byte_deterministic(demo_dir, tmp_path):
+    again = make_demo_model(tmp_path / "again", "small")
+    assert _digests(again) == _digests(demo_dir)
+    assert set(_digests(demo_dir)) == {"config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json", "tokenizer_config.json"}
+    other = write_random_model(tmp_path / "seed1", DEMO_SIZES["small"], seed=1)
+    assert _digests(other)["model.safetensors"] != _digests(demo_dir)["model.safetensors"]
+    assert _digests(other)["tokenizer.json"] == _digests(demo_dir)["tokenizer.json"]
+
+
+def test_demo_sizes():
+    small = ModelConfig.from_dict(_base_config("llama") | DEMO_SIZES["small"])
+    large = ModelConfig.from_dict(_base_config("llama") | DEMO_SIZES["large"])
+    assert 1_000_000 < small.num_params < 5_000_000
+    assert 90_000_000 < large.num_params < 110_000_000
+    assert large.num_attention_heads // large.num_key_value_heads == 3 and large.dtype == "bfloat16"
+
+
+def test_tokenizer_round_trips_any_text(tokenizer):
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert all(0 <= i < tokenizer.vocab_size for i in ids)
+        assert tokenizer.decode(ids) == text
+    assert len(tokenizer.encode("the model the cache the token")) < len("the model the cache the token") / 2
+
+
+def test_tokenizer_matches_transformers(demo_dir, tokenizer):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(demo_dir)
+    messages = [{"role": "user", "content": "Hi 你好 🤖"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "More?"}]
+    for gen in (True, False):
+        ours = tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
+        assert ours == hf.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+    for text in TEXTS + [ours]:
+        assert tokenizer.encode(text) == hf.encode(text)
+        assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == hf.decode(hf.encode(text))
+    assert tokenizer.eos_token_id == hf.eos_token_id
+
+
+def test_chat_template_renders_chatml(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}])
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text)
+    im_start = tokenizer.token_to_id("<|im_start|>")
+    assert ids.count(im_start) == 3 and ids[0] == im_start
+    assert tokenizer.decode(ids) == "system\nBe brief.\nuser\n2+2?\nassistant\n"
+
+
+def test_chat_template_errors_are_value_errors(demo_dir):
+    bad = Tokenizer.from_dir(demo_dir)
+    with pytest.raises(ValueError, match="non-empty list"):
+        bad.apply_chat_template("hello")
+    with pytest.raises(ValueError, match=r"messages\[1\] needs a string 'role'"):
+        bad.apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
+    strict = Tokenizer(bad.backend, chat_template="{% if messages[0]['role'] != 'user' %}"
+                                                  "{{ raise_exception('first message must be from the user') }}{% endif %}ok")
+    assert strict.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(ValueError, match="first message must be from the user"):
+        strict.apply_chat_template([{"role": "system", "content": "x"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        Tokenizer(bad.backend, chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(bad.backend).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_incremental_detokenizer_never_splits_characters(tokenizer):
+    text = "答案是：猫🐱和狗🐶都很可爱！ Emoji 🧑‍🚀 done. 漢字テスト"
+    ids = tokenizer.encode(text)
+    split = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert split, "the test needs byte-level tokens that split a character"
+    prompt = tokenizer.encode("User says: 你")
+    rng = random.Random(0)
+    for group in (1, 2, None):
+        detok, pieces, pos = IncrementalDetokenizer(tokenizer, prompt), [], 0
+        while pos < len(ids):
+            n = group or rng.randint(1, 4)
+            pieces.append(detok.add(ids[pos:pos + n]))
+            pos += n
+        pieces.append(detok.finish())
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) == tokenizer.decode(ids) == text
+
+
+def test_incremental_detokenizer_skips_special_tokens_and_flushes(tokenizer):
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    ids = tokenizer.encode("ok 🐱")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    out = "".join(detok.add([i]) for i in ids[:-1])  # stop mid-character
+    out += detok.add([im_end]) + detok.finish()
+    assert out == tokenizer.decode(ids[:-1] + [im_end])
+
+
+def test_demo_model_greedy_output_depends_on_the_prompt(demo_dir, tokenizer):
+    loaded = load_model(demo_dir)
+    assert loaded.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>"))
+    prompts = ["Hello there", "def f(x):", "中文", "the cache block", "🤖 robots", "numbers 12345"]
+    driver = PagedDriver(loaded.model, num_blocks=16)
+    nexts = {int(driver.step([(p, tokenizer.encode(p))])[0][-1].argmax()) for p in prompts}
+    assert len(nexts) >= 3
+
+
+def test_ensure_demo_model_caches_under_data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMBUS_DATA_DIR", str(tmp_path))
+    path = ensure_demo_model("small")
+    assert path == tmp_path / "models" / "demo-small"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_model("small") == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="size must be one of"):
+        ensure_demo_model("medium")
+
+
+def test_cli_writes_a_loadable_demo_model(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="llmbus")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["demo-model", "--size", "small", "--out", str(tmp_path / "cli")])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
+    assert load_model(tmp_path / "cli").config.num_hidden_layers == DEMO_SIZES["small"]["num_hidden_layers"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo-model", "--size", "huge"])
