@@ -1,0 +1,1 @@
+"""Bus helpers: subject names, the embedded nats-server, connections, streams, workers, kvpool client."""

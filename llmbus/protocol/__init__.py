@@ -1,0 +1,35 @@
+"""Wire messages (typed records) and the one MessagePack codec every service uses."""
+
+from llmbus.protocol.codec import ProtocolError, decode, encode
+from llmbus.protocol.messages import (
+    FINISH_REASONS,
+    LANES,
+    ROLES,
+    Abort,
+    AllocateRequest,
+    ErrorReply,
+    GenerateRequest,
+    Handoff,
+    InstanceInfo,
+    Lease,
+    LogprobEntry,
+    PoolStats,
+    ReadReply,
+    ReadRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    RenewRequest,
+    SamplingSpec,
+    StatsRequest,
+    TokenEvent,
+    WriteReply,
+    WriteRequest,
+    check_id,
+)
+
+__all__ = [
+    "FINISH_REASONS", "LANES", "ROLES", "Abort", "AllocateRequest", "ErrorReply", "GenerateRequest",
+    "Handoff", "InstanceInfo", "Lease", "LogprobEntry", "PoolStats", "ProtocolError", "ReadReply",
+    "ReadRequest", "ReleaseReply", "ReleaseRequest", "RenewRequest", "SamplingSpec", "StatsRequest",
+    "TokenEvent", "WriteReply", "WriteRequest", "check_id", "decode", "encode",
+]  # fmt: skip

@@ -1,0 +1,159 @@
+"""The skeleton every llmbus service runs in: connect, set up streams, serve, report, drain.
+
+``run_service(options, body)``:
+1. SIGINT/SIGTERM set ``ctx.stop`` (an ``asyncio.Event``); an ``AsyncExitStack`` owns the connection.
+2. Connects, creates streams/consumers idempotently, opens the registry bucket.
+3. Runs ``body(ctx)``. The body subscribes, then calls ``await ctx.ready()``, which writes the
+   instance's :class:`InstanceInfo` to the registry and prints ``llmbus-ready <role> <instance_id>``
+   on stdout (what ``llmbus up`` waits for). A heartbeat re-puts the entry every ``heartbeat_s``
+   with the figures the body last passed to ``ctx.report()``. The body returns once ``ctx.stop`` is set.
+4. On exit: the registry entry is deleted and the connection drained (pending publishes flushed,
+   subscriptions finish their callbacks). Returns a process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from llmbus.bus import subjects
+from llmbus.bus.connection import connect
+from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
+from llmbus.protocol import InstanceInfo, check_id, encode
+from llmbus.protocol.messages import ROLES
+
+READY_PREFIX = "llmbus-ready"
+log = logging.getLogger("llmbus.service")
+
+
+@dataclass(frozen=True)
+class ServiceOptions:
+    role: str
+    nats_url: str
+    instance_id: str = ""  # "" -> "<role>-<random>"
+    models: tuple[str, ...] = ()
+    heartbeat_s: float = 2.0
+    limits: StreamLimits = field(default_factory=StreamLimits)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.nats_url:
+            raise ValueError("nats_url is required")
+        if self.instance_id:
+            check_id("instance_id", self.instance_id)
+        else:
+            object.__setattr__(self, "instance_id", f"{self.role}-{secrets.token_hex(4)}")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.heartbeat_s * 2 > self.limits.registry_ttl_s:
+            raise ValueError("heartbeat_s must be at most half of limits.registry_ttl_s")
+
+
+class ServiceContext:
+    def __init__(self, options: ServiceOptions, nc, js, registry, stack: contextlib.AsyncExitStack) -> None:
+        self.options = options
+        self.role = options.role
+        self.instance_id = options.instance_id
+        self.nc, self.js, self.registry, self.stack = nc, js, registry, stack
+        self.stop = asyncio.Event()
+        self.is_ready = False
+        self._models = list(options.models)
+        self._free_blocks = 0
+        self._queue_depth = 0
+
+    def report(self, *, free_blocks: int | None = None, queue_depth: int | None = None, models: list[str] | None = None) -> None:
+        """Figures for the next registry heartbeat."""
+        if free_blocks is not None:
+            self._free_blocks = free_blocks
+        if queue_depth is not None:
+            self._queue_depth = queue_depth
+        if models is not None:
+            self._models = list(models)
+
+    def info(self) -> InstanceInfo:
+        return InstanceInfo(self.instance_id, self.role, self._models, self._free_blocks, self._queue_depth,
+                            socket.gethostname(), time.time(), os.getpid())  # fmt: skip
+
+    @property
+    def registry_key(self) -> str:
+        return subjects.registry_key(self.role, self.instance_id)
+
+    async def heartbeat(self) -> None:
+        await self.registry.put(self.registry_key, encode(self.info()))
+
+    async def ready(self) -> None:
+        await self.heartbeat()
+        self.is_ready = True
+        print(f"{READY_PREFIX} {self.role} {self.instance_id}", flush=True)
+
+
+Body = Callable[[ServiceContext], Awaitable[None]]
+
+
+async def run_service(options: ServiceOptions, body: Body) -> int:
+    loop = asyncio.get_running_loop()
+    async with contextlib.AsyncExitStack() as stack:
+        nc = await connect(options.nats_url, name=f"{options.role}:{options.instance_id}")
+        stack.push_async_callback(_drain, nc)
+        js = nc.jetstream()
+        await ensure_streams(js, options.limits, options.models)
+        registry = await ensure_registry(js, options.limits)
+        ctx = ServiceContext(options, nc, js, registry, stack)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
+                loop.add_signal_handler(sig, ctx.stop.set)
+                stack.callback(loop.remove_signal_handler, sig)
+        beat = asyncio.create_task(_heartbeats(ctx))
+        try:
+            await body(ctx)
+            return 0
+        except Exception:
+            log.exception("%s %s failed", options.role, options.instance_id)
+            return 1
+        finally:
+            beat.cancel()
+            with contextlib.suppress(BaseException):
+                await beat
+            with contextlib.suppress(Exception):
+                await registry.delete(ctx.registry_key)
+
+
+async def _heartbeats(ctx: ServiceContext) -> None:
+    while True:
+        await asyncio.sleep(ctx.options.heartbeat_s)
+        if ctx.is_ready:
+            try:
+                await ctx.heartbeat()
+            except Exception as exc:  # a missed beat is retried; the entry's TTL covers a few
+                log.warning("registry heartbeat failed: %s", exc)
+
+
+async def _drain(nc) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), 10)
+    if not nc.is_closed:
+        with contextlib.suppress(Exception):
+            await nc.close()
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated")
+    parser.add_argument("--instance-id", default="", help="this instance's id (default: <role>-<random>)")
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+
+
+def setup_logging(level: str) -> None:
+    name = level.upper()
+    if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    logging.basicConfig(level=name, format="%(asctime)s %(name)s %(levelname)s %(message)s")

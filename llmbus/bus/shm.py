@@ -1,0 +1,55 @@
+"""POSIX shared-memory segments for kvpool's CPU tier: created by kvpool, attached by workers.
+
+NOTE: on Python < 3.13 attaching a segment registers it with this process's resource tracker,
+which would UNLINK kvpool's segment when the worker exits. ``attach`` unregisters it: only the
+creator (kvpool) owns the segment's lifetime.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from multiprocessing import resource_tracker, shared_memory
+
+
+def new_segment_name(prefix: str = "llmbus_kv") -> str:
+    """A fresh, unguessable segment name (never hard-code one)."""
+    return f"{prefix}_{secrets.token_hex(6)}"
+
+
+def create(name: str, size: int) -> shared_memory.SharedMemory:
+    if size < 1:
+        raise ValueError(f"shared memory size must be >= 1 byte, got {size}")
+    return shared_memory.SharedMemory(name=name, create=True, size=size)
+
+
+def attach(name: str) -> shared_memory.SharedMemory:
+    """Open an existing segment by name; FileNotFoundError if it is not on this host."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False, track=False)
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - see module NOTE
+    except Exception:
+        pass
+    return shm
+
+
+def lease_spans(blocks: list[int], block_bytes: int, offset: int, length: int) -> list[tuple[int, int]]:
+    """Map bytes ``[offset, offset+length)`` of a lease (its blocks concatenated in lease order) to
+    ``(segment offset, length)`` spans. ValueError when the range falls outside the lease."""
+    total = len(blocks) * block_bytes
+    if offset < 0 or length < 0 or offset + length > total:
+        raise ValueError(f"byte range [{offset}, {offset + length}) is outside the lease's {total} bytes")
+    spans: list[tuple[int, int]] = []
+    pos, end = offset, offset + length
+    while pos < end:
+        index, within = divmod(pos, block_bytes)
+        n = min(block_bytes - within, end - pos)
+        start = blocks[index] * block_bytes + within
+        if spans and spans[-1][0] + spans[-1][1] == start:  # adjacent blocks: one copy
+            spans[-1] = (spans[-1][0], spans[-1][1] + n)
+        else:
+            spans.append((start, n))
+        pos += n
+    return spans

@@ -1,0 +1,122 @@
+"""Creating llmbus's JetStream streams, durable pull consumers and the registry bucket, idempotently.
+
+Every stream is a work queue (a message is deleted once acked or termed), file-backed, with a
+per-message size cap and a duplicate window so ``Nats-Msg-Id = request_id`` dedups re-publishes.
+Consumers are durable pull consumers with explicit ack; ``max_ack_pending`` bounds how many
+messages the whole pool of replicas may hold unacked (the backpressure knob).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from llmbus.bus import subjects
+from llmbus.protocol.messages import LANES
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    max_msg_size: int = 1024 * 1024  # bytes; a 128k-token prompt is ~640 KB of msgpack
+    duplicate_window_s: float = 120.0
+    max_age_s: float = 3600.0  # work older than this is dropped unread
+    ack_wait_s: float = 30.0  # redelivery after this without ack / in_progress
+    max_deliver: int = 5  # then the message stays unacked; workers fail it on the last delivery
+    router_max_ack_pending: int = 1024
+    prefill_max_ack_pending: int = 256
+    decode_max_ack_pending: int = 1024
+    registry_ttl_s: float = 10.0  # a registry entry vanishes this long after its last heartbeat
+
+    def __post_init__(self) -> None:
+        for name in ("max_msg_size", "max_deliver", "router_max_ack_pending",
+                     "prefill_max_ack_pending", "decode_max_ack_pending"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"StreamLimits.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("duplicate_window_s", "max_age_s", "ack_wait_s", "registry_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StreamLimits.{name} must be > 0, got {getattr(self, name)}")
+        if self.duplicate_window_s > self.max_age_s:
+            raise ValueError("StreamLimits.duplicate_window_s must not exceed max_age_s")
+
+
+def stream_configs(limits: StreamLimits) -> list[api.StreamConfig]:
+    def work_queue(name: str, subject: str) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=name,
+            subjects=[subject],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            max_msg_size=limits.max_msg_size,
+            duplicate_window=limits.duplicate_window_s,
+            max_age=limits.max_age_s,
+        )
+
+    out = [work_queue(subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS)]
+    out += [work_queue(subjects.PREFILL_STREAMS[lane], subjects.prefill_subjects(lane)) for lane in LANES]
+    out.append(work_queue(subjects.DECODE_STREAM, subjects.DECODE_SUBJECTS))
+    return out
+
+
+async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = None, models: tuple[str, ...] = ()) -> None:
+    """Create or update every llmbus stream, the router consumer and, for each of ``models``,
+    its prefill (both lanes) and decode consumers. Safe to call from every service at start-up."""
+    limits = limits or StreamLimits()
+    for config in stream_configs(limits):
+        try:
+            await js.stream_info(config.name)
+        except NotFoundError:
+            await js.add_stream(config)
+        else:
+            await js.update_stream(config)
+    await _ensure_consumer(js, subjects.REQUESTS_STREAM, subjects.ROUTER_CONSUMER, subjects.REQUESTS_SUBJECTS,
+                           limits, limits.router_max_ack_pending)  # fmt: skip
+    for model in models:
+        for lane in LANES:
+            await ensure_prefill_consumer(js, lane, model, limits)
+        await ensure_decode_consumer(js, model, limits)
+
+
+async def ensure_prefill_consumer(js: JetStreamContext, lane: str, model: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer prefill replicas of ``model`` share on ``lane``; returns its name."""
+    limits = limits or StreamLimits()
+    name = subjects.prefill_consumer(lane, model)
+    await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], name, subjects.prefill_subject(lane, model),
+                           limits, limits.prefill_max_ack_pending)  # fmt: skip
+    return name
+
+
+async def ensure_decode_consumer(js: JetStreamContext, model: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer decode replicas of ``model`` share; returns its name."""
+    limits = limits or StreamLimits()
+    name = subjects.decode_consumer(model)
+    await _ensure_consumer(js, subjects.DECODE_STREAM, name, subjects.decode_subject(model),
+                           limits, limits.decode_max_ack_pending)  # fmt: skip
+    return name
+
+
+async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limits: StreamLimits, max_ack_pending: int):
+    # NOTE: CONSUMER.CREATE without an action is create-or-update, so this is idempotent. A work-queue
+    # stream refuses a second consumer whose filter overlaps (10100): one durable per subject, shared.
+    config = api.ConsumerConfig(
+        name=name,
+        durable_name=name,
+        filter_subject=filter_subject,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=limits.ack_wait_s,
+        max_deliver=limits.max_deliver,
+        max_ack_pending=max_ack_pending,
+    )
+    await js.add_consumer(stream, config)
+
+
+async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = None) -> KeyValue:
+    """The instance-registry KV bucket (bucket-wide TTL = ``registry_ttl_s``)."""
+    limits = limits or StreamLimits()
+    try:
+        return await js.key_value(subjects.REGISTRY_BUCKET)
+    except Exception:  # BucketNotFoundError; create it (idempotent if a peer won the race)
+        return await js.create_key_value(bucket=subjects.REGISTRY_BUCKET, ttl=limits.registry_ttl_s, history=1)

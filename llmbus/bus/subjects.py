@@ -1,0 +1,108 @@
+"""Every NATS subject, stream, consumer and bucket name llmbus uses, in one place.
+
+| what | kind | name |
+|---|---|---|
+| requests (gateway -> router) | JetStream work queue `LLMBUS_REQUESTS` | `llmbus.req.<model>` |
+| prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
+| handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
+| tokens (worker -> gateway) | core NATS | `llmbus.tok.<request_id>` |
+| aborts (anyone -> workers) | core NATS | `llmbus.abort.<request_id>` |
+| kvpool ops | core request/reply, queue group `kvpool` | `llmbus.kvpool.<op>` |
+| instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
+
+Model names become one subject token through :func:`model_token` (``.``, ``*``, ``>``, ``/`` and
+whitespace map to ``_``); the real name always travels in the message body.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llmbus.protocol.messages import LANES, check_id
+
+PREFIX = "llmbus"
+
+REQUESTS_STREAM = "LLMBUS_REQUESTS"
+REQUESTS_SUBJECTS = f"{PREFIX}.req.>"
+ROUTER_CONSUMER = "router"
+
+PREFILL_STREAMS = {"short": "LLMBUS_PREFILL_SHORT", "long": "LLMBUS_PREFILL_LONG"}
+DECODE_STREAM = "LLMBUS_DECODE"
+DECODE_SUBJECTS = f"{PREFIX}.decode.>"
+
+TOKENS_WILDCARD = f"{PREFIX}.tok.*"
+ABORTS_WILDCARD = f"{PREFIX}.abort.*"
+
+KVPOOL_OPS = ("allocate", "renew", "release", "write", "read", "stats")
+KVPOOL_QUEUE = "kvpool"
+KVPOOL_WILDCARD = f"{PREFIX}.kvpool.*"
+
+REGISTRY_BUCKET = "llmbus_registry"
+
+ERROR_HEADER = "Llmbus-Error"  # set on a request/reply answer whose body is an ErrorReply
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+_UNSAFE = re.compile(r"[\s.*>/\\]")
+
+
+def model_token(model: str) -> str:
+    """A model name as one subject token / consumer-name part."""
+    if not model:
+        raise ValueError("model name must not be empty")
+    return _UNSAFE.sub("_", model)
+
+
+def _lane(lane: str) -> str:
+    if lane not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
+    return lane
+
+
+def request_subject(model: str) -> str:
+    """Where the gateway publishes a GenerateRequest (JetStream, Nats-Msg-Id = request_id)."""
+    return f"{PREFIX}.req.{model_token(model)}"
+
+
+def prefill_subjects(lane: str) -> str:
+    return f"{PREFIX}.prefill.{_lane(lane)}.>"
+
+
+def prefill_subject(lane: str, model: str) -> str:
+    """Where the router forwards a request for the prefill pool of ``model`` in ``lane``."""
+    return f"{PREFIX}.prefill.{_lane(lane)}.{model_token(model)}"
+
+
+def prefill_consumer(lane: str, model: str) -> str:
+    """Durable pull consumer shared by every prefill replica of ``model`` on ``lane``."""
+    return f"prefill_{_lane(lane)}_{model_token(model)}"
+
+
+def decode_subject(model: str) -> str:
+    """Where prefill publishes a Handoff (JetStream, Nats-Msg-Id = request_id)."""
+    return f"{PREFIX}.decode.{model_token(model)}"
+
+
+def decode_consumer(model: str) -> str:
+    """Durable pull consumer shared by every decode replica of ``model``."""
+    return f"decode_{model_token(model)}"
+
+
+def tokens(request_id: str) -> str:
+    """Core subject carrying a request's TokenEvents."""
+    return f"{PREFIX}.tok.{check_id('request_id', request_id)}"
+
+
+def abort(request_id: str) -> str:
+    """Core subject carrying a request's Abort."""
+    return f"{PREFIX}.abort.{check_id('request_id', request_id)}"
+
+
+def kvpool(op: str) -> str:
+    """Request/reply subject of a kvpool operation."""
+    if op not in KVPOOL_OPS:
+        raise ValueError(f"kvpool op must be one of {KVPOOL_OPS}, got {op!r}")
+    return f"{PREFIX}.kvpool.{op}"
+
+
+def registry_key(role: str, instance_id: str) -> str:
+    return f"{role}.{check_id('instance_id', instance_id)}"

@@ -1,0 +1,328 @@
+"""Every record that crosses the bus, defined once. Encode/decode them with ``llmbus.protocol.codec``.
+
+Rules (see docs/architecture.md for who sends what on which subject):
+- Token ids are lists of ints; tensors never travel in these records (KV bytes go through kvpool).
+- Fields are documented where they are declared. New fields are APPENDED, always with a default.
+- Records are frozen; ``__post_init__`` checks invariants with clear ``ValueError``s.
+- This module imports neither torch nor nats, so the gateway and router stay light.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+FINISH_REASONS = (None, "stop", "length", "abort", "error")
+LANES = ("short", "long")
+ROLES = ("gateway", "router", "prefill", "decode", "kvpool")
+
+
+def check_id(kind: str, value: str) -> str:
+    """Ids become NATS subject tokens: 1-128 of ``[A-Za-z0-9_-]`` (no dots, wildcards or spaces)."""
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ValueError(f"{kind} must be 1-128 characters of [A-Za-z0-9_-], got {value!r}")
+    return value
+
+
+def _check_tokens(kind: str, ids: list[int]) -> None:
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"{kind} must be non-negative token ids, got {t}")
+
+
+# ---------------------------------------------------------------- requests and tokens
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The wire form of ``llmbus.engine.sampling_params.SamplingParams``: same names, same defaults."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob plus top-n
+
+    def to_params(self):
+        """Build (and so validate) the engine's SamplingParams. Workers call this; it raises ValueError."""
+        from llmbus.engine.sampling_params import SamplingParams
+
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Gateway -> router (stream LLMBUS_REQUESTS) and router -> prefill (lane streams)."""
+
+    request_id: str  # unique; also the JetStream Nats-Msg-Id and the token/abort subject suffix
+    model: str  # model name as served (GET /v1/models)
+    prompt_token_ids: list[int]  # the rendered, tokenized prompt
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    tenant: str = ""  # tenant name (after API-key lookup); "" = anonymous
+    cache_salt: str = ""  # prefix-hash salt derived BY THE GATEWAY from the tenant, never from a client
+    priority: int = 0  # larger runs first within a lane
+    deadline: float | None = None  # unix seconds; workers abort the request after it
+    created: float = 0.0  # unix seconds when the gateway accepted it
+    token_subject: str = ""  # where TokenEvents go; normally bus.subjects.tokens(request_id)
+    kv_format: str = "model"  # KV cache format (part of the prefix hash root)
+    lane: str = ""  # set by the router: "short" | "long"; "" before routing
+
+    def __post_init__(self) -> None:
+        check_id("request_id", self.request_id)
+        if not self.model:
+            raise ValueError("model must be a non-empty string")
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        _check_tokens("prompt_token_ids", self.prompt_token_ids)
+        if self.lane not in ("",) + LANES:
+            raise ValueError(f"lane must be one of {LANES} or empty, got {self.lane!r}")
+
+
+@dataclass(frozen=True)
+class LogprobEntry:
+    """Logprob of one sampled token and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # [(token id, logprob)], most likely first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Worker -> gateway on core subject ``llmbus.tok.<request_id>``; one per engine step per request.
+
+    ``seq`` counts 0, 1, 2, ... per request across prefill and decode so the gateway can spot gaps.
+    The last event of a request has a non-null ``finish_reason``; usage counts are exact and cumulative.
+    """
+
+    request_id: str
+    seq: int
+    token_ids: list[int] = field(default_factory=list)  # new tokens in this event (may be empty at the end)
+    logprobs: list[LogprobEntry] | None = None  # one entry per token in token_ids, when requested
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    error: str | None = None  # human-readable message when finish_reason == "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    completion_tokens: int = 0  # output tokens so far, including these
+    worker: str = ""  # instance id of the sender
+
+    def __post_init__(self) -> None:
+        check_id("request_id", self.request_id)
+        if self.seq < 0:
+            raise ValueError(f"seq must be >= 0, got {self.seq}")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {len(self.token_ids)} tokens")
+
+    @classmethod
+    def failure(cls, request_id: str, message: str, *, seq: int = 0, worker: str = "", prompt_tokens: int = 0):
+        """The final event of a request that failed before (or while) producing tokens."""
+        return cls(request_id, seq, finish_reason="error", error=message, worker=worker, prompt_tokens=prompt_tokens)
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Anyone -> workers on core subject ``llmbus.abort.<request_id>``: stop and free the request."""
+
+    request_id: str
+    reason: str = ""  # "client_disconnected" | "stop_string" | "deadline" | free text
+
+    def __post_init__(self) -> None:
+        check_id("request_id", self.request_id)
+
+
+# ---------------------------------------------------------------- kvpool (request/reply)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """kvpool's grant of ``blocks`` (CPU-tier block handles) until ``expires_at``.
+
+    Block handle ``b`` lives at bytes ``[b * block_bytes, (b + 1) * block_bytes)`` of the POSIX
+    shared-memory segment ``shm_name`` (same-host workers map it directly). Renew before expiry:
+    after ``expires_at`` kvpool may reclaim the blocks and hand them to someone else.
+    """
+
+    lease_id: str
+    blocks: list[int]
+    block_bytes: int
+    shm_name: str
+    ttl_s: float
+    expires_at: float  # unix seconds
+    pool_id: str = ""  # kvpool instance that granted it
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.blocks) * self.block_bytes
+
+
+@dataclass(frozen=True)
+class AllocateRequest:
+    """-> ``llmbus.kvpool.allocate``; reply: Lease (or ErrorReply)."""
+
+    num_blocks: int
+    ttl_s: float = 60.0
+    owner: str = ""  # instance id of the requester (for stats and debugging)
+    request_id: str = ""  # the generation request the blocks are for, if any
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
+
+
+@dataclass(frozen=True)
+class RenewRequest:
+    """-> ``llmbus.kvpool.renew``; reply: the Lease with a new expiry (or ErrorReply)."""
+
+    lease_id: str
+    ttl_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """-> ``llmbus.kvpool.release``; reply: ReleaseReply. Idempotent."""
+
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class ReleaseReply:
+    lease_id: str
+    released: bool  # False: unknown, already released or already reclaimed (not an error)
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    """-> ``llmbus.kvpool.write``: bytes at ``offset`` of the lease's blocks, concatenated in lease
+    order. One chunk must fit the server's max_payload; clients split. Reply: WriteReply."""
+
+    lease_id: str
+    offset: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.offset < 0:
+            raise ValueError(f"offset must be >= 0, got {self.offset}")
+
+
+@dataclass(frozen=True)
+class WriteReply:
+    lease_id: str
+    written: int
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """-> ``llmbus.kvpool.read``: ``length`` bytes at ``offset`` of the lease's blocks. Reply: ReadReply."""
+
+    lease_id: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0:
+            raise ValueError(f"offset and length must be >= 0, got {self.offset}, {self.length}")
+
+
+@dataclass(frozen=True)
+class ReadReply:
+    lease_id: str
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """-> ``llmbus.kvpool.stats``; reply: PoolStats."""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    pool_id: str
+    capacity_blocks: int
+    free_blocks: int
+    leased_blocks: int  # blocks held by live leases; 0 when nothing leaked
+    active_leases: int
+    block_bytes: int
+    shm_name: str
+    reclaimed_leases: int = 0  # leases reclaimed on expiry since start
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """Any kvpool op's reply on failure (flagged by the ``Llmbus-Error`` header)."""
+
+    error: str
+    code: str = "bad_request"  # "bad_request" | "exhausted" | "unknown_lease" | "internal"
+
+
+# ---------------------------------------------------------------- handoff and registry
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Prefill -> decode (stream LLMBUS_DECODE, ``llmbus.decode.<model>``), Nats-Msg-Id = request_id.
+
+    The sequence's KV sits in kvpool under ``lease``: lease block i holds the sequence's block i as
+    ``kv[:, :, i]`` of the engine's export tensor, contiguous in the order
+    [num_layers, 2, block_size, num_kv_heads, head_dim] (``kv_shape`` is the full export shape).
+    The decode worker releases the lease once the blocks are in its own cache.
+    """
+
+    request: GenerateRequest
+    output_token_ids: list[int]  # sampled so far (the first token); already published by prefill
+    num_computed_tokens: int  # tokens with KV in the handed-off blocks
+    lease: Lease
+    state: dict[str, Any]  # Engine.export_sequence() state, msgpack-able
+    kv_shape: list[int]  # [num_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]
+    kv_dtype: str  # "float32" | "float16" | "bfloat16"
+    prefill_worker: str = ""
+    next_seq: int = 1  # seq of the next TokenEvent; prefill published 0 .. next_seq-1
+    num_cached_tokens: int = 0  # prompt tokens prefill served from its prefix cache
+
+    def __post_init__(self) -> None:
+        if len(self.kv_shape) != 6:
+            raise ValueError(f"kv_shape must have 6 dims, got {self.kv_shape}")
+        if self.kv_shape[2] != len(self.lease.blocks):
+            raise ValueError(f"kv_shape has {self.kv_shape[2]} blocks but the lease has {len(self.lease.blocks)}")
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """A service's heartbeat in the KV bucket ``llmbus_registry`` under key ``<role>.<instance_id>``."""
+
+    instance_id: str
+    role: str  # one of ROLES
+    models: list[str] = field(default_factory=list)
+    free_blocks: int = 0  # free KV blocks (workers, kvpool)
+    queue_depth: int = 0  # requests waiting + running
+    host: str = ""
+    updated_at: float = 0.0  # unix seconds
+    pid: int = 0
+
+    def __post_init__(self) -> None:
+        check_id("instance_id", self.instance_id)
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")

@@ -1,0 +1,46 @@
+"""`python -m services.router --nats-url URL [--models a,b] [--long-threshold N]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
+from services.router.policy import RoutingPolicy
+from services.router.service import Router
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.router", description="llmbus router")
+    add_common_args(parser)
+    parser.add_argument("--models", default="", help="served model names, comma-separated "
+                        "(default: the models live prefill instances report)")  # fmt: skip
+    parser.add_argument("--long-threshold", type=int, default=1024,
+                        help="prompts with more tokens than this take the long lane")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        setup_logging(args.log_level)
+        models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+        policy = RoutingPolicy(models=models, long_threshold=args.long_threshold)
+        options = ServiceOptions(role="router", nats_url=args.nats_url, instance_id=args.instance_id, models=models)
+    except ValueError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 2
+
+    async def body(ctx):
+        await Router(ctx, policy).run()
+
+    try:
+        return asyncio.run(run_service(options, body))
+    except ConnectionError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The router service: pulls GenerateRequests, routes them (policy.py), forwards to prefill lanes.
+
+For each request on ``LLMBUS_REQUESTS`` (consumer ``router``):
+- malformed payload -> a final error TokenEvent when the request id can be read, then ``term``;
+- unknown model / empty prompt / passed deadline -> a final error TokenEvent, then ``ack``;
+- otherwise publish it, with ``lane`` set, to ``llmbus.prefill.<lane>.<model>`` (Nats-Msg-Id =
+  request_id) and ``ack`` only after the prefill stream has acknowledged it; on failure ``nak``
+  (1 s), and on the last delivery fail the request instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+
+import msgpack
+
+from llmbus.bus import subjects
+from llmbus.bus.service import ServiceContext
+from llmbus.bus.worker import PullWorker
+from llmbus.protocol import GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, decode, encode
+from services.router.policy import RouteError, RoutingPolicy, live_models
+
+log = logging.getLogger("llmbus.router")
+
+
+class Router:
+    def __init__(self, ctx: ServiceContext, policy: RoutingPolicy, *, fetch_batch: int = 64) -> None:
+        self.ctx = ctx
+        self.policy = policy
+        self.fetch_batch = fetch_batch
+        self.instances: list[InstanceInfo] = []
+        self.routed = 0
+        self.failed = 0
+
+    async def run(self) -> None:
+        limits = self.ctx.options.limits
+        worker = await PullWorker.bind(self.ctx.js, subjects.REQUESTS_STREAM, subjects.ROUTER_CONSUMER,
+                                       max_deliver=limits.max_deliver)  # fmt: skip
+        self.ctx.stack.push_async_callback(worker.close)
+        watcher = asyncio.create_task(self._watch_registry())
+        await self.ctx.ready()
+        try:
+            while not self.ctx.stop.is_set():
+                for msg in await worker.fetch(self.fetch_batch, timeout=0.5):
+                    await self._handle(worker, msg)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _handle(self, worker: PullWorker, msg) -> None:
+        try:
+            req = decode(GenerateRequest, msg.data)
+        except ProtocolError as exc:
+            log.warning("dropping malformed request: %s", exc)
+            await self._fail_unreadable(msg.data, f"malformed request: {exc}")
+            await msg.term()
+            return
+        try:
+            if req.deadline is not None and req.deadline < time.time():
+                raise RouteError("the request's deadline passed before it was routed")
+            route = self.policy.route(req.model, len(req.prompt_token_ids), live_models(self.instances))
+        except RouteError as exc:
+            await self._fail(req, str(exc))
+            await msg.ack()
+            return
+        forwarded = dataclasses.replace(req, lane=route.lane)
+        try:
+            await self.ctx.js.publish(subjects.prefill_subject(route.lane, route.model), encode(forwarded),
+                                      headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
+        except Exception as exc:  # no stream, timeout, disconnected: transient unless out of retries
+            if worker.is_last_delivery(msg):
+                await self._fail(req, f"could not forward the request to prefill: {exc}")
+                await msg.term()
+            else:
+                await msg.nak(delay=1.0)
+            return
+        self.routed += 1
+        await msg.ack()
+
+    async def _fail(self, req: GenerateRequest, message: str) -> None:
+        self.failed += 1
+        event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
+                                   prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
+        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+
+    async def _fail_unreadable(self, data: bytes, message: str) -> None:
+        """Best effort: tell the client when the payload at least names its request."""
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+            rid = raw["request_id"]
+            subject = raw.get("token_subject") or subjects.tokens(rid)
+            event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id)
+        except Exception:
+            return
+        self.failed += 1
+        await self.ctx.nc.publish(subject, encode(event))
+
+    async def _watch_registry(self) -> None:
+        """Refresh the live-instance snapshot once per heartbeat period."""
+        while True:
+            self.instances = await _read_registry(self.ctx.registry)
+            self.ctx.report(queue_depth=0)
+            await asyncio.sleep(self.ctx.options.heartbeat_s)
+
+
+async def _read_registry(kv) -> list[InstanceInfo]:
+    out: list[InstanceInfo] = []
+    try:
+        keys = await kv.keys()
+    except Exception:  # NoKeysError on an empty bucket
+        return out
+    for key in keys:
+        with contextlib.suppress(Exception):  # a key that expired between keys() and get()
+            entry = await kv.get(key)
+            out.append(decode(InstanceInfo, entry.value))
+    return out

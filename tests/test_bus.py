@@ -1,0 +1,140 @@
+"""The bus helpers against a real nats-server: streams, consumers, dedup, pull-worker semantics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.js.errors import NoStreamResponseError
+
+from llmbus.bus import subjects
+from llmbus.bus.connection import connect
+from llmbus.bus.server import EmbeddedNats, NatsServerConfig
+from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
+from llmbus.bus.worker import PullWorker
+from llmbus.protocol import GenerateRequest, InstanceInfo, decode, encode
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_subject_names_are_single_tokens():
+    assert subjects.request_subject("qwen2.5/0.5b") == "llmbus.req.qwen2_5_0_5b"
+    assert subjects.prefill_subject("long", "m") == "llmbus.prefill.long.m"
+    assert subjects.tokens("req-1") == "llmbus.tok.req-1"
+    assert subjects.kvpool("stats") == "llmbus.kvpool.stats"
+    with pytest.raises(ValueError, match="lane"):
+        subjects.prefill_subject("medium", "m")
+    with pytest.raises(ValueError, match="request_id"):
+        subjects.tokens("a.b")
+    with pytest.raises(ValueError, match="kvpool op"):
+        subjects.kvpool("drop")
+
+
+def test_config_validation_is_clear():
+    with pytest.raises(ValueError, match="max_deliver"):
+        StreamLimits(max_deliver=0)
+    with pytest.raises(ValueError, match="port"):
+        NatsServerConfig(port=70000)
+
+
+def test_embedded_server_starts_on_free_port_and_stops(tmp_path):
+    with EmbeddedNats(tmp_path) as server:
+        url = server.url
+        assert url.startswith("nats://127.0.0.1:")
+        assert "sync_interval" in (tmp_path / "nats-server.conf").read_text()
+
+        async def ping():
+            nc = await connect(url)
+            rtt = await nc.rtt()
+            await nc.close()
+            return rtt
+
+        assert run(ping()) >= 0
+    assert server.url == "" and server.pid is None
+
+
+def test_connect_names_the_url_when_unreachable():
+    with pytest.raises(ConnectionError, match="127.0.0.1:1"):
+        run(connect("nats://127.0.0.1:1", first_connect_s=1.0))
+
+
+def test_streams_idempotent_and_dedup_by_msg_id(nats_server):
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        limits = StreamLimits(max_msg_size=4096)
+        await ensure_streams(js, limits, models=("demo",))
+        await ensure_streams(js, limits, models=("demo",))  # second time: no error, same state
+        info = await js.stream_info(subjects.REQUESTS_STREAM)
+        assert str(getattr(info.config.retention, "value", info.config.retention)) == "workqueue"
+        assert info.config.max_msg_size == 4096
+        names = {c.name for c in await js.consumers_info(subjects.PREFILL_STREAMS["long"])}
+        assert subjects.prefill_consumer("long", "demo") in names
+
+        req = GenerateRequest("dedup-1", "demo", [1, 2, 3])
+        subj = subjects.request_subject("demo")
+        first = await js.publish(subj, encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
+        second = await js.publish(subj, encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
+        assert not first.duplicate and second.duplicate
+        with pytest.raises(Exception, match="maximum|size|10054"):
+            await js.publish(subj, b"x" * 5000)
+        with pytest.raises(NoStreamResponseError):
+            await js.publish("llmbus.nowhere", b"x")
+
+        worker = await PullWorker.bind(js, subjects.REQUESTS_STREAM, subjects.ROUTER_CONSUMER, max_deliver=limits.max_deliver)
+        msgs = await worker.fetch(10, timeout=1.0)
+        assert [decode(GenerateRequest, m.data) for m in msgs] == [req]  # one copy, not two
+        await msgs[0].ack()
+        assert await worker.fetch(10, timeout=0.3) == []
+        assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # work queue: gone on ack
+        await worker.close()
+        await nc.close()
+
+    run(body())
+
+
+def test_pull_worker_nak_redelivers_and_term_does_not(nats_server):
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        limits = StreamLimits(ack_wait_s=30, max_deliver=2)
+        await ensure_streams(js, limits, models=("nakm",))
+        subj = subjects.decode_subject("nakm")
+        for rid in ("n1", "n2"):
+            await js.publish(subj, rid.encode(), headers={subjects.MSG_ID_HEADER: rid})
+        worker = await PullWorker.bind(js, subjects.DECODE_STREAM, subjects.decode_consumer("nakm"),
+                                       max_deliver=limits.max_deliver, heartbeat_s=0.05)
+        assert await worker.fetch(0, timeout=0.1) == []  # no capacity, nothing taken
+        msgs = await worker.fetch(2, timeout=1.0)
+        assert sorted(m.data for m in msgs) == [b"n1", b"n2"]
+        n1, n2 = sorted(msgs, key=lambda m: m.data)
+        assert not worker.is_last_delivery(n1)
+        async with worker.working(n1):
+            await asyncio.sleep(0.2)  # heartbeats run; nothing breaks
+        await n1.nak(delay=0.1)
+        await n2.term()
+        again = await worker.fetch(2, timeout=2.0)
+        assert [m.data for m in again] == [b"n1"]
+        assert again[0].metadata.num_delivered == 2 and worker.is_last_delivery(again[0])
+        await again[0].ack()
+        await worker.close()
+        await nc.close()
+
+    run(body())
+
+
+def test_registry_bucket_roundtrip(nats_server):
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        kv = await ensure_registry(js)
+        kv2 = await ensure_registry(js)  # idempotent
+        info = InstanceInfo("r-1", "router", models=["demo"], host="h", updated_at=1.0)
+        await kv.put(subjects.registry_key("router", "r-1"), encode(info))
+        entry = await kv2.get(subjects.registry_key("router", "r-1"))
+        assert decode(InstanceInfo, entry.value) == info
+        await nc.close()
+
+    run(body())

@@ -1,0 +1,139 @@
+"""kvpool as a real process against a real nats-server: shm and bus byte paths, leases, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from llmbus.bus import subjects
+from llmbus.bus.connection import connect
+from llmbus.bus.kvclient import KVPoolClient, KVPoolError
+from llmbus.bus.service import READY_PREFIX
+from llmbus.kv.layout import KVLayout
+from llmbus.protocol import ErrorReply, decode
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+BLOCK = LAYOUT.bytes_per_block  # 512 bytes
+
+
+@pytest.fixture(scope="module")
+def kvpool(nats_server):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes", str(BLOCK),
+         "--capacity-blocks", "8", "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline()  # blocks until the ready line (or EOF if it died)
+    assert line.startswith(f"{READY_PREFIX} kvpool "), f"kvpool did not start: {line!r}, rc={proc.poll()}"
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0  # clean shutdown
+    proc.stdout.close()
+
+
+def pattern(n_blocks: int, seed: int) -> bytes:
+    return bytes((i * 7 + seed) % 251 for i in range(n_blocks * BLOCK))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_shm_write_is_read_back_over_the_bus_from_the_kvpool_process(nats_server, kvpool):
+    async def body():
+        nc = await connect(nats_server)
+        local = KVPoolClient(nc, transport="shm")
+        remote = KVPoolClient(nc, transport="bus", chunk_bytes=700)  # odd chunk: crosses block edges
+        lease = await local.allocate(3, ttl_s=30)
+        assert lease.block_bytes == BLOCK and len(lease.blocks) == 3 and lease.shm_name
+        data = pattern(3, 1)
+        await local.write_blocks(lease, 0, data)  # direct into kvpool's segment
+        assert await remote.read_blocks(lease) == data  # kvpool reads its own mapping: same bytes
+        new_mid = pattern(1, 99)
+        await remote.write_blocks(lease, 1, new_mid)  # chunked over the bus
+        assert await local.read_blocks(lease, 1, 1) == new_mid
+        assert await local.read_blocks(lease) == data[:BLOCK] + new_mid + data[2 * BLOCK :]
+        with pytest.raises(ValueError, match="not a multiple of the block size"):
+            await local.write_blocks(lease, 0, b"x" * (BLOCK + 1))
+        with pytest.raises(ValueError, match="outside the lease's 3 blocks"):
+            await remote.read_blocks(lease, 2, 2)
+        assert await local.release(lease.lease_id) is True
+        assert await local.release(lease.lease_id) is False  # idempotent
+        with pytest.raises(KVPoolError, match="unknown or expired lease") as err:
+            await remote.read_blocks(lease)
+        assert err.value.code == "unknown_lease"
+        stats = await local.stats()
+        assert (stats.leased_blocks, stats.active_leases, stats.free_blocks) == (0, 0, 8)
+        local.close()
+        await nc.close()
+
+    run(body())
+
+
+def test_segment_survives_a_second_process_attaching_and_exiting(nats_server, kvpool):
+    async def body():
+        nc = await connect(nats_server)
+        client = KVPoolClient(nc)
+        lease = await client.allocate(2, ttl_s=30)
+        code = (
+            "import sys; from llmbus.bus import shm\n"
+            "seg = shm.attach(sys.argv[1]); b, n = int(sys.argv[2]), int(sys.argv[3])\n"
+            "seg.buf[b * n : (b + 1) * n] = bytes([42]) * n; seg.close()\n"
+        )
+        subprocess.run([sys.executable, "-c", code, lease.shm_name, str(lease.blocks[1]), str(BLOCK)],
+                       cwd=ROOT, check=True, timeout=60)  # fmt: skip
+        assert await KVPoolClient(nc, transport="bus").read_blocks(lease, 1, 1) == bytes([42]) * BLOCK
+        assert Path("/dev/shm", lease.shm_name).exists() or not os.path.isdir("/dev/shm")
+        assert await client.release(lease.lease_id)
+        client.close()
+        await nc.close()
+
+    run(body())
+
+
+def test_expired_lease_is_reclaimed_and_errors_are_clear(nats_server, kvpool):
+    async def body():
+        nc = await connect(nats_server)
+        client = KVPoolClient(nc, transport="bus")
+        lease = await client.allocate(5, ttl_s=0.3)
+        with pytest.raises(KVPoolError, match="3 free blocks of 8; 4 requested") as err:
+            await client.allocate(4)
+        assert err.value.code == "exhausted"
+        before = (await client.stats()).reclaimed_leases
+        await asyncio.sleep(0.5)
+        stats = await client.stats()
+        assert stats.leased_blocks == 0 and stats.reclaimed_leases == before + 1
+        assert await client.release(lease.lease_id) is False
+        with pytest.raises(KVPoolError, match="unknown or expired"):
+            await client.renew(lease.lease_id)
+        bad = await nc.request(subjects.kvpool("allocate"), msgpack.packb({"num_blocks": 0}), timeout=5)
+        assert bad.headers[subjects.ERROR_HEADER] == "bad_request"
+        assert "num_blocks must be >= 1" in decode(ErrorReply, bad.data).error
+        shm_client = KVPoolClient(nc, transport="shm")
+        with pytest.raises(KVPoolError, match="has expired"):
+            await shm_client.read_blocks(lease)
+        shm_client.close()
+        await nc.close()
+
+    run(body())
+
+
+def test_no_kvpool_means_a_clear_error(tmp_path):
+    from llmbus.bus.server import EmbeddedNats
+
+    async def body(url):
+        nc = await connect(url)
+        with pytest.raises(KVPoolError, match="kvpool stats got no answer"):
+            await KVPoolClient(nc, timeout=0.5).stats()
+        await nc.close()
+
+    with EmbeddedNats(tmp_path) as server:
+        run(body(server.url))

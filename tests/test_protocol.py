@@ -1,0 +1,136 @@
+"""Wire records: round trips, compatibility rules and clear errors on malformed payloads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.protocol import (
+    Abort,
+    AllocateRequest,
+    GenerateRequest,
+    Handoff,
+    InstanceInfo,
+    Lease,
+    LogprobEntry,
+    PoolStats,
+    ProtocolError,
+    ReadReply,
+    SamplingSpec,
+    StatsRequest,
+    TokenEvent,
+    WriteRequest,
+    decode,
+    encode,
+)
+
+
+def _request(**kw) -> GenerateRequest:
+    base = dict(request_id="req-1", model="demo", prompt_token_ids=[5, 6, 7],
+                sampling=SamplingSpec(max_tokens=4, temperature=0.0, stop_token_ids=[2], logprobs=2, seed=9),
+                tenant="acme", cache_salt="s1", priority=3, deadline=1.5e9, created=1.4e9,
+                token_subject="llmbus.tok.req-1", kv_format="int8")  # fmt: skip
+    base.update(kw)
+    return GenerateRequest(**base)
+
+
+LEASE = Lease("p-1", [4, 2], 512, "llmbus_kv_ab", 30.0, 1.7e9, "kvpool-1")
+SAMPLES = [
+    _request(),
+    TokenEvent("req-1", 3, [11, 12], [LogprobEntry(11, -0.5, [(11, -0.5), (3, -1.25)]), LogprobEntry(12, -0.1)],
+               finish_reason="length", prompt_tokens=3, cached_tokens=0, completion_tokens=4, worker="decode-1"),
+    TokenEvent.failure("req-2", "boom", seq=1),
+    Abort("req-1", "client_disconnected"),
+    LEASE,
+    AllocateRequest(3, 10.0, "prefill-1", "req-1"),
+    WriteRequest("p-1", 512, b"\x00\xffbytes"),
+    ReadReply("p-1", 0, b""),
+    StatsRequest(),
+    PoolStats("kvpool-1", 8, 6, 2, 1, 512, "llmbus_kv_ab", 0),
+    Handoff(_request(lane="short"), [42], 3, LEASE, {"output_token_ids": [42], "nested": {"a": [1.5]}},
+            [2, 2, 2, 4, 2, 8], "float16", "prefill-1", 1, 0),
+    InstanceInfo("decode-1", "decode", ["demo"], 100, 2, "host", 1.7e9, 1234),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    data = encode(msg)
+    assert isinstance(data, bytes)
+    assert decode(type(msg), data) == msg
+
+
+def test_wire_form_is_a_plain_map_by_field_name():
+    raw = msgpack.unpackb(encode(_request()), raw=False)
+    assert raw["prompt_token_ids"] == [5, 6, 7]
+    assert raw["sampling"]["stop_token_ids"] == [2]
+    assert list(raw) == [f.name for f in dataclasses.fields(GenerateRequest)]  # declaration order
+
+
+def test_unknown_keys_ignored_and_missing_appended_fields_defaulted():
+    raw = {"request_id": "r", "model": "m", "prompt_token_ids": [1], "field_from_the_future": 1}
+    req = decode(GenerateRequest, msgpack.packb(raw))
+    assert req.sampling == SamplingSpec() and req.lane == "" and req.kv_format == "model"
+    assert decode(TokenEvent, msgpack.packb({"request_id": "r", "seq": 0})).token_ids == []
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\xc1", "not valid MessagePack"),
+        (msgpack.packb([1, 2]), "expected a map, got list"),
+        (msgpack.packb({"request_id": "r", "prompt_token_ids": [1]}), "missing required field 'model'"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": "abc"}), "prompt_token_ids: expected a list"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1, "2"]}), r"prompt_token_ids\[1\]: expected an integer"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [True]}), "expected an integer, got bool"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [-1]}), "non-negative token ids"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": []}), "must not be empty"),
+        (msgpack.packb({"request_id": "a.b", "model": "m", "prompt_token_ids": [1]}), "request_id must be 1-128"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "sampling": {"temperature": "hot"}}),
+         "sampling.temperature: expected a number"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "deadline": "soon"}), "deadline"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "lane": "fast"}), "lane must be one of"),
+    ],
+)
+def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
+    with pytest.raises(ProtocolError, match=message) as err:
+        decode(GenerateRequest, payload)
+    assert str(err.value).startswith("GenerateRequest")
+    assert isinstance(err.value, ValueError)
+
+
+def test_token_event_invariants():
+    with pytest.raises(ProtocolError, match="finish_reason must be one of"):
+        decode(TokenEvent, msgpack.packb({"request_id": "r", "seq": 0, "finish_reason": "done"}))
+    with pytest.raises(ValueError, match="1 entries for 2 tokens"):
+        TokenEvent("r", 0, [1, 2], [LogprobEntry(1, -1.0)])
+    with pytest.raises(ProtocolError, match=r"logprobs\[0\].top\[0\]: expected a list of 2 items"):
+        decode(TokenEvent, msgpack.packb({"request_id": "r", "seq": 0, "token_ids": [1],
+                                          "logprobs": [{"token_id": 1, "logprob": -1.0, "top": [[1]]}]}))
+
+
+def test_handoff_checks_the_lease_matches_the_kv_shape():
+    with pytest.raises(ValueError, match="kv_shape has 3 blocks but the lease has 2"):
+        Handoff(_request(), [1], 3, LEASE, {}, [2, 2, 3, 4, 2, 8], "float16")
+
+
+def test_encode_refuses_non_records():
+    with pytest.raises(TypeError, match="protocol record"):
+        encode({"request_id": "x"})
+
+
+def test_sampling_spec_mirrors_sampling_params():
+    spec_fields = {f.name: f.default for f in dataclasses.fields(SamplingSpec)}
+    params_fields = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    assert set(spec_fields) == set(params_fields)
+    for name, default in spec_fields.items():
+        if default is not dataclasses.MISSING:
+            assert default == params_fields[name], name
+    spec = _request().sampling
+    params = spec.to_params()
+    assert params == SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(2,), logprobs=2, seed=9)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingSpec(top_p=0.0).to_params()

@@ -1,0 +1,130 @@
+"""The router service in-process against a real nats-server: lanes, unknown models, bad payloads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+
+from llmbus.bus import subjects
+from llmbus.bus.connection import connect
+from llmbus.bus.service import ServiceOptions, run_service
+from llmbus.bus.streams import ensure_prefill_consumer
+from llmbus.bus.worker import PullWorker
+from llmbus.protocol import GenerateRequest, TokenEvent, decode, encode
+from services.router.policy import RoutingPolicy
+from services.router.service import Router
+
+
+async def _with_router(url: str, models: tuple[str, ...], threshold: int, scenario) -> Router:
+    holder: dict = {}
+
+    async def body(ctx):
+        holder["router"] = Router(ctx, RoutingPolicy(models=models, long_threshold=threshold))
+        await holder["router"].run()
+
+    task = asyncio.create_task(run_service(ServiceOptions("router", url, models=models), body))
+    while "router" not in holder or not holder["router"].ctx.is_ready:
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.02)
+    try:
+        await scenario()
+    finally:
+        holder["router"].ctx.stop.set()
+        assert await asyncio.wait_for(task, 20) == 0
+    return holder["router"]
+
+
+def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        events: dict[str, list[TokenEvent]] = {}
+
+        async def on_token(msg):
+            ev = decode(TokenEvent, msg.data)
+            events.setdefault(ev.request_id, []).append(ev)
+
+        await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
+
+        async def scenario():
+            def req(rid, model, n, **kw):
+                return GenerateRequest(rid, model, list(range(1, n + 1)), token_subject=subjects.tokens(rid), **kw)
+
+            reqs = [req("r-short", "rt", 4), req("r-long", "rt", 5), req("r-unknown", "nope", 2),
+                    req("r-late", "rt", 2, deadline=time.time() - 1)]
+            for r in reqs:
+                await js.publish(subjects.request_subject(r.model), encode(r), headers={subjects.MSG_ID_HEADER: r.request_id})
+            garbage = msgpack.packb({"request_id": "r-bad", "model": 7})
+            await js.publish(subjects.request_subject("rt"), garbage, headers={subjects.MSG_ID_HEADER: "r-bad"})
+
+            got = {}
+            for lane in ("short", "long"):
+                name = await ensure_prefill_consumer(js, lane, "rt")
+                w = await PullWorker.bind(js, subjects.PREFILL_STREAMS[lane], name, max_deliver=5)
+                msgs = await w.fetch(10, timeout=5.0)
+                got[lane] = [decode(GenerateRequest, m.data) for m in msgs]
+                for m in msgs:
+                    await m.ack()
+                await w.close()
+            assert [(r.request_id, r.lane) for r in got["short"]] == [("r-short", "short")]
+            assert [(r.request_id, r.lane) for r in got["long"]] == [("r-long", "long")]
+            assert got["short"][0].prompt_token_ids == [1, 2, 3, 4]
+            for _ in range(100):
+                if len(events) == 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert set(events) == {"r-unknown", "r-late", "r-bad"}
+            unknown = events["r-unknown"][0]
+            assert unknown.finish_reason == "error" and "unknown model 'nope'" in unknown.error
+            assert unknown.seq == 0 and unknown.prompt_tokens == 2
+            assert "deadline" in events["r-late"][0].error
+            assert "malformed request" in events["r-bad"][0].error and "model" in events["r-bad"][0].error
+
+        router = await _with_router(nats_server, ("rt",), 4, scenario)
+        assert router.routed == 2 and router.failed == 3
+        assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # all acked or termed
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_router_process_reports_ready_registers_and_exits_cleanly(nats_server):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from llmbus.bus.service import READY_PREFIX
+    from llmbus.bus.streams import ensure_registry
+    from llmbus.protocol import InstanceInfo
+
+    proc = subprocess.Popen([sys.executable, "-m", "services.router", "--nats-url", nats_server, "--models", "p1",
+                             "--instance-id", "router-proc", "--log-level", "WARNING"],
+                            cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == f"{READY_PREFIX} router router-proc"
+
+        async def registered():
+            nc = await connect(nats_server)
+            kv = await ensure_registry(nc.jetstream())
+            info = decode(InstanceInfo, (await kv.get("router.router-proc")).value)
+            await nc.close()
+            return info
+
+        info = asyncio.run(registered())
+        assert (info.role, info.models, info.pid) == ("router", ["p1"], proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 0
+    proc.stdout.close()
+
+
+def test_router_cli_rejects_bad_arguments_clearly():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "services.router", "--long-threshold", "0"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2 and "long_threshold must be >= 1" in out.stderr
