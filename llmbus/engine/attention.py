@@ -62,6 +62,19 @@ class TorchAttentionBackend:
         dtype = torch_dtype(layout.dtype)
         return [torch.zeros(layout.cache_shape(num_blocks), dtype=dtype, device=device) for _ in range(layout.num_layers)]
 
+    @staticmethod
+    def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[n, layer_block_bytes]``: block ``i``'s keys then values."""
+        sel = cache.index_select(1, block_ids).movedim(1, 0).contiguous()
+        return sel.reshape(block_ids.numel(), -1).view(torch.uint8)
+
+    @staticmethod
+    def write_blocks(cache: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        n = block_ids.numel()
+        shape = (n, 2, *cache.shape[2:])
+        rows = data.to(cache.device).contiguous().view(cache.dtype).reshape(shape).movedim(0, 1)
+        cache.index_copy_(1, block_ids, rows)
+
     def forward(self, q, k, v, cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         reference.write_kv(k, v, cache, meta.slot_mapping)
         nd = meta.num_decodes

@@ -1,0 +1,67 @@
+"""`llmbus generate`: run the in-process engine on one or more prompts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import orjson
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with the in-process engine")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    src.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
+    p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=run)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmbus.engine.llm import LLM
+    from llmbus.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
+    prompts = args.prompt if args.prompt else [_parse_ids(t) for t in args.prompt_ids]
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_format=args.kv_format, block_size=args.block_size)
+    for out in llm.generate(prompts, params):
+        if args.json:
+            record = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}
+            if out.logprobs is not None:
+                record["logprobs"] = [
+                    {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs
+                ]
+            sys.stdout.write(orjson.dumps(record).decode() + "\n")
+        else:
+            sys.stdout.write(out.text + "\n")
+    sys.stdout.flush()
+    return 0

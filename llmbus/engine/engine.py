@@ -1,0 +1,291 @@
+"""The step API: requests in, one batched step at a time, tokens out.
+
+The prefill and decode services drive this; `LLM` wraps it for offline use. Everything here is
+synchronous and single-threaded: the services call `step()` from one executor thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmbus.engine.attention import TorchAttentionBackend
+from llmbus.engine.block_manager import BlockManager
+from llmbus.engine.config import EngineConfig
+from llmbus.engine.runner import ModelRunner
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.engine.scheduler import Scheduler, SchedulerConfig
+from llmbus.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from llmbus.kv.layout import KVLayout
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "handoff"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+
+def _pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_backend(device: torch.device, kv_format: str):
+    """Triton kernels on CUDA, torch references on CPU; quantized formats where the kernels exist."""
+    try:
+        from kernels.backends import make_attention_backend
+    except ImportError:
+        make_attention_backend = None
+    if make_attention_backend is not None:
+        return make_attention_backend(device.type, kv_format)
+    if kv_format != "model":
+        raise ValueError(f"kv_format {kv_format!r} needs the quantized-KV backends in kernels/, which are not installed")
+    return TorchAttentionBackend()
+
+
+class Engine:
+    def __init__(self, loaded, config: EngineConfig) -> None:
+        """``loaded`` is a ``llmbus.model.loader.LoadedModel`` already on ``config.device``."""
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.model_name
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
+        self.vocab_size = loaded.config.vocab_size
+        self.device = next(self.model.parameters()).device
+        model_len = loaded.config.max_model_len
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.layout: KVLayout = loaded.config.kv_layout(config.block_size, dtype)
+        num_blocks = config.num_blocks or self._blocks_for_budget()
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_id=self.model_name,
+            kv_format=config.kv_format,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max(config.max_num_batched_tokens, 1 if config.enable_chunked_prefill else self.max_model_len),
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+            ),
+            self.block_manager,
+        )
+        self.backend = make_backend(self.device, config.kv_format)
+        self.model.backend = self.backend  # caches come from this backend, so attention must too
+        self.runner = ModelRunner(self.model, self.layout, self.backend, num_blocks, self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._prefill_only: set[str] = set()
+        self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
+        self.num_preemptions = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None) -> "Engine":
+        from llmbus.model.loader import load_model
+
+        config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = _pick_device(config.device)
+        loaded = load_model(model_dir, dtype=config.dtype, device=str(device))
+        return cls(loaded, config)
+
+    def _blocks_for_budget(self) -> int:
+        per_block = self.layout.bytes_per_block
+        wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
+        return max(2, min(self.config.kv_cache_bytes // per_block, wanted))
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
+        prefill_only: bool = False,
+    ) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+        self._seqs[request_id] = seq
+        if prefill_only:
+            self._prefill_only.add(request_id)
+        self.scheduler.add(seq)
+
+    def _check_prompt(self, prompt_token_ids: list[int], extra: int = 0) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                "(at least one must be left to generate)"
+            )
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        needed = self.layout.num_blocks_for(n + 1 + extra)
+        if needed > self.runner.num_blocks:
+            raise ValueError(
+                f"the prompt needs {needed} KV blocks but this engine has only {self.runner.num_blocks}"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        self._handoffs.pop(request_id, None)
+        seq = self._seqs.pop(request_id, None)
+        self._prefill_only.discard(request_id)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # --- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        self.num_preemptions += len(out.preempted)
+        results: list[StepOutput] = []
+        for seq in out.rejected:  # can never fit this engine: finished without a token
+            self._seqs.pop(seq.request_id, None)
+            self._prefill_only.discard(seq.request_id)
+            results.append(self._output(seq, [], None, seq.finish_reason or "length"))
+        if not out.scheduled:
+            return results
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, sampled)
+        for request_id, (token, lp) in sampled.items():
+            seq = self._seqs[request_id]
+            reason = seq.finish_reason
+            if request_id in self._prefill_only and reason is None:
+                self._handoffs[request_id] = self._export(seq)
+                self.scheduler.abort(request_id)
+                reason = "handoff"
+            results.append(self._output(seq, [token], [lp] if lp is not None else None, reason))
+            if reason is not None:
+                self._seqs.pop(request_id, None)
+                self._prefill_only.discard(request_id)
+        return results
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], logprobs, reason: str | None) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            logprobs=logprobs,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    # --- disaggregation -----------------------------------------------------------------------
+
+    def _export(self, seq: Sequence) -> tuple[dict, torch.Tensor]:
+        n_blocks = self.layout.num_blocks_for(seq.num_computed_tokens)
+        kv = self.read_blocks(seq.block_table[:n_blocks])
+        state = {
+            "request_id": seq.request_id,
+            "prompt_token_ids": list(seq.prompt_token_ids),
+            "output_token_ids": list(seq.output_token_ids),
+            "num_computed_tokens": seq.num_computed_tokens,
+            "num_cached_tokens": seq.num_cached_tokens,
+            "cache_salt": seq.cache_salt,
+            "block_size": self.layout.block_size,
+        }
+        return state, kv
+
+    def export_sequence(self, request_id: str) -> tuple[dict, torch.Tensor]:
+        """State and KV of a request that finished with ``"handoff"``; its blocks are already free."""
+        try:
+            return self._handoffs.pop(request_id)
+        except KeyError:
+            raise ValueError(f"no handed-off request {request_id!r}") from None
+
+    def import_sequence(self, state: dict, kv: torch.Tensor, params: SamplingParams) -> None:
+        """Join a sequence computed elsewhere: copy its KV into fresh blocks, continue decoding."""
+        request_id = state["request_id"]
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if state["block_size"] != self.layout.block_size:
+            raise ValueError(f"handoff block size {state['block_size']} != engine block size {self.layout.block_size}")
+        prompt = list(state["prompt_token_ids"])
+        outputs = list(state["output_token_ids"])
+        self._check_prompt(prompt, extra=len(outputs))
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=state.get("cache_salt", ""),
+            output_token_ids=outputs,
+        )
+        computed = int(state["num_computed_tokens"])
+        n_blocks = self.layout.num_blocks_for(computed)
+        if kv.dim() != 3 or kv.shape[0] != n_blocks or kv.shape[1] != self.layout.num_layers:
+            raise ValueError(
+                f"handoff KV has shape {list(kv.shape)}; expected [{n_blocks}, {self.layout.num_layers}, bytes] "
+                f"for {computed} tokens"
+            )
+        if not self.block_manager.allocate_computed(seq, computed):
+            raise ValueError("no free KV blocks to import the sequence")
+        self.write_blocks(seq.block_table[:n_blocks], kv)
+        seq.num_cached_tokens = int(state.get("num_cached_tokens", 0))
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Bytes of ``block_ids`` in the cache's own format: uint8 ``[n, num_layers, layer_block_bytes]``,
+        so block ``i`` is the contiguous row ``out[i]`` (what kvpool stores as one block)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows = [self.backend.read_blocks(cache, idx) for cache in self.runner.kv_caches]
+        return torch.stack(rows, dim=1).cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Inverse of ``read_blocks``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.runner.kv_caches):
+            self.backend.write_blocks(cache, idx, kv[:, layer].contiguous())
+
+    def leak_check(self) -> dict[str, int]:
+        """Counts a test can assert on: zero requests and all blocks free after work ends."""
+        return {
+            "requests": len(self._seqs),
+            "handoffs": len(self._handoffs),
+            "free_blocks": self.block_manager.num_free_blocks,
+            "total_blocks": self.runner.num_blocks,
+        }
