@@ -11,7 +11,15 @@ causally to every cached position up to and including its own.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from kernels import quant_reference as qr
+from llmbus.kv.formats import KVFormat
+
+if TYPE_CHECKING:
+    from kernels.kv_cache import PagedKVCache
 
 
 def write_kv(
@@ -106,3 +114,123 @@ def paged_prefill_attention(
         res = _attend(query[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, scale)
         out[s:e] = res[0].transpose(0, 1).to(query.dtype)
     return out
+
+
+# -- paged caches in any KV format (kernels.kv_cache.PagedKVCache) -------------------------------
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    cache: "PagedKVCache",
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """``write_kv`` for every format: quantizes on the way for int8/int4 (see llmbus.kv.formats).
+    An INT4 block whose last slot is written in this call is re-quantized per channel, from this
+    call's keys where they are given and from the stored per-token encoding otherwise."""
+    if cache.fmt.name == "model":
+        write_kv(key, value, cache.data, slot_mapping)
+        return
+    slots = slot_mapping.long()
+    _, n, bs = cache.data.shape[:3]
+    flat = cache.data.view(2, n * bs, *cache.data.shape[3:])
+    if cache.fmt.name == "int8":
+        sflat = cache.scale.view(2, n * bs, -1)
+        for i, x in enumerate((key, value)):
+            q, s = qr.int8_quantize(x, cache.scale.dtype)
+            flat[i].index_copy_(0, slots, q)
+            sflat[i].index_copy_(0, slots, s)
+        return
+    d = key.shape[-1]
+    gv, gk = KVFormat.value_group(d), KVFormat.key_group(d, bs)
+    q, s, mn = qr.int4_group_quantize(value, gv)
+    flat[1].index_copy_(0, slots, qr.pack_nibbles(q))
+    cache.v_meta.view(n * bs, *cache.v_meta.shape[2:]).index_copy_(0, slots, torch.stack((s, mn), -1))
+    slot_list = slots.tolist()
+    row_of = {sl: i for i, sl in enumerate(slot_list)}
+    sealed = sorted({sl // bs for sl in slot_list if sl % bs == bs - 1})
+    tail = [i for i, sl in enumerate(slot_list) if sl // bs not in set(sealed)]
+    if tail:
+        idx = torch.tensor(tail, dtype=torch.long, device=key.device)
+        q, s, mn = qr.int4_group_quantize(key[idx], gk)
+        flat[0].index_copy_(0, slots[idx], qr.pack_nibbles(q))
+        meta = torch.stack((s, mn), -1).view(torch.int16).flatten(-2)  # [t, H, 2 * D/gk]
+        width = meta.shape[-1]
+        blk, off = slots[idx] // bs, slots[idx] % bs
+        cols = off[:, None] * width + torch.arange(width, device=key.device)  # [t, width]
+        heads = torch.arange(key.shape[1], device=key.device)
+        cache.k_meta[blk[:, None, None], heads[None, :, None], cols[:, None, :]] = meta
+    for b in sealed:
+        x = _int4_tail_keys(cache, b)  # [bs, H, D] fp32 from the per-token encoding
+        for o in range(bs):
+            if b * bs + o in row_of:
+                x[o] = key[row_of[b * bs + o]].float()
+        q, codes, lo, hi = qr.int4_key_block_quantize(x)
+        cache.data[0, b] = qr.pack_nibbles(q)
+        cache.k_meta[b, :, :d] = codes
+        cache.k_meta[b, :, d] = lo.view(torch.int16)
+        cache.k_meta[b, :, d + 1] = hi.view(torch.int16)
+
+
+def _int4_tail_keys(cache: "PagedKVCache", blocks) -> torch.Tensor:
+    """Keys of blocks stored in the partial (per-token) encoding: ``[..., bs, H, D]`` fp32."""
+    bs, h, d = cache.data.shape[2], cache.data.shape[3], cache.data.shape[4] * 2
+    gk = KVFormat.key_group(d, bs)
+    ng = d // gk
+    meta = cache.k_meta[blocks, :, : bs * ng * 2].view(torch.float16)  # [..., H, bs * ng * 2]
+    meta = meta.unflatten(-1, (bs, ng, 2)).transpose(-4, -3)  # [..., bs, H, ng, 2]
+    q = qr.unpack_nibbles(cache.data[0, blocks])
+    return qr.int4_group_dequantize(q, meta[..., 0], meta[..., 1], gk)
+
+
+def dequantize_blocks(
+    cache: "PagedKVCache",
+    block_ids: torch.Tensor,  # [n] int
+    full: torch.Tensor,  # [n] bool: block is full (INT4 keys per channel) or a partial tail
+) -> torch.Tensor:  # [2, n, bs, H, D] fp32
+    ids = block_ids.long()
+    if cache.fmt.name == "model":
+        return cache.data[:, ids].float()
+    if cache.fmt.name == "int8":
+        return qr.int8_dequantize(cache.data[:, ids], cache.scale[:, ids])
+    d = cache.data.shape[-1] * 2
+    vm = cache.v_meta[ids]
+    v = qr.int4_group_dequantize(qr.unpack_nibbles(cache.data[1, ids]), vm[..., 0], vm[..., 1], KVFormat.value_group(d))
+    km = cache.k_meta[ids]
+    lo, hi = km[:, :, d].view(torch.float16), km[:, :, d + 1].view(torch.float16)
+    k_full = qr.int4_key_block_dequantize(qr.unpack_nibbles(cache.data[0, ids]), km[:, :, :d], lo, hi)
+    k = torch.where(full.to(ids.device)[:, None, None, None], k_full, _int4_tail_keys(cache, ids))
+    return torch.stack((k, v))
+
+
+def _dequantized(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    """The blocks the batch reads, dequantized to fp32, with a block table into them."""
+    b, bs = block_tables.shape[0], cache.data.shape[2]
+    nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
+    ids = block_tables[:, :nblk].long()
+    full = (torch.arange(ids.shape[1], device=ids.device) + 1) * bs <= seq_lens[:, None].to(ids.device)
+    kv = dequantize_blocks(cache, ids.reshape(-1), full.reshape(-1))
+    # NOTE: slots past a sequence's end may hold another encoding's bytes (a reused block, table
+    # padding), which can decode to inf/nan; zero them so masked positions stay harmless.
+    pos = torch.arange(ids.shape[1] * bs, device=ids.device).view(ids.shape[1], bs)
+    live = (pos[None] < seq_lens.to(ids.device)[:, None, None]).reshape(1, -1, bs, 1, 1)
+    kv = torch.where(live, kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+    return kv, torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
+
+
+def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, scale: float) -> torch.Tensor:
+    """``paged_decode_attention`` over a cache of any format."""
+    if cache.fmt.name == "model":
+        return paged_decode_attention(query, cache.data, block_tables, seq_lens, scale)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    kv, tables = _dequantized(cache, block_tables, seq_lens)
+    return paged_decode_attention(query, kv, tables, seq_lens, scale)
+
+
+def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, query_start_loc, scale: float) -> torch.Tensor:
+    """``paged_prefill_attention`` over a cache of any format."""
+    if cache.fmt.name == "model":
+        return paged_prefill_attention(query, cache.data, block_tables, seq_lens, query_start_loc, scale)
+    if block_tables.shape[0] == 0:
+        return torch.empty_like(query)
+    kv, tables = _dequantized(cache, block_tables, seq_lens)
+    return paged_prefill_attention(query, kv, tables, seq_lens, query_start_loc, scale)

@@ -1,0 +1,86 @@
+"""Attention backends over paged caches of any KV format (``llmbus.kv.formats``).
+
+Both implement ``llmbus.engine.attention.AttentionBackend``; their per-layer cache objects are
+``kernels.kv_cache.PagedKVCache``. ``read_blocks`` / ``write_blocks`` move whole blocks as bytes
+for the KV handoff between workers and tiers (same bytes on either backend).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import kv_cache, reference
+from llmbus.kv.formats import KVFormat, parse_kv_format
+from llmbus.kv.layout import KVLayout
+
+
+class _PagedBackend:
+    name = "paged"
+
+    def __init__(self, kv_format: str | KVFormat = "model") -> None:
+        self.kv_format = kv_format if isinstance(kv_format, KVFormat) else parse_kv_format(kv_format)
+
+    def allocate_cache(self, layout: KVLayout, num_blocks: int, device) -> list[kv_cache.PagedKVCache]:
+        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device) for _ in range(layout.num_layers)]
+
+    read_blocks = staticmethod(kv_cache.read_blocks)
+    write_blocks = staticmethod(kv_cache.write_blocks)
+
+    def forward(self, q, k, v, cache: kv_cache.PagedKVCache, meta, scale: float) -> torch.Tensor:
+        """Write this step's K/V, then decodes (the first ``meta.num_decodes`` sequences) and
+        prefill chunks attend over the cache."""
+        self._write(k, v, cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        if nd < meta.seq_lens.shape[0]:
+            qsl = (meta.query_start_loc[nd:] - meta.query_start_loc[nd]).to(torch.int32)
+            out[nd:] = self._prefill(q[nd:], cache, meta.block_tables[nd:], meta.seq_lens[nd:], qsl, scale)
+        return out
+
+
+class TorchPagedAttentionBackend(_PagedBackend):
+    """Pure-torch references over any KV format; the CPU engine's backend for int8/int4."""
+
+    name = "torch"
+    _write = staticmethod(reference.write_kv_cache)
+    _decode = staticmethod(reference.paged_decode_attention_cache)
+    _prefill = staticmethod(reference.paged_prefill_attention_cache)
+
+
+class TritonAttentionBackend(_PagedBackend):
+    """Triton kernels (CUDA; also runs on CPU tensors under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    @staticmethod
+    def _write(k, v, cache, slot_mapping):
+        from kernels.write_kv import write_kv
+
+        write_kv(k.contiguous(), v.contiguous(), cache, slot_mapping.to(torch.int64))
+
+    @staticmethod
+    def _decode(q, cache, block_tables, seq_lens, scale):
+        from kernels.paged_decode import paged_decode_attention
+
+        return paged_decode_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), scale)
+
+    @staticmethod
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale):
+        from kernels.paged_prefill import paged_prefill_attention
+
+        return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale)
+
+
+def make_attention_backend(device: str | torch.device, kv_format: str = "model") -> _PagedBackend:
+    """Triton on CUDA, the torch references on CPU, for KV format ``model | int8 | int4``."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    fmt = parse_kv_format(kv_format)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} asked for but CUDA is not available")
+        return TritonAttentionBackend(fmt)
+    if dev.type == "cpu":
+        return TorchPagedAttentionBackend(fmt)
+    raise ValueError(f"unsupported device {str(device)!r}: expected 'cpu' or 'cuda[:N]'")

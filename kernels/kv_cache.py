@@ -1,0 +1,97 @@
+"""One layer's paged KV cache in a given format (see ``llmbus.kv.formats`` for the encodings).
+
+A ``PagedKVCache`` is the opaque per-layer cache object the attention backends hand the model.
+``read_blocks`` / ``write_blocks`` move whole blocks as bytes (``uint8 [n, layer_block_bytes]``),
+the format-independent unit of the KV handoff between workers and tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmbus.kv.formats import KVFormat
+from llmbus.kv.layout import KVLayout
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PagedKVCache:
+    fmt: KVFormat
+    layout: KVLayout
+    data: torch.Tensor  # [2, N, bs, H, D] model dtype | int8 [2, N, bs, H, D] | uint8 [2, N, bs, H, D/2]
+    scale: torch.Tensor | None = None  # int8: [2, N, bs, H] fp16/fp32
+    k_meta: torch.Tensor | None = None  # int4: int16 [N, H, key_meta_slots]
+    v_meta: torch.Tensor | None = None  # int4: fp16 [N, bs, H, D/value_group, 2]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return _DTYPES[self.layout.dtype]
+
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor of the cache with the index of its block dimension."""
+        out = [(self.data, 1)]
+        if self.scale is not None:
+            out.append((self.scale, 1))
+        if self.k_meta is not None:
+            out += [(self.k_meta, 0), (self.v_meta, 0)]
+        return out
+
+
+def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: torch.device | str) -> PagedKVCache:
+    """Zeroed cache of ``num_blocks`` blocks for one layer."""
+    fmt.check(layout)
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    n, bs, h, d = num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
+    if fmt.name == "model":
+        return PagedKVCache(fmt, layout, torch.zeros(2, n, bs, h, d, dtype=_DTYPES[layout.dtype], device=device))
+    if fmt.name == "int8":
+        data = torch.zeros(2, n, bs, h, d, dtype=torch.int8, device=device)
+        scale = torch.zeros(2, n, bs, h, dtype=_DTYPES[fmt.scale_dtype], device=device)
+        return PagedKVCache(fmt, layout, data, scale=scale)
+    data = torch.zeros(2, n, bs, h, d // 2, dtype=torch.uint8, device=device)
+    k_meta = torch.zeros(n, h, KVFormat.key_meta_slots(d, bs), dtype=torch.int16, device=device)
+    v_meta = torch.zeros(n, bs, h, d // KVFormat.value_group(d), 2, dtype=torch.float16, device=device)
+    return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta)
+
+
+def _block_ids(cache: PagedKVCache, block_ids) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1).to(cache.data.device)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.num_blocks):
+        raise ValueError(f"block ids must lie in [0, {cache.num_blocks}), got {ids.tolist()}")
+    return ids
+
+
+def read_blocks(cache: PagedKVCache, block_ids) -> torch.Tensor:
+    """Bytes of the given blocks: ``uint8 [len(block_ids), fmt.layer_block_bytes(layout)]``."""
+    ids = _block_ids(cache, block_ids)
+    chunks = []
+    for t, dim in cache.parts():
+        sel = t.index_select(dim, ids).movedim(dim, 0).contiguous()
+        chunks.append(sel.reshape(ids.numel(), -1).view(torch.uint8))
+    return torch.cat(chunks, dim=1)
+
+
+def write_blocks(cache: PagedKVCache, block_ids, data: torch.Tensor) -> None:
+    """Inverse of ``read_blocks``: overwrite the given blocks with bytes read from a cache of the
+    same format and layout."""
+    ids = _block_ids(cache, block_ids)
+    want = (ids.numel(), cache.fmt.layer_block_bytes(cache.layout))
+    if data.dtype != torch.uint8 or tuple(data.shape) != want:
+        raise ValueError(f"write_blocks expects uint8 {list(want)}, got {data.dtype} {list(data.shape)}")
+    data = data.to(cache.data.device)
+    col = 0
+    for t, dim in cache.parts():
+        shape = list(t.shape)
+        shape.pop(dim)
+        width = t.element_size() * int(torch.Size(shape).numel())
+        part = data[:, col : col + width].contiguous().view(t.dtype).reshape(ids.numel(), *shape)
+        t.index_copy_(dim, ids, part.movedim(0, dim))
+        col += width

@@ -1,0 +1,101 @@
+"""Triton helper shared by the attention kernels: load a tile of a sequence's keys and values from
+its paged cache, dequantizing int8/int4 on the fly (encodings in ``llmbus.kv.formats``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(
+    data_ptr,  # [2, N, BS, H, D] model dtype | int8 [2, N, BS, H, D] | uint8 [2, N, BS, H, D/2]
+    scale_ptr,  # int8: [2, N, BS, H]
+    kmeta_ptr,  # int4: int16 [N, H, KS]
+    vmeta_ptr,  # int4: int16 view of fp16 [N, BS, H, D/GV, 2]
+    table_ptr,  # [M] int32: this sequence's block table
+    pos,  # [TILE] int32 token positions
+    seq_len,  # tokens of context: positions >= seq_len read as zero
+    h,  # KV head
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
+):
+    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise."""
+    valid = pos < seq_len
+    bidx = pos // BS
+    # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big caches.
+    blk = tl.load(table_ptr + bidx, mask=valid, other=0).to(tl.int64)
+    off = pos % BS
+    c = tl.arange(0, D)[None, :]
+    vm2 = valid[:, None]
+    row = (blk * s_dn + off * s_db + h * s_dh)[:, None]
+    if FMT == 0:
+        k = tl.load(data_ptr + row + c, mask=vm2, other=0.0)
+        v = tl.load(data_ptr + s_dc + row + c, mask=vm2, other=0.0)
+    elif FMT == 1:
+        srow = blk * s_sn + off * s_sb + h * s_sh
+        ks = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+        vs = tl.load(scale_ptr + s_sc + srow, mask=valid, other=0.0).to(tl.float32)
+        k = tl.load(data_ptr + row + c, mask=vm2, other=0).to(tl.float32) * ks[:, None]
+        v = tl.load(data_ptr + s_dc + row + c, mask=vm2, other=0).to(tl.float32) * vs[:, None]
+    else:
+        shift = (c % 2) * 4
+        kq = ((tl.load(data_ptr + row + c // 2, mask=vm2, other=0).to(tl.int32) >> shift) & 15).to(tl.float32)
+        vq = ((tl.load(data_ptr + s_dc + row + c // 2, mask=vm2, other=0).to(tl.int32) >> shift) & 15).to(tl.float32)
+        vrow = (blk * s_vmn + off * s_vmb + h * s_vmh)[:, None] + (c // GV) * 2
+        vsc = tl.load(vmeta_ptr + vrow, mask=vm2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        vmn = tl.load(vmeta_ptr + vrow + 1, mask=vm2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        v = vmn + vq * vsc
+        kb = (blk * s_kmn + h * s_kmh)[:, None]
+        full = ((bidx + 1) * BS <= seq_len)[:, None]
+        # full block: per-channel codes and the head's (lo, hi)
+        code = tl.load(kmeta_ptr + kb + c, mask=vm2 & full, other=0).to(tl.int32) & 0xFFFF
+        lo = tl.load(kmeta_ptr + kb + D, mask=vm2 & full, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = tl.load(kmeta_ptr + kb + D + 1, mask=vm2 & full, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        step = (hi - lo) / 255.0
+        m = (code & 255).to(tl.float32)
+        cmin = lo + m * step
+        cscale = (((code >> 8) & 255).to(tl.float32) - m) * step / 15.0
+        # partial block: per-token groups
+        tslot = kb + (off[:, None] * (D // GK) + c // GK) * 2
+        tsc = tl.load(kmeta_ptr + tslot, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        tmn = tl.load(kmeta_ptr + tslot + 1, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        k = tl.where(full, cmin + kq * cscale, tmn + kq * tsc)
+    return k, v
+
+
+FMT_IDS = {"model": 0, "int8": 1, "int4": 2}
+
+
+def tile_args(cache) -> tuple[tuple, tuple, dict]:
+    """``(pointers, strides, constexprs)`` of a ``PagedKVCache`` in ``load_kv_tile``'s order.
+    Unused pointers alias ``data`` and unused strides are 0."""
+    from llmbus.kv.formats import KVFormat
+
+    lay, data = cache.layout, cache.data
+    d, bs = lay.head_dim, lay.block_size
+    if d & (d - 1) or bs & (bs - 1) or d < 16:
+        raise ValueError(f"Triton KV kernels need power-of-two head_dim >= 16 and block_size, got {d} and {bs}")
+    if data.stride(-1) != 1:
+        raise ValueError("the KV cache must be contiguous in its last dimension")
+    scale, km = cache.scale, cache.k_meta
+    vm = cache.v_meta.view(torch.int16) if cache.v_meta is not None else None
+    ptrs = (data, scale if scale is not None else data, km if km is not None else data, vm if vm is not None else data)
+    strides = (
+        *data.stride()[:4],
+        *(scale.stride()[:4] if scale is not None else (0, 0, 0, 0)),
+        *(km.stride()[:2] if km is not None else (0, 0)),
+        *(vm.stride()[:3] if vm is not None else (0, 0, 0)),
+    )
+    consts = dict(FMT=FMT_IDS[cache.fmt.name], D=d, BS=bs, GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, bs))
+    return ptrs, strides, consts
+
+
+def dot_args(query: torch.Tensor) -> dict:
+    """Operand dtype and precision of the kernels' ``tl.dot``: the query's half dtype on CUDA, fp32
+    elsewhere. NOTE: Triton's interpreter computes bf16 ``tl.dot`` wrongly (triton 3.9), so off CUDA
+    the dots run in fp32."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        return dict(DOT=tl.float16 if query.dtype == torch.float16 else tl.bfloat16, PREC="tf32")
+    return dict(DOT=tl.float32, PREC="ieee")

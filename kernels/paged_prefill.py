@@ -1,0 +1,107 @@
+"""Triton paged prefill attention: variable-length query chunks over a paged prefix.
+
+Grid ``(cdiv(max_q_len, BLOCK_M), B, Hq)``. Query row ``j`` of sequence ``i`` sits at position
+``seq_lens[i] - q_len_i + j`` and attends to every cached position up to its own: the whole
+prefix, causally within the chunk. The chunk's own keys must already be written to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_tile import dot_args, load_kv_tile, tile_args
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr,  # [T, Hq, D]
+    out_ptr,  # [T, Hq, D]
+    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr,  # the cache (see kv_tile.load_kv_tile)
+    table_ptr,  # [B, M] int32
+    seq_lens_ptr,  # [B] int32: context length including this chunk
+    qsl_ptr,  # [B+1] int32: query_start_loc
+    sm_scale,
+    s_qt, s_qh, s_ot, s_oh, s_tb,
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
+):
+    mt = tl.program_id(0)
+    b = tl.program_id(1)
+    hq = tl.program_id(2)
+    h = hq // G
+    q0 = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q0
+    seq_len = tl.load(seq_lens_ptr + b)
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < q_len
+    qpos = seq_len - q_len + rows  # [BLOCK_M]
+    c = tl.arange(0, D)
+    tok = (q0 + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + hq * s_qh + c[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+    qk_scale = sm_scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    # keys up to the last valid row's position; an empty tile (mt * BLOCK_M >= q_len) loops zero times
+    kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(seq_len, seq_len - q_len + (mt + 1) * BLOCK_M), 0)
+    table = table_ptr + b.to(tl.int64) * s_tb
+    for s in range(0, kv_end, TILE):
+        pos = s + tl.arange(0, TILE)
+        k, v = load_kv_tile(
+            data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
+            s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+            FMT, D, BS, GV, GK,
+        )
+        scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [BLOCK_M, TILE]
+        allowed = (pos[None, :] <= qpos[:, None]) & (pos < seq_len)[None, :]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+        m_i = m_new
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + c[None, :], res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    cache,  # kernels.kv_cache.PagedKVCache
+    block_tables: torch.Tensor,  # [B, M] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    query_start_loc: torch.Tensor,  # [B+1] int32
+    scale: float,
+    max_query_len: int | None = None,
+    block_m: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Triton twin of ``reference.paged_prefill_attention_cache``."""
+    ptrs, strides, consts = tile_args(cache)
+    t, hq, d = query.shape
+    hkv = cache.layout.num_kv_heads
+    b = seq_lens.shape[0]
+    if d != cache.layout.head_dim or hq % hkv:
+        raise ValueError(f"query must be [T, k*{hkv}, {cache.layout.head_dim}], got {list(query.shape)}")
+    for name, x in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if x.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if block_tables.shape[0] != b or query_start_loc.shape != (b + 1,) or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be [B, M] with contiguous rows and query_start_loc [B+1]")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    if t == 0 or b == 0:
+        return out
+    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if max_query_len is None else max_query_len
+    bs = cache.layout.block_size
+    block_m = block_m or (64 if query.is_cuda else 16)
+    tile = max(bs, 64) if query.is_cuda else bs
+    grid = (triton.cdiv(max(1, max_q), block_m), b, hq)
+    paged_prefill_kernel[grid](
+        query, out, *ptrs, block_tables, seq_lens, query_start_loc, scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        *strides, G=hq // hkv, BLOCK_M=block_m, TILE=tile, **dot_args(query), **consts,
+    )
+    return out

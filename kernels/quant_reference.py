@@ -1,0 +1,101 @@
+"""Pure-torch INT8 / INT4 quantization of KV rows and blocks: the definition the kernels follow.
+
+Encodings are documented in ``llmbus.kv.formats``. Every function computes in fp32 and rounds
+half up (``floor(x + 0.5)``) so the Triton kernels can match it operation for operation.
+Stored scales and minimums are rounded to fp16 *before* the integers are computed from them, so
+dequantization uses exactly the numbers quantization used.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+INT4_MAX = 15.0
+CODE_MAX = 255.0
+# NOTE: the per-head key range is widened by this relative margin before rounding to fp16, so the
+# rounded range still covers every value.
+RANGE_PAD = 2.0**-9
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    return torch.floor(x + 0.5)
+
+
+def _safe_div(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.where(s > 0, x / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(x))
+
+
+# -- INT8, symmetric per row ---------------------------------------------------------------------
+def int8_quantize(x: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> ``(q int8 [..., D], scale [...])`` with ``x ~= q * scale``."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / INT8_MAX).to(scale_dtype)
+    q = _round(_safe_div(xf, scale.float()[..., None])).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[..., None]
+
+
+# -- INT4, asymmetric per row in channel groups --------------------------------------------------
+def int4_group_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> ``(q uint8 [..., D] in 0..15, scale fp16 [..., D/group], min fp16 [..., D/group])``."""
+    xf = x.float().unflatten(-1, (-1, group))
+    mn = xf.amin(dim=-1).half()
+    scale = ((xf.amax(dim=-1) - mn.float()) / INT4_MAX).half()
+    q = _round(_safe_div(xf - mn.float()[..., None], scale.float()[..., None])).clamp(0, INT4_MAX)
+    return q.flatten(-2).to(torch.uint8), scale, mn
+
+
+def int4_group_dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group: int) -> torch.Tensor:
+    qf = q.float().unflatten(-1, (-1, group))
+    return (mn.float()[..., None] + qf * scale.float()[..., None]).flatten(-2)
+
+
+# -- INT4 keys of a full block, per channel with two-level ranges --------------------------------
+def int4_key_block_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys of one full block ``x [bs, H, D]`` -> ``(q uint8 [bs, H, D], codes int16 [H, D], lo fp16 [H], hi fp16 [H])``.
+
+    Channel ``c`` of head ``h`` is quantized over the block's tokens on the range
+    ``[lo + m * step, lo + M * step]``, ``step = (hi - lo) / 255``, where the 8-bit codes ``m``
+    (floor) and ``M`` (ceil) are packed as ``m | M << 8``."""
+    xf = x.float()
+    lo, hi = xf.amin(dim=(0, 2)), xf.amax(dim=(0, 2))
+    lo16 = (lo - lo.abs() * RANGE_PAD).half()
+    hi16 = (hi + hi.abs() * RANGE_PAD).half()
+    lo_f = lo16.float()[:, None]
+    step = (hi16.float()[:, None] - lo_f) / CODE_MAX  # [H, 1]
+    m = torch.floor(_safe_div(xf.amin(dim=0) - lo_f, step)).clamp(0, CODE_MAX)
+    big = torch.ceil(_safe_div(xf.amax(dim=0) - lo_f, step)).clamp(0, CODE_MAX)
+    cmin, cscale = _channel_params(m, big, lo_f, step)
+    q = _round(_safe_div(xf - cmin, cscale)).clamp(0, INT4_MAX)
+    codes = (m.to(torch.int32) | (big.to(torch.int32) << 8)).to(torch.int16)
+    return q.to(torch.uint8), codes, lo16, hi16
+
+
+def _channel_params(m, big, lo_f, step):
+    cmin = lo_f + m * step
+    cscale = (big - m) * step / INT4_MAX
+    return cmin, cscale
+
+
+def int4_key_block_dequantize(q: torch.Tensor, codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``int4_key_block_quantize``: ``[..., bs, H, D]`` fp32 (leading block dims allowed)."""
+    c = codes.to(torch.int32) & 0xFFFF
+    m, big = (c & 0xFF).float(), ((c >> 8) & 0xFF).float()
+    lo_f = lo.float()[..., None]
+    step = (hi.float()[..., None] - lo_f) / CODE_MAX
+    cmin, cscale = _channel_params(m, big, lo_f, step)
+    return cmin.unsqueeze(-3) + q.float() * cscale.unsqueeze(-3)
+
+
+# -- nibble packing ------------------------------------------------------------------------------
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``uint8 [..., D]`` (values 0..15) -> ``uint8 [..., D/2]``, even channel in the low nibble."""
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)

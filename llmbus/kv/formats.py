@@ -1,0 +1,102 @@
+"""KV storage formats, defined once: the engine, the kernels and kvpool size and read blocks by them.
+
+Three formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N`` blocks of
+``bs`` tokens, ``H`` KV heads of ``D`` channels):
+
+- ``model``: keys and values in the model dtype, one ``[2, N, bs, H, D]`` tensor.
+- ``int8``: symmetric per token and head: ``data`` int8 ``[2, N, bs, H, D]`` and ``scale``
+  ``[2, N, bs, H]`` (fp16 by default, or fp32); ``x ~= q * scale`` with ``scale = absmax / 127``.
+- ``int4`` (KIVI-style, asymmetric, two values per byte, low nibble = even channel):
+  ``data`` uint8 ``[2, N, bs, H, D/2]``.
+  Values are quantized per token in groups of ``value_group`` channels; ``v_meta`` fp16
+  ``[N, bs, H, D/value_group, 2]`` holds (scale, min) and ``x ~= min + q * scale``.
+  Keys are quantized per channel over the block's tokens once the block is full (the group is
+  the block). ``k_meta`` int16 ``[N, H, key_meta_slots]`` holds, for a full block, one uint16 per
+  channel (low byte: min code, high byte: max code) and two fp16 bit patterns ``lo, hi`` at slots
+  ``D, D+1``: channel ``c`` spans ``[lo + min_c * step, lo + max_c * step]`` with
+  ``step = (hi - lo) / 255`` (a second-level quantization of the per-channel ranges, which is what
+  keeps INT4 under 0.30x of bf16 with 16-token blocks). While a block is partial (the decode tail),
+  its keys are stored per token in groups of ``key_group`` channels with fp16 (scale, min) pairs in
+  the same ``k_meta`` slots: slot ``2 * (offset * D / key_group + g)`` is the scale, the next the min.
+
+NOTE: whether an INT4 block is full is not stored: a reader knows it from the sequence length
+(block ``j`` of a sequence of ``L`` tokens is full iff ``(j + 1) * bs <= L``), and the writer
+re-quantizes a block per channel in the step that writes its last slot. This module is torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from llmbus.kv.layout import DTYPE_BYTES, KVLayout
+
+KV_FORMATS = ("model", "int8", "int4")
+SCALE_DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str = "model"
+    scale_dtype: str = "float16"  # int8 only; int4 metadata is always fp16
+
+    def __post_init__(self) -> None:
+        if self.name not in KV_FORMATS:
+            raise ValueError(f"unknown KV format {self.name!r}: expected one of {', '.join(KV_FORMATS)}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"KVFormat.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if self.name == "int4" and self.scale_dtype != "float16":
+            raise ValueError("int4 KV stores its scales as float16; scale_dtype must be 'float16'")
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "model"
+
+    def check(self, layout: KVLayout) -> None:
+        """Raise ValueError if this format cannot store ``layout``."""
+        if self.name == "int4" and layout.head_dim % 2:
+            raise ValueError(f"int4 KV packs two channels per byte: head_dim must be even, got {layout.head_dim}")
+
+    # -- int4 grouping ------------------------------------------------------------------------
+    @staticmethod
+    def value_group(head_dim: int) -> int:
+        """Channels per (scale, min) pair of an INT4 value row."""
+        return math.gcd(head_dim, 64)
+
+    @staticmethod
+    def key_group(head_dim: int, block_size: int) -> int:
+        """Channels per (scale, min) pair of an INT4 key row while its block is partial."""
+        return math.gcd(head_dim, 2 * block_size)
+
+    @classmethod
+    def key_meta_slots(cls, head_dim: int, block_size: int) -> int:
+        """int16 slots of ``k_meta`` per block and head: room for either key encoding."""
+        per_token = 2 * block_size * (head_dim // cls.key_group(head_dim, block_size))
+        return max(head_dim + 2, per_token)
+
+    # -- sizes --------------------------------------------------------------------------------
+    def layer_block_bytes(self, layout: KVLayout) -> int:
+        """Bytes one block occupies in one layer, keys and values, metadata included."""
+        self.check(layout)
+        bs, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
+        if self.name == "model":
+            return 2 * bs * h * d * DTYPE_BYTES[layout.dtype]
+        if self.name == "int8":
+            return 2 * bs * h * d + 2 * bs * h * DTYPE_BYTES[self.scale_dtype]
+        data = 2 * bs * h * (d // 2)
+        k_meta = h * self.key_meta_slots(d, bs) * 2
+        v_meta = bs * h * (d // self.value_group(d)) * 2 * 2
+        return data + k_meta + v_meta
+
+    def bytes_per_block(self, layout: KVLayout) -> int:
+        """Bytes one block occupies across all layers."""
+        return self.layer_block_bytes(layout) * layout.num_layers
+
+    def bytes_per_token(self, layout: KVLayout) -> float:
+        """Average bytes per token across all layers (a block's bytes over its tokens)."""
+        return self.bytes_per_block(layout) / layout.block_size
+
+
+def parse_kv_format(name: str) -> KVFormat:
+    """``"model" | "int8" | "int4"`` (the ``--kv-format`` option) -> KVFormat."""
+    return KVFormat(name=name.strip().lower() if isinstance(name, str) else name)

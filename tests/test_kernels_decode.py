@@ -1,0 +1,102 @@
+"""Triton paged decode attention vs reference.paged_decode_attention_cache (TRITON_INTERPRET=1 on CPU)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kernels import reference as ref  # noqa: E402
+from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
+from kernels.paged_decode import paged_decode_attention  # noqa: E402
+from llmbus.kv.formats import KVFormat  # noqa: E402
+from llmbus.kv.layout import KVLayout  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+
+
+def _fill(cache, lay, lens, num_blocks, seed):
+    """Random K/V for sequences of ``lens`` tokens on shuffled blocks; returns int32 block tables."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(1, max(lay.num_blocks_for(n) for n in lens))
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        blocks = [perm.pop() for _ in range(lay.num_blocks_for(n))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if n:
+            k = torch.randn(n, lay.num_kv_heads, lay.head_dim, generator=g) + 0.5
+            v = torch.randn(n, lay.num_kv_heads, lay.head_dim, generator=g)
+            sm = torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV)
+            ref.write_kv_cache(k.to(DEV, cache.model_dtype), v.to(DEV, cache.model_dtype), cache, sm)
+    return tables.to(DEV)
+
+
+def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0):
+    lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
+    nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
+    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV)
+    tables = _fill(cache, lay, lens, nblocks, seed)
+    q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    q = q.to(DEV, cache.model_dtype)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    want = ref.paged_decode_attention_cache(q, cache, tables, sl, head_dim**-0.5)
+    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    empty = [i for i, n in enumerate(lens) if n == 0]
+    assert (got[empty] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_decode_dtypes_and_formats(name, dtype):
+    _check(name, dtype, hkv=2, group=4, head_dim=32, bs=16, lens=[37, 1, 0, 16], splits=1)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_gqa_ratios_and_split_k(group, splits):
+    _check("int4", "bfloat16", hkv=2, group=group, head_dim=16, bs=16, lens=[53, 7, 0], splits=splits, seed=group)
+
+
+@pytest.mark.parametrize("bs,head_dim", [(32, 64), (16, 128)])
+def test_decode_block_sizes_and_head_dims(bs, head_dim):
+    _check("int4", "float16", hkv=1, group=2, head_dim=head_dim, bs=bs, lens=[45, 33, 1], splits=2)
+    _check("int8", "bfloat16", hkv=1, group=2, head_dim=head_dim, bs=bs, lens=[45, 2], splits=1)
+
+
+def test_decode_more_splits_than_tiles_and_all_empty():
+    _check("model", "float32", hkv=1, group=1, head_dim=16, bs=16, lens=[5, 0], splits=6)
+    _check("int8", "float32", hkv=1, group=1, head_dim=16, bs=16, lens=[0, 0], splits=2)
+
+
+def test_decode_high_block_ids_do_not_overflow_int32():
+    """Blocks whose element offset exceeds 2**31 (cache is torch.empty: untouched pages are free)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype="float16")
+    n = (2**31) // (16 * 16) + 40
+    try:
+        data = torch.empty(2, n, 16, 1, 16, dtype=torch.int8, device=DEV)
+        scale = torch.empty(2, n, 16, 1, dtype=torch.float16, device=DEV)
+    except RuntimeError as exc:  # pragma: no cover
+        pytest.skip(f"cannot reserve a {n}-block cache: {exc}")
+    cache = PagedKVCache(KVFormat("int8"), lay, data, scale=scale)
+    hi = [n - 1, n - 7, n - 20]
+    k, v = torch.randn(40, 1, 16).half().to(DEV), torch.randn(40, 1, 16).half().to(DEV)
+    ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping(hi, 0, 40), device=DEV))
+    tables = torch.tensor([hi], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([40], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 2, 16).half().to(DEV)
+    want = ref.paged_decode_attention_cache(q, cache, tables, sl, 0.25)
+    torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.25, num_splits=2), want, atol=3e-3, rtol=3e-3)
+
+
+def test_decode_bad_input_is_a_value_error():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=16)
+    cache = allocate_cache(KVFormat("model"), lay, 2, DEV)
+    q = torch.randn(1, 3, 16, device=DEV)
+    with pytest.raises(ValueError, match="query must be"):
+        paged_decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+    q = torch.randn(1, 2, 16, device=DEV)
+    with pytest.raises(ValueError, match="must be int32"):
+        paged_decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int32), 1.0)

@@ -1,0 +1,83 @@
+"""Triton paged prefill attention vs reference.paged_prefill_attention_cache (TRITON_INTERPRET=1 on CPU)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kernels import reference as ref  # noqa: E402
+from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
+from kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from llmbus.kv.formats import KVFormat  # noqa: E402
+from llmbus.kv.layout import KVLayout  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
+
+
+def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0):
+    """Sequences with ``ctx[i]`` tokens of context whose last ``qlens[i]`` are this step's chunk."""
+    lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
+    nblocks = sum(lay.num_blocks_for(n) for n in ctx) + 2
+    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV)
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables = torch.zeros(len(ctx), max(lay.num_blocks_for(n) for n in ctx), dtype=torch.int32)
+    for i, n in enumerate(ctx):
+        blocks = [perm.pop() for _ in range(lay.num_blocks_for(n))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        k = (torch.randn(n, hkv, head_dim, generator=g) + 0.3).to(DEV, cache.model_dtype)
+        v = torch.randn(n, hkv, head_dim, generator=g).to(DEV, cache.model_dtype)
+        ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(int(qsl[-1]), hkv * group, head_dim, generator=g).to(DEV, cache.model_dtype)
+    sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    tables = tables.to(DEV)
+    want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, head_dim**-0.5)
+    got = paged_prefill_attention(q, cache, tables, sl, qsl, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_chunks_over_prefix(name, dtype):
+    # a chunk over a cached prefix, a fresh prompt, a single-token chunk, an empty chunk
+    _check(name, dtype, hkv=2, group=2, head_dim=16, bs=16, ctx=[45, 19, 33, 8], qlens=[21, 19, 1, 0])
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_gqa_ratios(group):
+    _check("int4", "float16", hkv=1, group=group, head_dim=32, bs=16, ctx=[40, 3], qlens=[17, 3], seed=group)
+
+
+def test_prefill_block_size_32_head_dim_64():
+    _check("int8", "float16", hkv=1, group=2, head_dim=64, bs=32, ctx=[70], qlens=[35])
+
+
+def test_prefill_high_block_ids_do_not_overflow_int32():
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype="float16")
+    n = (2**31) // (16 * 16) + 40
+    try:
+        data = torch.empty(2, n, 16, 1, 16, dtype=torch.float16, device=DEV)
+    except RuntimeError as exc:  # pragma: no cover
+        pytest.skip(f"cannot reserve a {n}-block cache: {exc}")
+    cache = PagedKVCache(KVFormat("model"), lay, data)
+    hi = [n - 2, n - 30]
+    k, v = torch.randn(25, 1, 16).half().to(DEV), torch.randn(25, 1, 16).half().to(DEV)
+    ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping(hi, 0, 25), device=DEV))
+    tables = torch.tensor([hi], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([25], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 9], dtype=torch.int32, device=DEV)
+    q = torch.randn(9, 1, 16).half().to(DEV)
+    want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.25)
+    torch.testing.assert_close(paged_prefill_attention(q, cache, tables, sl, qsl, 0.25), want, atol=3e-3, rtol=3e-3)
+
+
+def test_prefill_bad_input_is_a_value_error():
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16)
+    cache = allocate_cache(KVFormat("model"), lay, 2, DEV)
+    q = torch.randn(2, 1, 16, device=DEV)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    sl = torch.tensor([2], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="query_start_loc must be int32"):
+        paged_prefill_attention(q, cache, tables, sl, torch.tensor([0, 2], device=DEV), 1.0)
