@@ -1,0 +1,88 @@
+"""``python -m services.gateway --nats-url URL --model NAME=DIR [--model ...] --host H --port P``.
+
+Loads every model's tokenizer and config, then runs in the service skeleton (llmbus.bus.service:
+streams ensured, registry heartbeat, drain on exit). Once uvicorn accepts connections it prints
+``llmbus gateway listening http://H:P`` and then the skeleton's ``llmbus-ready gateway <id>`` line.
+On SIGINT/SIGTERM it stops taking requests, lets streams in flight end, then drains NATS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+import uvicorn
+
+from llmbus.bus.service import ServiceContext, ServiceOptions, add_common_args, run_service, setup_logging
+from services.gateway.app import build_app
+from services.gateway.bus_client import GatewayBus
+from services.gateway.config import GatewayConfig, ModelSpec
+from services.gateway.handlers import Gateway
+from services.gateway.models import ModelRegistry
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
+    p = argparse.ArgumentParser(prog="python -m services.gateway", description="llmbus OpenAI-compatible gateway")
+    add_common_args(p)
+    p.add_argument("--model", action="append", required=True, metavar="NAME=DIR", help="a served model (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see the listening line)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--max-model-len", type=int, default=None, help="override every model's context length")
+    p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of token-stream silence before failing")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="request deadline in seconds")
+    a = p.parse_args(argv)
+    models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
+    config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,
+                           max_body_bytes=a.max_body_bytes, token_timeout_s=a.token_timeout,
+                           request_timeout_s=a.request_timeout)
+    return config, a.instance_id, a.log_level
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture (it re-raises the signal after shutdown, which would
+    kill us before the NATS drain): the service skeleton's handlers set ``ctx.stop`` instead."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+async def serve_http(gw: Gateway, ctx: ServiceContext) -> None:
+    """The service body: serve until ``ctx.stop``; then stop accepting, let streams in flight end."""
+    config = gw.config
+    gw.bus = GatewayBus(ctx.nc)
+    server = _Server(uvicorn.Config(build_app(gw), host=config.host, port=config.port, log_level="warning",
+                                    lifespan="off", timeout_graceful_shutdown=30))
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.05)
+    if not server.started:
+        await serving
+        raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port}")
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    print(f"llmbus gateway listening http://{host}:{port}", flush=True)
+    await ctx.ready()
+    stopping = asyncio.ensure_future(ctx.stop.wait())
+    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    server.should_exit = True
+    await serving
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, instance_id, log_level = parse_args(argv)
+        setup_logging(log_level)
+        gw = Gateway(config, ModelRegistry.load(config.models))  # before connecting: bad dirs fail fast
+        options = ServiceOptions(role="gateway", nats_url=config.nats_url, instance_id=instance_id,
+                                 models=tuple(m.name for m in config.models))
+        return asyncio.run(run_service(options, lambda ctx: serve_http(gw, ctx)))
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        print(f"gateway: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

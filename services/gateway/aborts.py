@@ -1,0 +1,57 @@
+"""Per-request cleanup as a context manager: whatever ends the request (client disconnect, stop
+string, broken token stream, gateway error), the token subscription is dropped and, unless the
+workers finished the request themselves, an Abort is published so they free its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from nats.aio.subscription import Subscription
+
+from services.gateway.bus_client import GatewayBus
+from services.gateway.generation import Generation
+
+log = logging.getLogger("llmbus.gateway")
+
+
+@contextlib.asynccontextmanager
+async def abort_unless_finished(bus: GatewayBus, request_id: str, sub: Subscription,
+                                generation: Generation) -> AsyncIterator[None]:
+    reason = "client_disconnected"
+    try:
+        yield
+    except Exception:
+        reason = "gateway_error"
+        raise
+    finally:
+        if not generation.finished:
+            if generation.stopped_by_string:
+                reason = "stop_string"
+            elif generation.failed:
+                reason = "token_stream_failed"
+            # NOTE: shielded, so the abort still goes out when the handler itself is being cancelled
+            await _shielded(_cleanup(bus, request_id, sub, reason))
+        else:
+            await _shielded(_unsubscribe(sub))
+
+
+async def _cleanup(bus: GatewayBus, request_id: str, sub: Subscription, reason: str) -> None:
+    await _unsubscribe(sub)
+    try:
+        await bus.abort(request_id, reason)
+        log.info("aborted %s (%s)", request_id, reason)
+    except Exception as exc:
+        log.warning("could not publish the abort for %s: %s", request_id, exc)
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
+
+
+async def _shielded(coro) -> None:
+    """Await ``coro`` in its own task: if we are cancelled meanwhile, it still runs to the end."""
+    await asyncio.shield(asyncio.ensure_future(coro))

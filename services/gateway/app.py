@@ -1,0 +1,98 @@
+"""The Starlette application: routes, JSON body reading with a size limit, OpenAI-format errors for
+everything (including 404, 405, 413 and unexpected failures)."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from services.gateway.errors import APIError, invalid
+from services.gateway.handlers import Gateway, serve
+from services.gateway.openai_request import parse_chat, parse_completion
+
+log = logging.getLogger("llmbus.gateway")
+
+
+def build_app(gw: Gateway) -> Starlette:
+    async def health(request: Request) -> Response:
+        if gw.bus is None or not gw.bus.nc.is_connected:
+            return _json({"status": "unavailable", "bus": "disconnected"}, 503)
+        return _json({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        return _json(gw.models.listing())
+
+    async def completions(request: Request):
+        body = await read_json(request, gw.config.max_body_bytes)
+        return await serve(gw, request, parse_completion(body, gw.config.max_stop_strings))
+
+    async def chat(request: Request):
+        body = await read_json(request, gw.config.max_body_bytes)
+        return await serve(gw, request, parse_chat(body, gw.config.max_stop_strings))
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def read_json(request: Request, limit: int):
+    """The body parsed as JSON; 413 past ``limit`` bytes (checked while reading), 400 if malformed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise _too_large(limit)
+    if not data:
+        raise invalid("The request body is empty; send a JSON object.", None, code="invalid_json")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"We could not parse the JSON body of your request: {exc}", None,
+                      code="invalid_json") from None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+def _json(body: dict, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        error = APIError(404, f"Invalid URL ({request.method} {request.url.path})", code="not_found")
+    elif exc.status_code == 405:
+        error = APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
+                         code="method_not_allowed")
+    else:
+        error = APIError(exc.status_code, str(exc.detail), code=None)
+    response = error.response()
+    for key, value in (exc.headers or {}).items():
+        response.headers[key] = value
+    return response
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error serving %s %s", request.method, request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error",
+                    code="internal_error").response()

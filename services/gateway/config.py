@@ -1,0 +1,60 @@
+"""The gateway's configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: the public name clients send and the Hugging Face style directory."""
+
+    name: str
+    path: str
+    max_model_len: int | None = None  # None: config.json max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name != self.name.strip() or any(c.isspace() for c in self.name):
+            raise ValueError(f"model name must be a non-empty string without spaces, got {self.name!r}")
+        if not self.path:
+            raise ValueError(f"model {self.name!r}: directory must be given")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"model {self.name!r}: max_model_len must be >= 2, got {self.max_model_len}")
+
+    @classmethod
+    def parse(cls, text: str, max_model_len: int | None = None) -> "ModelSpec":
+        """Parse ``NAME=DIR`` (the --model flag)."""
+        name, sep, path = text.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--model expects NAME=DIR, got {text!r}")
+        return cls(name=name.strip(), path=path.strip(), max_model_len=max_model_len)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    nats_url: str
+    models: tuple[ModelSpec, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    token_timeout_s: float = 60.0  # longest silence on a token subject before the stream fails
+    request_timeout_s: float = 600.0  # the request's deadline, sent to workers
+    max_stop_strings: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        if not self.nats_url:
+            raise ValueError("nats_url must be given")
+        if not self.models:
+            raise ValueError("at least one --model NAME=DIR is required")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.token_timeout_s <= 0:
+            raise ValueError(f"token_timeout_s must be > 0, got {self.token_timeout_s}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")

@@ -1,0 +1,105 @@
+"""Typed getters for JSON request fields: each names the field in the error it raises.
+
+A field set to null counts as absent (the OpenAI API accepts null for every optional field).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.errors import invalid, missing, wrong_type
+
+
+def get_str(body: dict, name: str, *, required: bool = False, default: str | None = None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise missing(name)
+        return default
+    if not isinstance(value, str):
+        raise wrong_type(name, "a string", value)
+    return value
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise wrong_type(name, "a boolean", value)
+    return value
+
+
+def get_int(body: dict, name: str, *, lo: int | None = None, hi: int | None = None,
+            default: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wrong_type(name, "an integer", value)
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def get_float(body: dict, name: str, *, lo: float | None = None, hi: float | None = None,
+              default: float | None = None, lo_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise wrong_type(name, "a number", value)
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise invalid(f"'{name}' must be a finite number.", name)
+    if lo_open and lo is not None and value <= lo:
+        raise invalid(f"Invalid value for '{name}': {value} must be greater than {lo}.", name)
+    _check_range(name, value, None if lo_open else lo, hi)
+    return value
+
+
+def get_dict(body: dict, name: str) -> dict | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise wrong_type(name, "an object", value)
+    return value
+
+
+def get_stop(body: dict, name: str, limit: int) -> tuple[str, ...]:
+    """``stop``: a string or a list of strings."""
+    value: Any = body.get(name)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise wrong_type(name, "a string or an array of strings", value)
+    if len(value) > limit:
+        raise invalid(f"'{name}' accepts at most {limit} strings, got {len(value)}.", name)
+    if any(s == "" for s in value):
+        raise invalid(f"'{name}' must not contain empty strings.", name)
+    return tuple(dict.fromkeys(value))
+
+
+def get_int_list(body: dict, name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise wrong_type(name, "an array of integers", value)
+    return tuple(value)
+
+
+def reject_unsupported(body: dict, name: str, allowed: tuple = (None,)) -> None:
+    """Fail clearly on a known OpenAI field this server does not implement."""
+    value = body.get(name)
+    if value not in allowed and not (value == {} or value == []):
+        raise invalid(f"'{name}' is not supported by this server.", name, code="unsupported_parameter")
+
+
+def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
+    if lo is not None and value < lo:
+        raise invalid(f"Invalid value for '{name}': {value} is below the minimum of {lo}.", name)
+    if hi is not None and value > hi:
+        raise invalid(f"Invalid value for '{name}': {value} is above the maximum of {hi}.", name)

@@ -1,0 +1,163 @@
+"""Parsing and validation of /v1/completions and /v1/chat/completions bodies.
+
+The result is a plain frozen record; tokenization, context checks and SamplingParams come later
+(``prepare.py``), once the model is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway import fields as f
+from services.gateway.errors import invalid, missing, wrong_type
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt: str | tuple[int, ...] | None = None  # completion
+    messages: tuple[dict, ...] = ()  # chat: {"role": str, "content": str, ...}
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None  # None: the remaining context
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; n: the sampled token's logprob plus the top n
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
+    user: str | None = None
+
+
+def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
+    body = _common_checks(body)
+    for name in ("suffix", "best_of", "logit_bias"):
+        f.reject_unsupported(body, name, (None, 1) if name == "best_of" else (None,))
+    f.reject_unsupported(body, "echo", (None, False))
+    logprobs = f.get_int(body, "logprobs", lo=0, hi=20)
+    return OpenAIRequest(kind="completion", model=f.get_str(body, "model", required=True),
+                         prompt=_prompt(body), max_tokens=f.get_int(body, "max_tokens", lo=1),
+                         logprobs=logprobs, **_shared(body, max_stop))
+
+
+def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
+    body = _common_checks(body)
+    for name in ("logit_bias", "tools", "functions", "audio"):
+        f.reject_unsupported(body, name)
+    for name in ("tool_choice", "function_call"):
+        f.reject_unsupported(body, name, (None, "none"))
+    response_format = f.get_dict(body, "response_format")
+    if response_format is not None and response_format.get("type") != "text":
+        raise invalid("Only response_format {'type': 'text'} is supported.", "response_format",
+                      code="unsupported_parameter")
+    top = f.get_int(body, "top_logprobs", lo=0, hi=20)
+    want = f.get_bool(body, "logprobs")
+    if top is not None and not want:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    max_tokens = f.get_int(body, "max_completion_tokens", lo=1)
+    if max_tokens is None:
+        max_tokens = f.get_int(body, "max_tokens", lo=1)
+    return OpenAIRequest(kind="chat", model=f.get_str(body, "model", required=True),
+                         messages=_messages(body), max_tokens=max_tokens,
+                         logprobs=(top or 0) if want else None, **_shared(body, max_stop))
+
+
+def _common_checks(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", None, code="invalid_request_body")
+    n = f.get_int(body, "n", default=1)
+    if n != 1:
+        raise invalid(f"Only n=1 is supported, got n={n}.", "n", code="unsupported_parameter")
+    return body
+
+
+def _shared(body: dict, max_stop: int) -> dict:
+    stream = f.get_bool(body, "stream")
+    options = f.get_dict(body, "stream_options")
+    if options is not None and not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    include_usage = False
+    if options is not None:
+        include_usage = f.get_bool(options, "include_usage")
+    sampling = {
+        "temperature": f.get_float(body, "temperature", lo=0.0, hi=2.0, default=1.0),
+        "top_p": f.get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
+        "top_k": f.get_int(body, "top_k", lo=-1, default=0),
+        "min_p": f.get_float(body, "min_p", lo=0.0, hi=1.0, default=0.0),
+        "seed": f.get_int(body, "seed"),
+        "presence_penalty": f.get_float(body, "presence_penalty", lo=-2.0, hi=2.0, default=0.0),
+        "frequency_penalty": f.get_float(body, "frequency_penalty", lo=-2.0, hi=2.0, default=0.0),
+        "repetition_penalty": f.get_float(body, "repetition_penalty", lo=0.0, hi=10.0, default=1.0,
+                                          lo_open=True),
+        "ignore_eos": f.get_bool(body, "ignore_eos"),
+        "stop_token_ids": f.get_int_list(body, "stop_token_ids"),
+    }
+    return {"stream": stream, "include_usage": include_usage, "stop": f.get_stop(body, "stop", max_stop),
+            "sampling": sampling, "user": f.get_str(body, "user")}
+
+
+def _prompt(body: dict) -> str | tuple[int, ...]:
+    """A string, a list of token ids, or a one-element list of either (batches are not served)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise missing("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise invalid("'prompt' must not be empty.", "prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return tuple(prompt)
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise invalid("Batched prompts are not supported; send one prompt per request.", "prompt",
+                          code="unsupported_parameter")
+    raise wrong_type("prompt", "a string or an array of token ids", prompt)
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise missing("messages")
+    if not isinstance(messages, list):
+        raise wrong_type("messages", "an array", messages)
+    if not messages:
+        raise invalid("'messages' must contain at least one message.", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise wrong_type(where, "an object", msg)
+        role = msg.get("role")
+        if role is None:
+            raise missing(f"{where}.role")
+        if not isinstance(role, str):
+            raise wrong_type(f"{where}.role", "a string", role)
+        if role not in _ROLES:
+            raise invalid(f"Invalid value for '{where}.role': {role!r}; expected one of {list(_ROLES)}.",
+                          f"{where}.role")
+        clean = {"role": role, "content": _content(msg.get("content"), f"{where}.content", role)}
+        if isinstance(msg.get("name"), str):
+            clean["name"] = msg["name"]
+        out.append(clean)
+    return tuple(out)
+
+
+def _content(content: Any, where: str, role: str) -> str:
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise missing(where)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise wrong_type(where, "a string or an array of content parts", content)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid(f"'{where}[{j}]' must be a text part {{'type': 'text', 'text': ...}}; "
+                          "only text content is supported.", f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)

@@ -1,0 +1,80 @@
+"""From a parsed OpenAI request to a GenerateRequest: render, tokenize, check the context length,
+resolve max_tokens, validate the sampling values."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from llmbus.bus import subjects
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.protocol import GenerateRequest, SamplingSpec
+from services.gateway.errors import APIError, invalid
+from services.gateway.models import ServedModel
+from services.gateway.openai_request import OpenAIRequest
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: GenerateRequest
+    created: int  # unix seconds, the "created" field of every response body
+
+
+def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) -> Prepared:
+    prompt_ids = _prompt_ids(req, model)
+    param = "messages" if req.kind == "chat" else "prompt"
+    limit, n = model.max_model_len, len(prompt_ids)
+    if n >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                       f"{n} tokens, leaving no room for output. Shorten the prompt.",
+                       param=param, code="context_length_exceeded")
+    max_tokens = req.max_tokens if req.max_tokens is not None else limit - n
+    if n + max_tokens > limit:
+        name = "max_completion_tokens" if req.kind == "chat" else "max_tokens"
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                       f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
+                       f"Reduce the prompt or '{name}'.", param=name, code="context_length_exceeded")
+    spec = _sampling(req, max_tokens, model)
+    now = time.time()
+    request_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request = GenerateRequest(request_id=request_id, model=model.name, prompt_token_ids=prompt_ids,
+                              sampling=spec, deadline=now + request_timeout_s, created=now,
+                              token_subject=subjects.tokens(request_id))
+    return Prepared(request, int(now))
+
+
+def _prompt_ids(req: OpenAIRequest, model: ServedModel) -> list[int]:
+    tok = model.tokenizer
+    if req.kind == "chat":
+        try:
+            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True)
+        except ValueError as exc:
+            raise invalid(f"The messages cannot be rendered with this model's chat template: {exc}",
+                          "messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
+    elif isinstance(req.prompt, str):
+        ids = tok.encode(req.prompt, add_special_tokens=True)
+    else:
+        vocab = model.config.vocab_size
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"'prompt' has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
+        ids = list(req.prompt)
+    if not ids:
+        raise invalid("The prompt is empty after tokenization.", "messages" if req.kind == "chat" else "prompt")
+    return list(ids)
+
+
+def _sampling(req: OpenAIRequest, max_tokens: int, model: ServedModel) -> SamplingSpec:
+    s = req.sampling
+    vocab = model.config.vocab_size
+    bad = [t for t in s["stop_token_ids"] if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"'stop_token_ids' has ids outside the vocabulary [0, {vocab}): {bad[:5]}", "stop_token_ids")
+    kwargs = dict(s, max_tokens=max_tokens, logprobs=req.logprobs, stop_token_ids=list(s["stop_token_ids"]))
+    try:  # the engine's own validation, so a request the workers would refuse fails here, clearly
+        SamplingParams(**{**kwargs, "stop_token_ids": tuple(kwargs["stop_token_ids"])})
+    except ValueError as exc:
+        raise invalid(f"Invalid sampling parameters: {exc}", None) from None
+    return SamplingSpec(**kwargs)

@@ -1,0 +1,97 @@
+"""OpenAI response bodies and stream chunks, for completions and chat, in their exact shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob entry, already turned into text."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]  # most likely first
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class Shapes:
+    """Builds the bodies of one response; ``kind`` is "completion" or "chat"."""
+
+    def __init__(self, kind: str, request_id: str, model: str, created: int) -> None:
+        if kind not in ("completion", "chat"):
+            raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
+        self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
+        self._text_offset = 0  # completions logprobs: offset of the next token's text
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def chunk(self, text: str | None, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+              *, first: bool = False, include_usage: bool = False) -> dict:
+        """A stream chunk. For chat, ``first`` adds delta.role; ``text=None`` gives an empty delta."""
+        if self.kind == "chat":
+            delta: dict = {"role": "assistant", "content": text or ""} if first else {}
+            if not first and text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        body = self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage.body()
+        return body
+
+    def response(self, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None,
+                 usage: Usage) -> dict:
+        """The whole non-streamed response."""
+        if self.kind == "chat":
+            body = self._head("chat.completion")
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+        else:
+            body = self._head("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
+                      "finish_reason": finish_reason}
+        body["choices"] = [choice]
+        body["usage"] = usage.body()
+        return body
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            return {"content": [_chat_entry(e) for e in entries], "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(e.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+def _chat_entry(e: TokenLogprob) -> dict:
+    return {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode("utf-8")),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in e.top]}

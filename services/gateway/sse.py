@@ -1,0 +1,83 @@
+"""Server-sent events: the chunk sequence of one streamed response, and the ASGI response that
+sends it while watching for the client to hang up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import AsyncContextManager
+
+import logging
+
+import orjson
+
+from services.gateway.generation import Generation
+from services.gateway.shapes import Shapes
+
+DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("llmbus.gateway")
+
+
+def event(body: dict) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+async def chunks(gen: Generation, shapes: Shapes, include_usage: bool) -> AsyncIterator[bytes]:
+    """OpenAI's stream: (chat) a role chunk, content chunks, a chunk with finish_reason, a usage
+    chunk with empty choices when asked, then ``[DONE]``. A failure ends it with an error event."""
+    if shapes.kind == "chat":
+        yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage))
+    async for piece in gen.pieces():
+        if piece.error is not None:
+            yield event(piece.error.body())
+            break
+        if piece.text or piece.logprobs:
+            yield event(shapes.chunk(piece.text, None, piece.logprobs, include_usage=include_usage))
+        if piece.finish_reason is not None:
+            empty = None if shapes.kind == "chat" else ""
+            yield event(shapes.chunk(empty, piece.finish_reason, None, include_usage=include_usage))
+            if include_usage and piece.usage is not None:
+                yield event(shapes.usage_chunk(piece.usage))
+    yield DONE
+
+
+class SSEResponse:
+    """An ASGI response streaming ``body`` as text/event-stream inside ``guard()`` (the per-request
+    abort context). A client disconnect cancels the body at once, even while no token arrives."""
+
+    headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+    def __init__(self, body: AsyncIterator[bytes], guard: Callable[[], AsyncContextManager]) -> None:
+        self.body = body
+        self.guard = guard
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with self.guard():
+            sender = asyncio.ensure_future(self._send_all(send))
+            listener = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                await asyncio.wait({sender, listener}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (sender, listener):
+                    task.cancel()
+                for task in (sender, listener):
+                    with contextlib.suppress(asyncio.CancelledError, OSError):
+                        try:
+                            await task
+                        except Exception as exc:  # a send to a closed socket, or a bug: log, do not raise
+                            log.info("stream ended early: %s: %s", type(exc).__name__, exc)
+                with contextlib.suppress(Exception):
+                    await self.body.aclose()
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        async for data in self.body:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

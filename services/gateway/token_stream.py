@@ -1,0 +1,62 @@
+"""A request's TokenEvents in ``seq`` order, with gap, silence and garbage detection.
+
+The bus subscription pushes raw payloads into :meth:`TokenStream.push`; the request handler reads
+:meth:`TokenStream.next`. No NATS here, so the ordering rules are testable on their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from llmbus.protocol import ProtocolError, TokenEvent, decode
+
+
+class StreamFailure(Exception):
+    """The token stream broke (gap, silence, bad payload); ``code`` names the cause."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class TokenStream:
+    def __init__(self, request_id: str, silence_timeout_s: float) -> None:
+        if silence_timeout_s <= 0:
+            raise ValueError(f"silence_timeout_s must be > 0, got {silence_timeout_s}")
+        self.request_id = request_id
+        self.silence_timeout_s = silence_timeout_s
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._next_seq = 0
+
+    def push(self, payload: bytes) -> None:
+        """Called by the subscription for every message on the request's token subject."""
+        self._queue.put_nowait(payload)
+
+    async def next(self) -> TokenEvent:
+        """The next event in order. Duplicates (seq already seen) are skipped.
+
+        NOTE: core NATS keeps one publisher's order, and a request has one publisher at a time, so
+        a seq beyond the expected one means an event was lost: that is a failure, not a reorder.
+        """
+        while True:
+            try:
+                # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
+                # races with a completed get(), and a disconnected client's stream would run on
+                async with asyncio.timeout(self.silence_timeout_s):
+                    payload = await self._queue.get()
+            except TimeoutError:
+                raise StreamFailure(f"no token event for {self.silence_timeout_s:g}s (expected seq "
+                                    f"{self._next_seq}); the workers stopped answering", "timeout") from None
+            try:
+                event = decode(TokenEvent, payload)
+            except ProtocolError as exc:
+                raise StreamFailure(f"malformed token event: {exc}", "bad_event") from None
+            if event.request_id != self.request_id:
+                raise StreamFailure(f"token event for {event.request_id!r} on {self.request_id!r}'s subject",
+                                    "bad_event")
+            if event.seq < self._next_seq:
+                continue
+            if event.seq > self._next_seq:
+                raise StreamFailure(f"token events {self._next_seq}..{event.seq - 1} were lost", "gap")
+            self._next_seq += 1
+            return event

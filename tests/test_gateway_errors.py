@@ -1,0 +1,141 @@
+"""Every request error of the gateway: OpenAI-format JSON body, right status, the field named."""
+
+import openai
+import pytest
+
+from tests.test_gateway_harness import MAX_BODY_BYTES, MAX_MODEL_LEN, gateway, gw_nats, http, model_dir, scratch, worker  # noqa: F401
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+def test_health_and_models(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [("demo", "model", MAX_MODEL_LEN)]
+
+
+def test_malformed_json(http):
+    err = _error(http.post(CHAT, content=b'{"model": "demo",', headers={"content-type": "application/json"}), 400)
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("body", [[1, 2], "text", 3])
+def test_body_not_an_object(http, body):
+    assert _error(http.post(CHAT, json=body), 400)["code"] == "invalid_request_body"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (CHAT, {"messages": MSGS}, "model"),
+    (CHAT, {"model": "demo"}, "messages"),
+    (COMP, {"model": "demo"}, "prompt"),
+    (CHAT, {"model": "demo", "messages": [{"content": "x"}]}, "messages[0].role"),
+    (CHAT, {"model": "demo", "messages": [{"role": "user"}]}, "messages[0].content"),
+])
+def test_missing_fields(http, path, body, param):
+    err = _error(http.post(path, json=body), 400)
+    assert (err["param"], err["code"]) == (param, "missing_required_parameter")
+
+
+@pytest.mark.parametrize("path,field,value", [
+    (CHAT, "model", 7),
+    (CHAT, "messages", "hello"),
+    (CHAT, "max_tokens", "10"),
+    (CHAT, "max_completion_tokens", 2.5),
+    (CHAT, "temperature", "hot"),
+    (CHAT, "stream", "yes"),
+    (CHAT, "seed", True),
+    (CHAT, "stop", [1, 2]),
+    (CHAT, "logprobs", 1),
+    (COMP, "prompt", {"text": "x"}),
+    (COMP, "logprobs", True),
+    (COMP, "top_k", 1.5),
+])
+def test_wrong_types(http, path, field, value):
+    body = {"model": "demo", "messages": MSGS} if path == CHAT else {"model": "demo", "prompt": "hi"}
+    body[field] = value
+    err = _error(http.post(path, json=body), 400)
+    assert (err["param"], err["code"]) == (field, "invalid_type")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", 2.5), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
+    ("presence_penalty", 3), ("frequency_penalty", -2.5), ("top_k", -2), ("min_p", 2),
+    ("repetition_penalty", 0), ("n", 2), ("stop", ["a", ""]), ("logprobs", 21),
+])
+def test_invalid_values(http, field, value):
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": "hi", field: value}), 400)
+    assert err["param"] == field and err["type"] == "invalid_request_error"
+
+
+def test_chat_specific_rules(http):
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "top_logprobs": 2}), 400)
+    assert err["param"] == "top_logprobs"
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "stream_options": {"include_usage": True}}), 400)
+    assert err["param"] == "stream_options"
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    assert err["param"] == "messages[0].role"
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "user", "content": image}]}), 400)
+    assert err["param"] == "messages[0].content[0]"
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": []}), 400)
+    assert err["param"] == "messages"
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [{"type": "function"}]}), 400)
+    assert (err["param"], err["code"]) == ("tools", "unsupported_parameter")
+
+
+def test_prompt_token_ids_out_of_vocabulary(http):
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": [1, 2, 10**9]}), 400)
+    assert err["param"] == "prompt" and "vocabulary" in err["message"]
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": ["a", "b"]}), 400)
+    assert err["param"] == "prompt" and err["code"] == "unsupported_parameter"
+
+
+def test_unknown_model_404(http):
+    err = _error(http.post(CHAT, json={"model": "nope", "messages": MSGS}), 404)
+    assert (err["param"], err["code"]) == ("model", "model_not_found")
+
+
+def test_prompt_too_long(http):
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": list(range(5, 5 + MAX_MODEL_LEN))}), 400)
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN}), 400)
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "user", "content": "word " * 300}]}), 400)
+    assert (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+
+
+def test_body_too_large_is_json_413(http):
+    big = {"model": "demo", "prompt": "x" * (MAX_BODY_BYTES + 10)}
+    err = _error(http.post(COMP, json=big), 413)
+    assert err["code"] == "request_too_large"
+
+
+def test_unknown_route_and_wrong_method(http):
+    assert _error(http.get("/v1/nothing"), 404)["code"] == "not_found"
+    assert _error(http.get(COMP), 405)["code"] == "method_not_allowed"
+
+
+def test_openai_client_maps_errors(gateway):
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="nope", messages=MSGS)
+    assert exc.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="demo", prompt=list(range(5, 5 + MAX_MODEL_LEN)))
+    assert exc.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="demo", messages=MSGS, n=3)
+    assert exc.value.param == "n"

@@ -1,0 +1,235 @@
+"""The gateway's request path against a scripted worker on the real bus: exact SSE and JSON shapes,
+usage, stop strings, multi-byte characters split across tokens, gaps, silence, worker errors, and
+the Abort after a client disconnect."""
+
+import httpx
+import openai
+import pytest
+
+from llmbus.protocol import LogprobEntry
+from tests.test_gateway_harness import (  # noqa: F401
+    MAX_MODEL_LEN, gateway, gw_nats, http, model_dir, scratch, reply_script, sse_events, tokenizer, wait_for, worker,
+)
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+
+
+def _ids(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text  # the reference the gateway's output must equal
+    return ids
+
+
+def _last_request(worker, request_id):
+    matches = [(r, h) for r, h in worker.requests if r.request_id == request_id]
+    assert len(matches) == 1
+    return matches[0]
+
+
+def test_chat_non_stream_shape_usage_and_request(http, worker, tokenizer):
+    ids = _ids(tokenizer, "Hello world!")
+    worker.script = reply_script(ids, per_event=2, cached=16)
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "temperature": 0.5, "top_p": 0.9, "seed": 7})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    req, headers = _last_request(worker, body["id"])
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(MSGS), add_special_tokens=False)
+    assert req.prompt_token_ids == prompt
+    assert headers["Nats-Msg-Id"] == req.request_id and req.request_id.startswith("chatcmpl-")
+    assert req.token_subject == f"llmbus.tok.{req.request_id}" and req.deadline > req.created
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.seed, s.max_tokens) == (0.5, 0.9, 7, MAX_MODEL_LEN - len(prompt))
+    assert body == {
+        "id": req.request_id, "object": "chat.completion", "created": body["created"], "model": "demo",
+        "system_fingerprint": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello world!"}, "logprobs": None,
+                     "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                  "total_tokens": len(prompt) + len(ids), "prompt_tokens_details": {"cached_tokens": 16}},
+    }
+    assert worker.aborts_for(req.request_id) == []
+
+
+def test_chat_stream_exact_chunks_with_usage(http, worker, tokenizer):
+    text = "Hi there, friend."
+    ids = _ids(tokenizer, text)
+    worker.script = reply_script(ids, cached=0)
+    body = {"model": "demo", "messages": MSGS, "stream": True, "stream_options": {"include_usage": True},
+            "max_completion_tokens": 20}
+    with http.stream("POST", CHAT, json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    rid, created = chunks[0]["id"], chunks[0]["created"]
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": "demo",
+            "system_fingerprint": None}
+    assert chunks[0] == {**head, "usage": None, "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    contents = chunks[1:-2]
+    for c in contents:
+        assert c == {**head, "usage": None, "choices": [
+            {"index": 0, "delta": {"content": c["choices"][0]["delta"]["content"]}, "logprobs": None,
+             "finish_reason": None}]}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in contents) == text
+    assert chunks[-2] == {**head, "usage": None, "choices": [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]}
+    req, _ = _last_request(worker, rid)
+    n = len(req.prompt_token_ids)
+    assert req.sampling.max_tokens == 20
+    assert chunks[-1] == {**head, "choices": [], "usage": {
+        "prompt_tokens": n, "completion_tokens": len(ids), "total_tokens": n + len(ids),
+        "prompt_tokens_details": {"cached_tokens": 0}}}
+
+
+def test_openai_client_stream_and_completion(gateway, worker, tokenizer):
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    ids = _ids(tokenizer, "The quick brown fox")
+    worker.script = reply_script(ids, per_event=3, finish="length")
+    stream = client.chat.completions.create(model="demo", messages=MSGS, stream=True,
+                                            stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert ("".join(parts), finish, usage.completion_tokens) == ("The quick brown fox", "length", len(ids))
+    worker.script = reply_script(ids)
+    out = client.completions.create(model="demo", prompt="Once upon", max_tokens=30)
+    assert out.choices[0].text == "The quick brown fox" and out.choices[0].finish_reason == "stop"
+    req, _ = _last_request(worker, out.id)
+    assert req.prompt_token_ids == tokenizer.encode("Once upon") and out.id.startswith("cmpl-")
+    assert out.usage.prompt_tokens == len(req.prompt_token_ids)
+
+
+def test_multibyte_characters_split_across_tokens_come_out_whole(http, worker, tokenizer):
+    text = "héllo 😀 wörld ñ"
+    ids = _ids(tokenizer, text)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some character really is split
+    worker.script = reply_script(ids)
+    with http.stream("POST", COMP, json={"model": "demo", "prompt": "x", "stream": True}) as r:
+        events = sse_events(r)
+    texts = [e["choices"][0]["text"] for e in events[:-1]]
+    assert all("\ufffd" not in t for t in texts)
+    assert "".join(texts) == text and events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["object"] == "text_completion"
+
+
+def test_stop_string_streamed_is_held_back_cut_and_aborts(http, worker, tokenizer):
+    text = "one two STOP three four"
+    ids = _ids(tokenizer, text)
+    k = next(k for k in range(1, len(ids) + 1) if "STOP" in tokenizer.decode(ids[:k]))
+    worker.script = reply_script(ids, delay=0.01)
+    body = {"model": "demo", "prompt": "x", "stream": True, "stop": ["STOP", "never"],
+            "stream_options": {"include_usage": True}}
+    with http.stream("POST", COMP, json=body) as r:
+        events = sse_events(r)
+    texts = [e["choices"][0]["text"] for e in events[:-2]]
+    assert "".join(texts) == "one two " and all("S" not in t for t in texts)
+    assert events[-3]["choices"][0]["finish_reason"] == "stop"
+    assert events[-2]["usage"]["completion_tokens"] == k and events[-1] == "[DONE]"
+    rid = events[0]["id"]
+    aborts = wait_for(lambda: worker.aborts_for(rid), what="the stop-string abort")
+    assert [a.reason for a in aborts] == ["stop_string"]
+
+
+def test_stop_string_non_stream(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "alpha\n\nbeta"))
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "stop": "\n\n"})
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("alpha", "stop")
+
+
+def test_gap_in_seq_ends_stream_with_error_event(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "a b c d e f"), gap_after=1)
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["code"] == "gap" and err["type"] == "server_error" and "lost" in err["message"]
+    rid = events[0]["id"]
+    assert [a.reason for a in wait_for(lambda: worker.aborts_for(rid))] == ["token_stream_failed"]
+
+
+def test_gap_non_stream_is_503(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "a b c d e f"), gap_after=0)
+    r = http.post(COMP, json={"model": "demo", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "gap"
+
+
+def test_silence_ends_stream_with_timeout_error(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "a b c d e f"), silent_after=2)
+    with http.stream("POST", COMP, json={"model": "demo", "prompt": "x", "stream": True}) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tokenizer.decode(_ids(tokenizer, "a b c d e f")[:2])
+    assert events[-2]["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+
+
+def test_worker_error_non_stream_500_and_stream_event(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "a b"), error="out of KV blocks")
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS})
+    err = r.json()["error"]
+    assert r.status_code == 500 and err["type"] == "server_error" and "out of KV blocks" in err["message"]
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "stream": True}) as r:
+        events = sse_events(r)
+    assert "out of KV blocks" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    assert worker.aborts_for(events[0]["id"]) == []  # the worker ended it: nothing to abort
+
+
+def _logprob_entries(chunk):
+    return [LogprobEntry(t, -0.25 * (j + 1), [(t, -0.25 * (j + 1)), (7, -3.0)]) for j, t in enumerate(chunk)]
+
+
+def test_chat_logprobs(http, worker, tokenizer):
+    ids = _ids(tokenizer, "Hello world")
+    worker.script = reply_script(ids, per_event=len(ids), logprobs=_logprob_entries)
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "logprobs": True, "top_logprobs": 2})
+    req, _ = _last_request(worker, r.json()["id"])
+    assert req.sampling.logprobs == 2
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    want = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert [c["token"] for c in content] == want
+    assert [c["logprob"] for c in content] == [-0.25 * (j + 1) for j in range(len(ids))]
+    assert content[0]["bytes"] == list(want[0].encode()) and content[0]["top_logprobs"][1]["logprob"] == -3.0
+
+
+def test_completion_logprobs_and_token_prompt(http, worker, tokenizer):
+    ids = _ids(tokenizer, "ab cd")
+    worker.script = reply_script(ids, per_event=len(ids), logprobs=_logprob_entries)
+    body = {"model": "demo", "prompt": [5, 6, 7], "logprobs": 1, "max_tokens": 9, "top_k": 5, "min_p": 0.1,
+            "repetition_penalty": 1.1, "ignore_eos": True, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "stop_token_ids": [3]}
+    r = http.post(COMP, json=body).json()
+    req, _ = _last_request(worker, r["id"])
+    s = req.sampling
+    assert req.prompt_token_ids == [5, 6, 7]
+    assert (s.max_tokens, s.top_k, s.min_p, s.repetition_penalty, s.ignore_eos, s.presence_penalty,
+            s.frequency_penalty, s.stop_token_ids, s.logprobs) == (9, 5, 0.1, 1.1, True, 0.5, -0.5, [3], 1)
+    lp = r["choices"][0]["logprobs"]
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp["tokens"] == tokens
+    assert lp["text_offset"] == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+    assert lp["top_logprobs"][0] == {tokens[0]: -0.25, tokenizer.decode([7], skip_special_tokens=False): -3.0}
+
+
+def test_client_disconnect_mid_stream_publishes_abort(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "word " * 60), delay=0.05)
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    rid = httpx.Response(200, content=first[6:]).json()["id"]
+    aborts = wait_for(lambda: worker.aborts_for(rid), what="the disconnect abort")
+    assert [a.reason for a in aborts] == ["client_disconnected"]
+
+
+def test_client_disconnect_non_stream_publishes_abort(gateway, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "word " * 60), delay=0.05)
+    seen = len(worker.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway + COMP, json={"model": "demo", "prompt": "x"}, timeout=httpx.Timeout(5, read=0.5))
+    rid = wait_for(lambda: len(worker.requests) > seen and worker.requests[seen][0].request_id)
+    aborts = wait_for(lambda: worker.aborts_for(rid), what="the disconnect abort")
+    assert [a.reason for a in aborts] == ["client_disconnected"]

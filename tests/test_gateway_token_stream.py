@@ -1,0 +1,81 @@
+"""TokenStream ordering rules, and the gateway's bus client refusing cleanly when no stream exists."""
+
+import asyncio
+
+import pytest
+
+from llmbus.bus.connection import connect
+from llmbus.bus.server import EmbeddedNats
+from llmbus.protocol import GenerateRequest, TokenEvent, encode
+from services.gateway.bus_client import GatewayBus
+from services.gateway.errors import APIError
+from services.gateway.token_stream import StreamFailure, TokenStream
+
+
+def _ev(seq, rid="r1", ids=(1,)):
+    return encode(TokenEvent(rid, seq, list(ids)))
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_in_order_and_duplicates_skipped():
+    async def go():
+        s = TokenStream("r1", 5.0)
+        for seq in (0, 0, 1, 1, 2):
+            s.push(_ev(seq, ids=(seq,)))
+        return [(await s.next()).seq for _ in range(3)]
+
+    assert _run(go()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("payloads,code", [
+    ([_ev(0), _ev(2)], "gap"),
+    ([b"\xc1not msgpack"], "bad_event"),
+    ([encode(GenerateRequest("r1", "m", [1]))], "bad_event"),
+    ([_ev(0, rid="other")], "bad_event"),
+    ([_ev(0)], "timeout"),
+])
+def test_failures(payloads, code):
+    async def go():
+        s = TokenStream("r1", 0.2)
+        for p in payloads:
+            s.push(p)
+        while True:
+            await s.next()
+
+    with pytest.raises(StreamFailure) as exc:
+        _run(go())
+    assert exc.value.code == code
+
+
+def test_silence_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="silence_timeout_s"):
+        TokenStream("r1", 0)
+
+
+def test_submit_without_request_stream_is_503(tmp_path):
+    async def go(url):
+        nc = await connect(url)
+        try:
+            bus = GatewayBus(nc, publish_timeout_s=2.0)
+            req = GenerateRequest("cmpl-x", "demo", [1, 2], token_subject="llmbus.tok.cmpl-x")
+            with pytest.raises(APIError) as exc:
+                await bus.submit(req, TokenStream("cmpl-x", 1.0))
+            assert (exc.value.status, exc.value.code) == (503, "service_unavailable")
+            assert req.token_subject not in [sub.subject for sub in nc._subs.values()]  # dropped again
+        finally:
+            await nc.close()
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        _run(go(server.url))
+
+
+def test_gateway_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, services.gateway.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
