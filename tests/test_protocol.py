@@ -51,7 +51,7 @@ SAMPLES = [
     StatsRequest(),
     PoolStats("kvpool-1", 8, 6, 2, 1, 512, "llmbus_kv_ab", 0),
     Handoff(_request(lane="short"), [42], 3, LEASE, {"output_token_ids": [42], "nested": {"a": [1.5]}},
-            [2, 2, 2, 4, 2, 8], "float16", "prefill-1", 1, 0),
+            [2, 4, 64], "int8", "prefill-1", 1, 0),
     InstanceInfo("decode-1", "decode", ["demo"], 100, 2, "host", 1.7e9, 1234),
 ]
 
@@ -114,7 +114,12 @@ def test_token_event_invariants():
 
 def test_handoff_checks_the_lease_matches_the_kv_shape():
     with pytest.raises(ValueError, match="kv_shape has 3 blocks but the lease has 2"):
-        Handoff(_request(), [1], 3, LEASE, {}, [2, 2, 3, 4, 2, 8], "float16")
+        Handoff(_request(), [1], 3, LEASE, {}, [3, 4, 64], "model")
+
+
+def test_handoff_checks_a_block_fits_the_lease_blocks():
+    with pytest.raises(ValueError, match="does not fit"):
+        Handoff(_request(), [1], 3, LEASE, {}, [2, 4, 1 << 20], "model")
 
 
 def test_encode_refuses_non_records():

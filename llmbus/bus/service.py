@@ -70,9 +70,13 @@ class ServiceContext:
         self._models = list(options.models)
         self._free_blocks = 0
         self._queue_depth = 0
+        self._total_blocks = 0
 
-    def report(self, *, free_blocks: int | None = None, queue_depth: int | None = None, models: list[str] | None = None) -> None:
+    def report(self, *, free_blocks: int | None = None, queue_depth: int | None = None, models: list[str] | None = None,
+               total_blocks: int | None = None) -> None:  # fmt: skip
         """Figures for the next registry heartbeat."""
+        if total_blocks is not None:
+            self._total_blocks = total_blocks
         if free_blocks is not None:
             self._free_blocks = free_blocks
         if queue_depth is not None:
@@ -82,7 +86,7 @@ class ServiceContext:
 
     def info(self) -> InstanceInfo:
         return InstanceInfo(self.instance_id, self.role, self._models, self._free_blocks, self._queue_depth,
-                            socket.gethostname(), time.time(), os.getpid())  # fmt: skip
+                            socket.gethostname(), time.time(), os.getpid(), self._total_blocks)  # fmt: skip
 
     @property
     def registry_key(self) -> str:

@@ -31,6 +31,13 @@ class StepOutput:
     num_output_tokens: int
 
 
+def kv_block_bytes(layout: KVLayout, kv_format: str) -> int:
+    """Bytes one block takes across all layers in ``kv_format`` (scales included)."""
+    from llmbus.kv.formats import parse_kv_format
+
+    return parse_kv_format(kv_format).bytes_per_block(layout)
+
+
 def _pick_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,7 +45,12 @@ def _pick_device(name: str | None) -> torch.device:
 
 
 def make_backend(device: torch.device, kv_format: str):
-    """Triton kernels on CUDA, torch references on CPU; quantized formats where the kernels exist."""
+    """The fast SDPA backend (kernels.cpu) for model-dtype caches on CPU; otherwise Triton kernels on
+    CUDA and the torch references on CPU, for quantized formats where the kernels exist."""
+    if device.type == "cpu" and kv_format == "model":
+        from kernels.cpu import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     try:
         from kernels.backends import make_attention_backend
     except ImportError:
@@ -103,7 +115,7 @@ class Engine:
         return cls(loaded, config)
 
     def _blocks_for_budget(self) -> int:
-        per_block = self.layout.bytes_per_block
+        per_block = kv_block_bytes(self.layout, self.config.kv_format)
         wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
         return max(2, min(self.config.kv_cache_bytes // per_block, wanted))
 

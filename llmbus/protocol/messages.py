@@ -285,10 +285,11 @@ class ErrorReply:
 class Handoff:
     """Prefill -> decode (stream LLMBUS_DECODE, ``llmbus.decode.<model>``), Nats-Msg-Id = request_id.
 
-    The sequence's KV sits in kvpool under ``lease``: lease block i holds the sequence's block i as
-    ``kv[:, :, i]`` of the engine's export tensor, contiguous in the order
-    [num_layers, 2, block_size, num_kv_heads, head_dim] (``kv_shape`` is the full export shape).
-    The decode worker releases the lease once the blocks are in its own cache.
+    The sequence's KV sits in kvpool under ``lease``: lease block i holds the sequence's block i,
+    the engine's ``read_blocks`` row i (``[num_layers, layer_block_bytes]`` uint8, every layer's
+    bytes in the cache's own ``kv_format``), padded with zeros to ``lease.block_bytes``.
+    ``kv_shape`` is ``[n_blocks, num_layers, layer_block_bytes]``. The decode worker releases the
+    lease once the blocks are in its own cache.
     """
 
     request: GenerateRequest
@@ -296,17 +297,20 @@ class Handoff:
     num_computed_tokens: int  # tokens with KV in the handed-off blocks
     lease: Lease
     state: dict[str, Any]  # Engine.export_sequence() state, msgpack-able
-    kv_shape: list[int]  # [num_layers, 2, n_blocks, block_size, num_kv_heads, head_dim]
-    kv_dtype: str  # "float32" | "float16" | "bfloat16"
+    kv_shape: list[int]  # [n_blocks, num_layers, layer_block_bytes]
+    kv_format: str  # "model" | "int8" | "int4": the bytes' format (must match the decode engine's)
     prefill_worker: str = ""
     next_seq: int = 1  # seq of the next TokenEvent; prefill published 0 .. next_seq-1
     num_cached_tokens: int = 0  # prompt tokens prefill served from its prefix cache
 
     def __post_init__(self) -> None:
-        if len(self.kv_shape) != 6:
-            raise ValueError(f"kv_shape must have 6 dims, got {self.kv_shape}")
-        if self.kv_shape[2] != len(self.lease.blocks):
-            raise ValueError(f"kv_shape has {self.kv_shape[2]} blocks but the lease has {len(self.lease.blocks)}")
+        if len(self.kv_shape) != 3:
+            raise ValueError(f"kv_shape must be [n_blocks, num_layers, layer_block_bytes], got {self.kv_shape}")
+        if self.kv_shape[0] != len(self.lease.blocks):
+            raise ValueError(f"kv_shape has {self.kv_shape[0]} blocks but the lease has {len(self.lease.blocks)}")
+        if self.kv_shape[1] * self.kv_shape[2] > self.lease.block_bytes:
+            raise ValueError(f"a block of {self.kv_shape[1] * self.kv_shape[2]} bytes does not fit the lease's "
+                             f"{self.lease.block_bytes}-byte blocks")
 
 
 @dataclass(frozen=True)
@@ -321,6 +325,7 @@ class InstanceInfo:
     host: str = ""
     updated_at: float = 0.0  # unix seconds
     pid: int = 0
+    total_blocks: int = 0  # size of the worker's KV pool; free_blocks == total_blocks when nothing is held
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)

@@ -1,0 +1,201 @@
+"""`llmbus up`: one command for one machine — NATS (embedded unless given), kvpool, router, prefill
+and decode workers and the gateway, each its own process, with the demo model by default.
+
+Readiness: every service prints ``llmbus-ready <role> <id>`` once it serves; ``up`` waits for all of
+them, then prints the URL. A service that exits while the stack runs is reported and takes the
+whole stack down (exit 1). SIGINT/SIGTERM shut down in order: the gateway first (stops taking
+requests, lets streams finish), then router, workers, kvpool, and NATS last; exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = "llmbus-ready"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    url: str = ""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the whole service on this machine")
+    p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
+    p.add_argument("--data-dir", default="", help="JetStream store and demo models (default $LLMBUS_DATA_DIR or ~/.cache/llmbus)")
+    p.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
+                   help="a served model (repeatable; default: the small demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", type=int, default=1, help="prefill worker replicas per model")
+    p.add_argument("--decode", type=int, default=1, help="decode worker replicas per model")
+    p.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
+    p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--kvpool-blocks", type=int, default=4096, help="blocks in kvpool's shared-memory CPU tier")
+    p.add_argument("--long-threshold", type=int, default=1024, help="prompt tokens above which the long lane is used")
+    p.add_argument("--token-timeout", type=float, default=60.0, help="gateway: seconds of stream silence before failing")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.set_defaults(func=run)
+
+
+def _models(args, data_dir: Path) -> list[tuple[str, str]]:
+    from llmbus.worker.options import parse_model_spec
+
+    if args.model:
+        models = [parse_model_spec(m) for m in args.model]
+    else:
+        os.environ.setdefault("LLMBUS_DATA_DIR", str(data_dir))
+        from llmbus.model.demo import ensure_demo_model
+
+        models = [("llmbus-demo-small", str(ensure_demo_model("small")))]
+    for name, path in models:
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"model {name!r}: no config.json in {path}")
+    return models
+
+
+def _block_bytes(models, args) -> int:
+    from llmbus.engine.engine import kv_block_bytes
+    from llmbus.model.config import ModelConfig
+
+    most = 0
+    for _, path in models:
+        cfg = ModelConfig.from_file(Path(path) / "config.json")
+        layout = cfg.kv_layout(16, args.dtype or cfg.dtype)
+        most = max(most, kv_block_bytes(layout, args.kv_format))
+    return most
+
+
+def _plan(args, nats_url: str, models) -> list[Child]:
+    py = [sys.executable, "-m"]
+    common = ["--nats-url", nats_url]
+    workers = len(models) * (args.prefill + args.decode)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
+    engine = ["--kv-format", args.kv_format, "--threads", str(threads)]
+    if args.dtype:
+        engine += ["--dtype", args.dtype]
+    if args.device:
+        engine += ["--device", args.device]
+    engine += args.worker_arg
+    names = ",".join(n for n, _ in models)
+    plan = [
+        Child("kvpool", py + ["services.kvpool", *common, "--block-bytes", str(_block_bytes(models, args)),
+                              "--capacity-blocks", str(args.kvpool_blocks)]),
+        Child("router", py + ["services.router", *common, "--models", names, "--long-threshold", str(args.long_threshold)]),
+    ]
+    for name, path in models:
+        spec = f"{name}={path}"
+        plan += [Child(f"prefill-{name}-{i}", py + ["services.prefill", *common, "--model", spec, *engine])
+                 for i in range(args.prefill)]
+        plan += [Child(f"decode-{name}-{i}", py + ["services.decode", *common, "--model", spec, *engine])
+                 for i in range(args.decode)]
+    gateway = py + ["services.gateway", *common, "--host", args.host, "--port", str(args.port),
+                    "--token-timeout", str(args.token_timeout)]
+    for name, path in models:
+        gateway += ["--model", f"{name}={path}"]
+    plan.append(Child("gateway", gateway))
+    return plan
+
+
+def _start(child: Child) -> None:
+    # NOTE: own session, so a terminal's Ctrl-C reaches only `up`, which then stops services in order
+    child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                  bufsize=1, start_new_session=True)
+
+    def pump() -> None:  # forward output, spot readiness; keeps the pipe from filling
+        for line in child.proc.stdout:
+            if line.startswith(READY):
+                child.ready.set()
+            elif line.startswith("llmbus gateway listening "):
+                child.url = line.split()[-1]
+            sys.stdout.write(f"[{child.name}] {line}")
+            sys.stdout.flush()
+
+    threading.Thread(target=pump, daemon=True).start()
+
+
+def _stop(children: list[Child], timeout: float = 30.0) -> None:
+    """Gateway first, kvpool last: each gets SIGTERM and ``timeout`` seconds before SIGKILL."""
+    order = [c for c in children if c.name == "gateway"] + [c for c in children if c.name == "router"]
+    order += [c for c in children if c.name.startswith("prefill")] + [c for c in children if c.name.startswith("decode")]
+    order += [c for c in children if c.name == "kvpool"]
+    for group in (order[:1], order[1:2], [c for c in order if c.name.startswith(("prefill", "decode"))], order[-1:]):
+        live = [c for c in group if c.proc and c.proc.poll() is None]
+        for c in live:
+            c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in live:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmbus.bus.server import EmbeddedNats
+
+    data_dir = Path(args.data_dir or os.environ.get("LLMBUS_DATA_DIR") or Path.home() / ".cache" / "llmbus")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError("--prefill and --decode must be >= 1")
+    models = _models(args, data_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    nats = None
+    if not args.nats_url:
+        nats = EmbeddedNats(data_dir / "nats")
+        nats.start()
+        print(f"llmbus up: nats-server at {nats.url} (store {data_dir / 'nats'})", flush=True)
+    nats_url = args.nats_url or nats.url
+    children = _plan(args, nats_url, models)
+    code = 0
+    try:
+        for child in children:
+            _start(child)
+        deadline = time.monotonic() + args.ready_timeout
+        while not all(c.ready.is_set() for c in children):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead or stop.is_set() or time.monotonic() > deadline:
+                for c in dead:
+                    print(f"llmbus up: {c.name} exited with code {c.proc.returncode} before it was ready", file=sys.stderr)
+                if not dead and not stop.is_set():
+                    late = ", ".join(c.name for c in children if not c.ready.is_set())
+                    print(f"llmbus up: not ready after {args.ready_timeout:.0f}s: {late}", file=sys.stderr)
+                return 1 if not stop.is_set() else 0
+            time.sleep(0.1)
+        gateway = children[-1]
+        print(f"llmbus up: ready — OpenAI API at {gateway.url or f'http://{args.host}:{args.port}'}/v1 "
+              f"(models: {', '.join(n for n, _ in models)})", flush=True)
+        while not stop.is_set():
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                for c in dead:
+                    print(f"llmbus up: {c.name} exited unexpectedly with code {c.proc.returncode}; stopping",
+                          file=sys.stderr, flush=True)
+                code = 1
+                break
+            stop.wait(0.2)
+        return code
+    finally:
+        print("llmbus up: shutting down", flush=True)
+        _stop(children)
+        if nats is not None:
+            nats.stop()
+        print("llmbus up: stopped", flush=True)

@@ -1,0 +1,1 @@
+"""What the prefill and decode services share: the engine thread and the worker options."""

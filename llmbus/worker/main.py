@@ -1,0 +1,38 @@
+"""The command line of an engine-driving service: parse, load the model, run the service body."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+
+from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
+from llmbus.worker.options import add_engine_args, engine_config_from_args, parse_model_spec
+
+
+def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"llmbus {role} worker")
+    add_common_args(parser)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        setup_logging(args.log_level)
+        name, path = parse_model_spec(args.model)
+        config = engine_config_from_args(args)
+        options = ServiceOptions(role=role, nats_url=args.nats_url, instance_id=args.instance_id, models=(name,))
+        from llmbus.engine.engine import Engine
+
+        engine = Engine.from_model_dir(path, config)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{role}: error: {exc}", file=sys.stderr)
+        return 2
+
+    async def run(ctx):
+        await body(ctx, engine, name)
+
+    try:
+        return asyncio.run(run_service(options, run))
+    except ConnectionError as exc:
+        print(f"{role}: error: {exc}", file=sys.stderr)
+        return 1

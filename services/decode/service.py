@@ -1,0 +1,167 @@
+"""The decode service: pulls handoffs only while it has free KV blocks and batch slots, moves the
+handed-off KV from kvpool into its own paged cache, joins the continuous batch, and streams one
+TokenEvent per step per request until the request finishes or is aborted.
+
+Per handoff: malformed or unusable -> a final error TokenEvent, lease released, ``term``; otherwise
+the blocks are read (shared memory on the same host, the bus elsewhere), the lease is released, the
+sequence is imported, and the handoff acked. An Abort stops a request at once and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmbus.bus import subjects
+from llmbus.bus.kvclient import KVPoolClient
+from llmbus.bus.service import ServiceContext
+from llmbus.bus.streams import ensure_decode_consumer
+from llmbus.bus.worker import PullWorker
+from llmbus.engine.engine import Engine, StepOutput
+from llmbus.protocol import Abort, GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
+from llmbus.worker.engine_loop import EngineLoop
+from llmbus.worker.events import token_event
+
+log = logging.getLogger("llmbus.decode")
+
+
+@dataclass
+class Active:
+    request: GenerateRequest
+    next_seq: int
+
+
+class DecodeWorker:
+    def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, min_free_fraction: float = 0.05) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.model = model
+        self.min_free_blocks = max(1, int(engine.runner.num_blocks * min_free_fraction))
+        self.active: dict[str, Active] = {}
+        self.recent_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
+        self.loop: EngineLoop | None = None
+        self.events: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def capacity(self) -> int:
+        """Handoffs this worker can take now: free batch slots, while enough blocks are free."""
+        if self.engine.num_free_blocks < self.min_free_blocks:
+            return 0
+        return max(0, self.engine.config.max_num_seqs - len(self.active))
+
+    async def run(self) -> None:
+        limits = self.ctx.options.limits
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs)
+        self.loop.start()
+        self.ctx.stack.callback(self.loop.stop)
+        self.ctx.stack.callback(self.kv.close)
+        consumer = await ensure_decode_consumer(self.ctx.js, self.model, limits)
+        worker = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer, max_deliver=limits.max_deliver)
+        self.ctx.stack.push_async_callback(worker.close)
+        sub = await self.ctx.nc.subscribe(subjects.ABORTS_WILDCARD, cb=self._on_abort)
+        self.ctx.stack.push_async_callback(sub.unsubscribe)
+        self._report()
+        await self.ctx.ready()
+        tasks = [asyncio.create_task(self._pull(worker)), asyncio.create_task(self._publisher())]
+        try:
+            await self.ctx.stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for rid, act in list(self.active.items()):  # tell clients instead of leaving them waiting
+                await self._publish(act.request, TokenEvent.failure(rid, "the decode worker shut down",
+                                                                    seq=act.next_seq, worker=self.ctx.instance_id))
+            self.active.clear()
+
+    def _report(self) -> None:
+        self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=len(self.active),
+                        total_blocks=self.engine.runner.num_blocks)  # fmt: skip
+
+    async def _pull(self, worker: PullWorker) -> None:
+        while not self.ctx.stop.is_set():
+            if self.loop.error is not None:
+                log.error("engine thread died; stopping")
+                self.ctx.stop.set()
+                return
+            for msg in await worker.fetch(self.capacity, timeout=0.5):
+                await self._take(msg)
+            self._report()
+
+    async def _take(self, msg) -> None:
+        try:
+            handoff = decode(Handoff, msg.data)
+        except ProtocolError as exc:
+            log.warning("dropping malformed handoff: %s", exc)
+            await msg.term()
+            return
+        req = handoff.request
+        rid = req.request_id
+        try:
+            if rid in self.recent_aborts or rid in self.active:
+                await msg.ack()
+                return
+            if handoff.kv_format != self.engine.config.kv_format:
+                raise ValueError(f"handoff KV is {handoff.kv_format}, this decode worker runs {self.engine.config.kv_format}")
+            n, layers, layer_bytes = handoff.kv_shape
+            raw = await self.kv.read_blocks(handoff.lease)
+            rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, handoff.lease.block_bytes)
+            kv = rows[:, : layers * layer_bytes].reshape(n, layers, layer_bytes)
+            params = req.sampling.to_params()
+            # NOTE: registered first: the engine may emit its first token before we resume
+            self.active[rid] = Active(req, handoff.next_seq)
+            await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
+        except Exception as exc:
+            self.active.pop(rid, None)
+            log.warning("cannot take handoff %s: %s", rid, exc)
+            await self._publish(req, TokenEvent.failure(rid, f"decode could not take the request: {exc}",
+                                                        seq=handoff.next_seq, worker=self.ctx.instance_id,
+                                                        prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+            await msg.term()
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await self.kv.release(handoff.lease.lease_id)
+        await msg.ack()
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        self.events.put_nowait(outputs)
+
+    async def _publisher(self) -> None:
+        """One task publishes every TokenEvent, so each request's events leave in seq order."""
+        while True:
+            outputs = await self.events.get()
+            for out in outputs:
+                act = self.active.get(out.request_id)
+                if act is None:
+                    continue
+                reason = out.finish_reason
+                if reason == "abort":
+                    self.active.pop(out.request_id, None)
+                    continue
+                await self._publish(act.request, token_event(out, act.next_seq, self.ctx.instance_id, reason))
+                act.next_seq += 1
+                if reason is not None:
+                    self.active.pop(out.request_id, None)
+            self._report()
+
+    async def _on_abort(self, msg) -> None:
+        try:
+            rid = decode(Abort, msg.data).request_id
+        except ProtocolError:
+            return
+        self.recent_aborts[rid] = None
+        while len(self.recent_aborts) > 10000:
+            self.recent_aborts.popitem(last=False)
+        if self.active.pop(rid, None) is not None:
+            await self.loop.call(lambda e: e.abort(rid))
+            self._report()
+
+    async def _publish(self, req: GenerateRequest, event: TokenEvent) -> None:
+        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))

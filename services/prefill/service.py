@@ -1,0 +1,224 @@
+"""The prefill service: pulls prompts as its engine has room, prefills them in batches (chunked),
+samples the first token, and hands the sequence and its KV to the decode pool.
+
+Per job (a GenerateRequest on the lane streams):
+- malformed payload or invalid request -> a final error TokenEvent, then ``term``;
+- otherwise the engine prefills it (``prefill_only``); ``in_progress`` heartbeats keep it ours;
+- first token sampled: publish TokenEvent seq 0; if that already finished the request (eos, stop id,
+  max_tokens == 1) it is the final event and the job is acked. Else the KV blocks go into a kvpool
+  lease, a Handoff is published to the decode stream (Nats-Msg-Id = request_id), and only then is
+  the job acked. A failure there releases the lease and fails the request clearly.
+- an Abort for a job in flight stops it in the engine (blocks freed at once) and acks the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from llmbus.bus import subjects
+from llmbus.bus.kvclient import KVPoolClient
+from llmbus.bus.service import ServiceContext
+from llmbus.bus.streams import ensure_prefill_consumer
+from llmbus.bus.worker import PullWorker
+from llmbus.engine.engine import Engine, StepOutput
+from llmbus.protocol import Abort, GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
+from llmbus.protocol.messages import LANES
+from llmbus.worker.engine_loop import EngineLoop
+from llmbus.worker.events import token_event
+
+log = logging.getLogger("llmbus.prefill")
+
+
+@dataclass
+class Job:
+    msg: object
+    request: GenerateRequest
+    stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+
+class PrefillWorker:
+    def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
+                 lease_ttl_s: float = 120.0) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.engine = engine
+        self.model = model
+        self.lanes = lanes
+        self.lease_ttl_s = lease_ttl_s
+        self.jobs: dict[str, Job] = {}
+        self.recent_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
+        self.loop: EngineLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def capacity(self) -> int:
+        """Jobs this worker can take now: batch slots left, and only while blocks remain."""
+        cfg = self.engine.config
+        if self.engine.num_free_blocks < 1:
+            return 0
+        return max(0, cfg.max_num_seqs - len(self.jobs))
+
+    async def run(self) -> None:
+        limits = self.ctx.options.limits
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs)
+        self.loop.start()
+        self.ctx.stack.callback(self.loop.stop)
+        self.ctx.stack.callback(self.kv.close)
+        workers = []
+        for lane in self.lanes:
+            consumer = await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits)
+            w = await PullWorker.bind(self.ctx.js, subjects.PREFILL_STREAMS[lane], consumer,
+                                      max_deliver=limits.max_deliver)  # fmt: skip
+            self.ctx.stack.push_async_callback(w.close)
+            workers.append(w)
+        sub = await self.ctx.nc.subscribe(subjects.ABORTS_WILDCARD, cb=self._on_abort)
+        self.ctx.stack.push_async_callback(sub.unsubscribe)
+        self._report()
+        await self.ctx.ready()
+        pullers = [asyncio.create_task(self._pull(w)) for w in workers]
+        try:
+            await self.ctx.stop.wait()
+        finally:
+            for t in pullers:
+                t.cancel()
+            await asyncio.gather(*pullers, return_exceptions=True)
+            await self._release_all()
+
+    async def _pull(self, worker: PullWorker) -> None:
+        while not self.ctx.stop.is_set():
+            if self.loop.error is not None:
+                log.error("engine thread died; stopping")
+                self.ctx.stop.set()
+                return
+            msgs = await worker.fetch(self.capacity, timeout=0.5)
+            for msg in msgs:
+                await self._take(worker, msg)
+            self._report()
+
+    def _report(self) -> None:
+        self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=len(self.jobs),
+                        total_blocks=self.engine.runner.num_blocks)  # fmt: skip
+
+    async def _take(self, worker: PullWorker, msg) -> None:
+        try:
+            req = decode(GenerateRequest, msg.data)
+        except ProtocolError as exc:
+            log.warning("dropping malformed job: %s", exc)
+            await msg.term()
+            return
+        rid = req.request_id
+        if rid in self.recent_aborts or rid in self.jobs:
+            await msg.ack()  # aborted before it reached us, or a redelivery of a job we hold
+            return
+        # NOTE: registered before the engine sees it: its first output can arrive before we resume
+        job = self.jobs[rid] = Job(msg, req)
+        await job.stack.enter_async_context(worker.working(msg))
+        try:
+            params = req.sampling.to_params()
+            await self.loop.call(
+                lambda e: e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=True)
+            )
+        except ValueError as exc:
+            self.jobs.pop(rid, None)
+            await job.stack.aclose()
+            await self._publish(req, TokenEvent.failure(rid, f"invalid request: {exc}", worker=self.ctx.instance_id,
+                                                        prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+            await msg.term()
+
+    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            task = asyncio.create_task(self._finish(job, out))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _finish(self, job: Job, out: StepOutput) -> None:
+        req = job.request
+        rid = req.request_id
+        try:
+            if out.finish_reason != "handoff":  # finished on its first token (or aborted)
+                if out.finish_reason != "abort":
+                    await self._publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
+                await job.msg.ack()
+                return
+            await self._publish(req, token_event(out, 0, self.ctx.instance_id, None))
+            state, kv = await self.loop.call(lambda e: e.export_sequence(rid))
+            await self._hand_off(req, out, state, kv)
+            await job.msg.ack()
+        except Exception as exc:
+            log.exception("prefill of %s failed", rid)
+            await self._publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=1, worker=self.ctx.instance_id,
+                                                        prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+            with contextlib.suppress(Exception):
+                await job.msg.term()
+        finally:
+            self.jobs.pop(rid, None)
+            await job.stack.aclose()
+            self._report()
+
+    async def _hand_off(self, req: GenerateRequest, out: StepOutput, state: dict, kv) -> None:
+        n_blocks, num_layers, layer_bytes = kv.shape
+        lease = await self.kv.allocate(n_blocks, ttl_s=self.lease_ttl_s, request_id=req.request_id)
+        try:
+            rows = kv.reshape(n_blocks, num_layers * layer_bytes)
+            pad = lease.block_bytes - rows.shape[1]
+            if pad < 0:
+                raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
+            if pad:
+                import torch
+
+                rows = torch.nn.functional.pad(rows, (0, pad))
+            await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+            handoff = Handoff(
+                request=req,
+                output_token_ids=list(state["output_token_ids"]),
+                num_computed_tokens=state["num_computed_tokens"],
+                lease=lease,
+                state=state,
+                kv_shape=[n_blocks, num_layers, layer_bytes],
+                kv_format=self.engine.config.kv_format,
+                prefill_worker=self.ctx.instance_id,
+                next_seq=1,
+                num_cached_tokens=out.num_cached_tokens,
+            )
+            await self.ctx.js.publish(subjects.decode_subject(self.model), encode(handoff),
+                                      headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.kv.release(lease.lease_id)
+            raise
+
+    async def _on_abort(self, msg) -> None:
+        try:
+            abort = decode(Abort, msg.data)
+        except ProtocolError:
+            return
+        rid = abort.request_id
+        self.recent_aborts[rid] = None
+        while len(self.recent_aborts) > 10000:
+            self.recent_aborts.popitem(last=False)
+        job = self.jobs.pop(rid, None)
+        if job is None:
+            return
+        await self.loop.call(lambda e: e.abort(rid))
+        with contextlib.suppress(Exception):
+            await job.msg.ack()
+        await job.stack.aclose()
+        self._report()
+
+    async def _publish(self, req: GenerateRequest, event: TokenEvent) -> None:
+        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+
+    async def _release_all(self) -> None:
+        """On shutdown, give unfinished jobs back to the stream so another replica takes them."""
+        for job in list(self.jobs.values()):
+            with contextlib.suppress(Exception):
+                await job.msg.nak()  # another replica takes it
+            await job.stack.aclose()
+        self.jobs.clear()

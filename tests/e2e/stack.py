@@ -1,0 +1,103 @@
+"""Start the real stack (`llmbus up`: nats-server, kvpool, router, prefill, decode, gateway as
+separate processes) for end-to-end tests, and read its state back from the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from llmbus.bus import subjects
+from llmbus.bus.connection import connect
+from llmbus.bus.kvclient import KVPoolClient
+from llmbus.protocol import InstanceInfo, decode
+
+
+class Stack:
+    def __init__(self, model_name: str, model_dir: Path, data_dir: Path, *extra: str) -> None:
+        self.model_name = model_name
+        self.lines: list[str] = []
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmbus.cli", "up", "--data-dir", str(data_dir), "--port", "0",
+             "--model", f"{model_name}={model_dir}", "--threads", "1", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+        self._ready = threading.Event()
+        self.base_url = ""
+        self.nats_url = ""
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(240):
+            self.stop()
+            raise RuntimeError("llmbus up did not become ready:\n" + "".join(self.lines[-40:]))
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if m := re.search(r"nats-server at (\S+)", line):
+                self.nats_url = m.group(1)
+            if m := re.search(r"ready — OpenAI API at (\S+)", line):
+                self.base_url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def stop(self, timeout: float = 90) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    # --- state read back over the bus -----------------------------------------------------------
+
+    def instances(self) -> list[InstanceInfo]:
+        async def read():
+            nc = await connect(self.nats_url)
+            try:
+                kv = await nc.jetstream().key_value(subjects.REGISTRY_BUCKET)
+                out = []
+                for key in await kv.keys():
+                    out.append(decode(InstanceInfo, (await kv.get(key)).value))
+                return out
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
+    def kvpool_leased_blocks(self) -> int:
+        async def read():
+            nc = await connect(self.nats_url)
+            try:
+                return (await KVPoolClient(nc).stats()).leased_blocks
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Wait until kvpool leases nothing and every worker holds no request and no KV block."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = [i for i in self.instances() if i.role in ("prefill", "decode")]
+            state = {
+                "kvpool_leased_blocks": self.kvpool_leased_blocks(),
+                "workers": {i.instance_id: (i.queue_depth, i.total_blocks - i.free_blocks) for i in workers},
+            }
+            idle = state["kvpool_leased_blocks"] == 0 and workers and all(
+                v == (0, 0) for v in state["workers"].values()
+            )
+            if idle or time.monotonic() > deadline:
+                return state
+            time.sleep(0.5)

@@ -1,0 +1,198 @@
+"""The whole service, for real: `llmbus up` with a nats-server, kvpool, router, prefill, decode and
+gateway processes, driven over HTTP by the `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from llmbus.engine.llm import LLM
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.model.demo import make_demo_model
+from tests.e2e.stack import Stack
+
+MODEL = "demo"
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("e2e-model") / "demo-small"
+    make_demo_model(path, "small")
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    s = Stack(MODEL, model_dir, tmp_path_factory.mktemp("e2e-data"), "--token-timeout", "10")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return LLM(model_dir, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_completion_greedy_equals_in_process_engine(client, reference):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    ref = reference.generate([prompt], greedy(16))[0]
+    assert out.choices[0].text == ref.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == 16
+    assert out.usage.total_tokens == len(ref.prompt_token_ids) + 16
+
+
+def test_streamed_chat_equals_non_streamed(client, reference):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 20)
+    rendered = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = reference.tokenizer.encode(rendered)
+    assert usage.prompt_tokens == len(ids)
+    assert whole.choices[0].message.content == reference.generate([ids], greedy(20))[0].text
+
+
+def test_token_id_prompt_and_stop_string(client, reference):
+    ids = [5, 17, 300, 42, 9, 77]
+    ref = reference.generate([ids], greedy(24))[0]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].text == ref.text
+    stop = ref.text[len(ref.text) // 2 : len(ref.text) // 2 + 3]
+    if stop.strip():
+        cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].text == ref.text[: ref.text.index(stop)]
+
+
+def test_32_concurrent_streams_complete_in_order(stack, reference):
+    prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(32)]
+    refs = reference.generate(prompts, greedy(24))
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})  # fmt: skip
+        parts, usage, reasons = [], None, []
+        async for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+                if chunk.choices[0].finish_reason:
+                    reasons.append(chunk.choices[0].finish_reason)
+            if chunk.usage:
+                usage = chunk.usage
+        return "".join(parts), usage, reasons
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+        finally:
+            await client.close()
+
+    results = asyncio.run(main())
+    for (text, usage, reasons), ref in zip(results, refs):
+        assert text == ref.text
+        assert reasons == ["length"]
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(ref.prompt_token_ids), 24)
+    state = stack.wait_idle()
+    assert state["kvpool_leased_blocks"] == 0
+    assert all(v == (0, 0) for v in state["workers"].values()), state
+
+
+@pytest.mark.parametrize(
+    "body, status, code_or_param",
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "model_not_found"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "word " * 5000}, 400, "context_length_exceeded"),
+        ({"model": MODEL}, 400, "prompt"),
+    ],
+)
+def test_errors_are_openai_json(stack, body, status, code_or_param):
+    r = httpx.post(f"{stack.base_url}/completions", json=body, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert code_or_param in (err["code"], err["param"])
+
+
+def test_malformed_json_is_a_400(stack):
+    r = httpx.post(f"{stack.base_url}/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400
+    assert r.json()["error"]["message"]
+
+
+def test_client_disconnect_frees_everything(stack):
+    with httpx.stream("POST", f"{stack.base_url}/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Keep talking", "max_tokens": 3000, "stream": True,
+                            "extra": None, "ignore_eos": True}) as r:  # fmt: skip
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+            if seen >= 5:
+                break  # leaving the block closes the connection mid-stream
+    state = stack.wait_idle()
+    assert state["kvpool_leased_blocks"] == 0
+    assert state["workers"] and all(v == (0, 0) for v in state["workers"].values()), state
+
+
+def test_killed_decode_worker_ends_the_stream_with_an_error(stack):
+    """Runs last in this module: a dead service takes `llmbus up` down (it is reported, not ignored)."""
+    decode_pids = [i.pid for i in stack.instances() if i.role == "decode"]
+    assert decode_pids
+    started = None
+    with httpx.stream("POST", f"{stack.base_url}/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "A long story", "max_tokens": 3000, "stream": True,
+                            "ignore_eos": True}) as r:  # fmt: skip
+        events = []
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                os.kill(decode_pids[0], signal.SIGKILL)
+                started = time.monotonic()
+    assert started is not None
+    assert time.monotonic() - started < 45  # bounded: the gateway's silence timeout is 10 s
+    assert events[-1] == "[DONE]"
+    errors = [json.loads(e) for e in events[:-1] if '"error"' in e]
+    assert errors and errors[-1]["error"]["message"]
+    stack.proc.wait(60)
+    assert stack.proc.returncode == 1
+    assert "exited unexpectedly" in stack.log()
