@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-all serve bench-offline bench-gpu peer-vllm clean
+.PHONY: venv test test-all serve bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ test-all: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/llmbus up
+
+# On a CUDA machine: every kernel against its reference natively, decode attention bandwidth, and
+# the engine's decode throughput on the large demo model (under 5 minutes on an H200).
+bench-gpu:
+	mkdir -p bench-results
+	python3 scripts/bench_gpu.py --out bench-results/gpu-kernels.json
+	python3 scripts/bench_gpu_engine.py --out bench-results/gpu-engine.json
+
+include mk/bench.mk
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,99 @@
+"""Decode throughput of the engine on a CUDA device: the large demo model, Triton attention,
+model-dtype / int8 / int4 KV, at several batch sizes. Prints a markdown table and writes JSON.
+
+    python scripts/bench_gpu_engine.py --out bench-results/gpu-engine.json [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len: int, device: str) -> dict:
+    import torch
+
+    from llmbus.engine.llm import LLM
+    from llmbus.engine.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, dtype="bfloat16", device=device, kv_format=kv_format, max_num_seqs=batch,
+              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_bytes=8 << 30)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.vocab_size
+    prompts = [torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate(prompts[: min(batch, 4)], warm)
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, params)
+    # prefill first (not timed), then time pure decode steps
+    produced = 0
+    while any(len(s.output_token_ids) == 0 for s in engine._seqs.values()):
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    steps = 0
+    decoded = 0
+    while engine.has_unfinished():
+        decoded += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    sync()
+    dt = time.perf_counter() - t0
+    return {"kv_format": kv_format, "batch": batch, "prompt_len": prompt_len, "decode_tokens": decoded,
+            "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--formats", default="model,int8,int4")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--out-len", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    model_dir = args.model
+    if not model_dir:
+        from llmbus.model.demo import make_demo_model
+
+        model_dir = str(Path(tempfile.mkdtemp()) / "demo-large")
+        t = time.perf_counter()
+        make_demo_model(model_dir, "large")
+        print(f"generated the large demo model in {time.perf_counter() - t:.1f}s", flush=True)
+    rows = []
+    for fmt in args.formats.split(","):
+        for b in (int(x) for x in args.batches.split(",")):
+            try:
+                r = measure(model_dir, fmt, b, args.prompt_len, args.out_len, args.device)
+            except Exception as exc:  # report and go on: one failure must not hide the rest
+                r = {"kv_format": fmt, "batch": b, "error": f"{type(exc).__name__}: {exc}"}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    import torch
+
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n{name} — large demo model, bf16 weights, prompt {args.prompt_len}, "
+          f"{args.out_len} decode steps\n")
+    print("| KV format | batch | decode tok/s | ms/step |\n|---|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['kv_format']} | {r['batch']} | error: {r['error'][:60]} | |")
+        else:
+            print(f"| {r['kv_format']} | {r['batch']} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

