@@ -9,6 +9,14 @@ Per job (a GenerateRequest on the lane streams):
   lease, a Handoff is published to the decode stream (Nats-Msg-Id = request_id), and only then is
   the job acked. A failure there releases the lease and fails the request clearly.
 - an Abort for a job in flight stops it in the engine (blocks freed at once) and acks the job.
+
+Prefix reuse (kvpool's tiers): before a prompt reaches the engine, its reusable block hashes
+(rooted at model, KV format and the request's cache_salt) are checked against this engine's own
+cache; kvpool ``fetch`` hands back the longest further run from its CPU/SSD tiers in the tier-0
+format, which ``Engine.import_prefix`` loads as cached blocks: the engine computes only the rest,
+and usage reports them as cached tokens. After prefill the prompt's full blocks, already in the
+handoff lease, are committed to kvpool (``store``) and announced as tier-0 blocks (KV events).
+A kvpool failure only costs the reuse, never the request.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
-from llmbus.engine.engine import Engine, StepOutput
+from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
 from llmbus.protocol import Abort, GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
 from llmbus.protocol.messages import LANES
 from llmbus.worker.engine_loop import EngineLoop
@@ -55,12 +63,22 @@ class PrefillWorker:
         self._tasks: set[asyncio.Task] = set()
 
     @property
+    def _block_bytes(self) -> int:
+        return kv_block_bytes(self.engine.layout, self.engine.config.kv_format)
+
+    @property
     def capacity(self) -> int:
-        """Jobs this worker can take now: batch slots left, and only while blocks remain."""
+        """Jobs this worker can take now: batch slots left, while blocks remain and the prompt tokens
+        already taken fill less than two steps' token budget (the rest wait in the stream, where
+        another replica can take them)."""
         cfg = self.engine.config
-        if self.engine.num_free_blocks < 1:
+        if self.engine.num_free_blocks < 1 or self.pending_tokens >= 2 * cfg.max_num_batched_tokens:
             return 0
         return max(0, cfg.max_num_seqs - len(self.jobs))
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(len(job.request.prompt_token_ids) for job in self.jobs.values())
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
@@ -119,15 +137,62 @@ class PrefillWorker:
         await job.stack.enter_async_context(worker.working(msg))
         try:
             params = req.sampling.to_params()
-            await self.loop.call(
-                lambda e: e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=True)
-            )
+            hashes, local, kv = await self._cached_prefix(req)
+
+            def admit(e: Engine) -> None:
+                if kv is not None:  # NOTE: same engine call as add_request: nothing evicts it in between
+                    e.import_prefix(hashes[local : local + kv.shape[0]], kv, protect=hashes[:local])
+                e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=True)
+
+            await self.loop.call(admit)
         except ValueError as exc:
             self.jobs.pop(rid, None)
             await job.stack.aclose()
             await self._publish(req, TokenEvent.failure(rid, f"invalid request: {exc}", worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             await msg.term()
+
+    async def _cached_prefix(self, req: GenerateRequest):
+        """(reusable hashes, blocks already in tier 0, KV rows from kvpool or None)."""
+        if not self.engine.config.enable_prefix_caching:
+            return [], 0, None
+        hashes = self.engine.reusable_prefix_hashes(req.prompt_token_ids, req.cache_salt)
+        local = await self.loop.call(lambda e: e.local_prefix_blocks(hashes))
+        if local >= len(hashes):
+            return hashes, local, None
+        try:
+            reply = await self.kv.fetch(hashes, start=local, kv_format=self.engine.config.kv_format,
+                                        ttl_s=self.lease_ttl_s, request_id=req.request_id,
+                                        block_bytes=self._block_bytes)  # fmt: skip
+        except Exception as exc:  # KVPoolError, or an old kvpool: compute instead
+            log.debug("no prefix from kvpool for %s: %s", req.request_id, exc)
+            return hashes, local, None
+        if reply.lease is None:
+            return hashes, local, None
+        try:
+            import torch
+
+            raw = await self.kv.read_blocks(reply.lease, 0, reply.num_blocks)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.kv.release(reply.lease.lease_id)
+        layers = self.engine.layout.num_layers
+        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(reply.num_blocks, reply.lease.block_bytes)
+        width = self._block_bytes // layers  # one layer's block in this cache's format
+        return hashes, local, rows[:, : layers * width].reshape(reply.num_blocks, layers, width)
+
+    async def _commit_prefix(self, req: GenerateRequest, lease, n_blocks: int, num_computed: int) -> None:
+        """Cache the prompt's full blocks (the lease's first rows) in kvpool; announce them as tier 0."""
+        bs = self.engine.layout.block_size
+        full = min(n_blocks, num_computed // bs)
+        if not self.engine.config.enable_prefix_caching or full == 0:
+            return
+        hashes = self.engine.prefix_hashes(req.prompt_token_ids[: full * bs], req.cache_salt)
+        try:
+            await self.kv.store(lease, hashes, kv_format=self.engine.config.kv_format, block_bytes=self._block_bytes)
+            await self.kv.publish_stored(hashes, token_count=bs)
+        except Exception as exc:
+            log.debug("kvpool did not take the prefix of %s: %s", req.request_id, exc)
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -175,6 +240,7 @@ class PrefillWorker:
 
                 rows = torch.nn.functional.pad(rows, (0, pad))
             await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+            await self._commit_prefix(req, lease, n_blocks, state["num_computed_tokens"])
             handoff = Handoff(
                 request=req,
                 output_token_ids=list(state["output_token_ids"]),
