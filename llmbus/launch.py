@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     p.add_argument("--kvpool-blocks", type=int, default=4096, help="blocks in kvpool's shared-memory CPU tier")
+    p.add_argument("--kvpool-arg", action="append", default=[],
+                   help="extra kvpool option, e.g. --kvpool-arg=--ssd-bytes=1000000000 (see python -m services.kvpool -h)")
     p.add_argument("--long-threshold", type=int, default=1024, help="prompt tokens above which the long lane is used")
     p.add_argument("--token-timeout", type=float, default=60.0, help="gateway: seconds of stream silence before failing")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
@@ -81,7 +83,16 @@ def _block_bytes(models, args) -> int:
     return most
 
 
-def _plan(args, nats_url: str, models) -> list[Child]:
+def _kv_layout(models, args) -> str:
+    """The first model's KV layout for kvpool's prefix cache (``--kv-layout``)."""
+    from llmbus.model.config import ModelConfig
+    from services.kvpool.config import format_layout
+
+    cfg = ModelConfig.from_file(Path(models[0][1]) / "config.json")
+    return format_layout(cfg.kv_layout(16, args.dtype or cfg.dtype))
+
+
+def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Child]:
     py = [sys.executable, "-m"]
     common = ["--nats-url", nats_url]
     workers = len(models) * (args.prefill + args.decode)
@@ -95,7 +106,9 @@ def _plan(args, nats_url: str, models) -> list[Child]:
     names = ",".join(n for n, _ in models)
     plan = [
         Child("kvpool", py + ["services.kvpool", *common, "--block-bytes", str(_block_bytes(models, args)),
-                              "--capacity-blocks", str(args.kvpool_blocks)]),
+                              "--capacity-blocks", str(args.kvpool_blocks), "--kv-layout", _kv_layout(models, args),
+                              "--kv-format", args.kv_format, "--cpu-bytes", str(256 << 20),
+                              *(["--data-dir", str(data_dir)] if data_dir else []), *args.kvpool_arg]),
         Child("router", py + ["services.router", *common, "--models", names, "--long-threshold", str(args.long_threshold)]),
     ]
     for name, path in models:
@@ -164,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         nats.start()
         print(f"llmbus up: nats-server at {nats.url} (store {data_dir / 'nats'})", flush=True)
     nats_url = args.nats_url or nats.url
-    children = _plan(args, nats_url, models)
+    children = _plan(args, nats_url, models, data_dir)
     code = 0
     try:
         for child in children:

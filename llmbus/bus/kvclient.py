@@ -30,6 +30,16 @@ from llmbus.protocol import (
     decode,
     encode,
 )
+from llmbus.protocol.messages import (
+    BlockStoredEvent,
+    FetchReply,
+    FetchRequest,
+    KVEvents,
+    LookupReply,
+    LookupRequest,
+    StoreReply,
+    StoreRequest,
+)
 
 TRANSPORTS = ("auto", "shm", "bus")
 
@@ -79,6 +89,33 @@ class KVPoolClient:
 
     async def stats(self) -> PoolStats:
         return await self._call("stats", StatsRequest(), PoolStats)
+
+    # --- prefix cache -------------------------------------------------------------------------
+
+    async def lookup(self, block_hashes: list[bytes], *, pin_ttl_s: float = 0.0) -> LookupReply:
+        """Longest cached prefix of a hash chain per location (a worker's tier 0, cpu, ssd)."""
+        return await self._call("lookup", LookupRequest(list(block_hashes), pin_ttl_s), LookupReply)
+
+    async def fetch(self, block_hashes: list[bytes], *, start: int = 0, kv_format: str = "model",
+                    ttl_s: float = 60.0, request_id: str = "", block_bytes: int = 0) -> FetchReply:  # fmt: skip
+        """A lease holding ``hashes[start : start + reply.num_blocks]`` in the tier-0 format (read it,
+        then release it); ``reply.lease`` is None when kvpool has nothing past ``start``."""
+        req = FetchRequest(list(block_hashes), start, kv_format, ttl_s, self.owner, request_id, block_bytes)
+        return await self._call("fetch", req, FetchReply)
+
+    async def store(self, lease: Lease, block_hashes: list[bytes], *, parent_hash: bytes | None = None,
+                    lease_index: int = 0, kv_format: str = "model", block_bytes: int = 0) -> StoreReply:  # fmt: skip
+        """Cache lease blocks ``lease_index ...`` (tier-0 bytes already written) under ``block_hashes``."""
+        req = StoreRequest(lease.lease_id, list(block_hashes), parent_hash, lease_index, kv_format, self.owner,
+                           block_bytes)  # fmt: skip
+        return await self._call("store", req, StoreReply)
+
+    async def publish_stored(self, block_hashes: list[bytes], *, parent_hash: bytes | None = None,
+                             token_count: int = 0) -> None:  # fmt: skip
+        """Tell kvpool's index these blocks are now in this worker's tier 0 (fire and forget)."""
+        if block_hashes:
+            ev = BlockStoredEvent(list(block_hashes), parent_hash, token_count, "t0", self.owner)
+            await self.nc.publish(subjects.KVPOOL_EVENTS, encode(KVEvents(self.owner, [ev])))
 
     async def write_blocks(self, lease: Lease, index: int, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` (a whole number of blocks) into the lease starting at lease block ``index``."""

@@ -33,9 +33,10 @@ DECODE_SUBJECTS = f"{PREFIX}.decode.>"
 TOKENS_WILDCARD = f"{PREFIX}.tok.*"
 ABORTS_WILDCARD = f"{PREFIX}.abort.*"
 
-KVPOOL_OPS = ("allocate", "renew", "release", "write", "read", "stats")
+KVPOOL_OPS = ("allocate", "renew", "release", "write", "read", "stats", "lookup", "fetch", "store")
 KVPOOL_QUEUE = "kvpool"
 KVPOOL_WILDCARD = f"{PREFIX}.kvpool.*"
+KVPOOL_EVENTS = f"{PREFIX}.kvevents"  # workers' KVEvents (core publish, no reply; every kvpool listens)
 
 REGISTRY_BUCKET = "llmbus_registry"
 

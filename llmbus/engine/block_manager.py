@@ -179,6 +179,63 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
+    # --- prefix import / export (kvpool's tiers) ----------------------------------------------
+
+    def cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many of ``hashes`` (a chain, from its start) this cache holds consecutively."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self._index:
+                break
+            n += 1
+        return n
+
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        """Block ids of the consecutive run of ``hashes`` held here (from the start of the list)."""
+        return [self._index[h] for h in hashes[: self.cached_prefix_blocks(hashes)]]
+
+    def import_cached(self, hashes: list[bytes], protect: list[bytes] = ()) -> list[int]:
+        """Give each of ``hashes`` (consecutive blocks of a chain, not held here) a fresh block,
+        indexed and idle (ref 0, evictable), so the next ``allocate`` of a sequence with that
+        prefix claims them as cache hits. The caller writes their KV right away.
+
+        Returns the block ids, one per hash from the first: fewer than ``hashes`` when blocks run
+        out. Blocks indexed under ``protect`` (the chain's earlier blocks) are never evicted for it.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        keep = {self._index[h] for h in protect if h in self._index}
+        taken: list[int] = []
+        for h in hashes:
+            if h in self._index:
+                break  # already here: the chain continues from this cache's own copy
+            block = self._take_unprotected(keep)
+            if block is None:
+                break
+            taken.append(block)
+            keep.add(block)
+            self._index[h] = block
+            self._hash_of[block] = h
+        # NOTE: the chain's first blocks go in last (most recently used): evicted after its tail.
+        for block in reversed(taken):
+            self._ref[block] = 0
+            self._evictable[block] = None
+        return taken
+
+    def _take_unprotected(self, keep: set[int]) -> int | None:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block = next((b for b in self._evictable if b not in keep), None)
+            if block is None:
+                return None
+            del self._evictable[block]
+            del self._index[self._hash_of.pop(block)]
+        self._ref[block] = 1
+        return block
+
     # --- commit and free ----------------------------------------------------------------------
 
     def commit(self, seq: Sequence) -> None:

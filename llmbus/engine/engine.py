@@ -280,6 +280,43 @@ class Engine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    # --- prefix import / export (kvpool) -------------------------------------------------------
+
+    def prefix_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids``, rooted like this engine's own prefix
+        cache (model name, KV format, salt), so kvpool and tier 0 name a block the same way."""
+        from llmbus.kv.hashing import chain_hashes, root_hash
+
+        bm = self.block_manager
+        return chain_hashes(root_hash(bm.model_id, bm.kv_format, cache_salt), list(token_ids), bm.block_size)
+
+    def reusable_prefix_hashes(self, prompt_token_ids: list[int], cache_salt: str = "") -> list[bytes]:
+        """The prompt's blocks a cache hit may cover: full blocks, leaving at least the last token
+        to compute (its logits give the first output token)."""
+        return self.prefix_hashes(prompt_token_ids[: max(0, len(prompt_token_ids) - 1)], cache_salt)
+
+    def local_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """Blocks of the chain ``hashes`` this engine's tier-0 cache holds, from the start."""
+        return self.block_manager.cached_prefix_blocks(hashes)
+
+    def import_prefix(self, hashes: list[bytes], kv: torch.Tensor, protect: list[bytes] = ()) -> int:
+        """Load cached blocks (``read_blocks`` rows, one per hash) into the prefix cache as computed
+        and cached, so a request with this prefix computes only the rest. Returns blocks loaded."""
+        if kv.dim() != 3 or kv.shape[0] != len(hashes) or kv.shape[1] != self.layout.num_layers:
+            raise ValueError(f"prefix KV has shape {list(kv.shape)}; expected [{len(hashes)}, {self.layout.num_layers}, bytes]")
+        ids = self.block_manager.import_cached(hashes, protect)
+        if ids:
+            self.write_blocks(ids, kv[: len(ids)])
+        return len(ids)
+
+    def export_cached(self, hashes: list[bytes], start: int = 0) -> torch.Tensor:
+        """``read_blocks`` rows of ``hashes[start:n]``, where ``n`` is how many of the chain this
+        engine still caches (consecutive from the start); empty when ``n <= start``."""
+        ids = self.block_manager.cached_blocks(hashes)[start:]
+        if not ids:
+            return torch.zeros((0, self.layout.num_layers, 0), dtype=torch.uint8)
+        return self.read_blocks(ids)
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Bytes of ``block_ids`` in the cache's own format: uint8 ``[n, num_layers, layer_block_bytes]``,
         so block ``i`` is the contiguous row ``out[i]`` (what kvpool stores as one block)."""

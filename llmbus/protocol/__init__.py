@@ -26,10 +26,25 @@ from llmbus.protocol.messages import (
     WriteRequest,
     check_id,
 )
+from llmbus.protocol.messages import (  # noqa: E402 - the prefix-cache records (issue 5)
+    BlockRemovedEvent,
+    BlockStoredEvent,
+    FetchReply,
+    FetchRequest,
+    KVEvents,
+    LookupReply,
+    LookupRequest,
+    PrefixHit,
+    StoreReply,
+    StoreRequest,
+    TierStats,
+)
 
 __all__ = [
     "FINISH_REASONS", "LANES", "ROLES", "Abort", "AllocateRequest", "ErrorReply", "GenerateRequest",
     "Handoff", "InstanceInfo", "Lease", "LogprobEntry", "PoolStats", "ProtocolError", "ReadReply",
     "ReadRequest", "ReleaseReply", "ReleaseRequest", "RenewRequest", "SamplingSpec", "StatsRequest",
     "TokenEvent", "WriteReply", "WriteRequest", "check_id", "decode", "encode",
+    "BlockRemovedEvent", "BlockStoredEvent", "FetchReply", "FetchRequest", "KVEvents", "LookupReply",
+    "LookupRequest", "PrefixHit", "StoreReply", "StoreRequest", "TierStats",
 ]  # fmt: skip

@@ -268,6 +268,8 @@ class PoolStats:
     block_bytes: int
     shm_name: str
     reclaimed_leases: int = 0  # leases reclaimed on expiry since start
+    tiers: list[TierStats] = field(default_factory=list)  # the prefix cache's tiers (cpu, ssd); [] when off
+    prefix_blocks: int = 0  # blocks the prefix index knows of (any location)
 
 
 @dataclass(frozen=True)
@@ -331,3 +333,119 @@ class InstanceInfo:
         check_id("instance_id", self.instance_id)
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+
+# ---------------------------------------------------------------- kvpool prefix cache (issue 5)
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """One kvpool tier of the prefix cache, in PoolStats.tiers. Counters are blocks since start."""
+
+    tier: str  # "cpu" | "ssd"
+    kv_format: str  # the tier's storage format
+    bytes_used: int
+    bytes_capacity: int
+    blocks: int
+    lookups: int = 0  # blocks asked of this tier by fetches
+    hits: int = 0  # blocks served from this tier (hit rate = hits / lookups)
+    evictions: int = 0
+    demotions: int = 0  # blocks moved down to the next tier
+    promotions: int = 0  # blocks moved up into this tier
+
+
+@dataclass(frozen=True)
+class BlockStoredEvent:
+    """Worker -> ``llmbus.kvpool.events`` (core, no reply): blocks now in ``worker``'s tier 0.
+    The shape vLLM and SGLang use: hashes chain on from ``parent_hash``."""
+
+    block_hashes: list[bytes]
+    parent_hash: bytes | None = None
+    token_count: int = 0  # tokens per block
+    tier: str = "t0"
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class BlockRemovedEvent:
+    block_hashes: list[bytes]
+    tier: str = "t0"
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class KVEvents:
+    """A batch of a worker's KV events, in order."""
+
+    worker: str
+    stored: list[BlockStoredEvent] = field(default_factory=list)
+    removed: list[BlockRemovedEvent] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LookupRequest:
+    """-> ``llmbus.kvpool.lookup``: the longest cached prefix of a hash chain per location.
+    ``pin_ttl_s`` > 0 pins the kvpool-tier prefix found (release it with ReleaseRequest(pin_id))."""
+
+    block_hashes: list[bytes]
+    pin_ttl_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    tier: str  # "t0" | "cpu" | "ssd"
+    worker: str  # tier 0's worker; "" for kvpool's tiers
+    num_blocks: int  # blocks from the start of the chain held there
+
+
+@dataclass(frozen=True)
+class LookupReply:
+    hits: list[PrefixHit] = field(default_factory=list)
+    pool_blocks: int = 0  # blocks from the start servable by kvpool's tiers together (cpu and ssd mixed)
+    pin_id: str = ""
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    """-> ``llmbus.kvpool.fetch``: copy the longest run of ``block_hashes[start:]`` held by kvpool's
+    tiers into a fresh lease, in the tier-0 format ``kv_format``. Reply: FetchReply."""
+
+    block_hashes: list[bytes]
+    start: int = 0  # blocks the worker already has (its own tier 0)
+    kv_format: str = "model"
+    ttl_s: float = 60.0
+    owner: str = ""
+    request_id: str = ""
+    block_bytes: int = 0  # the worker's tier-0 block size in bytes (0: unchecked); must match kvpool's
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= len(self.block_hashes):
+            raise ValueError(f"start must be in [0, {len(self.block_hashes)}], got {self.start}")
+
+
+@dataclass(frozen=True)
+class FetchReply:
+    num_blocks: int  # blocks in the lease: hashes[start : start + num_blocks]
+    lease: Lease | None = None  # None when nothing was found
+    from_cpu: int = 0
+    from_ssd: int = 0
+
+
+@dataclass(frozen=True)
+class StoreRequest:
+    """-> ``llmbus.kvpool.store``: cache the blocks ``lease_index, lease_index + 1, ...`` of a live
+    lease (tier-0 bytes) under ``block_hashes``, a chain continuing ``parent_hash``. Reply: StoreReply."""
+
+    lease_id: str
+    block_hashes: list[bytes]
+    parent_hash: bytes | None = None
+    lease_index: int = 0
+    kv_format: str = "model"
+    worker: str = ""
+    block_bytes: int = 0  # the worker's tier-0 block size in bytes (0: unchecked); must match kvpool's
+
+
+@dataclass(frozen=True)
+class StoreReply:
+    stored: int  # blocks newly cached
+    present: int  # blocks kvpool already held

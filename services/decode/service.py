@@ -5,6 +5,10 @@ TokenEvent per step per request until the request finishes or is aborted.
 Per handoff: malformed or unusable -> a final error TokenEvent, lease released, ``term``; otherwise
 the blocks are read (shared memory on the same host, the bus elsewhere), the lease is released, the
 sequence is imported, and the handoff acked. An Abort stops a request at once and frees its blocks.
+
+A finished request's full blocks (prompt and output, those still in this engine's prefix cache)
+are committed to kvpool's tiers, skipping what kvpool already holds, so a later request that
+continues the conversation skips their prefill. A kvpool failure only costs that reuse.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +38,7 @@ log = logging.getLogger("llmbus.decode")
 class Active:
     request: GenerateRequest
     next_seq: int
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 class DecodeWorker:
@@ -47,6 +52,7 @@ class DecodeWorker:
         self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
         self.loop: EngineLoop | None = None
         self.events: asyncio.Queue = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def capacity(self) -> int:
@@ -115,7 +121,7 @@ class DecodeWorker:
             kv = rows[:, : layers * layer_bytes].reshape(n, layers, layer_bytes)
             params = req.sampling.to_params()
             # NOTE: registered first: the engine may emit its first token before we resume
-            self.active[rid] = Active(req, handoff.next_seq)
+            self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
             await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
         except Exception as exc:
             self.active.pop(rid, None)
@@ -147,9 +153,48 @@ class DecodeWorker:
                     continue
                 await self._publish(act.request, token_event(out, act.next_seq, self.ctx.instance_id, reason))
                 act.next_seq += 1
+                act.output_token_ids += out.new_token_ids
                 if reason is not None:
                     self.active.pop(out.request_id, None)
+                    task = asyncio.create_task(self._commit_prefix(act))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
             self._report()
+
+    async def _commit_prefix(self, act: Active) -> None:
+        """Store the finished sequence's full blocks that kvpool lacks (best effort)."""
+        if not self.engine.config.enable_prefix_caching:
+            return
+        req, fmt = act.request, self.engine.config.kv_format
+        tokens = req.prompt_token_ids + act.output_token_ids
+        bs = self.engine.layout.block_size
+        full = (len(tokens) - 1) // bs  # the last sampled token has no KV
+        hashes = self.engine.prefix_hashes(tokens[: full * bs], req.cache_salt)
+        lease = None
+        try:
+            have = (await self.kv.lookup(hashes)).pool_blocks if hashes else len(hashes)
+            if have >= len(hashes):
+                return
+            kv = await self.loop.call(lambda e: e.export_cached(hashes, have))
+            n = kv.shape[0]
+            if n == 0:
+                return
+            lease = await self.kv.allocate(n, ttl_s=60.0, request_id=req.request_id)
+            rows = kv.reshape(n, -1)
+            pad = lease.block_bytes - rows.shape[1]
+            if pad < 0:
+                raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
+            rows = torch.nn.functional.pad(rows, (0, pad)) if pad else rows
+            await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+            parent = hashes[have - 1] if have else None
+            await self.kv.store(lease, hashes[have : have + n], parent_hash=parent, kv_format=fmt,
+                                block_bytes=rows.shape[1] - pad)
+        except Exception as exc:
+            log.debug("kvpool did not take the blocks of %s: %s", req.request_id, exc)
+        finally:
+            if lease is not None:
+                with contextlib.suppress(Exception):
+                    await self.kv.release(lease.lease_id)
 
     async def _on_abort(self, msg) -> None:
         try:

@@ -1,13 +1,17 @@
-"""`python -m services.kvpool --nats-url URL --block-bytes N --capacity-blocks N`."""
+"""`python -m services.kvpool --nats-url URL --block-bytes N --capacity-blocks N
+[--kv-layout L,H,D,BS,DTYPE --kv-format F --cpu-format F --cpu-bytes N --ssd-format F --ssd-bytes N --data-dir DIR]`.
+
+With ``--kv-layout`` kvpool also runs the prefix cache (index, CPU tier, SSD tier)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
-from services.kvpool.config import KVPoolConfig
+from services.kvpool.config import KVPoolConfig, PrefixConfig, parse_layout
 from services.kvpool.service import KVPool
 
 
@@ -18,6 +22,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="bytes per block: KVLayout.bytes_per_block of the served model")  # fmt: skip
     parser.add_argument("--capacity-blocks", type=int, required=True, help="blocks in the shared-memory CPU tier")
     parser.add_argument("--max-ttl", type=float, default=3600.0, help="longest lease TTL a client may ask for, seconds")
+    g = parser.add_argument_group("prefix cache (off unless --kv-layout is given)")
+    g.add_argument("--kv-layout", default="", help="LAYERS,KV_HEADS,HEAD_DIM,BLOCK_SIZE,DTYPE of the served model")
+    g.add_argument("--kv-format", default="model", help="the workers' (tier-0) KV format: model, int8, int4")
+    g.add_argument("--cpu-format", default="same", help="CPU tier format: same (as tier 0), model, int8, int4")
+    g.add_argument("--cpu-bytes", type=int, default=1 << 30, help="CPU tier budget in bytes (shared memory)")
+    g.add_argument("--ssd-format", default="same", help="SSD tier format: same, model, int8, int4")
+    g.add_argument("--ssd-bytes", type=int, default=0, help="SSD tier budget in bytes (0: no SSD tier)")
+    g.add_argument("--data-dir", default="", help="the SSD tier keeps its block files under DATA_DIR/kvpool-ssd")
     return parser.parse_args(argv)
 
 
@@ -25,7 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         setup_logging(args.log_level)
-        config = KVPoolConfig(args.block_bytes, args.capacity_blocks, max_ttl_s=args.max_ttl)
+        prefix = None
+        if args.kv_layout:
+            if args.ssd_bytes and not args.data_dir:
+                raise ValueError("--ssd-bytes needs --data-dir")
+            prefix = PrefixConfig(parse_layout(args.kv_layout), args.kv_format, args.cpu_format, args.cpu_bytes,
+                                  args.ssd_format, args.ssd_bytes,
+                                  Path(args.data_dir) / "kvpool-ssd" if args.data_dir else None)  # fmt: skip
+        config = KVPoolConfig(args.block_bytes, args.capacity_blocks, max_ttl_s=args.max_ttl, prefix=prefix)
         options = ServiceOptions(role="kvpool", nats_url=args.nats_url, instance_id=args.instance_id)
     except ValueError as exc:
         print(f"kvpool: error: {exc}", file=sys.stderr)

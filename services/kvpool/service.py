@@ -1,9 +1,11 @@
-"""The kvpool service: leases over the CPU tier, answered on ``llmbus.kvpool.<op>`` (request/reply).
+"""The kvpool service: leases over the CPU tier, answered on ``llmbus.kvpool.<op>`` (request/reply),
+and the prefix cache (index, CPU and SSD tiers: ops lookup, fetch, store; workers' KV events).
 
 Each op's request and reply record is in llmbus/protocol/messages.py. A failed op answers an
 ``ErrorReply`` with the ``Llmbus-Error`` header set. Expired leases are swept every
 ``reclaim_interval_s`` and on every op. NOTE: leases are local to one kvpool instance; run one
-kvpool per NATS deployment until pool-addressed subjects exist.
+kvpool per NATS deployment until pool-addressed subjects exist. NOTE: tier conversions run on the
+event loop (ops are answered one at a time, so the prefix cache needs no locking).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ from llmbus.protocol import (
     decode,
     encode,
 )
+from llmbus.protocol.messages import (
+    FetchReply,
+    FetchRequest,
+    KVEvents,
+    LookupReply,
+    LookupRequest,
+    PrefixHit,
+    StoreReply,
+    StoreRequest,
+    TierStats,
+)
 from services.kvpool.allocator import BlockAllocator, LeaseRecord, PoolExhausted, UnknownLease
 from services.kvpool.config import KVPoolConfig
 from services.kvpool.tier import CpuTier
@@ -44,6 +57,7 @@ class KVPool:
         self.config = config
         self.allocator = BlockAllocator(config.capacity_blocks, max_ttl_s=config.max_ttl_s)
         self.tier: CpuTier | None = None
+        self.prefix = None  # services.kvpool.prefix.PrefixCache when configured
         self._ops = {
             "allocate": (AllocateRequest, self._allocate),
             "renew": (RenewRequest, self._renew),
@@ -51,13 +65,24 @@ class KVPool:
             "write": (WriteRequest, self._write),
             "read": (ReadRequest, self._read),
             "stats": (StatsRequest, self._stats),
+            "lookup": (LookupRequest, self._lookup),
+            "fetch": (FetchRequest, self._fetch),
+            "store": (StoreRequest, self._store),
         }
 
     async def run(self) -> None:
         self.tier = CpuTier(self.config.block_bytes, self.config.capacity_blocks)
         self.ctx.stack.callback(self.tier.close)
+        if self.config.prefix is not None:
+            from services.kvpool.prefix import PrefixCache
+
+            self.prefix = PrefixCache(self.config.prefix)
+            self.ctx.stack.callback(self.prefix.close)
+            restored = self.prefix.restore()
+            log.info("prefix cache: %d blocks re-indexed from the SSD tier", restored)
         for op in subjects.KVPOOL_OPS:
             await self.ctx.nc.subscribe(subjects.kvpool(op), queue=subjects.KVPOOL_QUEUE, cb=self._callback(op))
+        await self.ctx.nc.subscribe(subjects.KVPOOL_EVENTS, cb=self._on_events)
         self._report()
         await self.ctx.ready()
         log.info("kvpool %s: %d blocks of %d bytes in shm %s", self.ctx.instance_id,
@@ -106,6 +131,8 @@ class KVPool:
         return self._lease(self.allocator.renew(req.lease_id, req.ttl_s))
 
     def _release(self, req: ReleaseRequest) -> ReleaseReply:
+        if self.prefix is not None and req.lease_id.startswith("pin-"):
+            return ReleaseReply(req.lease_id, self.prefix.index.unpin(req.lease_id))
         return ReleaseReply(req.lease_id, self.allocator.release(req.lease_id))
 
     def _write(self, req: WriteRequest) -> WriteReply:
@@ -122,5 +149,88 @@ class KVPool:
     def _stats(self, req: StatsRequest) -> PoolStats:
         self.allocator.reclaim_expired()
         a = self.allocator
+        tiers, known = [], 0
+        if self.prefix is not None:
+            for t, c in self.prefix.counters.items():
+                used, cap, blocks = self.prefix.tier_usage(t)
+                tiers.append(TierStats(t, self.prefix.fmt[t].name, used, cap, blocks, c.lookups, c.hits,
+                                       c.evictions, c.demotions, c.promotions))  # fmt: skip
+            known = len(self.prefix.index)
         return PoolStats(self.ctx.instance_id, a.capacity, a.free_blocks, a.leased_blocks, a.active_leases,
-                         self.config.block_bytes, self.tier.name, a.reclaimed_total)  # fmt: skip
+                         self.config.block_bytes, self.tier.name, a.reclaimed_total, tiers, known)  # fmt: skip
+
+    # --- prefix cache -------------------------------------------------------------------------
+
+    def _need_prefix(self, kv_format: str, block_bytes: int):
+        if self.prefix is None:
+            raise ValueError("this kvpool runs without a prefix cache (start it with --kv-layout)")
+        if kv_format != self.prefix.config.kv_format:
+            raise ValueError(f"kvpool caches {self.prefix.config.kv_format!r} blocks, got {kv_format!r}")
+        if block_bytes and block_bytes != self.prefix.block_bytes:
+            raise ValueError(f"kvpool caches {self.prefix.block_bytes}-byte blocks (--kv-layout "
+                             f"{self.prefix.config.layout}); this worker's are {block_bytes} bytes")
+        return self.prefix
+
+    def _lookup(self, req: LookupRequest) -> LookupReply:
+        if self.prefix is None:
+            return LookupReply()
+        index = self.prefix.index
+        hits = [PrefixHit(t, w, n) for (t, w), n in sorted(index.lookup(req.block_hashes).items())]
+        pool = index.pool_prefix(req.block_hashes)
+        pin = index.pin(req.block_hashes[:pool], req.pin_ttl_s) if req.pin_ttl_s > 0 and pool else ""
+        return LookupReply(hits, pool, pin)
+
+    def _fetch(self, req: FetchRequest) -> FetchReply:
+        prefix = self._need_prefix(req.kv_format, req.block_bytes)
+        if prefix.index.pool_prefix(req.block_hashes, req.start) == 0:
+            return FetchReply(0)
+        limit = min(self.allocator.free_blocks, len(req.block_hashes) - req.start)
+        rows, served = prefix.fetch(req.block_hashes, req.start, limit)
+        n = rows.shape[0]
+        if n == 0:
+            return FetchReply(0)
+        rec = self.allocator.allocate(n, req.ttl_s, owner=req.owner, request_id=req.request_id)
+        try:
+            bb = self.config.block_bytes
+            for i in range(n):  # NOTE: rows are tier-0 blocks; lease blocks may be larger (zero padded)
+                self.tier.write(rec.blocks, i * bb, rows[i].numpy().data)
+        except BaseException:
+            self.allocator.release(rec.lease_id)
+            raise
+        return FetchReply(n, self._lease(rec), served["cpu"], served["ssd"])
+
+    def _store(self, req: StoreRequest) -> StoreReply:
+        import torch
+
+        prefix = self._need_prefix(req.kv_format, req.block_bytes)
+        rec = self.allocator.get(req.lease_id)
+        n = len(req.block_hashes)
+        if req.lease_index < 0 or req.lease_index + n > len(rec.blocks):
+            raise ValueError(f"blocks [{req.lease_index}, {req.lease_index + n}) are outside the lease's {len(rec.blocks)}")
+        bb = self.config.block_bytes
+        if prefix.block_bytes > bb:
+            raise ValueError(f"a {prefix.block_bytes}-byte block does not fit kvpool's {bb}-byte lease blocks")
+        raw = self.tier.read(rec.blocks, req.lease_index * bb, n * bb)
+        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, bb)[:, : prefix.block_bytes]
+        stored, present = prefix.store(req.block_hashes, rows, parent=req.parent_hash)
+        return StoreReply(stored, present)
+
+    async def _on_events(self, msg) -> None:
+        if self.prefix is None:
+            return
+        try:
+            batch = decode(KVEvents, msg.data)
+        except ProtocolError as exc:
+            log.warning("dropping malformed KV events: %s", exc)
+            return
+        from llmbus.kv.index import BlockRemoved, BlockStored
+
+        try:
+            for ev in batch.stored:
+                if ev.tier == "t0":
+                    self.prefix.index.apply(BlockStored(ev.block_hashes, ev.parent_hash, ev.token_count, "t0", ev.worker))
+            for ev in batch.removed:
+                if ev.tier == "t0":
+                    self.prefix.index.apply(BlockRemoved(ev.block_hashes, "t0", ev.worker))
+        except ValueError as exc:
+            log.warning("bad KV event from %s: %s", batch.worker, exc)
