@@ -33,7 +33,7 @@ class Stack:
         self.base_url = ""
         self.nats_url = ""
         threading.Thread(target=self._pump, daemon=True).start()
-        if not self._ready.wait(240):
+        if not self._ready.wait(240) or not self.base_url:
             self.stop()
             raise RuntimeError("llmbus up did not become ready:\n" + "".join(self.lines[-40:]))
 
