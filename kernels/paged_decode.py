@@ -12,10 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_tiles import attend_tile, int4_full_tile, int8_tile
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
 LOG2E = 1.4426950408889634
+# (tile, num_warps, num_stages) on CUDA: the best of scripts/bench_gpu.py --sweep on an H200
+# (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128 channels, 16-token blocks).
+CUDA_LAUNCH = {"model": (64, 4, 3), "int8": (32, 4, 4), "int4": (64, 4, 3)}
 
 
 @triton.jit
@@ -30,7 +34,7 @@ def paged_decode_kernel(
     split_len,  # tokens per split, a multiple of TILE
     s_qb, s_qh, s_ob, s_oh, s_os, s_tb,
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-    G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -50,21 +54,41 @@ def paged_decode_kernel(
     start = sid * split_len
     end = tl.minimum(seq_len, start + split_len)
     table = table_ptr + b.to(tl.int64) * s_tb
-    for s in range(start, end, TILE):
-        pos = s + tl.arange(0, TILE)
-        k, v = load_kv_tile(
-            data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
-            s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-            FMT, D, BS, GV, GK,
-        )
-        scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [GP, TILE]
-        scores = tl.where((pos < seq_len)[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
-        m_i = m_new
+    # NOTE: unscaled steps pass m_i as the unused ks / vs operands.
+    if FMT == 0:
+        for s in range(start, end, TILE):
+            pos = s + tl.arange(0, TILE)
+            k, v = load_kv_tile(
+                data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
+                s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                FMT, D, BS, GV, GK,
+            )
+            m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+    elif FMT == 1:
+        for s in range(start, end, TILE):
+            pos = s + tl.arange(0, TILE)
+            valid = pos < end
+            kq, vq, ks, vs = int8_tile(data_ptr, scale_ptr, table, pos, valid, h,
+                                       s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, D, BS)
+            m_i, l_i, acc = attend_tile(q, kq, vq, valid, ks, vs, m_i, l_i, acc, qk_scale, True, DOT, PREC)
+    else:
+        # NOTE: split boundaries are multiples of TILE (so of BS): the partial tail block, if any,
+        # lies in exactly one split, which handles it after its full blocks.
+        full_end = (seq_len // BS) * BS
+        lim = tl.minimum(end, full_end)
+        for s in range(start, lim, TILE):
+            k, v = int4_full_tile(data_ptr, kmeta_ptr, vmeta_ptr, table, s, lim, h,
+                                  s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, TILE, D, BS, GV, DQ)
+            pos = s + tl.arange(0, TILE)
+            m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+        if (full_end < end) & (full_end >= start):
+            pos = full_end + tl.arange(0, TAIL)
+            k, v = load_kv_tile(
+                data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
+                s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                FMT, D, BS, GV, GK,
+            )
+            m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
     if not SPLIT:
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + c[None, :]
@@ -96,9 +120,13 @@ def paged_decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     tile: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
-    from the device size; ``max_seq_len`` (else read from ``seq_lens``) bounds the split length."""
+    from the device size; ``max_seq_len`` (else read from ``seq_lens``) bounds the split length.
+    ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps`` and ``num_stages``
+    override the per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere)."""
     ptrs, strides, consts = tile_args(cache)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -116,15 +144,27 @@ def paged_decode_attention(
     if b == 0:
         return out.to(out_dtype)
     bs = cache.layout.block_size
-    tile = tile or max(bs, 64 if query.is_cuda else bs)
-    if tile % bs:
-        raise ValueError(f"tile must be a multiple of block_size {bs}, got {tile}")
+    cuda_tile, cuda_warps, cuda_stages = CUDA_LAUNCH[cache.fmt.name]
+    if query.is_cuda:
+        num_warps, num_stages = num_warps or cuda_warps, num_stages or cuda_stages
+    tile = tile or max(bs, cuda_tile if query.is_cuda else bs)
+    if tile % bs or tile & (tile - 1):
+        raise ValueError(f"tile must be a power-of-two multiple of block_size {bs}, got {tile}")
+    if query.is_cuda and cache.fmt.name == "int4" and tile < 2 * bs:
+        # NOTE: one-block INT4 tiles decoded wrongly on an H200 under Triton 3.6 (max error 2.8
+        # where two-block tiles and the interpreter are exact); cause not found yet.
+        raise ValueError(f"int4 decode on CUDA needs tile >= 2 * block_size ({2 * bs}), got {tile}")
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     splits = num_splits or choose_splits(b, hkv, max_len, tile, query.device)
     split_len = -(-max(1, -(-max_len // splits)) // tile) * tile
     grp = hq // hkv
-    meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, SPLIT=splits > 1,
-                **dot_args(query), **consts)
+    meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
+                **dot_args(query), DQ=tl.float32, **consts)
+    if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
+        # NOTE: quantized codes become fp16 exactly (decode_tiles.codes_f16), so the dots run in
+        # fp16 whatever the model dtype: no per-element conversion to bf16.
+        meta.update(DOT=tl.float16, DQ=tl.float16)
+    meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     if splits == 1:
         paged_decode_kernel[(b, hkv, 1)](
             query, out, out, *ptrs, block_tables, seq_lens, scale, split_len,

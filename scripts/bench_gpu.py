@@ -2,12 +2,14 @@
 
 1. Checks every kernel (write_kv, paged decode with and without split-K, paged prefill) against
    its pure-torch reference natively, for bf16, int8 and int4 KV: prints PASS/FAIL and max errors.
-2. Measures paged decode attention's achieved memory bandwidth (KV bytes read, metadata included,
-   over kernel time from ``triton.testing.do_bench``) across batch sizes and context lengths, one
-   layer of a Llama-3-8B-shaped model (32 query heads, 8 KV heads, head_dim 128, 16-token blocks,
-   blocks in a random order). Prints a markdown table and writes JSON to ``--out``.
+2. Sweeps the quantized decode launch (tile, warps, stages) at one large shape (``--sweep``).
+3. Measures paged decode attention's achieved memory bandwidth (bytes the kernel must read: codes
+   and the metadata of full blocks, over kernel time from ``triton.testing.do_bench``) across batch
+   sizes and context lengths, one layer of a Llama-3-8B-shaped model (32 query heads, 8 KV heads,
+   head_dim 128, 16-token blocks, blocks in a random order), with the launch defaults, or with the
+   sweep's best launch where ``--sweep`` ran. Prints a markdown table and writes JSON to ``--out``.
 
-    python scripts/bench_gpu.py --out bench-results/gpu.json [--peak-gbps 4800] [--quick]
+    python scripts/bench_gpu.py --out bench-results/gpu.json [--peak-gbps 4800] [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ def peak_for(name: str) -> float | None:
     return None
 
 
+# (tile, num_warps, num_stages) tried by --sweep; the first of each is the launch default
+SWEEP = {
+    "model": [(64, 4, 3)],
+    "int8": [(32, 4, 4), (64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 4), (32, 8, 4)],
+    "int4": [(64, 4, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (64, 4, 4), (128, 8, 3)],
+}
+
+
+def read_bytes_per_token(fmt: str, lay: KVLayout) -> float:
+    """Bytes decode reads per context token and layer: codes plus metadata (INT4 full blocks read
+    ``D + 2`` key-metadata slots per head, not the whole ``k_meta`` row)."""
+    kvf = KVFormat(fmt)
+    if fmt != "int4":
+        return kvf.layer_block_bytes(lay) / lay.block_size
+    h, d, bs = lay.num_kv_heads, lay.head_dim, lay.block_size
+    per_block = 2 * bs * h * d // 2 + h * (d + 2) * 2 + bs * h * (d // KVFormat.value_group(d)) * 4
+    return per_block / bs
+
+
 def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 1
     cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
@@ -59,8 +80,16 @@ def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
     return cache, tables.cuda(), torch.tensor(slots, device="cuda"), k, v
 
 
+def _measure(rows: list[dict], kernel: str, fmt: str, tol: float, fn) -> None:
+    """Append ``fn()``'s max error as a row; an exception (a compile error, say) is a FAIL row."""
+    try:
+        rows.append(dict(kernel=kernel, fmt=fmt, max_err=float(fn()), tol=tol))
+    except Exception as exc:  # noqa: BLE001 - report and go on to the next kernel
+        rows.append(dict(kernel=kernel, fmt=fmt, max_err=float("inf"), tol=tol, error=f"{type(exc).__name__}: {exc}"[:300]))
+
+
 def check_kernels() -> list[dict]:
-    """Every kernel against its reference on this GPU."""
+    """Every kernel against its reference on this GPU (decode under every SWEEP launch too)."""
     gen = torch.Generator().manual_seed(0)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     lens = [1, 17, 300, 1029]
@@ -68,68 +97,113 @@ def check_kernels() -> list[dict]:
     for fmt in FORMATS:
         mine, tables, slots, k, v = _filled(fmt, lay, lens, gen)
         theirs = allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda")
-        write_kv(k, v, mine, slots)
         ref.write_kv_cache(k, v, theirs, slots)
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         nb = tables.shape[1]
         used = (torch.arange(nb, device="cuda") * BS < sl[:, None]).reshape(-1)
         full = ((torch.arange(nb, device="cuda") + 1) * BS <= sl[:, None]).reshape(-1)[used]
         ids = tables.reshape(-1)[used]
-        err = (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs()
+
+        def write_err():
+            write_kv(k, v, mine, slots)
+            return (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
+
         # GPU fp32 division is not correctly rounded, so a tie may land one quantization step away
-        tol = {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt]
-        rows.append(dict(kernel="write_kv", fmt=fmt, max_err=float(err.max()), tol=tol))
+        _measure(rows, "write_kv", fmt, {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt], write_err)
         q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
-        for splits in (1, None):
-            got = paged_decode_attention(q, theirs, tables, sl, D**-0.5, num_splits=splits).float()
-            name = "paged_decode" + (" split-K" if splits is None else "")
-            rows.append(dict(kernel=name, fmt=fmt, max_err=float((got - want).abs().max()), tol=4e-2))
+        launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st)) for t, w, st in SWEEP[fmt][1:]]
+        for splits, launch in launches + [(1, {})]:
+            name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
+            _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
+                q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
         qlens = [1, 17, 100, 333]
         qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         qp = torch.randn(int(qsl[-1]), HQ, D, device="cuda").bfloat16()
-        want = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5).float()
-        got = paged_prefill_attention(qp, theirs, tables, sl, qsl, D**-0.5).float()
-        rows.append(dict(kernel="paged_prefill", fmt=fmt, max_err=float((got - want).abs().max()), tol=4e-2))
+        want_p = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5).float()
+        _measure(rows, "paged_prefill", fmt, 4e-2, lambda: (paged_prefill_attention(
+            qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
     for r in rows:
         r["ok"] = r["max_err"] <= r["tol"]
-        print(f"{'PASS' if r['ok'] else 'FAIL'} {r['kernel']:<20} {r['fmt']:<6} max_err={r['max_err']:.3g} (tol {r['tol']})")
+        extra = f" {r['error']}" if "error" in r else ""
+        print(f"{'PASS' if r['ok'] else 'FAIL'} {r['kernel']:<28} {r['fmt']:<6} max_err={r['max_err']:.3g} (tol {r['tol']}){extra}")
     return rows
 
 
-def bench_decode(batches, contexts, peak: float | None) -> list[dict]:
+def _random_cache(fmt: str, lay: KVLayout, nblocks: int):
+    cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
+    for t, _ in cache.parts():  # random bytes: bandwidth does not depend on the values
+        if t.dtype == torch.bfloat16:
+            t.normal_()
+        else:
+            t.view(torch.uint8).random_(0, 256)
+    if cache.k_meta is not None:
+        cache.k_meta[..., -2:] = torch.tensor([-1.0, 1.0], dtype=torch.float16, device="cuda").view(torch.int16)
+        cache.v_meta.fill_(0.01)
+    if cache.scale is not None:
+        cache.scale.fill_(0.01)
+    return cache
+
+
+def _time_decode(cache, perm, b: int, c: int, launch: dict) -> float:
+    """Median kernel time in ms; inf if the launch fails (reported, not raised)."""
     from triton.testing import do_bench
 
+    try:
+        return _do_time(do_bench, cache, perm, b, c, launch)
+    except Exception as exc:  # noqa: BLE001
+        print(f"  ERROR {cache.fmt.name} {launch}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        return float("inf")
+
+
+def _do_time(do_bench, cache, perm, b: int, c: int, launch: dict) -> float:
+    tables = perm[: b * (c // BS)].view(b, c // BS)
+    sl = torch.full((b,), c, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, HQ, D, device="cuda").bfloat16()
+    fn = lambda: paged_decode_attention(q, cache, tables, sl, D**-0.5, max_seq_len=c, **launch)  # noqa: E731
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tuple[list[dict], dict]:
+    """Every SWEEP launch of every format at one shape: rows, and the best launch per format."""
+    gen = torch.Generator().manual_seed(2)
+    lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
+    nblocks = batch * context // BS + 1
+    rows, best = [], {}
+    for fmt, launches in SWEEP.items():
+        cache = _random_cache(fmt, lay, nblocks)
+        perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
+        for tile, warps, stages in launches:
+            launch = dict(tile=tile, num_warps=warps, num_stages=stages)
+            ms = _time_decode(cache, perm, batch, context, launch)
+            gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
+            rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, ms=ms, gbps=gbps,
+                             pct_peak=(100 * gbps / peak) if peak else None))
+            print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages} {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
+            if fmt not in best or gbps > best[fmt][1]:
+                best[fmt] = (launch, gbps)
+        del cache
+        torch.cuda.empty_cache()
+    return rows, {f: launch for f, (launch, _) in best.items()}
+
+
+def bench_decode(batches, contexts, peak: float | None, launches: dict | None = None) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     rows = []
     for fmt in FORMATS:
-        kvf = KVFormat(fmt)
-        per_token = kvf.layer_block_bytes(lay) / BS
+        per_token = read_bytes_per_token(fmt, lay)
+        launch = (launches or {}).get(fmt, {})
         max_tokens = max(b * c for b in batches for c in contexts)
         nblocks = max_tokens // BS + 1
-        cache = allocate_cache(kvf, lay, nblocks, "cuda")
-        for t, _ in cache.parts():  # random bytes: bandwidth does not depend on the values
-            if t.dtype == torch.bfloat16:
-                t.normal_()
-            else:
-                t.view(torch.uint8).random_(0, 256)
-        if cache.k_meta is not None:
-            cache.k_meta[..., -2:] = torch.tensor([-1.0, 1.0], dtype=torch.float16, device="cuda").view(torch.int16)
-            cache.v_meta.fill_(0.01)
-        if cache.scale is not None:
-            cache.scale.fill_(0.01)
+        cache = _random_cache(fmt, lay, nblocks)
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         for b in batches:
             for c in contexts:
-                width = c // BS
-                tables = perm[: b * width].view(b, width)
-                sl = torch.full((b,), c, dtype=torch.int32, device="cuda")
-                q = torch.randn(b, HQ, D, device="cuda").bfloat16()
-                fn = lambda: paged_decode_attention(q, cache, tables, sl, D**-0.5, max_seq_len=c)  # noqa: E731
-                ms = do_bench(fn, warmup=10, rep=40)
+                ms = _time_decode(cache, perm, b, c, launch)
                 gbps = b * c * per_token / (ms * 1e-3) / 1e9
-                row = dict(fmt=fmt, batch=b, context=c, ms=ms, gbps=gbps, pct_peak=(100 * gbps / peak) if peak else None)
+                row = dict(fmt=fmt, batch=b, context=c, ms=ms, gbps=gbps, pct_peak=(100 * gbps / peak) if peak else None,
+                           launch=launch or "default")
                 rows.append(row)
                 print(f"  {fmt:<6} batch={b:<4} ctx={c:<6} {ms:8.3f} ms {gbps:8.0f} GB/s", flush=True)
         del cache
@@ -150,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="JSON results path")
     ap.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth (GB/s)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--sweep", action="store_true", help="sweep quantized launches first; the table uses the best")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: error: needs a CUDA device", file=sys.stderr)
@@ -162,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checks took {time.time() - t0:.1f} s", flush=True)
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     contexts = [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768]
-    rows = bench_decode(batches, contexts, peak)
+    sweep, best = sweep_launch(peak) if args.sweep else ([], None)
+    if best:
+        print(f"best launches: {best}")
+    rows = bench_decode(batches, contexts, peak, best)
     print(markdown(rows, peak))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(device=name, peak_gbps=peak, checks=checks, decode=rows), indent=1))
+    args.out.write_text(json.dumps(dict(device=name, peak_gbps=peak, checks=checks, sweep=sweep, best_launch=best,
+                                        decode=rows), indent=1))
     print(f"total {time.time() - t0:.1f} s; wrote {args.out}")
     return 0 if all(r["ok"] for r in checks) else 1
 

@@ -10,7 +10,12 @@ agreement a coin toss between near-ties. Every position's logits are multiplied 
 ``--target-top1`` (0.5 by default), and the same ``alpha`` is applied under every format
 (``alpha`` acts like an inverse sampling temperature).
 
-    python scripts/eval_kv_quant.py [--model-dir DIR | --demo large] [--seqs 2] [--tokens 160]
+Controls (``--controls``): the reference becomes the model in fp32 with fp32 KV, and two rows show
+how much a perturbation far smaller than quantization moves the metric: the same fp32 model with
+its KV rounded to bf16, and the model run in bf16 throughout. If those disagree a lot, the model
+amplifies tiny perturbations and top-1 agreement says little about the KV format.
+
+    python scripts/eval_kv_quant.py [--model-dir DIR | --demo large] [--seqs 2] [--tokens 160] [--controls]
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from llmbus.engine.attention import AttentionMetadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 
-def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, block_size: int = 16) -> torch.Tensor:
-    """Teacher-forced logits ``[S, L, vocab]`` fp32, one decode step per position."""
+def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, block_size: int = 16,
+               kv_dtype: str | None = None) -> torch.Tensor:
+    """Teacher-forced logits ``[S, L, vocab]`` fp32, one decode step per position. ``kv_dtype``
+    (default: the model's) is the cache dtype of the ``model`` format."""
     s, n = tokens.shape
     model.backend = make_attention_backend(device, kv_format)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
     lay = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
     per_seq = lay.num_blocks_for(n)
     caches = model.backend.allocate_cache(lay, s * per_seq, device)
@@ -84,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--target-top1", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--controls", action="store_true", help="fp32 reference plus bf16-KV and bf16-model control rows")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.seqs < 1 or args.tokens < 2 or not 0 < args.target_top1 < 1:
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         from llmbus.model.demo import ensure_demo_model
 
         args.model_dir = ensure_demo_model(args.demo)
-    loaded = load_model(args.model_dir, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model_dir, dtype="float32" if args.controls else args.dtype, device=args.device)
     model, cfg = loaded.model, loaded.config
     g = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.seqs, args.tokens), generator=g)
@@ -102,12 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     ref = run_logits(model, cfg, "model", tokens, args.device)
     alpha = peaky_alpha(ref, args.target_top1)
     result = dict(model=str(args.model_dir), dtype=str(next(model.parameters()).dtype), seqs=args.seqs,
-                  tokens=args.tokens, alpha=alpha, target_top1=args.target_top1, formats={})
-    for fmt in ("int8", "int4"):
-        result["formats"][fmt] = compare(ref, run_logits(model, cfg, fmt, tokens, args.device), alpha)
+                  tokens=args.tokens, alpha=alpha, target_top1=args.target_top1,
+                  raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
+    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device) for fmt in ("int8", "int4")}
+    if args.controls:
+        rows["control: bf16 KV"] = run_logits(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16")
+        del model
+        bf16 = load_model(args.model_dir, dtype="bfloat16", device=args.device).model
+        rows["control: bf16 model"] = run_logits(bf16, cfg, "model", tokens, args.device)
+    for name, got in rows.items():
+        result["formats"][name] = compare(ref, got, alpha)
     result["seconds"] = time.time() - t0
     print(f"model {args.model_dir} ({result['dtype']}), {args.seqs} x {args.tokens} tokens teacher-forced, "
-          f"logits x {alpha:.3g} (reference mean top-1 prob {args.target_top1})")
+          f"logits x {alpha:.3g} (reference mean top-1 prob {args.target_top1}; unscaled "
+          f"{result['raw_top1_prob']:.3f})")
     print("| KV format | top-1 agreement | mean KL | max KL |\n|---|---:|---:|---:|")
     for fmt, r in result["formats"].items():
         print(f"| {fmt} | {100 * r['top1_agreement']:.2f}% | {r['mean_kl']:.2e} | {r['max_kl']:.2e} |")

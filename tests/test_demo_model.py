@@ -160,3 +160,29 @@ def test_cli_writes_a_loadable_demo_model(tmp_path, capsys):
     assert load_model(tmp_path / "cli").config.num_hidden_layers == DEMO_SIZES["small"]["num_hidden_layers"]
     with pytest.raises(SystemExit):
         parser.parse_args(["demo-model", "--size", "huge"])
+
+
+def test_demo_model_is_conditioned_like_a_trained_one(demo_dir):
+    """Residual projections scaled by 1/sqrt(2 * layers), q/k and embeddings by DEMO_GAINS."""
+    from safetensors.torch import load_file
+
+    from llmbus.model.demo import DEMO_GAINS
+
+    w = load_file(str(demo_dir / "model.safetensors"))
+    layers = DEMO_SIZES["small"]["num_hidden_layers"]
+    std = _base_config("llama")["initializer_range"]
+    for name, want in (("model.layers.0.self_attn.o_proj.weight", std / (2 * layers) ** 0.5),
+                       ("model.layers.1.mlp.down_proj.weight", std / (2 * layers) ** 0.5),
+                       ("model.layers.0.self_attn.q_proj.weight", std * DEMO_GAINS["qk"]),
+                       ("model.layers.0.self_attn.v_proj.weight", std),
+                       ("model.embed_tokens.weight", std * DEMO_GAINS["embed"])):
+        assert abs(float(w[name].float().std()) / want - 1) < 0.05, name
+
+
+def test_ensure_demo_model_replaces_a_stale_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMBUS_DATA_DIR", str(tmp_path))
+    stale = write_random_model(tmp_path / "models" / "demo-small", DEMO_SIZES["small"])  # i.i.d., old init
+    old = _digests(stale)["model.safetensors"]
+    path = ensure_demo_model("small")
+    assert path == stale and _digests(path)["model.safetensors"] != old
+    assert _digests(path) == _digests(make_demo_model(tmp_path / "fresh", "small"))

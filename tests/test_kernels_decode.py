@@ -32,7 +32,7 @@ def _fill(cache, lay, lens, num_blocks, seed):
     return tables.to(DEV)
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0):
+def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None):
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
     cache = allocate_cache(KVFormat(name), lay, nblocks, DEV)
@@ -41,7 +41,7 @@ def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0):
     q = q.to(DEV, cache.model_dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, cache, tables, sl, head_dim**-0.5)
-    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits)
+    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     empty = [i for i, n in enumerate(lens) if n == 0]
@@ -64,6 +64,23 @@ def test_decode_gqa_ratios_and_split_k(group, splits):
 def test_decode_block_sizes_and_head_dims(bs, head_dim):
     _check("int4", "float16", hkv=1, group=2, head_dim=head_dim, bs=bs, lens=[45, 33, 1], splits=2)
     _check("int8", "bfloat16", hkv=1, group=2, head_dim=head_dim, bs=bs, lens=[45, 2], splits=1)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("tile,splits", [(32, 1), (64, 2)])
+def test_decode_multi_block_tiles(name, tile, splits):
+    """Tiles of several blocks (the CUDA default): INT4's per-block key ranges broadcast per block,
+    tiles that straddle the last full block, the partial tail in the split that holds it."""
+    _check(name, "bfloat16", hkv=2, group=4, head_dim=32, bs=16, lens=[100, 64, 17, 5], splits=splits, tile=tile)
+
+
+def test_decode_bad_tile_is_a_value_error():
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16)
+    cache = allocate_cache(KVFormat("int4"), lay, 2, DEV)
+    q = torch.randn(1, 1, 16, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="tile must be"):
+        paged_decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int32, device=DEV), one, 1.0, tile=24)
 
 
 def test_decode_more_splits_than_tiles_and_all_empty():

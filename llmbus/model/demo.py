@@ -4,12 +4,23 @@
 tokenizer_config.json (ChatML template) and generation_config.json; the same arguments give the
 same bytes. ``make_demo_model`` picks the two demo sizes; ``ensure_demo_model`` caches them under
 ``default_demo_dir``.
+
+The demo models are conditioned like trained ones (``DEMO_GAINS``): i.i.d. N(0, 0.08) weights
+make a 12-layer model amplify any perturbation of its KV cache several-fold (its attention logits
+have a standard deviation near 5, so attention is nearly one-hot, and each layer rewrites the whole
+residual stream), so a KV format's accuracy measured on it says little. The demo models scale the
+residual output projections (o_proj, down_proj) by ``1/sqrt(2 * num_layers)`` as GPT-2 does, the
+query and key projections down so attention logits are moderate, and the embeddings up so the
+token's identity persists in the residual stream. Its lm_head leans each token towards one
+successor ("bigram"), so next-token distributions are peaky as a trained model's are (mean top-1
+probability near 0.5) rather than flat, where any perturbation flips near-ties.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +79,38 @@ def _base_config(architecture: str) -> dict[str, Any]:
     return cfg
 
 
-def _random_weights(cfg: ModelConfig, std: float, seed: int) -> dict[str, torch.Tensor]:
+# demo-model conditioning (see the module docstring); a new value must bump DEMO_INIT_VERSION
+DEMO_GAINS = {"qk": 0.35, "embed": 10.0, "residual": True, "bigram": 0.028}
+# NOTE: stored in config.json (safetensors metadata of two keys serializes in a random order);
+# ensure_demo_model regenerates a cached demo model written by another version, so a stale cache
+# never hides an initialization change.
+DEMO_INIT_VERSION = "2"
+
+
+def _gain(name: str, gains: dict[str, Any], num_layers: int) -> float:
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        return gains.get("qk", 1.0)
+    if name.endswith(("o_proj.weight", "down_proj.weight")) and gains.get("residual"):
+        return (2 * num_layers) ** -0.5
+    if name.endswith("embed_tokens.weight"):
+        return gains.get("embed", 1.0)
+    return 1.0
+
+
+def _random_weights(cfg: ModelConfig, std: float, seed: int, gains: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in expected_tensors(cfg).items():
         if name.endswith("norm.weight"):  # near 1, not exactly: the test sees a wrong norm weight
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
-            t = std * torch.randn(shape, generator=gen)
-        out[name] = t.to(torch_dtype(cfg.dtype)).contiguous()
-    return out
+            out[name] = std * _gain(name, gains or {}, cfg.num_hidden_layers) * torch.randn(shape, generator=gen)
+    if (gains or {}).get("bigram") and "lm_head.weight" in out:
+        # each token favours one successor: lm_head row v leans towards embedding row perm[v]
+        perm = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(seed + 1))
+        scale = gains["bigram"] / cfg.hidden_size**0.5
+        out["lm_head.weight"] += scale * out["model.embed_tokens.weight"][perm]
+    return {name: t.to(torch_dtype(cfg.dtype)).contiguous() for name, t in out.items()}
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -85,12 +118,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_random_model(out_dir: str | Path, config_overrides: dict[str, Any] | None = None, seed: int = 0,
-                       architecture: str = "llama") -> Path:
+                       architecture: str = "llama", gains: dict[str, Any] | None = None) -> Path:
     """Write a random HF-format model (weights ~ N(0, initializer_range)) to ``out_dir``.
 
     ``config_overrides`` are config.json fields (``dtype`` picks the stored weight dtype). The
-    tokenizer has at most ``vocab_size`` entries; embedding rows past it are never produced by it."""
+    tokenizer has at most ``vocab_size`` entries; embedding rows past it are never produced by it.
+    ``gains`` (as ``DEMO_GAINS``) scales groups of weights; None leaves them i.i.d."""
     raw = _base_config(architecture) | dict(config_overrides or {})
+    if gains:
+        raw["llmbus_demo_init"] = DEMO_INIT_VERSION
     if "torch_dtype" in raw:
         raw["dtype"] = raw.pop("torch_dtype")
     raw["dtype"] = normalize_dtype(raw.get("dtype", "float32"))
@@ -100,7 +136,7 @@ def write_random_model(out_dir: str | Path, config_overrides: dict[str, Any] | N
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", raw)
     std = float(raw.get("initializer_range", 0.08))
-    save_file(_random_weights(cfg, std, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_random_weights(cfg, std, seed, gains), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tokenizer_config(cfg.max_position_embeddings))
     _write_json(out / "generation_config.json",
@@ -112,7 +148,7 @@ def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> 
     """Write the ``small`` (~1.3M params, fp32) or ``large`` (~100M params, bf16) demo model."""
     if size not in DEMO_SIZES:
         raise ValueError(f"demo model size must be one of {sorted(DEMO_SIZES)}, got {size!r}")
-    return write_random_model(out_dir, DEMO_SIZES[size], seed=seed, architecture="llama")
+    return write_random_model(out_dir, DEMO_SIZES[size], seed=seed, architecture="llama", gains=DEMO_GAINS)
 
 
 def default_demo_dir(size: str = "small") -> Path:
@@ -125,11 +161,22 @@ def default_demo_dir(size: str = "small") -> Path:
     return root / f"demo-{size}"
 
 
+def _init_version(config: Path) -> str | None:
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("llmbus_demo_init")
+    except (OSError, ValueError, AttributeError):  # missing or unreadable: regenerate
+        return None
+
+
 def ensure_demo_model(size: str = "small") -> Path:
     """The demo model's directory, generated on first use (written aside, then renamed into place)."""
     target = default_demo_dir(size)
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+    if (target / "model.safetensors").is_file() and _init_version(target / "config.json") == DEMO_INIT_VERSION:
         return target
+    if target.exists():  # an older demo model: set aside, then replaced
+        stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+        target.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     make_demo_model(tmp, size)
