@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
+import subprocess
+import sys
 
 import pytest
 
 from llmbus.model.cli import register
 from llmbus.model.config import ModelConfig
 from llmbus.model.demo import DEMO_SIZES, _base_config, ensure_demo_model, make_demo_model, write_random_model
+from llmbus.model.demo_tokenizer import corpus
 from llmbus.model.loader import load_model
 from llmbus.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from tests.model_factory import PagedDriver
@@ -186,3 +189,109 @@ def test_ensure_demo_model_replaces_a_stale_cache(tmp_path, monkeypatch):
     path = ensure_demo_model("small")
     assert path == stale and _digests(path)["model.safetensors"] != old
     assert _digests(path) == _digests(make_demo_model(tmp_path / "fresh", "small"))
+
+
+# --- the sentencepiece variant (what llama.cpp's converter accepts) ---
+
+SP_TEXTS = TEXTS + [
+    "   three leading, two  inner,\t\ttabs and a trailing run   ", " ", "\n\n\n", "a\u3000b\u00a0c (ideographic, nbsp)",
+    "<|im_start|>user\nHi 你好 🤖<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def spm():
+    return pytest.importorskip("sentencepiece", reason="the sentencepiece demo tokenizer needs the 'sentencepiece' package")
+
+
+@pytest.fixture(scope="module")
+def sp_dir(spm, tmp_path_factory):
+    return make_demo_model(tmp_path_factory.mktemp("demo-sp") / "small", "small", tokenizer="sentencepiece")
+
+
+@pytest.fixture(scope="module")
+def sp_proc(spm, sp_dir):
+    return spm.SentencePieceProcessor(model_file=str(sp_dir / "tokenizer.model"))
+
+
+def test_sentencepiece_variant_is_deterministic_and_shares_the_weights(sp_dir, demo_dir, tmp_path):
+    assert set(_digests(sp_dir)) == set(_digests(demo_dir)) | {"tokenizer.model"}
+    assert _digests(make_demo_model(tmp_path / "again", "small", tokenizer="sentencepiece")) == _digests(sp_dir)
+    # a fresh process retrains the tokenizer (the in-process result is cached)
+    code = ("import hashlib, sys; from llmbus.model.demo_tokenizer import train_sentencepiece as t; "
+            "print(hashlib.sha256(t(2048)).hexdigest())")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert fresh == _digests(sp_dir)["tokenizer.model"]
+    assert _digests(sp_dir)["model.safetensors"] == _digests(demo_dir)["model.safetensors"]
+
+
+def test_sentencepiece_vocabulary_and_special_tokens(sp_dir, sp_proc):
+    tok = Tokenizer.from_dir(sp_dir)
+    assert sp_proc.get_piece_size() == tok.vocab_size == DEMO_SIZES["small"]["vocab_size"]
+    assert [sp_proc.id_to_piece(i) for i in range(5)] == ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    assert (sp_proc.unk_id(), sp_proc.bos_id(), sp_proc.eos_id()) == (0, 1, 2)
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2) and not tok.add_bos_token
+    assert all(tok.id_to_token(i) == sp_proc.id_to_piece(i) for i in range(tok.vocab_size))
+    assert sum(sp_proc.is_byte(i) for i in range(tok.vocab_size)) == 256
+    assert load_model(sp_dir).eos_token_ids == (4, 2)  # <|im_end|> ends a chat turn, </s> a document
+
+
+def test_sentencepiece_tokenizer_encodes_as_sentencepiece_does(sp_dir, sp_proc):
+    tok = Tokenizer.from_dir(sp_dir)
+    rng = random.Random(0)
+    alphabet = " \n\tab the中文🤖é<|>"
+    texts = SP_TEXTS + corpus(99, 300) + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24))) for _ in range(300)]
+    for text in texts:
+        assert tok.encode(text) == sp_proc.encode(text), text
+        # NOTE: SentencePiece cannot tell a literal "▁" from an escaped space; no text here has one
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == sp_proc.decode(sp_proc.encode(text)) == text
+    assert len(tok.encode("the model the cache the token")) < len("the model the cache the token") / 2
+    ids = tok.encode("中文 🤖\x00")
+    assert sum(sp_proc.is_byte(i) for i in ids) >= 4  # characters outside the vocabulary fall back to bytes
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert tok.encode(chat).count(tok.token_to_id("<|im_start|>")) == 3
+    assert tok.decode(tok.encode(chat)) == "system\nYou are a helpful assistant.\nuser\nHi\nassistant\n"
+
+
+def test_sentencepiece_tokenizer_matches_transformers(sp_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(sp_dir)
+    tok = Tokenizer.from_dir(sp_dir)
+    for text in SP_TEXTS:
+        assert hf.encode(text) == tok.encode(text), text
+        assert hf.decode(hf.encode(text)) == tok.decode(tok.encode(text), skip_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi 你好 🤖"}]
+    assert tok.apply_chat_template(messages) == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_sentencepiece_model_matches_transformers_logits(sp_dir):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    tok = Tokenizer.from_dir(sp_dir)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "The cache holds 16 tokens per block. 中文 🤖"}]))
+    assert len(ids) > 32  # several blocks
+    (ours,) = PagedDriver(load_model(sp_dir, dtype="float32").model).step([("a", ids)])
+    hf = transformers.LlamaForCausalLM.from_pretrained(sp_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_sentencepiece_cli_and_errors(spm, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("LLMBUS_DATA_DIR", str(tmp_path))
+    cached = ensure_demo_model("small", tokenizer="sentencepiece")
+    assert cached == tmp_path / "models" / "demo-small-sp" and (cached / "tokenizer.model").is_file()
+    parser = argparse.ArgumentParser(prog="llmbus")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["demo-model", "--tokenizer", "sentencepiece", "--out", str(tmp_path / "cli")])
+    assert args.func(args) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "cli")
+    assert (tmp_path / "cli" / "tokenizer.model").is_file()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo-model", "--tokenizer", "wordpiece"])
+    with pytest.raises(ValueError, match="demo tokenizer must be one of"):
+        make_demo_model(tmp_path / "bad", "small", tokenizer="wordpiece")
+    with pytest.raises(ValueError, match="vocab_size=300.*smaller than required_chars"):
+        write_random_model(tmp_path / "tiny", {"vocab_size": 300}, tokenizer="sentencepiece")

@@ -1,9 +1,11 @@
 """Deterministic random models in Hugging Face format, generated locally.
 
 ``write_random_model`` writes config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json (ChatML template) and generation_config.json; the same arguments give the
-same bytes. ``make_demo_model`` picks the two demo sizes; ``ensure_demo_model`` caches them under
-``default_demo_dir``.
+tokenizer_config.json (ChatML template) and generation_config.json, and with the
+``sentencepiece`` tokenizer also tokenizer.model (so llama.cpp's converter accepts the model); the
+same arguments give the same bytes. The tokenizer never changes the weights: both variants of a
+size share model.safetensors. ``make_demo_model`` picks the two demo sizes; ``ensure_demo_model``
+caches them under ``default_demo_dir``.
 
 The demo models are conditioned like trained ones (``DEMO_GAINS``): i.i.d. N(0, 0.08) weights
 make a 12-layer model amplify any perturbation of its KV cache several-fold (its attention logits
@@ -29,11 +31,15 @@ from safetensors.torch import save_file
 
 from llmbus.engine.attention import torch_dtype
 from llmbus.model.config import ModelConfig, normalize_dtype
-from llmbus.model.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_TOKENS, tokenizer_config, train_tokenizer_json
+from llmbus.model.demo_tokenizer import (BOS, ENDOFTEXT, EOS, IM_END, SP_SPECIAL_TOKENS, SPECIAL_TOKENS,
+                                         TOKENIZER_KINDS, sentencepiece_tokenizer_json, tokenizer_config,
+                                         train_sentencepiece, train_tokenizer_json)
 from llmbus.model.loader import expected_tensors
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 _END_ID, _IM_END_ID = SPECIAL_TOKENS.index(ENDOFTEXT), SPECIAL_TOKENS.index(IM_END)
+# the sentencepiece variant: (bos, eos, chat end) ids; generation stops at </s> or <|im_end|>
+_SP_BOS_ID, _SP_EOS_ID, _SP_IM_END_ID = (SP_SPECIAL_TOKENS.index(t) for t in (BOS, EOS, IM_END))
 
 DEMO_SIZES: dict[str, dict[str, Any]] = {
     # about 1.3M parameters: fast tests
@@ -117,48 +123,67 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _check_tokenizer(tokenizer: str) -> None:
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"demo tokenizer must be one of {list(TOKENIZER_KINDS)}, got {tokenizer!r}")
+
+
 def write_random_model(out_dir: str | Path, config_overrides: dict[str, Any] | None = None, seed: int = 0,
-                       architecture: str = "llama", gains: dict[str, Any] | None = None) -> Path:
+                       architecture: str = "llama", gains: dict[str, Any] | None = None,
+                       tokenizer: str = "bpe") -> Path:
     """Write a random HF-format model (weights ~ N(0, initializer_range)) to ``out_dir``.
 
     ``config_overrides`` are config.json fields (``dtype`` picks the stored weight dtype). The
-    tokenizer has at most ``vocab_size`` entries; embedding rows past it are never produced by it.
-    ``gains`` (as ``DEMO_GAINS``) scales groups of weights; None leaves them i.i.d."""
-    raw = _base_config(architecture) | dict(config_overrides or {})
+    ``bpe`` tokenizer has at most ``vocab_size`` entries (embedding rows past it are never produced
+    by it); the ``sentencepiece`` one exactly ``vocab_size``. ``gains`` (as ``DEMO_GAINS``) scales
+    groups of weights; None leaves them i.i.d."""
+    _check_tokenizer(tokenizer)
+    sp = tokenizer == "sentencepiece"
+    raw = _base_config(architecture) | ({"bos_token_id": _SP_BOS_ID, "eos_token_id": _SP_EOS_ID} if sp else {})
+    raw |= dict(config_overrides or {})
     if gains:
         raw["llmbus_demo_init"] = DEMO_INIT_VERSION
     if "torch_dtype" in raw:
         raw["dtype"] = raw.pop("torch_dtype")
     raw["dtype"] = normalize_dtype(raw.get("dtype", "float32"))
     cfg = ModelConfig.from_dict(raw)
-    tokenizer_json = train_tokenizer_json(min(cfg.vocab_size, 16384))
+    sp_model = train_sentencepiece(cfg.vocab_size) if sp else None
+    if sp_model:
+        tokenizer_json = sentencepiece_tokenizer_json(sp_model)
+    else:
+        tokenizer_json = train_tokenizer_json(min(cfg.vocab_size, 16384))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", raw)
     std = float(raw.get("initializer_range", 0.08))
     save_file(_random_weights(cfg, std, seed, gains), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if sp_model:
+        (out / "tokenizer.model").write_bytes(sp_model)
     (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    _write_json(out / "tokenizer_config.json", tokenizer_config(cfg.max_position_embeddings))
-    _write_json(out / "generation_config.json",
-                {"bos_token_id": _END_ID, "eos_token_id": [_IM_END_ID, _END_ID], "do_sample": False})
+    _write_json(out / "tokenizer_config.json", tokenizer_config(cfg.max_position_embeddings, tokenizer))
+    bos, eos = (_SP_BOS_ID, [_SP_IM_END_ID, _SP_EOS_ID]) if sp else (_END_ID, [_IM_END_ID, _END_ID])
+    _write_json(out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False})
     return out
 
 
-def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0) -> Path:
-    """Write the ``small`` (~1.3M params, fp32) or ``large`` (~100M params, bf16) demo model."""
+def make_demo_model(out_dir: str | Path, size: str = "small", seed: int = 0, tokenizer: str = "bpe") -> Path:
+    """Write the ``small`` (~1.3M params, fp32) or ``large`` (~100M params, bf16) demo model with
+    the ``bpe`` or ``sentencepiece`` tokenizer (same weights either way)."""
     if size not in DEMO_SIZES:
         raise ValueError(f"demo model size must be one of {sorted(DEMO_SIZES)}, got {size!r}")
-    return write_random_model(out_dir, DEMO_SIZES[size], seed=seed, architecture="llama", gains=DEMO_GAINS)
+    return write_random_model(out_dir, DEMO_SIZES[size], seed=seed, architecture="llama", gains=DEMO_GAINS,
+                              tokenizer=tokenizer)
 
 
-def default_demo_dir(size: str = "small") -> Path:
+def default_demo_dir(size: str = "small", tokenizer: str = "bpe") -> Path:
     """Where ``ensure_demo_model`` keeps a demo model: ``$LLMBUS_DATA_DIR/models/demo-<size>``,
-    else ``~/.cache/llmbus/models/demo-<size>``."""
+    else ``~/.cache/llmbus/models/demo-<size>`` (``demo-<size>-sp`` for the sentencepiece variant)."""
     if size not in DEMO_SIZES:
         raise ValueError(f"demo model size must be one of {sorted(DEMO_SIZES)}, got {size!r}")
+    _check_tokenizer(tokenizer)
     data = os.environ.get("LLMBUS_DATA_DIR")
     root = Path(data) / "models" if data else Path.home() / ".cache" / "llmbus" / "models"
-    return root / f"demo-{size}"
+    return root / (f"demo-{size}-sp" if tokenizer == "sentencepiece" else f"demo-{size}")
 
 
 def _init_version(config: Path) -> str | None:
@@ -168,9 +193,9 @@ def _init_version(config: Path) -> str | None:
         return None
 
 
-def ensure_demo_model(size: str = "small") -> Path:
+def ensure_demo_model(size: str = "small", tokenizer: str = "bpe") -> Path:
     """The demo model's directory, generated on first use (written aside, then renamed into place)."""
-    target = default_demo_dir(size)
+    target = default_demo_dir(size, tokenizer)
     if (target / "model.safetensors").is_file() and _init_version(target / "config.json") == DEMO_INIT_VERSION:
         return target
     if target.exists():  # an older demo model: set aside, then replaced
@@ -179,7 +204,7 @@ def ensure_demo_model(size: str = "small") -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    make_demo_model(tmp, size)
+    make_demo_model(tmp, size, tokenizer=tokenizer)
     try:
         tmp.rename(target)
     except OSError:  # another process won the race; its copy is byte-identical

@@ -77,8 +77,11 @@ serve_runs() {  # name port model_dir served_name
 }
 
 for size in $MODELS; do
-    model="$OUT/models/$size"
-    [ -f "$model/config.json" ] || "$PY" -m llmbus.cli demo-model --size "$size" --out "$model" > /dev/null
+    # NOTE: ONE model dir per size for all three servers (and the in-process runs): the SentencePiece
+    # variant, the only tokenizer llama.cpp's converter accepts (same weights as the bpe variant).
+    model="$OUT/models/$size-sp"
+    [ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece \
+        --out "$model" > /dev/null
     mkdir -p "$OUT/$size"
     # 1. throughput and latency at concurrency 1, 8, 32 on random
     if wants llmbus; then
@@ -93,7 +96,13 @@ for size in $MODELS; do
     else echo "skip vllm: run 'make peer-vllm'" >&2; fi
     if ! wants llamacpp; then :
     elif [ -x .peers/llamacpp/llama-server ]; then
-        SERVED_NAME="$size" start_server "llamacpp-$size" 8200 bash scripts/peers/run_llamacpp.sh "$model" 8200 32 \
+        # converted beside the model dir (not cached by name under .peers/gguf, which a regenerated
+        # model would leave stale); LLAMACPP_OUTTYPE: f32 (default), bf16, f16, q8_0
+        gguf="$OUT/models/$size-sp.${LLAMACPP_OUTTYPE:-f32}.gguf"
+        [ "$gguf" -nt "$model/model.safetensors" ] || bash scripts/peers/convert_gguf.sh "$model" "$gguf" \
+            "${LLAMACPP_OUTTYPE:-f32}" > "$OUT/llamacpp-$size.convert.log" 2>&1 \
+            || { rm -f "$gguf"; echo "skip llama.cpp: converting $model failed (see $OUT/llamacpp-$size.convert.log)" >&2; }
+        [ -f "$gguf" ] && SERVED_NAME="$size" start_server "llamacpp-$size" 8200 bash scripts/peers/run_llamacpp.sh "$gguf" 8200 32 \
             && { serve_runs llamacpp 8200 "$model" "$size"; stop_server; }
     else echo "skip llama.cpp: run 'make peer-llamacpp'" >&2; fi
     for c in $CONCURRENCIES; do
