@@ -8,7 +8,7 @@ tensor here, data plus scales for quantized formats).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -24,6 +24,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length after this step's write
     query_start_loc: torch.Tensor  # [B+1] int32: cumulative query lengths
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+    # NOTE: per-step data a backend derives from the fields above at the first layer and reuses in
+    # every other layer (keyed by backend name). The fields above must not change within a step.
+    backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_decode_tokens(self) -> int:

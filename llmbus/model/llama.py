@@ -50,10 +50,10 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # q and k sit side by side in qkv: rotate both heads' sets in one pass, then split.
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, cache, meta, self.scale)
         return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
@@ -69,7 +69,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        # in place on the fresh gate_up output: the same values as silu(gate) * up, one buffer
+        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):

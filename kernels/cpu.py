@@ -1,0 +1,231 @@
+"""Fast paged attention on CPU for caches in the model dtype (``kv_format == "model"``).
+
+Same cache objects and results as ``llmbus.engine.attention.TorchAttentionBackend`` (one raw
+``[2, num_blocks, block_size, Hkv, D]`` tensor per layer, so ``read_blocks``/``write_blocks`` move
+the same bytes), computed with ``torch.nn.functional.scaled_dot_product_attention``:
+
+- Everything that depends only on the step (which blocks each sequence reads, padding and causal
+  masks, how decodes are grouped) is built once, at the first layer, as a ``StepPlan`` kept on the
+  ``AttentionMetadata``; the other layers reuse it.
+- Decodes are processed in groups small enough that the gathered K/V stay in the CPU caches while
+  SDPA reads them; the gather goes into one reused workspace (fresh multi-MB tensors per layer
+  cost page faults). GQA needs no repeat: a decode's query heads are viewed as ``[Hkv, G]`` rows.
+- A prefill chunk with no cached prefix attends to its own k/v directly (no gather, causal SDPA);
+  one with a prefix gathers its context blocks and uses a bottom-right causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+from llmbus.engine.attention import AttentionMetadata, TorchAttentionBackend, torch_dtype
+from llmbus.kv.layout import KVLayout
+
+# Gathered K+V bytes per decode group: small enough to stay in L2/L3 between gather and SDPA.
+DECODE_GROUP_BYTES = 4 << 20
+# NOTE: with several torch threads every group is a parallel region whose barrier costs dearly on a
+# busy machine (measured on 2 shared cores: 32 MiB groups 1.3-2.7x faster than 4 MiB), so groups
+# grow by this factor; with one thread small, cache-resident groups win.
+THREADED_GROUP_FACTOR = 8
+
+
+@dataclass
+class DecodeGroup:
+    start: int  # first decode row of the group
+    end: int
+    block_ids: torch.Tensor  # [(end - start) * nblk] int64: each sequence's first nblk blocks
+    nblk: int
+    mask: torch.Tensor | None  # [g, 1, 1, nblk * bs] additive (0 / -inf); None when no padding
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # query rows [start, end) of the step
+    end: int
+    ctx: int  # context length after this step's write
+    block_ids: torch.Tensor | None  # [nblk] int64; None when the chunk is its whole context
+    mask: torch.Tensor | None  # [ql, ctx] additive causal mask aligned to the end; None with block_ids
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one step shares: derived once from the step's AttentionMetadata."""
+
+    decode_groups: list[DecodeGroup]
+    empty_decodes: torch.Tensor | None  # decode rows with seq_len 0 (their output is zeros)
+    prefills: list[PrefillChunk]
+
+
+def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: torch.dtype,
+               group_bytes: int = DECODE_GROUP_BYTES) -> StepPlan:
+    """``row_bytes``: bytes of one token's keys plus values in one layer; ``group_bytes``: the
+    gathered K/V budget of one decode group (a group holds at least one sequence)."""
+    nd = meta.num_decodes
+    lens = meta.seq_lens.tolist()
+    starts = meta.query_start_loc.tolist()
+    if len(starts) != len(lens) + 1:
+        raise ValueError(f"query_start_loc has {len(starts)} entries for {len(lens)} sequences (expected one more)")
+    if any(starts[i + 1] - starts[i] != 1 for i in range(nd)):
+        raise ValueError("the first num_decodes sequences must have exactly one query token each")
+    tables = meta.block_tables.to(torch.int64)
+    dev = meta.block_tables.device
+    groups: list[DecodeGroup] = []
+    i = 0
+    while i < nd:
+        j, longest = i, 0
+        while j < nd:
+            longest_j = max(longest, lens[j])
+            if j > i and (j + 1 - i) * longest_j * row_bytes > group_bytes:
+                break
+            longest, j = longest_j, j + 1
+        groups.append(_decode_group(tables, lens, i, j, longest, block_size, dtype, dev))
+        i = j
+    empty = [r for r in range(nd) if lens[r] == 0]
+    prefills = []
+    for s in range(nd, len(lens)):
+        q0, q1, ctx = starts[s], starts[s + 1], lens[s]
+        ql = q1 - q0
+        if ql == 0:
+            continue
+        if ql > ctx:
+            raise ValueError(f"sequence {s} has {ql} query tokens but a context of only {ctx}")
+        if ctx == ql:
+            prefills.append(PrefillChunk(q0, q1, ctx, None, None))
+            continue
+        nblk = -(-ctx // block_size)
+        q_pos = torch.arange(ctx - ql, ctx, device=dev)
+        k_pos = torch.arange(ctx, device=dev)
+        mask = _additive(k_pos[None, :] <= q_pos[:, None], dtype)
+        prefills.append(PrefillChunk(q0, q1, ctx, tables[s, :nblk].contiguous(), mask))
+    empty_rows = torch.tensor(empty, dtype=torch.int64, device=dev) if empty else None
+    return StepPlan(groups, empty_rows, prefills)
+
+
+def _decode_group(tables, lens, i, j, longest, block_size, dtype, dev) -> DecodeGroup:
+    nblk = max(1, -(-longest // block_size))
+    ids = tables[i:j, :nblk].reshape(-1)
+    if all(lens[r] == nblk * block_size for r in range(i, j)):
+        return DecodeGroup(i, j, ids, nblk, None)
+    pos = torch.arange(nblk * block_size, device=dev)
+    seq = torch.tensor(lens[i:j], device=dev)
+    # NOTE: a zero-length row would be all -inf (NaN in SDPA); it attends to its padding instead
+    # and the backend zeroes its output afterwards.
+    live = (pos[None, :] < seq[:, None]) | (seq[:, None] == 0)
+    return DecodeGroup(i, j, ids, nblk, _additive(live, dtype)[:, None, None, :])
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
+def _checked_ids(cache: torch.Tensor, block_ids) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1).to(cache.device)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.shape[1]):
+        raise ValueError(f"block ids must lie in [0, {cache.shape[1]}), got {ids.tolist()}")
+    return ids
+
+
+class CpuAttentionBackend:
+    """Implements ``llmbus.engine.attention.AttentionBackend`` for model-dtype caches on CPU."""
+
+    name = "cpu"
+
+    def __init__(self, decode_group_bytes: int | None = None) -> None:
+        """``decode_group_bytes``: gathered K/V budget of one decode group; None picks it from the
+        number of torch threads at each step."""
+        if decode_group_bytes is not None and (not isinstance(decode_group_bytes, int) or decode_group_bytes < 1):
+            raise ValueError(f"decode_group_bytes must be a positive integer or None, got {decode_group_bytes!r}")
+        self.decode_group_bytes = decode_group_bytes
+        self._workspace = torch.empty(0)
+
+    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        dtype = torch_dtype(layout.dtype)
+        return [torch.zeros(layout.cache_shape(num_blocks), dtype=dtype, device=device) for _ in range(layout.num_layers)]
+
+    @staticmethod
+    def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[n, layer_block_bytes]`` (block ``i``'s keys then values): the same bytes as
+        ``kernels.kv_cache.read_blocks`` for a ``model``-format cache."""
+        return TorchAttentionBackend.read_blocks(cache, _checked_ids(cache, block_ids))
+
+    @staticmethod
+    def write_blocks(cache: torch.Tensor, block_ids: torch.Tensor, data: torch.Tensor) -> None:
+        ids = _checked_ids(cache, block_ids)
+        want = (ids.numel(), cache[:, 0].numel() * cache.element_size())
+        if data.dtype != torch.uint8 or tuple(data.shape) != want:
+            raise ValueError(f"write_blocks expects uint8 {list(want)}, got {data.dtype} {list(data.shape)}")
+        TorchAttentionBackend.write_blocks(cache, ids, data)
+
+    def plan(self, cache: torch.Tensor, meta: AttentionMetadata) -> StepPlan:
+        """The step's plan, built by the first layer that asks and kept on ``meta``."""
+        plan = meta.backend_plans.get(self.name)
+        if plan is None:
+            _, _, bs, h, d = cache.shape
+            budget = self.decode_group_bytes or DECODE_GROUP_BYTES * (
+                THREADED_GROUP_FACTOR if torch.get_num_threads() > 1 else 1)
+            plan = build_plan(meta, bs, 2 * h * d * cache.element_size(), cache.dtype, budget)
+            meta.backend_plans[self.name] = plan
+        return plan
+
+    def forward(self, q, k, v, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``; writes k/v into ``cache`` first."""
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5:
+            raise ValueError("CpuAttentionBackend needs the raw [2, N, bs, Hkv, D] cache tensors it allocated")
+        if q.dtype != cache.dtype:
+            raise ValueError(f"queries are {q.dtype} but the cache holds {cache.dtype}: this backend needs the model dtype")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+        reference.write_kv(k, v, cache, meta.slot_mapping)
+        plan = self.plan(cache, meta)
+        out = torch.empty_like(q)
+        for g in plan.decode_groups:
+            out[g.start : g.end] = self._decode(q[g.start : g.end], cache, g, scale)
+        if plan.empty_decodes is not None:
+            out.index_fill_(0, plan.empty_decodes, 0)
+        for c in plan.prefills:
+            out[c.start : c.end] = self._prefill(q, k, v, cache, c, scale)
+        return out
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """``[2, n, bs, Hkv, D]``: the blocks' keys and values, in the reused workspace."""
+        n_blocks = cache.shape[1]
+        per_block = cache[0, 0].numel()
+        need = 2 * block_ids.numel() * per_block
+        ws = self._workspace
+        if ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
+            ws = self._workspace = torch.empty(max(need, ws.numel() if ws.dtype == cache.dtype else 0),
+                                               dtype=cache.dtype, device=cache.device)
+        out = ws[:need].view(2, block_ids.numel(), per_block)
+        torch.index_select(cache.view(2, n_blocks, per_block), 1, block_ids, out=out)
+        return out.view(2, block_ids.numel(), *cache.shape[2:])
+
+    def _decode(self, q, cache, g: DecodeGroup, scale: float) -> torch.Tensor:
+        b, hq, d = q.shape
+        hkv = cache.shape[3]
+        kv = self._gather(cache, g.block_ids).view(2, b, -1, hkv, d).transpose(2, 3)  # [2, b, Hkv, L, D]
+        # NOTE: query head h reads KV head h // G, so [b, Hq, D] viewed as [b, Hkv, G, D] puts each
+        # group of query heads as G query rows over its one KV head; the [b, 1, 1, L] mask broadcasts.
+        qg = q.view(b, hkv, hq // hkv, d)
+        res = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale)
+        return res.reshape(b, hq, d)
+
+    def _prefill(self, q, k, v, cache, c: PrefillChunk, scale: float) -> torch.Tensor:
+        hq, hkv = q.shape[1], k.shape[1]
+        qc = q[c.start : c.end].transpose(0, 1)[None]  # [1, Hq, ql, D]
+        if c.block_ids is None:
+            kc = k[c.start : c.end].transpose(0, 1)[None]
+            vc = v[c.start : c.end].transpose(0, 1)[None]
+            res = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
+                                                 enable_gqa=hq != hkv)
+        else:
+            kv = self._gather(cache, c.block_ids).flatten(1, 2)[:, : c.ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
+            res = F.scaled_dot_product_attention(qc, kv[0][None], kv[1][None], attn_mask=c.mask, scale=scale,
+                                                 enable_gqa=hq != hkv)
+        return res[0].transpose(0, 1)

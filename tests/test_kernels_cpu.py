@@ -1,0 +1,148 @@
+"""kernels.cpu.CpuAttentionBackend against the pure-torch references in kernels/reference.py, on
+random paged caches: odd lengths, GQA 1/2/4, mixed decode+prefill batches, cached prefixes, and
+single-token and empty sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu
+from llmbus.engine.attention import AttentionMetadata, TorchAttentionBackend
+from llmbus.kv.layout import KVLayout
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+def _step(lay: KVLayout, ctx: list[int], qlens: list[int], num_decodes: int, dtype, seed: int, hq: int):
+    """A random cache already holding every sequence's prefix, this step's q/k/v and metadata.
+    Blocks are handed out in a shuffled order so tables are not contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    bs = lay.block_size
+    need = [lay.num_blocks_for(c) for c in ctx]
+    perm = (torch.randperm(sum(need) + 3, generator=g) + 1).tolist()  # block 0 stays as padding
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    cache = torch.randn(lay.cache_shape(len(perm) + 1), generator=g).to(dtype)
+    # a decode with no context still has a row to write: it goes to the padding block 0
+    slots = sum((lay.slot_mapping(t, c - q, c) if c else [0] * q for t, c, q in zip(tables, ctx, qlens)), [])
+    width = max([len(t) for t in tables] + [1])
+    t = sum(qlens)
+    h, d = lay.num_kv_heads, lay.head_dim
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    k, v = torch.randn(t, h, d, generator=g).to(dtype), torch.randn(t, h, d, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=torch.tensor([tb + [0] * (width - len(tb)) for tb in tables], dtype=torch.int32),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32),
+        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32),
+        num_decodes=num_decodes,
+    )
+    return cache, q, k, v, meta
+
+
+def _check(lay, ctx, qlens, nd, dtype=torch.float32, hq=None, seed=0, backend=None):
+    hq = hq or lay.num_kv_heads
+    cache, q, k, v, meta = _step(lay, ctx, qlens, nd, dtype, seed, hq)
+    ref_cache = cache.clone()
+    scale = lay.head_dim**-0.5
+    want = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
+    got = (backend or cpu.CpuAttentionBackend()).forward(q, k, v, cache, meta, scale)
+    assert torch.equal(cache, ref_cache), "the KV write differs from reference.write_kv"
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    assert err < TOL[dtype], f"max abs diff {err:.3g}"
+    return got, meta
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_batch_matches_reference(group):
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16)
+    ctx = [1, 15, 16, 17, 33, 100, 47]
+    _check(lay, ctx, [1] * len(ctx), len(ctx), hq=2 * group)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_prefill_chunks_with_and_without_prefix(group):
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8)
+    # whole prompts (no prefix), chunks after a cached prefix, a single-token chunk
+    _check(lay, [5, 40, 23, 9, 64], [5, 13, 23, 1, 30], 0, hq=2 * group, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_batch_decodes_then_prefills(dtype):
+    lay = KVLayout(num_layers=1, num_kv_heads=4, head_dim=64, block_size=16, dtype=str(dtype).removeprefix("torch."))
+    _check(lay, [7, 31, 64, 129, 50, 18], [1, 1, 1, 37, 50, 2], 3, dtype=dtype, hq=8, seed=2)
+
+
+def test_many_decodes_split_into_groups():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)
+    ctx = [300 + 7 * i for i in range(12)]
+    # 1 KiB of K+V per token: a 1 MiB budget holds two or three ~380-token sequences per group
+    backend = cpu.CpuAttentionBackend(decode_group_bytes=1 << 20)
+    _, meta = _check(lay, ctx, [1] * len(ctx), len(ctx), hq=4, seed=3, backend=backend)
+    groups = meta.backend_plans["cpu"].decode_groups
+    assert len(groups) >= 4
+    assert [(g.start, g.end) for g in groups] == list(zip([0] + [g.end for g in groups[:-1]], [g.end for g in groups]))
+    assert groups[-1].end == len(ctx)
+    with pytest.raises(ValueError, match="decode_group_bytes"):
+        cpu.CpuAttentionBackend(decode_group_bytes=0)
+
+
+def test_empty_sequences_give_zeros_and_no_rows():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8)
+    # a decode with no context yields zeros (as the reference); a prefill entry with no query rows
+    got, _ = _check(lay, [0, 9, 12, 20], [1, 1, 0, 4], 2, hq=4, seed=4)
+    assert torch.count_nonzero(got[0]) == 0
+
+
+def test_plan_is_built_once_per_step_and_reused_across_layers():
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=8)
+    backend = cpu.CpuAttentionBackend()
+    cache, q, k, v, meta = _step(lay, [9, 20], [1, 20], 1, torch.float32, 5, 4)
+    caches = [cache.clone() for _ in range(lay.num_layers)]
+    outs = []
+    for c in caches:
+        outs.append(backend.forward(q, k, v, c, meta, 0.25))
+        assert len(meta.backend_plans) == 1
+    plan = meta.backend_plans["cpu"]
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    assert meta.backend_plans["cpu"] is plan
+
+
+def test_blocks_round_trip_as_the_reference_backend_bytes():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4)
+    ours, ref = cpu.CpuAttentionBackend(), TorchAttentionBackend()
+    cache = ours.allocate_cache(lay, 6, torch.device("cpu"))[0]
+    cache.copy_(torch.randn(cache.shape))
+    ids = torch.tensor([4, 1])
+    data = ours.read_blocks(cache, ids)
+    assert torch.equal(data, ref.read_blocks(cache, ids))
+    other = ref.allocate_cache(lay, 6, torch.device("cpu"))[0]
+    ours.write_blocks(other, torch.tensor([0, 2]), data)
+    assert torch.equal(other[:, 0], cache[:, 4]) and torch.equal(other[:, 2], cache[:, 1])
+    with pytest.raises(ValueError, match="block ids"):
+        ours.read_blocks(cache, torch.tensor([6]))
+    with pytest.raises(ValueError, match="expects uint8"):
+        ours.write_blocks(other, torch.tensor([0]), data)
+
+
+def test_bad_inputs_raise_clear_errors():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8)
+    backend = cpu.CpuAttentionBackend()
+    cache, q, k, v, meta = _step(lay, [9, 12], [1, 4], 1, torch.float32, 6, 4)
+    with pytest.raises(ValueError, match="model dtype"):
+        backend.forward(q.double(), k, v, cache, meta, 0.25)
+    with pytest.raises(ValueError, match="multiple"):
+        backend.forward(q[:, :3], k, v, cache, meta, 0.25)
+    with pytest.raises(ValueError, match="raw"):
+        backend.forward(q, k, v, [cache], meta, 0.25)
+    bad = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, num_decodes=2)
+    with pytest.raises(ValueError, match="exactly one query token"):
+        backend.forward(q, k, v, cache, bad, 0.25)
+    with pytest.raises(ValueError, match="num_blocks"):
+        backend.allocate_cache(lay, 0, torch.device("cpu"))
+
