@@ -16,6 +16,7 @@ the same bytes), computed with ``torch.nn.functional.scaled_dot_product_attentio
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,7 @@ class CpuAttentionBackend:
         if decode_group_bytes is not None and (not isinstance(decode_group_bytes, int) or decode_group_bytes < 1):
             raise ValueError(f"decode_group_bytes must be a positive integer or None, got {decode_group_bytes!r}")
         self.decode_group_bytes = decode_group_bytes
-        self._workspace = torch.empty(0)
+        self._local = threading.local()  # NOTE: one gather workspace per thread (micro-batches run in parallel)
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
         if num_blocks < 1:
@@ -198,9 +199,10 @@ class CpuAttentionBackend:
         n_blocks = cache.shape[1]
         per_block = cache[0, 0].numel()
         need = 2 * block_ids.numel() * per_block
-        ws = self._workspace
-        if ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
-            ws = self._workspace = torch.empty(max(need, ws.numel() if ws.dtype == cache.dtype else 0),
+        ws = getattr(self._local, "workspace", None)
+        if ws is None or ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
+            keep = ws.numel() if ws is not None and ws.dtype == cache.dtype else 0
+            ws = self._local.workspace = torch.empty(max(need, keep),
                                                dtype=cache.dtype, device=cache.device)
         out = ws[:need].view(2, block_ids.numel(), per_block)
         torch.index_select(cache.view(2, n_blocks, per_block), 1, block_ids, out=out)

@@ -65,6 +65,8 @@ REGIMES = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "no-chunking": dict(enable_chunked_prefill=False),
     "preemption": dict(num_blocks=10, max_num_batched_tokens=32),
+    "one-worker": dict(num_threads=1),
+    "three-microbatches": dict(num_threads=3),  # more workers than cores: still exact
 }
 
 
@@ -79,6 +81,8 @@ def test_greedy_equals_transformers(model_dir, prompts, hf_outputs, regime):
     assert leaks["free_blocks"] == leaks["total_blocks"]
     if regime == "preemption":
         assert llm.engine.num_preemptions > 0
+    if regime == "three-microbatches":
+        assert llm.engine.runner.workers == 3
 
 
 def test_prefix_cache_reuses_shared_prefix(model_dir, prompts, hf_outputs):

@@ -1,14 +1,32 @@
-"""Turns a scheduler step into one batched forward pass and a sampling call."""
+"""Turns a scheduler step into batched forward passes and one sampling call.
+
+On CPU with ``workers > 1`` a step's sequences are split into that many micro-batches, each run
+single-threaded on its own Python thread (torch ops release the GIL). Small decode GEMMs do not
+scale across OpenMP threads; whole micro-batches on separate cores do. A step with one sequence runs
+as one batch with ``workers`` intra-op threads instead.
+"""
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata
 from llmbus.engine.sampler import Sampler
-from llmbus.engine.scheduler import SchedulerOutput
-from llmbus.engine.sequence import TokenLogprob
+from llmbus.engine.scheduler import ScheduledSeq, SchedulerOutput
+from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.kv.layout import KVLayout
+
+
+@dataclass
+class _Batch:
+    ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows of the batch whose hidden state is sampled
+    sample_seqs: list[Sequence]
 
 
 class ModelRunner:
@@ -21,7 +39,10 @@ class ModelRunner:
         backend: AttentionBackend,
         num_blocks: int,
         device: torch.device,
+        workers: int = 1,
     ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.model = model
         self.layout = layout
         self.backend = backend
@@ -29,10 +50,60 @@ class ModelRunner:
         self.device = device
         self.kv_caches = backend.allocate_cache(layout, num_blocks, device)
         self.sampler = Sampler()
+        self.workers = workers if device.type == "cpu" else 1
+        self._pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="microbatch") if self.workers > 1 else None
+        self._threads = torch.get_num_threads()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Run every scheduled chunk; return the sampled token of each entry with ``sample=True``."""
+        groups = self._split(out.scheduled)
+        batches = [self._prepare(g) for g in groups]
+        if len(batches) == 1:
+            self._set_threads(self.workers)
+            hidden = [self._forward(batches[0])]
+        else:
+            self._set_threads(1)
+            futures = [self._pool.submit(self._forward_in_thread, b) for b in batches[1:]]
+            hidden = [self._forward(batches[0])] + [f.result() for f in futures]
+        seqs = [s for b in batches for s in b.sample_seqs]
+        if not seqs:
+            return {}
+        rows = [h for h in hidden if h is not None]
+        logits = self.model.compute_logits(torch.cat(rows) if len(rows) > 1 else rows[0])
+        result = self.sampler(logits, seqs)
+        return {seq.request_id: (tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)}
+
+    def _set_threads(self, n: int) -> None:
+        if self.workers > 1 and self._threads != n:
+            torch.set_num_threads(n)
+            self._threads = n
+
+    def _split(self, entries: list[ScheduledSeq]) -> list[list[ScheduledSeq]]:
+        """Balance entries over ``workers`` micro-batches by estimated cost (new tokens plus the
+        context they attend to); each keeps the decodes-first order attention metadata needs."""
+        if self.workers == 1 or len(entries) < 2:
+            return [entries]
+        n = min(self.workers, len(entries))
+        loads = [0.0] * n
+        groups: list[list[ScheduledSeq]] = [[] for _ in range(n)]
+        for e in sorted(entries, key=lambda e: -_cost(e)):
+            i = loads.index(min(loads))
+            groups[i].append(e)
+            loads[i] += _cost(e)
+        return [sorted(g, key=lambda e: e.num_new_tokens != 1) for g in groups]
+
+    def _forward_in_thread(self, batch: _Batch) -> torch.Tensor | None:
+        with torch.inference_mode():  # NOTE: inference mode is per thread
+            return self._forward(batch)
+
+    def _forward(self, batch: _Batch) -> torch.Tensor | None:
+        hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sample_rows:
+            return None
+        return hidden[torch.tensor(batch.sample_rows, device=self.device)]
+
+    def _prepare(self, entries: list[ScheduledSeq]) -> _Batch:
         bs = self.layout.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -41,9 +112,9 @@ class ModelRunner:
         qsl = [0]
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_seqs = []
+        sample_seqs: list[Sequence] = []
         num_decodes = 0
-        for entry in out.scheduled:
+        for entry in entries:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
@@ -75,15 +146,11 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        if not sample_rows:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        result = self.sampler(logits, sample_seqs)
-        return {
-            seq.request_id: (tok, lp)
-            for seq, tok, lp in zip(sample_seqs, result.token_ids, result.logprobs)
-        }
+        return _Batch(ids, pos, meta, sample_rows, sample_seqs)
+
+
+def _cost(entry: ScheduledSeq) -> float:
+    return entry.num_new_tokens + (entry.seq.num_computed_tokens + entry.num_new_tokens) / 16
 
 
 def _token_at(seq, index: int) -> int:
