@@ -181,6 +181,40 @@ class PrefillWorker:
         width = self._block_bytes // layers  # one layer's block in this cache's format
         return hashes, local, rows[:, : layers * width].reshape(reply.num_blocks, layers, width)
 
+    async def _write_rows(self, lease, kv) -> None:
+        """Write ``read_blocks`` rows ``[n, layers, bytes]`` into lease blocks 0..n-1, zero-padded."""
+        import torch
+
+        n_blocks, num_layers, layer_bytes = kv.shape
+        rows = kv.reshape(n_blocks, num_layers * layer_bytes)
+        pad = lease.block_bytes - rows.shape[1]
+        if pad < 0:
+            raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, pad))
+        await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+
+    async def _store_from_tier0(self, req: GenerateRequest) -> None:
+        """A request that ended on its first token never hands off, so its prompt's full blocks reach
+        kvpool from this worker's own cache instead. Best effort: a failure only loses the reuse."""
+        bs = self.engine.layout.block_size
+        full = len(req.prompt_token_ids) // bs
+        if not self.engine.config.enable_prefix_caching or full == 0:
+            return
+        hashes = self.engine.prefix_hashes(req.prompt_token_ids[: full * bs], req.cache_salt)
+        try:
+            kv = await self.loop.call(lambda e: e.export_cached(hashes))
+            if kv.shape[0] == 0:
+                return
+            lease = await self.kv.allocate(kv.shape[0], ttl_s=self.lease_ttl_s, request_id=req.request_id)
+            try:
+                await self._write_rows(lease, kv)
+                await self._commit_prefix(req, lease, kv.shape[0], kv.shape[0] * bs)
+            finally:
+                await self.kv.release(lease.lease_id)
+        except Exception as exc:
+            log.debug("could not store the prefix of %s: %s", req.request_id, exc)
+
     async def _commit_prefix(self, req: GenerateRequest, lease, n_blocks: int, num_computed: int) -> None:
         """Cache the prompt's full blocks (the lease's first rows) in kvpool; announce them as tier 0."""
         bs = self.engine.layout.block_size
@@ -211,6 +245,8 @@ class PrefillWorker:
                 if out.finish_reason != "abort":
                     await self._publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
                 await job.msg.ack()
+                if out.finish_reason != "abort":
+                    await self._store_from_tier0(req)
                 return
             await self._publish(req, token_event(out, 0, self.ctx.instance_id, None))
             state, kv = await self.loop.call(lambda e: e.export_sequence(rid))
@@ -231,15 +267,7 @@ class PrefillWorker:
         n_blocks, num_layers, layer_bytes = kv.shape
         lease = await self.kv.allocate(n_blocks, ttl_s=self.lease_ttl_s, request_id=req.request_id)
         try:
-            rows = kv.reshape(n_blocks, num_layers * layer_bytes)
-            pad = lease.block_bytes - rows.shape[1]
-            if pad < 0:
-                raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
-            if pad:
-                import torch
-
-                rows = torch.nn.functional.pad(rows, (0, pad))
-            await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+            await self._write_rows(lease, kv)
             await self._commit_prefix(req, lease, n_blocks, state["num_computed_tokens"])
             handoff = Handoff(
                 request=req,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import openai
 import pytest
@@ -76,4 +77,19 @@ def test_prefix_evicted_from_tier0_is_served_from_kvpool(client, stack, model_di
     ref = LLM(model_dir, dtype="float32", device="cpu").generate(
         [prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]  # fmt: skip
     assert again.choices[0].text == ref.text  # and equal to an in-process engine without any cache
+    assert stack.wait_idle()["kvpool_leased_blocks"] == 0
+
+
+def test_request_ending_on_its_first_token_still_stores_its_prefix(client, stack):
+    """max_tokens=1 finishes at prefill (no handoff): the prompt's full blocks still reach kvpool."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(10, 1900) for _ in range(20 * 16 + 5)]
+    before = pool_stats(stack).tiers[0].blocks
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert out.usage.completion_tokens == 1
+    for _ in range(50):  # the store happens just after the response
+        if pool_stats(stack).tiers[0].blocks >= before + 20:
+            break
+        time.sleep(0.1)
+    assert pool_stats(stack).tiers[0].blocks >= before + 20
     assert stack.wait_idle()["kvpool_leased_blocks"] == 0
