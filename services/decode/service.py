@@ -14,7 +14,6 @@ continues the conversation skips their prefill. A kvpool failure only costs that
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from dataclasses import dataclass, field
@@ -22,13 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from llmbus.bus import subjects
-from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_decode_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput
-from llmbus.protocol import Abort, GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
-from llmbus.worker.engine_loop import EngineLoop
+from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, decode
+from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import token_event
 
 log = logging.getLogger("llmbus.decode")
@@ -41,18 +39,17 @@ class Active:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, min_free_fraction: float = 0.05) -> None:
-        self.ctx = ctx
-        self.engine = engine
-        self.model = model
+        super().__init__(ctx, engine, model)
         self.min_free_blocks = max(1, int(engine.runner.num_blocks * min_free_fraction))
         self.active: dict[str, Active] = {}
-        self.recent_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
-        self.loop: EngineLoop | None = None
         self.events: asyncio.Queue = asyncio.Queue()
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def held(self) -> int:
+        return len(self.active)
 
     @property
     def capacity(self) -> int:
@@ -63,18 +60,15 @@ class DecodeWorker:
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs)
-        self.loop.start()
-        self.ctx.stack.callback(self.loop.stop)
-        self.ctx.stack.callback(self.kv.close)
+        self.start_engine(self._on_outputs)
         consumer = await ensure_decode_consumer(self.ctx.js, self.model, limits)
         worker = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer, max_deliver=limits.max_deliver)
         self.ctx.stack.push_async_callback(worker.close)
-        sub = await self.ctx.nc.subscribe(subjects.ABORTS_WILDCARD, cb=self._on_abort)
-        self.ctx.stack.push_async_callback(sub.unsubscribe)
-        self._report()
+        await self.subscribe_aborts()
+        self.report()
         await self.ctx.ready()
-        tasks = [asyncio.create_task(self._pull(worker)), asyncio.create_task(self._publisher())]
+        tasks = [asyncio.create_task(self.pull(worker, lambda: self.capacity, self._take)),
+                 asyncio.create_task(self._publisher())]  # fmt: skip
         try:
             await self.ctx.stop.wait()
         finally:
@@ -82,23 +76,9 @@ class DecodeWorker:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for rid, act in list(self.active.items()):  # tell clients instead of leaving them waiting
-                await self._publish(act.request, TokenEvent.failure(rid, "the decode worker shut down",
+                await self.publish(act.request, TokenEvent.failure(rid, "the decode worker shut down",
                                                                     seq=act.next_seq, worker=self.ctx.instance_id))
             self.active.clear()
-
-    def _report(self) -> None:
-        self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=len(self.active),
-                        total_blocks=self.engine.runner.num_blocks)  # fmt: skip
-
-    async def _pull(self, worker: PullWorker) -> None:
-        while not self.ctx.stop.is_set():
-            if self.loop.error is not None:
-                log.error("engine thread died; stopping")
-                self.ctx.stop.set()
-                return
-            for msg in await worker.fetch(self.capacity, timeout=0.5):
-                await self._take(msg)
-            self._report()
 
     async def _take(self, msg) -> None:
         try:
@@ -126,7 +106,7 @@ class DecodeWorker:
         except Exception as exc:
             self.active.pop(rid, None)
             log.warning("cannot take handoff %s: %s", rid, exc)
-            await self._publish(req, TokenEvent.failure(rid, f"decode could not take the request: {exc}",
+            await self.publish(req, TokenEvent.failure(rid, f"decode could not take the request: {exc}",
                                                         seq=handoff.next_seq, worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             await msg.term()
@@ -151,7 +131,7 @@ class DecodeWorker:
                 if reason == "abort":
                     self.active.pop(out.request_id, None)
                     continue
-                await self._publish(act.request, token_event(out, act.next_seq, self.ctx.instance_id, reason))
+                await self.publish(act.request, token_event(out, act.next_seq, self.ctx.instance_id, reason))
                 act.next_seq += 1
                 act.output_token_ids += out.new_token_ids
                 if reason is not None:
@@ -159,7 +139,7 @@ class DecodeWorker:
                     task = asyncio.create_task(self._commit_prefix(act))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
-            self._report()
+            self.report()
 
     async def _commit_prefix(self, act: Active) -> None:
         """Store the finished sequence's full blocks that kvpool lacks (best effort)."""
@@ -180,15 +160,10 @@ class DecodeWorker:
             if n == 0:
                 return
             lease = await self.kv.allocate(n, ttl_s=60.0, request_id=req.request_id)
-            rows = kv.reshape(n, -1)
-            pad = lease.block_bytes - rows.shape[1]
-            if pad < 0:
-                raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
-            rows = torch.nn.functional.pad(rows, (0, pad)) if pad else rows
-            await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+            await self.write_rows(lease, kv)
             parent = hashes[have - 1] if have else None
             await self.kv.store(lease, hashes[have : have + n], parent_hash=parent, kv_format=fmt,
-                                block_bytes=rows.shape[1] - pad)
+                                block_bytes=kv[0].numel())
         except Exception as exc:
             log.debug("kvpool did not take the blocks of %s: %s", req.request_id, exc)
         finally:
@@ -196,17 +171,7 @@ class DecodeWorker:
                 with contextlib.suppress(Exception):
                     await self.kv.release(lease.lease_id)
 
-    async def _on_abort(self, msg) -> None:
-        try:
-            rid = decode(Abort, msg.data).request_id
-        except ProtocolError:
-            return
-        self.recent_aborts[rid] = None
-        while len(self.recent_aborts) > 10000:
-            self.recent_aborts.popitem(last=False)
+    async def on_abort(self, rid: str) -> None:
         if self.active.pop(rid, None) is not None:
             await self.loop.call(lambda e: e.abort(rid))
-            self._report()
-
-    async def _publish(self, req: GenerateRequest, event: TokenEvent) -> None:
-        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+            self.report()

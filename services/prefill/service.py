@@ -22,20 +22,18 @@ A kvpool failure only costs the reuse, never the request.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from dataclasses import dataclass, field
 
 from llmbus.bus import subjects
-from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
-from llmbus.protocol import Abort, GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
+from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
 from llmbus.protocol.messages import LANES
-from llmbus.worker.engine_loop import EngineLoop
+from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import token_event
 
 log = logging.getLogger("llmbus.prefill")
@@ -48,19 +46,18 @@ class Job:
     stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
                  lease_ttl_s: float = 120.0) -> None:  # fmt: skip
-        self.ctx = ctx
-        self.engine = engine
-        self.model = model
+        super().__init__(ctx, engine, model)
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
         self.jobs: dict[str, Job] = {}
-        self.recent_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
-        self.loop: EngineLoop | None = None
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def held(self) -> int:
+        return len(self.jobs)
 
     @property
     def _block_bytes(self) -> int:
@@ -82,10 +79,7 @@ class PrefillWorker:
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
-        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), self._on_outputs)
-        self.loop.start()
-        self.ctx.stack.callback(self.loop.stop)
-        self.ctx.stack.callback(self.kv.close)
+        self.start_engine(self._on_outputs)
         workers = []
         for lane in self.lanes:
             consumer = await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits)
@@ -93,11 +87,11 @@ class PrefillWorker:
                                       max_deliver=limits.max_deliver)  # fmt: skip
             self.ctx.stack.push_async_callback(w.close)
             workers.append(w)
-        sub = await self.ctx.nc.subscribe(subjects.ABORTS_WILDCARD, cb=self._on_abort)
-        self.ctx.stack.push_async_callback(sub.unsubscribe)
-        self._report()
+        await self.subscribe_aborts()
+        self.report()
         await self.ctx.ready()
-        pullers = [asyncio.create_task(self._pull(w)) for w in workers]
+        pullers = [asyncio.create_task(self.pull(w, lambda: self.capacity, lambda m, w=w: self._take(w, m)))
+                   for w in workers]  # fmt: skip
         try:
             await self.ctx.stop.wait()
         finally:
@@ -105,21 +99,6 @@ class PrefillWorker:
                 t.cancel()
             await asyncio.gather(*pullers, return_exceptions=True)
             await self._release_all()
-
-    async def _pull(self, worker: PullWorker) -> None:
-        while not self.ctx.stop.is_set():
-            if self.loop.error is not None:
-                log.error("engine thread died; stopping")
-                self.ctx.stop.set()
-                return
-            msgs = await worker.fetch(self.capacity, timeout=0.5)
-            for msg in msgs:
-                await self._take(worker, msg)
-            self._report()
-
-    def _report(self) -> None:
-        self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=len(self.jobs),
-                        total_blocks=self.engine.runner.num_blocks)  # fmt: skip
 
     async def _take(self, worker: PullWorker, msg) -> None:
         try:
@@ -148,7 +127,7 @@ class PrefillWorker:
         except ValueError as exc:
             self.jobs.pop(rid, None)
             await job.stack.aclose()
-            await self._publish(req, TokenEvent.failure(rid, f"invalid request: {exc}", worker=self.ctx.instance_id,
+            await self.publish(req, TokenEvent.failure(rid, f"invalid request: {exc}", worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             await msg.term()
 
@@ -181,19 +160,6 @@ class PrefillWorker:
         width = self._block_bytes // layers  # one layer's block in this cache's format
         return hashes, local, rows[:, : layers * width].reshape(reply.num_blocks, layers, width)
 
-    async def _write_rows(self, lease, kv) -> None:
-        """Write ``read_blocks`` rows ``[n, layers, bytes]`` into lease blocks 0..n-1, zero-padded."""
-        import torch
-
-        n_blocks, num_layers, layer_bytes = kv.shape
-        rows = kv.reshape(n_blocks, num_layers * layer_bytes)
-        pad = lease.block_bytes - rows.shape[1]
-        if pad < 0:
-            raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
-        if pad:
-            rows = torch.nn.functional.pad(rows, (0, pad))
-        await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
-
     async def _store_from_tier0(self, req: GenerateRequest) -> None:
         """A request that ended on its first token never hands off, so its prompt's full blocks reach
         kvpool from this worker's own cache instead. Best effort: a failure only loses the reuse."""
@@ -208,7 +174,7 @@ class PrefillWorker:
                 return
             lease = await self.kv.allocate(kv.shape[0], ttl_s=self.lease_ttl_s, request_id=req.request_id)
             try:
-                await self._write_rows(lease, kv)
+                await self.write_rows(lease, kv)
                 await self._commit_prefix(req, lease, kv.shape[0], kv.shape[0] * bs)
             finally:
                 await self.kv.release(lease.lease_id)
@@ -243,31 +209,31 @@ class PrefillWorker:
         try:
             if out.finish_reason != "handoff":  # finished on its first token (or aborted)
                 if out.finish_reason != "abort":
-                    await self._publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
+                    await self.publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
                 await job.msg.ack()
                 if out.finish_reason != "abort":
                     await self._store_from_tier0(req)
                 return
-            await self._publish(req, token_event(out, 0, self.ctx.instance_id, None))
+            await self.publish(req, token_event(out, 0, self.ctx.instance_id, None))
             state, kv = await self.loop.call(lambda e: e.export_sequence(rid))
             await self._hand_off(req, out, state, kv)
             await job.msg.ack()
         except Exception as exc:
             log.exception("prefill of %s failed", rid)
-            await self._publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=1, worker=self.ctx.instance_id,
+            await self.publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=1, worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             with contextlib.suppress(Exception):
                 await job.msg.term()
         finally:
             self.jobs.pop(rid, None)
             await job.stack.aclose()
-            self._report()
+            self.report()
 
     async def _hand_off(self, req: GenerateRequest, out: StepOutput, state: dict, kv) -> None:
         n_blocks, num_layers, layer_bytes = kv.shape
         lease = await self.kv.allocate(n_blocks, ttl_s=self.lease_ttl_s, request_id=req.request_id)
         try:
-            await self._write_rows(lease, kv)
+            await self.write_rows(lease, kv)
             await self._commit_prefix(req, lease, n_blocks, state["num_computed_tokens"])
             handoff = Handoff(
                 request=req,
@@ -288,15 +254,7 @@ class PrefillWorker:
                 await self.kv.release(lease.lease_id)
             raise
 
-    async def _on_abort(self, msg) -> None:
-        try:
-            abort = decode(Abort, msg.data)
-        except ProtocolError:
-            return
-        rid = abort.request_id
-        self.recent_aborts[rid] = None
-        while len(self.recent_aborts) > 10000:
-            self.recent_aborts.popitem(last=False)
+    async def on_abort(self, rid: str) -> None:
         job = self.jobs.pop(rid, None)
         if job is None:
             return
@@ -304,10 +262,7 @@ class PrefillWorker:
         with contextlib.suppress(Exception):
             await job.msg.ack()
         await job.stack.aclose()
-        self._report()
-
-    async def _publish(self, req: GenerateRequest, event: TokenEvent) -> None:
-        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+        self.report()
 
     async def _release_all(self) -> None:
         """On shutdown, give unfinished jobs back to the stream so another replica takes them."""

@@ -1,0 +1,105 @@
+"""What the prefill and decode services share: the engine thread, the kvpool client, the token
+publisher, the pull loop, the registry report and the memory of recent aborts."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+
+from llmbus.bus import subjects
+from llmbus.bus.kvclient import KVPoolClient
+from llmbus.bus.service import ServiceContext
+from llmbus.bus.worker import PullWorker
+from llmbus.engine.engine import Engine, StepOutput
+from llmbus.protocol import Abort, GenerateRequest, ProtocolError, TokenEvent, decode, encode
+from llmbus.worker.engine_loop import EngineLoop
+
+log = logging.getLogger("llmbus.worker")
+
+
+class RecentIds:
+    """The last ``size`` ids seen (an abort can arrive before the work it cancels)."""
+
+    def __init__(self, size: int = 10000) -> None:
+        self.size = size
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        while len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids
+
+
+class EngineWorker(abc.ABC):
+    def __init__(self, ctx: ServiceContext, engine: Engine, model: str) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.model = model
+        self.recent_aborts = RecentIds()
+        self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
+        self.loop: EngineLoop | None = None
+
+    def start_engine(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_outputs)
+        self.loop.start()
+        self.ctx.stack.callback(self.loop.stop)
+        self.ctx.stack.callback(self.kv.close)
+
+    async def subscribe_aborts(self) -> None:
+        sub = await self.ctx.nc.subscribe(subjects.ABORTS_WILDCARD, cb=self._on_abort_msg)
+        self.ctx.stack.push_async_callback(sub.unsubscribe)
+
+    async def _on_abort_msg(self, msg) -> None:
+        try:
+            rid = decode(Abort, msg.data).request_id
+        except ProtocolError:
+            return
+        self.recent_aborts.add(rid)
+        await self.on_abort(rid)
+
+    @abc.abstractmethod
+    async def on_abort(self, rid: str) -> None:
+        """Stop ``rid`` if this worker holds it."""
+
+    @property
+    @abc.abstractmethod
+    def held(self) -> int:
+        """Requests this worker holds (its registry queue depth)."""
+
+    def report(self) -> None:
+        self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=self.held,
+                        total_blocks=self.engine.runner.num_blocks)  # fmt: skip
+
+    async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]]) -> None:
+        """Fetch only as many jobs as ``capacity()`` allows and hand each to ``take``, until stopped."""
+        while not self.ctx.stop.is_set():
+            if self.loop.error is not None:
+                log.error("engine thread died; stopping")
+                self.ctx.stop.set()
+                return
+            for msg in await worker.fetch(capacity(), timeout=0.5):
+                await take(msg)
+            self.report()
+
+    async def publish(self, req: GenerateRequest, event: TokenEvent) -> None:
+        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+
+    async def write_rows(self, lease, kv) -> None:
+        """Write ``Engine.read_blocks`` rows ``[n, layers, bytes]`` into lease blocks 0..n-1, each
+        zero-padded to the lease's block size."""
+        import torch
+
+        n_blocks = kv.shape[0]
+        rows = kv.reshape(n_blocks, -1)
+        pad = lease.block_bytes - rows.shape[1]
+        if pad < 0:
+            raise ValueError(f"a KV block is {rows.shape[1]} bytes but kvpool blocks are {lease.block_bytes}")
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, pad))
+        await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
