@@ -23,6 +23,17 @@ def create(name: str, size: int) -> shared_memory.SharedMemory:
     return shared_memory.SharedMemory(name=name, create=True, size=size)
 
 
+def destroy(segment: shared_memory.SharedMemory | None) -> None:
+    """Unmap and unlink a segment this process created (a no-op for None or one already gone)."""
+    if segment is None:
+        return
+    segment.close()
+    try:
+        segment.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def attach(name: str) -> shared_memory.SharedMemory:
     """Open an existing segment by name; FileNotFoundError if it is not on this host."""
     if sys.version_info >= (3, 13):

@@ -70,11 +70,5 @@ class CpuTier:
         return True
 
     def close(self) -> None:
-        if self._shm is None:
-            return
-        self._shm.close()
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            pass
+        shm.destroy(self._shm)
         self._shm = None

@@ -32,11 +32,5 @@ class CpuTier:
 
     def close(self) -> None:
         """Unmap and unlink the segment (kvpool is its only owner)."""
-        if self._shm is None:
-            return
-        self._shm.close()
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            pass
+        shm.destroy(self._shm)
         self._shm = None

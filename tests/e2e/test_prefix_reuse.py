@@ -15,19 +15,11 @@ from llmbus.bus.connection import connect
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
-from llmbus.model.demo import make_demo_model
 from tests.e2e.stack import Stack
 
 MODEL = "demo"
 BLOCKS = 72  # per worker: 1,152 tokens, so one 1,040-token prompt evicts another's prefix
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("e2e-model") / "demo-small"
-    make_demo_model(path, "small")
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,10 @@ import pytest
 
 from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
-from llmbus.model.demo import make_demo_model
 from tests.e2e.stack import Stack
 
 MODEL = "demo"
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("e2e-model") / "demo-small"
-    make_demo_model(path, "small")
-    return path
 
 
 @pytest.fixture(scope="module")
