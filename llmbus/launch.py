@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill", type=int, default=1, help="prefill worker replicas per model")
     p.add_argument("--decode", type=int, default=1, help="decode worker replicas per model")
+    p.add_argument("--colocated", action="store_true",
+                   help="no disaggregation: each prefill worker also decodes (no decode workers are started)")
     p.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default=None)
@@ -95,7 +97,8 @@ def _kv_layout(models, args) -> str:
 def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Child]:
     py = [sys.executable, "-m"]
     common = ["--nats-url", nats_url]
-    workers = len(models) * (args.prefill + args.decode)
+    decoders = 0 if args.colocated else args.decode
+    workers = len(models) * (args.prefill + decoders)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
     engine = ["--kv-format", args.kv_format, "--threads", str(threads)]
     if args.dtype:
@@ -113,10 +116,11 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
     ]
     for name, path in models:
         spec = f"{name}={path}"
-        plan += [Child(f"prefill-{name}-{i}", py + ["services.prefill", *common, "--model", spec, *engine])
+        colocated = ["--colocated"] if args.colocated else []
+        plan += [Child(f"prefill-{name}-{i}", py + ["services.prefill", *common, "--model", spec, *engine, *colocated])
                  for i in range(args.prefill)]
         plan += [Child(f"decode-{name}-{i}", py + ["services.decode", *common, "--model", spec, *engine])
-                 for i in range(args.decode)]
+                 for i in range(decoders)]
     gateway = py + ["services.gateway", *common, "--host", args.host, "--port", str(args.port),
                     "--token-timeout", str(args.token_timeout)]
     for name, path in models:

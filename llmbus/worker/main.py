@@ -11,10 +11,14 @@ from llmbus.bus.service import ServiceOptions, add_common_args, run_service, set
 from llmbus.worker.options import add_engine_args, engine_config_from_args, parse_model_spec
 
 
-def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str] | None = None) -> int:
+def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str] | None = None,
+                add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """``body(ctx, engine, model_name, args)`` runs the service; ``add_args`` adds role-specific options."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"llmbus {role} worker")
     add_common_args(parser)
     add_engine_args(parser)
+    if add_args is not None:
+        add_args(parser)
     args = parser.parse_args(argv)
     try:
         setup_logging(args.log_level)
@@ -29,7 +33,7 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
         return 2
 
     async def run(ctx):
-        await body(ctx, engine, name)
+        await body(ctx, engine, name, args)
 
     try:
         return asyncio.run(run_service(options, run))

@@ -44,12 +44,16 @@ class Job:
     msg: object
     request: GenerateRequest
     stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+    next_seq: int = 0  # colocated mode: seq of the next TokenEvent
 
 
 class PrefillWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
-                 lease_ttl_s: float = 120.0) -> None:  # fmt: skip
+                 lease_ttl_s: float = 120.0, colocated: bool = False) -> None:  # fmt: skip
+        """``colocated``: decode here too instead of handing off (one worker does both phases)."""
         super().__init__(ctx, engine, model)
+        self.colocated = colocated
+        self.events: asyncio.Queue = asyncio.Queue()
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
         self.jobs: dict[str, Job] = {}
@@ -75,7 +79,8 @@ class PrefillWorker(EngineWorker):
 
     @property
     def pending_tokens(self) -> int:
-        return sum(len(job.request.prompt_token_ids) for job in self.jobs.values())
+        """Prompt tokens of jobs still waiting for their first token."""
+        return sum(len(job.request.prompt_token_ids) for job in self.jobs.values() if job.next_seq == 0)
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
@@ -92,6 +97,8 @@ class PrefillWorker(EngineWorker):
         await self.ctx.ready()
         pullers = [asyncio.create_task(self.pull(w, lambda: self.capacity, lambda m, w=w: self._take(w, m)))
                    for w in workers]  # fmt: skip
+        if self.colocated:
+            pullers.append(asyncio.create_task(self._colocated_publisher()))
         try:
             await self.ctx.stop.wait()
         finally:
@@ -121,7 +128,7 @@ class PrefillWorker(EngineWorker):
             def admit(e: Engine) -> None:
                 if kv is not None:  # NOTE: same engine call as add_request: nothing evicts it in between
                     e.import_prefix(hashes[local : local + kv.shape[0]], kv, protect=hashes[:local])
-                e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=True)
+                e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=not self.colocated)
 
             await self.loop.call(admit)
         except ValueError as exc:
@@ -199,6 +206,9 @@ class PrefillWorker(EngineWorker):
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
+            if self.colocated:
+                self.events.put_nowait((job, out))
+                continue
             task = asyncio.create_task(self._finish(job, out))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -228,6 +238,25 @@ class PrefillWorker(EngineWorker):
             self.jobs.pop(rid, None)
             await job.stack.aclose()
             self.report()
+
+    async def _colocated_publisher(self) -> None:
+        """Colocated mode: one task publishes every TokenEvent, in seq order; a job is acked when its
+        request finishes."""
+        while True:
+            job, out = await self.events.get()
+            req = job.request
+            if out.finish_reason != "abort":
+                await self.publish(req, token_event(out, job.next_seq, self.ctx.instance_id, out.finish_reason))
+            job.next_seq += 1
+            if out.finish_reason is None:
+                continue
+            self.jobs.pop(req.request_id, None)
+            with contextlib.suppress(Exception):
+                await job.msg.ack()
+            await job.stack.aclose()
+            self.report()
+            if out.finish_reason != "abort":
+                await self._store_from_tier0(req)
 
     async def _hand_off(self, req: GenerateRequest, out: StepOutput, state: dict, kv) -> None:
         n_blocks, num_layers, layer_bytes = kv.shape
