@@ -1,0 +1,18 @@
+#!/bin/bash
+# Disaggregated (one prefill + one decode process) vs colocated (one worker doing both), same 2 cores,
+# on `mixed`: short chat requests with long prompts interleaved. usage: bash scripts/bench_disagg.sh [MODEL_DIR]
+cd "$(dirname "$0")/.."
+M=${1:-bench-results/models/large-sp}
+MIXED="--dataset mixed --num-prompts 32 --input-len 64 --output-len 64 --long-share 0.125 --long-input-len 1024 --long-output-len 8 --ignore-eos --request-rate 2 --slo ttft:2000 tpot:100"
+for mode in disaggregated colocated; do
+  extra=""; [ $mode = colocated ] && extra="--colocated --threads 2"
+  [ $mode = disaggregated ] && extra="--threads 1"
+  rm -rf /tmp/llmbus-$mode
+  .venv/bin/llmbus up --model large=$M --port 8600 --data-dir /tmp/llmbus-$mode $extra > /tmp/llmbus-$mode.log 2>&1 &
+  pid=$!
+  for i in $(seq 1 120); do curl -sf http://127.0.0.1:8600/v1/models >/dev/null && break; sleep 1; done
+  .venv/bin/llmbus bench serve --base-url http://127.0.0.1:8600 --model large --tokenizer $M $MIXED --no-progress \
+     --label "$mode" --out bench-results/$mode-mixed.json | grep -E "output throughput|short|long"
+  kill -INT $pid; wait $pid
+done
+.venv/bin/llmbus bench compare --markdown bench-results/disaggregated-mixed.json bench-results/colocated-mixed.json
