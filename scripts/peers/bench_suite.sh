@@ -118,11 +118,18 @@ for size in $MODELS; do
     # 3. continuous vs static batching goodput on mixed; 4. chunked prefill on vs off
     "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "static (hf, batch 8)" \
         --backend hf --batch-size 8 --out "$OUT/$size/static-mixed.json" > /dev/null
-    "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "continuous, chunked" \
-        --out "$OUT/$size/continuous-mixed.json" > /dev/null
+    # NOTE: 256-token steps, so a 1,024-token prompt is really split (the default 2,048 takes it whole)
+    "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "continuous, chunked (256-token steps)" \
+        --max-num-batched-tokens 256 --out "$OUT/$size/continuous-mixed.json" > /dev/null
     "${BENCH[@]}" offline --model "$model" "${MIXED_ARGS[@]}" --no-progress --label "continuous, no chunking" \
         --no-chunked-prefill --out "$OUT/$size/nochunk-mixed.json" > /dev/null
     table "mixed-$size" "$size model, mixed at 4 req/s: static vs continuous, chunked prefill on/off" \
         $(existing "$OUT/$size"/{static,continuous,nochunk}-mixed.json)
+    # 4b. disaggregated (prefill + decode processes) vs one colocated worker, through the service
+    if wants llmbus; then
+        OUT_DIR="$OUT/$size" bash scripts/bench_disagg.sh "$model" > /dev/null 2>&1
+        table "disagg-$size" "$size model, mixed at 2 req/s: disaggregated vs colocated" \
+            $(existing "$OUT/$size"/{disaggregated,colocated}-mixed.json)
+    fi
 done
 echo "tables: $TABLES"
