@@ -172,7 +172,7 @@ def write_kv_cache(
 
 def _int4_tail_keys(cache: "PagedKVCache", blocks) -> torch.Tensor:
     """Keys of blocks stored in the partial (per-token) encoding: ``[..., bs, H, D]`` fp32."""
-    bs, h, d = cache.data.shape[2], cache.data.shape[3], cache.data.shape[4] * 2
+    bs, d = cache.data.shape[2], cache.data.shape[4] * 2
     gk = KVFormat.key_group(d, bs)
     ng = d // gk
     meta = cache.k_meta[blocks, :, : bs * ng * 2].view(torch.float16)  # [..., H, bs * ng * 2]

@@ -18,7 +18,6 @@ def _step(lay: KVLayout, ctx: list[int], qlens: list[int], num_decodes: int, dty
     """A random cache already holding every sequence's prefix, this step's q/k/v and metadata.
     Blocks are handed out in a shuffled order so tables are not contiguous."""
     g = torch.Generator().manual_seed(seed)
-    bs = lay.block_size
     need = [lay.num_blocks_for(c) for c in ctx]
     perm = (torch.randperm(sum(need) + 3, generator=g) + 1).tolist()  # block 0 stays as padding
     tables, at = [], 0

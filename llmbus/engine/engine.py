@@ -16,7 +16,7 @@ from llmbus.engine.config import EngineConfig
 from llmbus.engine.runner import ModelRunner
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.scheduler import Scheduler, SchedulerConfig
-from llmbus.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.kv.layout import KVLayout
 
 
@@ -132,7 +132,7 @@ class Engine:
     ) -> None:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -145,7 +145,7 @@ class Engine:
             self._prefill_only.add(request_id)
         self.scheduler.add(seq)
 
-    def _check_prompt(self, prompt_token_ids: list[int], extra: int = 0) -> None:
+    def check_prompt(self, prompt_token_ids: list[int], extra: int = 0) -> None:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -258,7 +258,7 @@ class Engine:
             raise ValueError(f"handoff block size {state['block_size']} != engine block size {self.layout.block_size}")
         prompt = list(state["prompt_token_ids"])
         outputs = list(state["output_token_ids"])
-        self._check_prompt(prompt, extra=len(outputs))
+        self.check_prompt(prompt, extra=len(outputs))
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt,

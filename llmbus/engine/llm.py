@@ -50,7 +50,7 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         engine = self.engine
         for ids in encoded:  # validate everything before anything is queued
-            engine._check_prompt(ids)
+            engine.check_prompt(ids)
         order: list[str] = []
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
