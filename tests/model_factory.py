@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from llmbus.engine.attention import TorchAttentionBackend
 from llmbus.model.demo import write_random_model
-from llmbus.model.metadata import build_attention_metadata
+from llmbus.engine.attention import build_attention_metadata
 
 __all__ = ["write_random_model", "shard_checkpoint", "PagedDriver"]
 

@@ -136,7 +136,7 @@ def test_half_precision_tracks_fp32_like_transformers(tmp_path, dtype):
 def test_forward_rejects_mismatched_inputs(case):
     ours, _ = case
     driver = PagedDriver(ours)
-    from llmbus.model.metadata import build_attention_metadata
+    from llmbus.engine.attention import build_attention_metadata
 
     meta, pos = build_attention_metadata([([0], 0, 3)], 16)
     with pytest.raises(ValueError, match="same length"):

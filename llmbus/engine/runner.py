@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmbus.engine.attention import AttentionBackend, AttentionMetadata
+from llmbus.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
 from llmbus.engine.sampler import Sampler
 from llmbus.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
@@ -104,49 +104,26 @@ class ModelRunner:
         return hidden[torch.tensor(batch.sample_rows, device=self.device)]
 
     def _prepare(self, entries: list[ScheduledSeq]) -> _Batch:
-        bs = self.layout.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        tables: list[list[int]] = []
+        spans: list[tuple[list[int], int, int]] = []  # (block table, num computed, num new)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        num_decodes = 0
+        rows = 0
         for entry in entries:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_table
             if n == 1:
-                num_decodes += 1
                 input_ids.append(_token_at(seq, start))
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
             else:
-                input_ids.extend(_tokens_between(seq, start, end))
-                positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            qsl.append(qsl[-1] + n)
-            tables.append(table)
+                input_ids.extend(_tokens_between(seq, start, start + n))
+            spans.append((seq.block_table, start, n))
+            rows += n
             if entry.sample:
-                sample_rows.append(qsl[-1] - 1)
+                sample_rows.append(rows - 1)
                 sample_seqs.append(seq)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            num_decodes=num_decodes,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return _Batch(ids, pos, meta, sample_rows, sample_seqs)
+        meta, positions = build_attention_metadata(spans, self.layout.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        return _Batch(ids, positions, meta, sample_rows, sample_seqs)
 
 
 def _cost(entry: ScheduledSeq) -> float:
