@@ -56,12 +56,15 @@ def test_cli_accepts_kv_format(model_dir, baseline):
 
 
 def test_service_workers_take_the_same_option():
-    from llmbus.worker.options import add_engine_args, engine_config_from_args
     import argparse
+
+    from llmbus.engine.config import add_engine_args, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["--model", "m=/x", "--kv-format", "int4"])
-    assert engine_config_from_args(args).kv_format == "int4"
+    assert engine_config_from_args(parser.parse_args(["--kv-format", "int4"])).kv_format == "int4"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--model", "m=/x", "--kv-format", "fp8"])
+        parser.parse_args(["--kv-format", "fp8"])
+    proc = subprocess.run([sys.executable, "-m", "services.decode", "--model", "m=/x", "--kv-format", "fp8"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "--kv-format" in proc.stderr

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import orjson
+
+from llmbus.engine.config import add_engine_args, engine_config_from_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,10 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None)
-    p.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
-    p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--device", default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run)
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
     )
     prompts = args.prompt if args.prompt else [_parse_ids(t) for t in args.prompt_ids]
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_format=args.kv_format, block_size=args.block_size)
+    llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
     for out in llm.generate(prompts, params):
         if args.json:
             record = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}

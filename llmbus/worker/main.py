@@ -8,7 +8,8 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
-from llmbus.worker.options import add_engine_args, engine_config_from_args, parse_model_spec
+from llmbus.engine.config import add_engine_args, engine_config_from_args
+from llmbus.worker.options import parse_model_spec
 
 
 def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str] | None = None,
@@ -16,6 +17,7 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
     """``body(ctx, engine, model_name, args)`` runs the service; ``add_args`` adds role-specific options."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"llmbus {role} worker")
     add_common_args(parser)
+    parser.add_argument("--model", required=True, help="NAME=DIR: the served name and its Hugging Face directory")
     add_engine_args(parser)
     if add_args is not None:
         add_args(parser)
