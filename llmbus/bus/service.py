@@ -21,6 +21,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -130,6 +131,16 @@ async def run_service(options: ServiceOptions, body: Body) -> int:
                 await beat
             with contextlib.suppress(Exception):
                 await registry.delete(ctx.registry_key)
+
+
+def serve(options: ServiceOptions, body: Body) -> int:
+    """Run a service from its command line: the exit code, or 1 with a one-line message when NATS
+    cannot be reached."""
+    try:
+        return asyncio.run(run_service(options, body))
+    except ConnectionError as exc:
+        print(f"{options.role}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 async def _heartbeats(ctx: ServiceContext) -> None:

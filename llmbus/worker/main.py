@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Awaitable, Callable
 
-from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
+from llmbus.bus.service import ServiceOptions, add_common_args, serve, setup_logging
 from llmbus.engine.config import add_engine_args, engine_config_from_args
 from llmbus.worker.options import parse_model_spec
 
@@ -37,8 +36,4 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
     async def run(ctx):
         await body(ctx, engine, name, args)
 
-    try:
-        return asyncio.run(run_service(options, run))
-    except ConnectionError as exc:
-        print(f"{role}: error: {exc}", file=sys.stderr)
-        return 1
+    return serve(options, run)

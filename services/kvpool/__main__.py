@@ -6,11 +6,10 @@ With ``--kv-layout`` kvpool also runs the prefix cache (index, CPU tier, SSD tie
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 
-from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
+from llmbus.bus.service import ServiceOptions, add_common_args, serve, setup_logging
 from services.kvpool.config import KVPoolConfig, PrefixConfig, parse_layout
 from services.kvpool.service import KVPool
 
@@ -53,11 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     async def body(ctx):
         await KVPool(ctx, config).run()
 
-    try:
-        return asyncio.run(run_service(options, body))
-    except ConnectionError as exc:
-        print(f"kvpool: error: {exc}", file=sys.stderr)
-        return 1
+    return serve(options, body)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
-from llmbus.bus.service import ServiceOptions, add_common_args, run_service, setup_logging
+from llmbus.bus.service import ServiceOptions, add_common_args, serve, setup_logging
 from services.router.policy import RoutingPolicy
 from services.router.service import Router
 
@@ -35,11 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     async def body(ctx):
         await Router(ctx, policy).run()
 
-    try:
-        return asyncio.run(run_service(options, body))
-    except ConnectionError as exc:
-        print(f"router: error: {exc}", file=sys.stderr)
-        return 1
+    return serve(options, body)
 
 
 if __name__ == "__main__":
