@@ -48,7 +48,6 @@ def test_offline_cli_writes_the_report(model_dir, tmp_path):
 
 
 def test_engine_backend(model_dir, tmp_path):
-    pytest.importorskip("llmbus.engine.llm", reason="the in-process engine is not built yet")
     out = tmp_path / "engine.json"
     rc = main(["bench", "offline", "--model", model_dir, "--num-prompts", "4", "--input-len", "8", "--output-len", "4",
                "--ignore-eos", "--out", str(out), "--no-progress"])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import transformers
 
 from llmbus.model.cli import register
 from llmbus.model.config import ModelConfig
@@ -69,7 +70,6 @@ def test_tokenizer_round_trips_any_text(tokenizer):
 
 
 def test_tokenizer_matches_transformers(demo_dir, tokenizer):
-    transformers = pytest.importorskip("transformers")
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(demo_dir)
     messages = [{"role": "user", "content": "Hi 你好 🤖"}, {"role": "assistant", "content": "Hello!"},
                 {"role": "user", "content": "More?"}]
@@ -201,7 +201,9 @@ SP_TEXTS = TEXTS + [
 
 @pytest.fixture(scope="module")
 def spm():
-    return pytest.importorskip("sentencepiece", reason="the sentencepiece demo tokenizer needs the 'sentencepiece' package")
+    import sentencepiece  # a test extra: llama.cpp's converter needs the SentencePiece variant
+
+    return sentencepiece
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +256,6 @@ def test_sentencepiece_tokenizer_encodes_as_sentencepiece_does(sp_dir, sp_proc):
 
 
 def test_sentencepiece_tokenizer_matches_transformers(sp_dir):
-    transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(sp_dir)
     tok = Tokenizer.from_dir(sp_dir)
     for text in SP_TEXTS:
@@ -265,7 +266,6 @@ def test_sentencepiece_tokenizer_matches_transformers(sp_dir):
 
 
 def test_sentencepiece_model_matches_transformers_logits(sp_dir):
-    transformers = pytest.importorskip("transformers")
     import torch
 
     tok = Tokenizer.from_dir(sp_dir)

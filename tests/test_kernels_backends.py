@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed")
-
 from kernels.backends import TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend  # noqa: E402
 from llmbus.engine.attention import AttentionMetadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402

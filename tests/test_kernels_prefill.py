@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed")
-
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
 from kernels.paged_prefill import paged_prefill_attention  # noqa: E402

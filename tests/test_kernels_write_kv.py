@@ -3,8 +3,6 @@
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed")
-
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks  # noqa: E402
 from kernels.write_kv import write_kv  # noqa: E402

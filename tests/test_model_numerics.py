@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # the independent reference
 
-transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
