@@ -78,6 +78,20 @@ def test_compare_ratios_and_doc_refresh(tmp_path):
         comparison([a])
 
 
+def test_cached_prompt_share_is_reported_without_a_ratio():
+    cold, warm = _records(), _records()
+    for r in warm[:3]:
+        r.cached_tokens = 5  # half of each 10-token prompt came from a prefix cache
+    a = make_report("serve", "cold", {}, cold, summarize(cold, 1.0))
+    b = make_report("serve", "warm", {}, warm, summarize(warm, 1.0))
+    assert "cached_prompt_share" not in a["summary"]
+    assert b["summary"]["cached_prompt_share"] == pytest.approx(0.5)
+    rows = {r["metric"]: r for r in comparison([b, a])}
+    assert rows["cached prompt %"]["values"] == [pytest.approx(50.0), None]
+    assert rows["cached prompt %"]["ratios"] == [None, None]
+    assert rows["failed"]["values"] == [2, 2] and rows["failed"]["ratios"] == [None, None]
+
+
 def test_chart_is_optional(tmp_path):
     recs = _records()
     rep = make_report("serve", "a", {}, recs, summarize(recs, 1.0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# (label, path into the summary, higher is better)
+# (label, path into the summary, higher is better; None: shown without a ratio)
 ROWS = (
     ("output tok/s", ("output_throughput",), True),
     ("requests/s", ("request_throughput",), True),
@@ -15,7 +15,8 @@ ROWS = (
     ("ITL p99 ms", ("itl", "p99_ms"), False),
     ("E2E p50 ms", ("e2e", "median_ms"), False),
     ("CPU ms/out tok", ("cpu_s_per_output_token",), False),
-    ("failed", ("failed",), False),
+    ("cached prompt %", ("cached_prompt_share",), None),
+    ("failed", ("failed",), None),
 )
 
 
@@ -37,10 +38,13 @@ def comparison(reports: list[dict]) -> list[dict]:
         vals = [_get(r["summary"], path) for r in reports]
         if name.startswith("CPU"):
             vals = [None if v is None else v * 1000.0 for v in vals]
+        if name.endswith("%"):
+            vals = [None if v is None else v * 100.0 for v in vals]
         if all(v is None for v in vals):
             continue
         base = vals[0]
-        counts = name == "failed"  # NOTE: a ratio of error counts means nothing; show the counts
+        # NOTE: a ratio of error counts or of cache shares means nothing; show the values
+        counts = higher_better is None
         ratios = [None if (counts or v is None or not base) else v / base for v in vals]
         rows.append({"metric": name, "values": vals, "ratios": ratios, "higher_is_better": higher_better})
     return rows

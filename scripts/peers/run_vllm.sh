@@ -3,6 +3,7 @@
 # Usage: scripts/peers/run_vllm.sh MODEL_DIR [PORT] [extra vllm args...]
 # Env: VLLM_VENV (.peers/vllm-venv), VLLM_CPUS (taskset core list, e.g. "0-1"; empty: no pinning),
 #      VLLM_CPU_KVCACHE_SPACE (GiB, default 2), SERVED_NAME (default: the directory's base name).
+#      VLLM_DTYPE (default auto: the checkpoint's dtype, the one llmbus and llama.cpp run too).
 set -euo pipefail
 MODEL="${1:?usage: run_vllm.sh MODEL_DIR [PORT] [extra args]}"
 PORT="${2:-8100}"
@@ -19,4 +20,4 @@ PIN=()
 # NOTE: `vllm serve` fails on a version lookup; the module entry point does not.
 exec "${PIN[@]}" "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL" --served-model-name "${SERVED_NAME:-$(basename "$MODEL")}" \
-    --host 127.0.0.1 --port "$PORT" --dtype float32 "$@"
+    --host 127.0.0.1 --port "$PORT" --dtype "${VLLM_DTYPE:-auto}" "$@"
