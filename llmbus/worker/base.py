@@ -77,15 +77,29 @@ class EngineWorker(abc.ABC):
                         total_blocks=self.engine.runner.num_blocks)  # fmt: skip
 
     async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]]) -> None:
-        """Fetch only as many jobs as ``capacity()`` allows and hand each to ``take``, until stopped."""
-        while not self.ctx.stop.is_set():
-            if self.loop.error is not None:
-                log.error("engine thread died; stopping")
-                self.ctx.stop.set()
-                return
-            for msg in await worker.fetch(capacity(), timeout=0.5):
-                await take(msg)
-            self.report()
+        """Fetch only as many jobs as ``capacity()`` allows, less those still being taken, and run
+        ``take`` on each as its own task, until stopped.
+
+        NOTE: takes run concurrently because each waits for the engine thread between two steps
+        (prefix lookup, admission): taken one after another, a burst of N jobs needed N steps to
+        reach the batch (one 256-token prompt per step instead of eight)."""
+        taking: set[asyncio.Task] = set()
+        try:
+            while not self.ctx.stop.is_set():
+                if self.loop.error is not None:
+                    log.error("engine thread died; stopping")
+                    self.ctx.stop.set()
+                    return
+                for msg in await worker.fetch(capacity() - len(taking), timeout=0.5):
+                    task = asyncio.create_task(take(msg))
+                    taking.add(task)
+                    task.add_done_callback(_finished_take(taking))
+                self.report()
+        finally:
+            if taking:  # let takes in flight finish (a step or two), so shutdown sees their jobs
+                _, late = await asyncio.wait(taking, timeout=10.0)
+                for task in late:
+                    task.cancel()
 
     async def publish(self, req: GenerateRequest, event: TokenEvent) -> None:
         await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
@@ -103,3 +117,12 @@ class EngineWorker(abc.ABC):
         if pad:
             rows = torch.nn.functional.pad(rows, (0, pad))
         await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+
+
+def _finished_take(taking: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        taking.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # takes report their own failures
+            log.error("taking a job failed", exc_info=task.exception())
+
+    return done
