@@ -65,8 +65,8 @@ REGIMES = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "no-chunking": dict(enable_chunked_prefill=False),
     "preemption": dict(num_blocks=10, max_num_batched_tokens=32),
-    "one-worker": dict(num_threads=1),
-    "three-microbatches": dict(num_threads=3),  # more workers than cores: still exact
+    "one-thread": dict(num_threads=1),
+    "three-microbatches": dict(num_threads=2, cpu_micro_batches=3),  # more micro-batches than cores: still exact
 }
 
 
@@ -82,7 +82,7 @@ def test_greedy_equals_transformers(model_dir, prompts, hf_outputs, regime):
     if regime == "preemption":
         assert llm.engine.num_preemptions > 0
     if regime == "three-microbatches":
-        assert llm.engine.runner.workers == 3
+        assert llm.engine.runner.micro_batches == 3
 
 
 def test_prefix_cache_reuses_shared_prefix(model_dir, prompts, hf_outputs):

@@ -23,6 +23,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     kv_format: str = "model"
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    cpu_micro_batches: int = 1  # > 1: split each CPU step into this many single-threaded micro-batches
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -31,6 +32,8 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.cpu_micro_batches < 1:
+            raise ValueError(f"cpu_micro_batches must be >= 1, got {self.cpu_micro_batches}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -58,6 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads for this worker")
+    parser.add_argument("--cpu-micro-batches", type=int, default=1,
+                        help="split each CPU step into N single-threaded micro-batches on N threads "
+                             "(faster than intra-op threads for attention-heavy fp32 models)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -74,4 +80,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         kv_format=args.kv_format,
         num_threads=args.threads,
+        cpu_micro_batches=args.cpu_micro_batches,
     )

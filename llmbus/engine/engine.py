@@ -97,8 +97,8 @@ class Engine:
         )
         self.backend = make_backend(self.device, config.kv_format)
         self.model.backend = self.backend  # caches come from this backend, so attention must too
-        workers = config.num_threads or torch.get_num_threads()
-        self.runner = ModelRunner(self.model, self.layout, self.backend, num_blocks, self.device, workers=workers)
+        self.runner = ModelRunner(self.model, self.layout, self.backend, num_blocks, self.device,
+                                  micro_batches=config.cpu_micro_batches)
         self._seqs: dict[str, Sequence] = {}
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}

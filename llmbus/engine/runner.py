@@ -1,9 +1,12 @@
 """Turns a scheduler step into batched forward passes and one sampling call.
 
-On CPU with ``workers > 1`` a step's sequences are split into that many micro-batches, each run
-single-threaded on its own Python thread (torch ops release the GIL). Small decode GEMMs do not
-scale across OpenMP threads; whole micro-batches on separate cores do. A step with one sequence runs
-as one batch with ``workers`` intra-op threads instead.
+On CPU a step runs as one batch whose ops use the process's torch intra-op threads: large GEMMs
+split their output columns across cores, so each core streams only its share of the weights.
+``micro_batches > 1`` instead splits a step's sequences into that many micro-batches, each run
+single-threaded on its own Python thread (torch ops release the GIL). Measured on 2 cores
+(docs/benchmarks.md): intra-op threads win on the demo models (bf16 GQA: 1.2-1.4x at decode
+batch 8-64), where every micro-batch re-reading all weights dominates; micro-batches win on an
+attention-heavy fp32 multi-head model (1.2x), whose KV traffic dwarfs its weights.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ class ModelRunner:
         backend: AttentionBackend,
         num_blocks: int,
         device: torch.device,
-        workers: int = 1,
+        micro_batches: int = 1,
     ) -> None:
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.model = model
         self.layout = layout
         self.backend = backend
@@ -50,9 +53,10 @@ class ModelRunner:
         self.device = device
         self.kv_caches = backend.allocate_cache(layout, num_blocks, device)
         self.sampler = Sampler()
-        self.workers = workers if device.type == "cpu" else 1
-        self._pool = ThreadPoolExecutor(self.workers - 1, thread_name_prefix="microbatch") if self.workers > 1 else None
-        self._threads = torch.get_num_threads()
+        self.micro_batches = micro_batches if device.type == "cpu" else 1
+        self._pool = (ThreadPoolExecutor(self.micro_batches - 1, thread_name_prefix="microbatch")
+                      if self.micro_batches > 1 else None)
+        self._threads = torch.get_num_threads()  # intra-op threads for one-batch steps
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
@@ -60,7 +64,7 @@ class ModelRunner:
         groups = self._split(out.scheduled)
         batches = [self._prepare(g) for g in groups]
         if len(batches) == 1:
-            self._set_threads(self.workers)
+            self._set_threads(self._threads)
             hidden = [self._forward(batches[0])]
         else:
             self._set_threads(1)
@@ -75,16 +79,15 @@ class ModelRunner:
         return {seq.request_id: (tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)}
 
     def _set_threads(self, n: int) -> None:
-        if self.workers > 1 and self._threads != n:
+        if self.micro_batches > 1 and torch.get_num_threads() != n:
             torch.set_num_threads(n)
-            self._threads = n
 
     def _split(self, entries: list[ScheduledSeq]) -> list[list[ScheduledSeq]]:
-        """Balance entries over ``workers`` micro-batches by estimated cost (new tokens plus the
+        """Balance entries over ``micro_batches`` groups by estimated cost (new tokens plus the
         context they attend to); each keeps the decodes-first order attention metadata needs."""
-        if self.workers == 1 or len(entries) < 2:
+        if self.micro_batches == 1 or len(entries) < 2:
             return [entries]
-        n = min(self.workers, len(entries))
+        n = min(self.micro_batches, len(entries))
         loads = [0.0] * n
         groups: list[list[ScheduledSeq]] = [[] for _ in range(n)]
         for e in sorted(entries, key=lambda e: -_cost(e)):
