@@ -113,6 +113,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         device = _pick_device(config.device)
         loaded = load_model(model_dir, dtype=config.dtype, device=str(device))
+        if config.pack_cpu_weights:  # NOTE: here, not in __init__: this model is ours alone
+            loaded.model.pack_cpu_weights()
         return cls(loaded, config)
 
     def _blocks_for_budget(self) -> int:

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from llmbus.model import cpu_linear
 from llmbus.model.config import ModelConfig
+from llmbus.model.cpu_linear import linear
 from llmbus.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -46,16 +48,17 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
         self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
+        self.packed: dict[str, torch.Tensor] = {}  # "qkv", "o": oneDNN weights (LlamaForCausalLM.pack_cpu_weights)
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         # q and k sit side by side in qkv: rotate both heads' sets in one pass, then split.
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, cache, meta, self.scale)
-        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias, self.packed.get("o"))
 
 
 class MLP(nn.Module):
@@ -66,11 +69,12 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * i, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.down_weight = _param(h, i, dtype=dtype, device=device)
         self.down_bias = _param(h, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.packed: dict[str, torch.Tensor] = {}  # "gate_up", "down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up")).chunk(2, dim=-1)
         # in place on the fresh gate_up output: the same values as silu(gate) * up, one buffer
-        return F.linear(F.silu(gate, inplace=True).mul_(up), self.down_weight, self.down_bias)
+        return linear(F.silu(gate, inplace=True).mul_(up), self.down_weight, self.down_bias, self.packed.get("down"))
 
 
 class DecoderLayer(nn.Module):
@@ -105,12 +109,33 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else _param(v, h, dtype=dtype, device=device)
         rope_device = "cpu" if torch.device(device).type == "meta" else device
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, rope_device)
+        self.packed_lm_head: torch.Tensor | None = None
 
     def _apply(self, fn, recurse=True):  # keep the rope frequencies on the parameters' device
         out = super()._apply(fn, recurse)
         if self.embed_tokens.device.type != "meta":
             self.rotary.to(self.embed_tokens.device)
         return out
+
+    def pack_cpu_weights(self) -> bool:
+        """Reorder every projection weight once into oneDNN's layout (``llmbus.model.cpu_linear``)
+        and free the plain copies, so the model holds one copy of each. Returns False, changing
+        nothing, where packing is unsupported (not CPU, fp16, no bf16 instructions).
+
+        After this the projection parameters are empty: the model only runs forward."""
+        weight = self.embed_tokens
+        if self.packed_lm_head is not None or not cpu_linear.packing_supported(weight.dtype, weight.device):
+            return False
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module, name in ((attn, "qkv"), (attn, "o"), (mlp, "gate_up"), (mlp, "down")):
+                param = getattr(module, f"{name}_weight")
+                module.packed[name] = cpu_linear.pack(param)
+                param.data = param.data.new_empty(0)
+        self.packed_lm_head = cpu_linear.pack(self.lm_head_weight)
+        if self.lm_head is not None:  # NOTE: a tied head is the embedding table, still needed for lookups
+            self.lm_head.data = self.lm_head.data.new_empty(0)
+        return True
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -135,4 +160,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 (the product is formed in the model dtype, as HF does)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.packed_lm_head).float()
