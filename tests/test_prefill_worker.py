@@ -1,9 +1,12 @@
 """The prefill worker in-process against a real nats-server and a real engine: a burst of jobs
-reaches the engine together, so one step prefills them as a batch."""
+reaches the engine together, so one step prefills them as a batch; a job aborted before it reaches
+the engine never starts."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
@@ -12,16 +15,46 @@ from llmbus.bus.streams import ensure_streams
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine
 from llmbus.model.demo import make_demo_model
-from llmbus.protocol import GenerateRequest, SamplingSpec, TokenEvent, decode, encode
+from llmbus.protocol import Abort, GenerateRequest, SamplingSpec, TokenEvent, decode, encode
 from services.prefill.service import PrefillWorker
 
 BURST = 6
 
 
+def _engine(tmp_path, **config) -> Engine:
+    return Engine.from_model_dir(str(make_demo_model(tmp_path / "m", "small")),
+                                 EngineConfig(dtype="float32", device="cpu", **config))
+
+
+async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int) -> None:
+    req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid),
+                          sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    await js.publish(subjects.prefill_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
+
+
+@contextlib.asynccontextmanager
+async def _colocated_worker(nats_server: str, engine: Engine, model: str):
+    """A colocated PrefillWorker run as a service until the block ends; yields the worker."""
+    holder: dict = {}
+
+    async def service(ctx):
+        holder["worker"] = PrefillWorker(ctx, engine, model, colocated=True)
+        await holder["worker"].run()
+
+    task = asyncio.create_task(run_service(ServiceOptions("prefill", nats_server, models=(model,)), service))
+    while "worker" not in holder or not holder["worker"].ctx.is_ready:
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield holder["worker"]
+    finally:
+        holder["worker"].ctx.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
 def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
     model = "burst"
-    engine = Engine.from_model_dir(str(make_demo_model(tmp_path / "m", "small")),
-                                   EngineConfig(dtype="float32", device="cpu", enable_prefix_caching=False))
+    engine = _engine(tmp_path, enable_prefix_caching=False)
     prompts_per_step: list[int] = []
     step = engine.step
 
@@ -48,26 +81,10 @@ def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
         await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
         # the jobs wait in the lane stream before the worker starts: its first fetch gets them all
         for i in range(BURST):
-            rid = f"burst-{i}"
-            req = GenerateRequest(rid, model, list(range(5 + i, 45 + i)), token_subject=subjects.tokens(rid),
-                                  sampling=SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=True))
-            await js.publish(subjects.prefill_subject("short", model), encode(req),
-                             headers={subjects.MSG_ID_HEADER: rid})
-
-        holder: dict = {}
-
-        async def service(ctx):
-            holder["worker"] = PrefillWorker(ctx, engine, model, colocated=True)
-            await holder["worker"].run()
-
-        task = asyncio.create_task(run_service(ServiceOptions("prefill", nats_server, models=(model,)), service))
-        try:
+            await _submit(js, model, f"burst-{i}", list(range(5 + i, 45 + i)), 4)
+        async with _colocated_worker(nats_server, engine, model):
             await asyncio.wait_for(done.wait(), 60)
-        finally:
-            if "worker" in holder:
-                holder["worker"].ctx.stop.set()
-            assert await asyncio.wait_for(task, 30) == 0
-            await nc.close()
+        await nc.close()
         return events
 
     events = asyncio.run(body())
@@ -78,3 +95,51 @@ def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
     # NOTE: taken one job at a time, each waited for a step boundary, so steps prefilled one prompt each
     assert max(prompts_per_step) >= BURST // 2, prompts_per_step
     assert engine.leak_check()["free_blocks"] == engine.leak_check()["total_blocks"]
+
+
+def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, tmp_path):
+    model = "abortrace"
+    engine = _engine(tmp_path)
+    added: list[str] = []
+    step, add_request = engine.step, engine.add_request
+
+    def slow_step():
+        time.sleep(0.15)  # NOTE: long steps hold the job at the prefix lookup, which waits for a step boundary
+        return step()
+
+    def recording_add(rid, *args, **kwargs):
+        added.append(rid)
+        return add_request(rid, *args, **kwargs)
+
+    engine.step, engine.add_request = slow_step, recording_add
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        first_token, finished = asyncio.Event(), asyncio.Event()
+
+        async def on_token(msg):
+            ev = decode(TokenEvent, msg.data)
+            if ev.request_id == "busy":
+                first_token.set()
+                if ev.finish_reason:
+                    finished.set()
+
+        await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
+        async with _colocated_worker(nats_server, engine, model) as worker:
+            await _submit(js, model, "busy", list(range(7, 47)), 12)  # keeps the engine stepping
+            await asyncio.wait_for(first_token.wait(), 30)
+            await _submit(js, model, "doomed", list(range(7, 47)), 8)
+            while "doomed" not in worker.jobs:
+                await asyncio.sleep(0.002)
+            await nc.publish(subjects.abort("doomed"), encode(Abort("doomed", "client_disconnected")))
+            await asyncio.wait_for(finished.wait(), 30)
+            await asyncio.sleep(0.5)  # a few more step boundaries: a late admission would have happened
+            assert "doomed" not in worker.jobs
+        await nc.close()
+
+    asyncio.run(body())
+    assert added == ["busy"]
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
