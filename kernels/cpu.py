@@ -2,7 +2,8 @@
 
 Same cache objects and results as ``llmbus.engine.attention.TorchAttentionBackend`` (one raw
 ``[2, num_blocks, block_size, Hkv, D]`` tensor per layer, so ``read_blocks``/``write_blocks`` move
-the same bytes), computed with ``torch.nn.functional.scaled_dot_product_attention``:
+the same bytes), computed with batched matmuls (decodes) and
+``torch.nn.functional.scaled_dot_product_attention`` (prefill chunks):
 
 - Everything that depends only on the step (which blocks each sequence reads, padding and causal
   masks, how decodes are grouped) is built once, at the first layer, as a ``StepPlan`` kept on the
@@ -87,7 +88,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: 
             if j > i and (j + 1 - i) * longest_j * row_bytes > group_bytes:
                 break
             longest, j = longest_j, j + 1
-        groups.append(_decode_group(tables, lens, i, j, longest, block_size, dtype, dev))
+        groups.append(_decode_group(tables, lens, i, j, longest, block_size, dev))
         i = j
     empty = [r for r in range(nd) if lens[r] == 0]
     prefills = []
@@ -110,14 +111,14 @@ def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: 
     return StepPlan(groups, empty_rows, prefills)
 
 
-def _decode_group(tables, lens, i, j, longest, block_size, dtype, dev) -> DecodeGroup:
+def _decode_group(tables, lens, i, j, longest, block_size, dev) -> DecodeGroup:
     nblk = max(1, -(-longest // block_size))
     ids = tables[i:j, :nblk].reshape(-1)
     if all(lens[r] == nblk * block_size for r in range(i, j)):
         return DecodeGroup(i, j, ids, nblk, None)
     pos = torch.arange(nblk * block_size, device=dev)
     seq = torch.tensor(lens[i:j], device=dev)
-    # NOTE: a zero-length row would be all -inf (NaN in SDPA); it attends to its padding instead
+    # NOTE: a zero-length row would be all -inf (NaN in the softmax); it attends to its padding instead
     # and the backend zeroes its output afterwards.
     live = (pos[None, :] < seq[:, None]) | (seq[:, None] == 0)
     return DecodeGroup(i, j, ids, nblk, _additive(live, torch.float32)[None, :, None, :])

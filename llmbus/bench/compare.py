@@ -44,8 +44,8 @@ def comparison(reports: list[dict]) -> list[dict]:
             continue
         base = vals[0]
         # NOTE: a ratio of error counts or of cache shares means nothing; show the values
-        counts = higher_better is None
-        ratios = [None if (counts or v is None or not base) else v / base for v in vals]
+        no_ratio = higher_better is None
+        ratios = [None if (no_ratio or v is None or not base) else v / base for v in vals]
         rows.append({"metric": name, "values": vals, "ratios": ratios, "higher_is_better": higher_better})
     return rows
 

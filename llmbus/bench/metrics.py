@@ -73,10 +73,10 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO | None =
     }
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     if cached:
-        summary["total_cached_tokens"] = sum(cached)
+        summary["total_cached_tokens"] = total_cached = sum(cached)
         # NOTE: a prefix cache warm from an earlier run makes a "random" run measure cached prompts;
         # the share is shown beside the figures so that never passes unnoticed.
-        summary["cached_prompt_share"] = sum(cached) / in_tokens if in_tokens else 0.0
+        summary["cached_prompt_share"] = total_cached / in_tokens if in_tokens else 0.0
     if slo is not None:
         good = sum(1 for r in records if slo.met(r))
         summary["slo"] = slo.to_dict()

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from llmbus.model import cpu_linear
 from llmbus.model.config import ModelConfig
-from llmbus.model.cpu_linear import linear
+from llmbus.model.cpu_linear import linear, pack, packing_supported
 from llmbus.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -124,15 +123,15 @@ class LlamaForCausalLM(nn.Module):
 
         After this the projection parameters are empty: the model only runs forward."""
         weight = self.embed_tokens
-        if self.packed_lm_head is not None or not cpu_linear.packing_supported(weight.dtype, weight.device):
+        if self.packed_lm_head is not None or not packing_supported(weight.dtype, weight.device):
             return False
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for module, name in ((attn, "qkv"), (attn, "o"), (mlp, "gate_up"), (mlp, "down")):
                 param = getattr(module, f"{name}_weight")
-                module.packed[name] = cpu_linear.pack(param)
+                module.packed[name] = pack(param)
                 param.data = param.data.new_empty(0)
-        self.packed_lm_head = cpu_linear.pack(self.lm_head_weight)
+        self.packed_lm_head = pack(self.lm_head_weight)
         if self.lm_head is not None:  # NOTE: a tied head is the embedding table, still needed for lookups
             self.lm_head.data = self.lm_head.data.new_empty(0)
         return True

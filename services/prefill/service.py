@@ -125,15 +125,14 @@ class PrefillWorker(EngineWorker):
             params = req.sampling.to_params()
             hashes, local, kv = await self._cached_prefix(req)
 
-            def admit(e: Engine) -> bool:
+            def admit(e: Engine) -> None:
                 # NOTE: an abort that came while the prefix was looked up found nothing to stop in
                 # the engine (on_abort already acked the job): it must not start now
                 if self.jobs.get(rid) is not job:
-                    return False
+                    return
                 if kv is not None:  # NOTE: same engine call as add_request: nothing evicts it in between
                     e.import_prefix(hashes[local : local + kv.shape[0]], kv, protect=hashes[:local])
                 e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=not self.colocated)
-                return True
 
             await self.loop.call(admit)
         except ValueError as exc:
