@@ -1,5 +1,6 @@
-"""kvpool's SSD tier across a crash: fill it, kill -9 kvpool, restart, the same prefixes hit again;
-a block file with flipped bytes is dropped, never served."""
+"""kvpool as a process: its SSD tier across a crash (fill it, kill -9 kvpool, restart, the same
+prefixes hit again; a block file with flipped bytes is dropped, never served), and no compute threads
+of its own beside the engines'."""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 BLOCK = LAYOUT.bytes_per_block  # 1024
 
 
-def start(nats_url: str, data_dir: Path) -> subprocess.Popen:
+def start(nats_url: str, data_dir: Path, layout: KVLayout = LAYOUT, cpu_blocks: int = 2,
+          ssd_blocks: int = 6) -> subprocess.Popen:  # fmt: skip
+    block = layout.bytes_per_block
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_url, "--block-bytes", str(BLOCK),
-         "--capacity-blocks", "16", "--kv-layout", format_layout(LAYOUT), "--cpu-bytes", str(2 * BLOCK),
-         "--ssd-bytes", str(6 * (BLOCK + HEADER_BYTES)), "--data-dir", str(data_dir), "--log-level", "WARNING"],
+        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_url, "--block-bytes", str(block),
+         "--capacity-blocks", "16", "--kv-layout", format_layout(layout), "--cpu-bytes", str(cpu_blocks * block),
+         "--ssd-bytes", str(ssd_blocks * (block + HEADER_BYTES)), "--data-dir", str(data_dir), "--log-level", "WARNING"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     line = proc.stdout.readline()
@@ -118,3 +121,32 @@ def test_ssd_tier_survives_kill_9_and_drops_a_corrupt_block(nats_server, tmp_pat
             if name.startswith(("llmbus_kv", "llmbus_kvcpu")):
                 Path("/dev/shm", name).unlink(missing_ok=True)
     assert not victim.exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or (os.cpu_count() or 1) < 2, reason="needs /proc and 2+ cores")
+def test_storing_blocks_starts_no_compute_threads(nats_server, tmp_path):
+    """kvpool shares the cores with the engines: converting and copying blocks (here 4 x 256 KiB, far
+    above torch's parallel grain) must not start intra-op threads that spin beside the engines'."""
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=64, dtype="float32")
+    block = layout.bytes_per_block
+
+    async def store_four(pid: int) -> tuple[int, int]:
+        nc = await connect(nats_server)
+        client = KVPoolClient(nc, transport="bus")
+        await client.stats()
+        before = len(os.listdir(f"/proc/{pid}/task"))
+        hashes = chain_hashes(root_hash("m", "model", ""), list(range(4 * layout.block_size)), layout.block_size)
+        lease = await client.allocate(4, ttl_s=30)
+        await client.write_blocks(lease, 0, bytes(range(256)) * (4 * block // 256))
+        reply = await client.store(lease, hashes, block_bytes=block)
+        await client.release(lease.lease_id)
+        await nc.close()
+        return reply.stored, len(os.listdir(f"/proc/{pid}/task")) - before
+
+    proc = start(nats_server, tmp_path / "data", layout, cpu_blocks=8, ssd_blocks=0)
+    try:
+        assert asyncio.run(asyncio.wait_for(store_four(proc.pid), 60)) == (4, 0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        proc.stdout.close()

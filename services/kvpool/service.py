@@ -74,6 +74,12 @@ class KVPool:
         self.tier = CpuTier(self.config.block_bytes, self.config.capacity_blocks)
         self.ctx.stack.callback(self.tier.close)
         if self.config.prefix is not None:
+            import torch
+
+            # NOTE: kvpool copies and converts blocks on its event loop; torch's intra-op threads
+            # would spin on the cores the engines compute on (measured on 2 cores, small demo model,
+            # c32: kvpool CPU 1.00 -> 0.23 s for 68 stored prompts, output tok/s +14%)
+            torch.set_num_threads(1)
             from services.kvpool.prefix import PrefixCache
 
             self.prefix = PrefixCache(self.config.prefix)
