@@ -1,17 +1,27 @@
 """kernels.cpu.CpuAttentionBackend against the pure-torch references in kernels/reference.py, on
 random paged caches: odd lengths, GQA 1/2/4, mixed decode+prefill batches, cached prefixes, and
-single-token and empty sequences."""
+single-token and empty sequences. Decodes run both ways: through the fused C kernel
+(``kernels.cpu_native``) and through the gathered torch path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu
+from kernels import cpu, cpu_native
 from llmbus.engine.attention import AttentionMetadata, TorchAttentionBackend
 from llmbus.kv.layout import KVLayout
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+# the fused kernel where it builds (a machine without a C compiler runs the torch path only)
+DECODE_PATHS = [pytest.param(True, id="fused"), pytest.param(False, id="gathered")]
+
+
+@pytest.fixture(params=DECODE_PATHS)
+def native(request):
+    if request.param and not cpu_native.available():
+        pytest.skip("the fused CPU decode kernel did not build here")
+    return request.param
 
 
 def _step(lay: KVLayout, ctx: list[int], qlens: list[int], num_decodes: int, dtype, seed: int, hq: int):
@@ -57,10 +67,12 @@ def _check(lay, ctx, qlens, nd, dtype=torch.float32, hq=None, seed=0, backend=No
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_decode_batch_matches_reference(group):
+def test_decode_batch_matches_reference(group, native):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16)
     ctx = [1, 15, 16, 17, 33, 100, 47]
-    _check(lay, ctx, [1] * len(ctx), len(ctx), hq=2 * group)
+    _, meta = _check(lay, ctx, [1] * len(ctx), len(ctx), hq=2 * group, backend=cpu.CpuAttentionBackend(native=native))
+    plan = meta.backend_plans["cpu"]
+    assert (plan.native is not None, bool(plan.decode_groups)) == (native, not native)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -71,16 +83,21 @@ def test_prefill_chunks_with_and_without_prefix(group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_mixed_batch_decodes_then_prefills(dtype):
+def test_mixed_batch_decodes_then_prefills(dtype, native):
     lay = KVLayout(num_layers=1, num_kv_heads=4, head_dim=64, block_size=16, dtype=str(dtype).removeprefix("torch."))
-    _check(lay, [7, 31, 64, 129, 50, 18], [1, 1, 1, 37, 50, 2], 3, dtype=dtype, hq=8, seed=2)
+    # fp16 has no fused kernel: asked for, it is refused; by default the gathered path serves
+    backend = cpu.CpuAttentionBackend(native=None if native and dtype == torch.float16 else native)
+    _check(lay, [7, 31, 64, 129, 50, 18], [1, 1, 1, 37, 50, 2], 3, dtype=dtype, hq=8, seed=2, backend=backend)
+    if native and dtype == torch.float16:
+        with pytest.raises(ValueError, match="fused CPU decode kernel"):
+            _check(lay, [7, 31], [1, 1], 2, dtype=dtype, hq=8, backend=cpu.CpuAttentionBackend(native=True))
 
 
 def test_many_decodes_split_into_groups():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16)
     ctx = [300 + 7 * i for i in range(12)]
     # 1 KiB of K+V per token: a 1 MiB budget holds two or three ~380-token sequences per group
-    backend = cpu.CpuAttentionBackend(decode_group_bytes=1 << 20)
+    backend = cpu.CpuAttentionBackend(decode_group_bytes=1 << 20, native=False)
     _, meta = _check(lay, ctx, [1] * len(ctx), len(ctx), hq=4, seed=3, backend=backend)
     groups = meta.backend_plans["cpu"].decode_groups
     assert len(groups) >= 4
@@ -90,16 +107,16 @@ def test_many_decodes_split_into_groups():
         cpu.CpuAttentionBackend(decode_group_bytes=0)
 
 
-def test_empty_sequences_give_zeros_and_no_rows():
+def test_empty_sequences_give_zeros_and_no_rows(native):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=8)
     # a decode with no context yields zeros (as the reference); a prefill entry with no query rows
-    got, _ = _check(lay, [0, 9, 12, 20], [1, 1, 0, 4], 2, hq=4, seed=4)
+    got, _ = _check(lay, [0, 9, 12, 20], [1, 1, 0, 4], 2, hq=4, seed=4, backend=cpu.CpuAttentionBackend(native=native))
     assert torch.count_nonzero(got[0]) == 0
 
 
-def test_plan_is_built_once_per_step_and_reused_across_layers():
+def test_plan_is_built_once_per_step_and_reused_across_layers(native):
     lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=8)
-    backend = cpu.CpuAttentionBackend()
+    backend = cpu.CpuAttentionBackend(native=native)
     cache, q, k, v, meta = _step(lay, [9, 20], [1, 20], 1, torch.float32, 5, 4)
     caches = [cache.clone() for _ in range(lay.num_layers)]
     outs = []

@@ -1,0 +1,141 @@
+/* Paged decode attention on CPU, fused: one query token per sequence reads its K/V blocks in place.
+
+   The torch path gathers every sequence's blocks into a workspace and runs two batched matmuls over
+   the copy, so each K/V byte crosses memory three times and every sequence is padded to the longest
+   of its group. Here one (sequence, KV head) pair is one task: its G query rows (GQA) score a
+   block's keys, fold them into a running softmax (max, sum, fp32 accumulator), and add the
+   block's values, reading only the sequence's own tokens once. Built by kernels/cpu_native.py with
+   -O3 -march=native so the loops over head_dim vectorize; threads come from the OpenMP runtime
+   torch already loaded (same libgomp soname), sized by the caller.
+
+   Cache layout (kernels/cpu.py): [2, num_blocks, block_size, Hkv, D], keys then values, contiguous.
+   Element types: float32, or bfloat16 as uint16_t (widened by a shift; stored round-to-nearest-even). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_G 32
+#define MAX_D 256
+#define MAX_BS 64
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_store(float x) { return x; }
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel err| < 2e-7; pure
+   arithmetic, so the loops that call it vectorize. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.98756912e-4f;
+    p = p * r + 1.39819994e-3f;
+    p = p * r + 8.33345205e-3f;
+    p = p * r + 4.16657962e-2f;
+    p = p * r + 1.66666657e-1f;
+    p = p * r + 5.0e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                             \
+    static void NAME##_task(const T *kc, const T *vc, const T *q, T *out, const int32_t *table,         \
+                            int64_t len, int64_t h, int64_t hkv, int64_t g_rows, int64_t d,             \
+                            int64_t bs, int64_t num_blocks, float scale, int64_t *bad) {                \
+        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], s[MAX_G][MAX_BS], m[MAX_G], l[MAX_G], row[MAX_D];    \
+        const int64_t tok = hkv * d; /* elements from one token to the next within a block */        \
+        for (int64_t g = 0; g < g_rows; g++) {                                                          \
+            const T *qg = q + (h * g_rows + g) * d;                                                     \
+            for (int64_t i = 0; i < d; i++) {                                                           \
+                qf[g][i] = LOAD(qg[i]) * scale;                                                         \
+                acc[g][i] = 0.0f;                                                                       \
+            }                                                                                           \
+            m[g] = 0.0f;                                                                                \
+            l[g] = 0.0f;                                                                                \
+        }                                                                                               \
+        const int64_t nblk = (len + bs - 1) / bs;                                                       \
+        for (int64_t j = 0; j < nblk; j++) {                                                            \
+            const int64_t blk = table[j];                                                               \
+            if (blk < 0 || blk >= num_blocks) {                                                         \
+                *bad = 1;                                                                               \
+                return;                                                                                 \
+            }                                                                                           \
+            const int64_t n = len - j * bs < bs ? len - j * bs : bs;                                    \
+            const T *kb = kc + (blk * bs * hkv + h) * d;                                                \
+            const T *vb = vc + (blk * bs * hkv + h) * d;                                                \
+            for (int64_t t = 0; t < n; t++) {                                                           \
+                for (int64_t i = 0; i < d; i++) row[i] = LOAD(kb[t * tok + i]);                         \
+                for (int64_t g = 0; g < g_rows; g++) {                                                  \
+                    float dot = 0.0f;                                                                   \
+                    for (int64_t i = 0; i < d; i++) dot += qf[g][i] * row[i];                           \
+                    s[g][t] = dot;                                                                      \
+                }                                                                                       \
+            }                                                                                           \
+            for (int64_t g = 0; g < g_rows; g++) {                                                      \
+                float mb = s[g][0];                                                                     \
+                for (int64_t t = 1; t < n; t++) mb = s[g][t] > mb ? s[g][t] : mb;                      \
+                const float mn = (j == 0 || mb > m[g]) ? mb : m[g];                                     \
+                const float corr = j == 0 ? 0.0f : exp_nonpos(m[g] - mn);                              \
+                float sum = 0.0f;                                                                       \
+                for (int64_t t = 0; t < n; t++) {                                                       \
+                    s[g][t] = exp_nonpos(s[g][t] - mn);                                                 \
+                    sum += s[g][t];                                                                     \
+                }                                                                                       \
+                l[g] = l[g] * corr + sum;                                                               \
+                m[g] = mn;                                                                              \
+                for (int64_t i = 0; i < d; i++) acc[g][i] *= corr;                                      \
+            }                                                                                           \
+            for (int64_t t = 0; t < n; t++) {                                                           \
+                for (int64_t i = 0; i < d; i++) row[i] = LOAD(vb[t * tok + i]);                         \
+                for (int64_t g = 0; g < g_rows; g++) {                                                  \
+                    const float p = s[g][t];                                                            \
+                    for (int64_t i = 0; i < d; i++) acc[g][i] += p * row[i];                            \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t g = 0; g < g_rows; g++) {                                                          \
+            T *og = out + (h * g_rows + g) * d;                                                         \
+            const float inv = len > 0 ? 1.0f / l[g] : 0.0f;                                             \
+            for (int64_t i = 0; i < d; i++) og[i] = STORE(acc[g][i] * inv);                             \
+        }                                                                                               \
+    }                                                                                                   \
+                                                                                                        \
+    /* q, out [B, Hq, D]; cache [2, N, bs, Hkv, D]; tables [B, table_stride] int32; lens [B] int32.    \
+       Returns 0, -1 for an unsupported shape, or 1 when a table names a block outside the cache. */  \
+    int NAME(const T *cache, const T *q, T *out, const int32_t *tables, int64_t table_stride,         \
+             const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs,        \
+             int64_t num_blocks, float scale, int threads) {                                            \
+        if (hkv < 1 || hq % hkv || hq / hkv > MAX_G || d > MAX_D || bs > MAX_BS) return -1;            \
+        const int64_t g_rows = hq / hkv;                                                                \
+        const T *kc = cache;                                                                            \
+        const T *vc = cache + num_blocks * bs * hkv * d;                                                \
+        int64_t bad = 0;                                                                                \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)")      \
+        for (int64_t task = 0; task < batch * hkv; task++) {                                            \
+            const int64_t b = task / hkv, h = task % hkv;                                               \
+            NAME##_task(kc, vc, q + b * hq * d, out + b * hq * d, tables + b * table_stride, lens[b],  \
+                        h, hkv, g_rows, d, bs, num_blocks, scale, &bad);                                \
+        }                                                                                               \
+        return bad ? 1 : 0;                                                                             \
+    }
+
+DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)

@@ -1,0 +1,160 @@
+"""The fused CPU decode kernel (``kernels/cpu_decode.c``): built once per machine, loaded with ctypes.
+
+``paged_decode(q, cache, block_tables, seq_lens, scale)`` is the whole decode half of a step in one
+call; ``CpuAttentionBackend`` uses it when ``available()``, else its torch path (same results within
+the dtype's rounding, checked by tests/test_cpu_native.py against ``kernels.reference``).
+
+Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native -fopenmp``, into
+``$LLMBUS_DATA_DIR/native`` (else ``~/.cache/llmbus/native``) under a name that hashes the source, the
+flags and this CPU's feature flags, so a cache shared between machines never loads code built for
+another CPU. Written aside and renamed into place, so concurrent workers never load half a file. No
+compiler, a failed build or ``LLMBUS_CPU_NATIVE=0``: ``available()`` is False (logged once) and the
+torch path serves. ctypes drops the GIL for the call, so the event loop keeps running meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("llmbus.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+         "-fno-signed-zeros", "-fassociative-math"]  # fmt: skip
+# kernel limits (MAX_G, MAX_D, MAX_BS in the source): larger shapes use the torch path
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    data = os.environ.get("LLMBUS_DATA_DIR")
+    return (Path(data) if data else Path.home() / ".cache" / "llmbus") / "native"
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC or install gcc)")
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, platform.machine(),
+                                    _cpu_flags()]).encode()).hexdigest()[:16]  # fmt: skip
+    out = build_dir() / f"cpu_decode-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"{cc} failed: {exc.stderr.strip()[-500:]}") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("LLMBUS_CPU_NATIVE", "1") == "0":
+            log.info("fused CPU decode kernel disabled (LLMBUS_CPU_NATIVE=0): torch path")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            log.warning("fused CPU decode kernel unavailable, using the torch path: %s", exc)
+            return None
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    return (dtype in (torch.float32, torch.bfloat16) and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+            and block_size <= MAX_BLOCK_SIZE)  # fmt: skip
+
+
+def check_tables(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
+    """The checks the kernel leaves to its caller: int32 ``[B, M]`` tables, ``[B]`` lengths in
+    ``[0, M * block_size]`` (block ids themselves are checked by the kernel)."""
+    if tables.dtype != torch.int32 or lens.dtype != torch.int32 or not (tables.is_contiguous() and lens.is_contiguous()):
+        raise ValueError("block tables and sequence lengths must be contiguous int32 tensors")
+    if tables.dim() != 2 or lens.dim() != 1 or tables.shape[0] != lens.shape[0]:
+        raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match")
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > tables.shape[1] * block_size):
+        raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * block_size}] for {tables.shape[1]} "
+                         f"blocks of {block_size}, got {lens.tolist()}")
+
+
+def decode_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                scale: float) -> None:
+    """The kernel call on arguments ``check_tables`` passed: ``out``/``q`` contiguous ``[B, Hq, D]``
+    in the cache's dtype (``supports``), cache ``[2, N, bs, Hkv, D]`` contiguous."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the fused CPU decode kernel is not available")
+    b, hq, d = q.shape
+    _, n_blocks, bs, hkv, _ = cache.shape
+    if not (q.is_contiguous() and out.is_contiguous() and cache.is_contiguous()) or q.dtype != cache.dtype:
+        raise ValueError("q, out and the cache must be contiguous and share a dtype")
+    fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
+    rc = fn(cache.data_ptr(), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            b, hq, hkv, d, bs, n_blocks, float(scale), torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
+    if rc != 0:
+        raise ValueError(f"unsupported decode shape: q {q.dtype} {list(q.shape)}, cache {list(cache.shape)}")
+
+
+def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q ``[B, Hq, D]`` (one token per sequence), cache ``[2, N, bs, Hkv, D]`` (float32 or
+    bfloat16, q's dtype), block_tables ``[B, >= ceil(len / bs)]``, seq_lens ``[B]`` -> ``[B, Hq, D]``;
+    a sequence of length 0 gets zeros."""
+    _, _, bs, hkv, d = cache.shape
+    if cache.device.type != "cpu" or q.dtype != cache.dtype or q.dim() != 3 or q.shape[2] != d \
+            or not supports(q.dtype, q.shape[1], hkv, d, bs):
+        raise ValueError(f"unsupported decode: q {q.dtype} {list(q.shape)}, cache {cache.dtype} {list(cache.shape)}")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    check_tables(tables, lens, bs)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    decode_into(out, q, cache.contiguous(), tables, lens, scale)
+    return out
