@@ -56,11 +56,18 @@ static inline float exp_nonpos(float x) {
     return p * s;
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                             \
-    static void NAME##_task(const T *kc, const T *vc, const T *q, T *out, const int32_t *table,         \
-                            int64_t len, int64_t h, int64_t hkv, int64_t g_rows, int64_t d,             \
-                            int64_t bs, int64_t num_blocks, float scale, int64_t *bad) {                \
-        float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], s[MAX_G][MAX_BS], m[MAX_G], l[MAX_G], row[MAX_D];    \
+/* One (sequence, KV head) task. Inlined into callers with a constant head dim (64, 128) so the
+   loops over it unroll and each query row's accumulator stays in registers across a block's
+   tokens; a block's keys and values are widened to fp32 once, into buffers that stay in L1. */
+#define DEFINE_TASK(NAME, T, LOAD, STORE)                                                               \
+    static inline __attribute__((always_inline)) void NAME(                                             \
+        const T *kc, const T *vc, const T *q, T *out, const int32_t *table, int64_t len, int64_t h,     \
+        int64_t hkv, int64_t g_rows, const int64_t d, int64_t bs, int64_t num_blocks, float scale,      \
+        int64_t *bad) {                                                                                 \
+        float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                            \
+        float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                           \
+        float buf[MAX_BS][MAX_D] __attribute__((aligned(64)));                                          \
+        float s[MAX_G][MAX_BS], m[MAX_G], l[MAX_G];                                                     \
         const int64_t tok = hkv * d; /* elements from one token to the next within a block */        \
         for (int64_t g = 0; g < g_rows; g++) {                                                          \
             const T *qg = q + (h * g_rows + g) * d;                                                     \
@@ -81,15 +88,26 @@ static inline float exp_nonpos(float x) {
             const int64_t n = len - j * bs < bs ? len - j * bs : bs;                                    \
             const T *kb = kc + (blk * bs * hkv + h) * d;                                                \
             const T *vb = vc + (blk * bs * hkv + h) * d;                                                \
-            for (int64_t t = 0; t < n; t++) {                                                           \
-                for (int64_t i = 0; i < d; i++) row[i] = LOAD(kb[t * tok + i]);                         \
-                for (int64_t g = 0; g < g_rows; g++) {                                                  \
-                    float dot = 0.0f;                                                                   \
-                    for (int64_t i = 0; i < d; i++) dot += qf[g][i] * row[i];                           \
-                    s[g][t] = dot;                                                                      \
+            if (j + 1 < nblk) { /* the loads wait on memory latency: ask for the next block now */     \
+                const int64_t nxt = table[j + 1];                                                       \
+                if (nxt >= 0 && nxt < num_blocks) {                                                     \
+                    const char *kn = (const char *)(kc + (nxt * bs * hkv + h) * d);                     \
+                    const char *vn = (const char *)(vc + (nxt * bs * hkv + h) * d);                     \
+                    for (int64_t t = 0; t < bs; t++)                                                    \
+                        for (int64_t o = 0; o < d * (int64_t)sizeof(T); o += 64) {                      \
+                            __builtin_prefetch(kn + t * tok * (int64_t)sizeof(T) + o);                  \
+                            __builtin_prefetch(vn + t * tok * (int64_t)sizeof(T) + o);                  \
+                        }                                                                               \
                 }                                                                                       \
             }                                                                                           \
+            for (int64_t t = 0; t < n; t++)                                                             \
+                for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(kb[t * tok + i]);                      \
             for (int64_t g = 0; g < g_rows; g++) {                                                      \
+                for (int64_t t = 0; t < n; t++) {                                                       \
+                    float dot = 0.0f;                                                                   \
+                    for (int64_t i = 0; i < d; i++) dot += qf[g][i] * buf[t][i];                        \
+                    s[g][t] = dot;                                                                      \
+                }                                                                                       \
                 float mb = s[g][0];                                                                     \
                 for (int64_t t = 1; t < n; t++) mb = s[g][t] > mb ? s[g][t] : mb;                      \
                 const float mn = (j == 0 || mb > m[g]) ? mb : m[g];                                     \
@@ -103,12 +121,16 @@ static inline float exp_nonpos(float x) {
                 m[g] = mn;                                                                              \
                 for (int64_t i = 0; i < d; i++) acc[g][i] *= corr;                                      \
             }                                                                                           \
-            for (int64_t t = 0; t < n; t++) {                                                           \
-                for (int64_t i = 0; i < d; i++) row[i] = LOAD(vb[t * tok + i]);                         \
-                for (int64_t g = 0; g < g_rows; g++) {                                                  \
+            for (int64_t t = 0; t < n; t++)                                                             \
+                for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(vb[t * tok + i]);                      \
+            for (int64_t g = 0; g < g_rows; g++) {                                                      \
+                float a[MAX_D] __attribute__((aligned(64)));                                            \
+                for (int64_t i = 0; i < d; i++) a[i] = acc[g][i];                                       \
+                for (int64_t t = 0; t < n; t++) {                                                       \
                     const float p = s[g][t];                                                            \
-                    for (int64_t i = 0; i < d; i++) acc[g][i] += p * row[i];                            \
+                    for (int64_t i = 0; i < d; i++) a[i] += p * buf[t][i];                              \
                 }                                                                                       \
+                for (int64_t i = 0; i < d; i++) acc[g][i] = a[i];                                       \
             }                                                                                           \
         }                                                                                               \
         for (int64_t g = 0; g < g_rows; g++) {                                                          \
@@ -116,10 +138,11 @@ static inline float exp_nonpos(float x) {
             const float inv = len > 0 ? 1.0f / l[g] : 0.0f;                                             \
             for (int64_t i = 0; i < d; i++) og[i] = STORE(acc[g][i] * inv);                             \
         }                                                                                               \
-    }                                                                                                   \
-                                                                                                        \
-    /* q, out [B, Hq, D]; cache [2, N, bs, Hkv, D]; tables [B, table_stride] int32; lens [B] int32.    \
-       Returns 0, -1 for an unsupported shape, or 1 when a table names a block outside the cache. */  \
+    }
+
+/* q, out [B, Hq, D]; cache [2, N, bs, Hkv, D]; tables [B, table_stride] int32; lens [B] int32.
+   Returns 0, -1 for an unsupported shape, or 1 when a table names a block outside the cache. */
+#define DEFINE_DECODE(NAME, T, TASK)                                                                    \
     int NAME(const T *cache, const T *q, T *out, const int32_t *tables, int64_t table_stride,         \
              const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs,        \
              int64_t num_blocks, float scale, int threads) {                                            \
@@ -131,11 +154,20 @@ static inline float exp_nonpos(float x) {
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)")      \
         for (int64_t task = 0; task < batch * hkv; task++) {                                            \
             const int64_t b = task / hkv, h = task % hkv;                                               \
-            NAME##_task(kc, vc, q + b * hq * d, out + b * hq * d, tables + b * table_stride, lens[b],  \
-                        h, hkv, g_rows, d, bs, num_blocks, scale, &bad);                                \
+            const T *qb = q + b * hq * d;                                                               \
+            T *ob = out + b * hq * d;                                                                   \
+            const int32_t *tb = tables + b * table_stride;                                              \
+            if (d == 64)                                                                                \
+                TASK(kc, vc, qb, ob, tb, lens[b], h, hkv, g_rows, 64, bs, num_blocks, scale, &bad);     \
+            else if (d == 128)                                                                          \
+                TASK(kc, vc, qb, ob, tb, lens[b], h, hkv, g_rows, 128, bs, num_blocks, scale, &bad);    \
+            else                                                                                        \
+                TASK(kc, vc, qb, ob, tb, lens[b], h, hkv, g_rows, d, bs, num_blocks, scale, &bad);      \
         }                                                                                               \
         return bad ? 1 : 0;                                                                             \
     }
 
-DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_TASK(task_f32, float, f32_load, f32_store)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_DECODE(paged_decode_f32, float, task_f32)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, task_bf16)
