@@ -2,11 +2,13 @@
 
    The torch path gathers every sequence's blocks into a workspace and runs two batched matmuls over
    the copy, so each K/V byte crosses memory three times and every sequence is padded to the longest
-   of its group. Here one (sequence, KV head) pair is one task: its G query rows (GQA) score a
-   block's keys, fold them into a running softmax (max, sum, fp32 accumulator), and add the
-   block's values, reading only the sequence's own tokens once. Built by kernels/cpu_native.py with
-   -O3 -march=native so the loops over head_dim vectorize; threads come from the OpenMP runtime
-   torch already loaded (same libgomp soname), sized by the caller.
+   of its group. Here a task is one sequence (or, when the batch is too small to keep the threads
+   busy, one of its KV heads): for each KV head, its G query rows (GQA) score a block's keys, fold
+   them into a running softmax (max, sum, fp32 accumulator), and add the block's values, reading
+   only the sequence's own tokens, once. Built by kernels/cpu_native.py with -O3 -march=native so
+   the loops over head_dim vectorize (bf16 scores use the CPU's bf16 dot instruction where it has
+   one); threads come from the OpenMP runtime torch already loaded (same libgomp soname), sized by
+   the caller.
 
    Cache layout (kernels/cpu.py): [2, num_blocks, block_size, Hkv, D], keys then values, contiguous.
    Element types: float32, or bfloat16 as uint16_t (widened by a shift; stored round-to-nearest-even). */
@@ -15,7 +17,24 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_G 32
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+/* bf16 x bf16 dot product accumulated in fp32 by the CPU's bf16 dot instruction, straight from the
+   cache (no widening); d a multiple of 32 */
+static inline float dot_raw_bf16(const uint16_t *a, const uint16_t *b, int64_t d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+    return _mm512_reduce_add_ps(acc);
+}
+#else
+#define HAVE_DPBF16 0
+static inline float dot_raw_bf16(const uint16_t *a, const uint16_t *b, int64_t d) { (void)a; (void)b; (void)d; return 0.0f; }
+#endif
+static inline float dot_raw_f32(const float *a, const float *b, int64_t d) { (void)a; (void)b; (void)d; return 0.0f; }
+
+#define MAX_ROWS 32 /* query rows (heads) one task holds: at least one KV head's group */
 #define MAX_D 256
 #define MAX_BS 64
 
@@ -56,29 +75,33 @@ static inline float exp_nonpos(float x) {
     return p * s;
 }
 
-/* One (sequence, KV head) task. Inlined into callers with a constant head dim (64, 128) so the
-   loops over it unroll and each query row's accumulator stays in registers across a block's
-   tokens; a block's keys and values are widened to fp32 once, into buffers that stay in L1. */
-#define DEFINE_TASK(NAME, T, LOAD, STORE)                                                               \
+/* One task: a sequence's KV heads [h0, h1), block by block, every head of a block before the next
+   block (the block's rows are contiguous across heads, so each cache line fetched is used at once).
+   Inlined into callers with a constant head dim (64, 128) so the loops over it unroll and a query
+   row's accumulator stays in registers across a block's tokens; a block's keys and values are
+   widened to fp32 once per head, into a buffer that stays in L1. */
+#define DEFINE_TASK(NAME, T, LOAD, STORE, RAW_DOT, USE_RAW)                                              \
     static inline __attribute__((always_inline)) void NAME(                                             \
-        const T *kc, const T *vc, const T *q, T *out, const int32_t *table, int64_t len, int64_t h,     \
-        int64_t hkv, int64_t g_rows, const int64_t d, int64_t bs, int64_t num_blocks, float scale,      \
-        int64_t *bad) {                                                                                 \
-        float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                            \
-        float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                           \
+        const T *kc, const T *vc, const T *q, T *out, const int32_t *table, int64_t len, int64_t h0,    \
+        int64_t h1, int64_t hkv, int64_t g_rows, const int64_t d, int64_t bs, int64_t num_blocks,       \
+        float scale, int64_t *bad) {                                                                    \
+        float qf[MAX_ROWS][MAX_D] __attribute__((aligned(64)));                                         \
+        float acc[MAX_ROWS][MAX_D] __attribute__((aligned(64)));                                        \
         float buf[MAX_BS][MAX_D] __attribute__((aligned(64)));                                          \
-        float s[MAX_G][MAX_BS], m[MAX_G], l[MAX_G];                                                     \
+        float s[MAX_ROWS][MAX_BS], m[MAX_ROWS], l[MAX_ROWS];                                            \
         const int64_t tok = hkv * d; /* elements from one token to the next within a block */        \
-        for (int64_t g = 0; g < g_rows; g++) {                                                          \
-            const T *qg = q + (h * g_rows + g) * d;                                                     \
+        const int64_t rows = (h1 - h0) * g_rows;                                                        \
+        const T *q0 = q + h0 * g_rows * d;                                                              \
+        for (int64_t r = 0; r < rows; r++) {                                                            \
             for (int64_t i = 0; i < d; i++) {                                                           \
-                qf[g][i] = LOAD(qg[i]) * scale;                                                         \
-                acc[g][i] = 0.0f;                                                                       \
+                qf[r][i] = LOAD(q0[r * d + i]) * scale;                                                 \
+                acc[r][i] = 0.0f;                                                                       \
             }                                                                                           \
-            m[g] = 0.0f;                                                                                \
-            l[g] = 0.0f;                                                                                \
+            m[r] = 0.0f;                                                                                \
+            l[r] = 0.0f;                                                                                \
         }                                                                                               \
         const int64_t nblk = (len + bs - 1) / bs;                                                       \
+        const int64_t span = (h1 - h0) * d * (int64_t)sizeof(T); /* bytes of one token's heads */      \
         for (int64_t j = 0; j < nblk; j++) {                                                            \
             const int64_t blk = table[j];                                                               \
             if (blk < 0 || blk >= num_blocks) {                                                         \
@@ -86,57 +109,66 @@ static inline float exp_nonpos(float x) {
                 return;                                                                                 \
             }                                                                                           \
             const int64_t n = len - j * bs < bs ? len - j * bs : bs;                                    \
-            const T *kb = kc + (blk * bs * hkv + h) * d;                                                \
-            const T *vb = vc + (blk * bs * hkv + h) * d;                                                \
             if (j + 1 < nblk) { /* the loads wait on memory latency: ask for the next block now */     \
                 const int64_t nxt = table[j + 1];                                                       \
                 if (nxt >= 0 && nxt < num_blocks) {                                                     \
-                    const char *kn = (const char *)(kc + (nxt * bs * hkv + h) * d);                     \
-                    const char *vn = (const char *)(vc + (nxt * bs * hkv + h) * d);                     \
+                    const char *kn = (const char *)(kc + (nxt * bs * hkv + h0) * d);                    \
+                    const char *vn = (const char *)(vc + (nxt * bs * hkv + h0) * d);                    \
                     for (int64_t t = 0; t < bs; t++)                                                    \
-                        for (int64_t o = 0; o < d * (int64_t)sizeof(T); o += 64) {                      \
+                        for (int64_t o = 0; o < span; o += 64) {                                        \
                             __builtin_prefetch(kn + t * tok * (int64_t)sizeof(T) + o);                  \
                             __builtin_prefetch(vn + t * tok * (int64_t)sizeof(T) + o);                  \
                         }                                                                               \
                 }                                                                                       \
             }                                                                                           \
-            for (int64_t t = 0; t < n; t++)                                                             \
-                for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(kb[t * tok + i]);                      \
-            for (int64_t g = 0; g < g_rows; g++) {                                                      \
-                for (int64_t t = 0; t < n; t++) {                                                       \
-                    float dot = 0.0f;                                                                   \
-                    for (int64_t i = 0; i < d; i++) dot += qf[g][i] * buf[t][i];                        \
-                    s[g][t] = dot;                                                                      \
+            for (int64_t h = h0; h < h1; h++) {                                                         \
+                const int64_t r0 = (h - h0) * g_rows;                                                   \
+                const T *kb = kc + (blk * bs * hkv + h) * d;                                            \
+                const T *vb = vc + (blk * bs * hkv + h) * d;                                            \
+                const int raw = USE_RAW && d % 32 == 0;                                                 \
+                if (!raw)                                                                               \
+                    for (int64_t t = 0; t < n; t++)                                                     \
+                        for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(kb[t * tok + i]);              \
+                for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
+                    if (raw)                                                                            \
+                        for (int64_t t = 0; t < n; t++)                                                 \
+                            s[r][t] = RAW_DOT(q0 + r * d, kb + t * tok, d) * scale;                     \
+                    else                                                                                \
+                        for (int64_t t = 0; t < n; t++) {                                               \
+                            float dot = 0.0f;                                                           \
+                            for (int64_t i = 0; i < d; i++) dot += qf[r][i] * buf[t][i];                \
+                            s[r][t] = dot;                                                              \
+                        }                                                                               \
+                    float mb = s[r][0];                                                                 \
+                    for (int64_t t = 1; t < n; t++) mb = s[r][t] > mb ? s[r][t] : mb;                  \
+                    const float mn = (j == 0 || mb > m[r]) ? mb : m[r];                                 \
+                    const float corr = j == 0 ? 0.0f : exp_nonpos(m[r] - mn);                          \
+                    float sum = 0.0f;                                                                   \
+                    for (int64_t t = 0; t < n; t++) {                                                   \
+                        s[r][t] = exp_nonpos(s[r][t] - mn);                                             \
+                        sum += s[r][t];                                                                 \
+                    }                                                                                   \
+                    l[r] = l[r] * corr + sum;                                                           \
+                    m[r] = mn;                                                                          \
+                    for (int64_t i = 0; i < d; i++) acc[r][i] *= corr;                                  \
                 }                                                                                       \
-                float mb = s[g][0];                                                                     \
-                for (int64_t t = 1; t < n; t++) mb = s[g][t] > mb ? s[g][t] : mb;                      \
-                const float mn = (j == 0 || mb > m[g]) ? mb : m[g];                                     \
-                const float corr = j == 0 ? 0.0f : exp_nonpos(m[g] - mn);                              \
-                float sum = 0.0f;                                                                       \
-                for (int64_t t = 0; t < n; t++) {                                                       \
-                    s[g][t] = exp_nonpos(s[g][t] - mn);                                                 \
-                    sum += s[g][t];                                                                     \
+                for (int64_t t = 0; t < n; t++)                                                         \
+                    for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(vb[t * tok + i]);                  \
+                for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
+                    float a[MAX_D] __attribute__((aligned(64)));                                        \
+                    for (int64_t i = 0; i < d; i++) a[i] = acc[r][i];                                   \
+                    for (int64_t t = 0; t < n; t++) {                                                   \
+                        const float p = s[r][t];                                                        \
+                        for (int64_t i = 0; i < d; i++) a[i] += p * buf[t][i];                          \
+                    }                                                                                   \
+                    for (int64_t i = 0; i < d; i++) acc[r][i] = a[i];                                   \
                 }                                                                                       \
-                l[g] = l[g] * corr + sum;                                                               \
-                m[g] = mn;                                                                              \
-                for (int64_t i = 0; i < d; i++) acc[g][i] *= corr;                                      \
-            }                                                                                           \
-            for (int64_t t = 0; t < n; t++)                                                             \
-                for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(vb[t * tok + i]);                      \
-            for (int64_t g = 0; g < g_rows; g++) {                                                      \
-                float a[MAX_D] __attribute__((aligned(64)));                                            \
-                for (int64_t i = 0; i < d; i++) a[i] = acc[g][i];                                       \
-                for (int64_t t = 0; t < n; t++) {                                                       \
-                    const float p = s[g][t];                                                            \
-                    for (int64_t i = 0; i < d; i++) a[i] += p * buf[t][i];                              \
-                }                                                                                       \
-                for (int64_t i = 0; i < d; i++) acc[g][i] = a[i];                                       \
             }                                                                                           \
         }                                                                                               \
-        for (int64_t g = 0; g < g_rows; g++) {                                                          \
-            T *og = out + (h * g_rows + g) * d;                                                         \
-            const float inv = len > 0 ? 1.0f / l[g] : 0.0f;                                             \
-            for (int64_t i = 0; i < d; i++) og[i] = STORE(acc[g][i] * inv);                             \
+        T *o0 = out + h0 * g_rows * d;                                                                  \
+        for (int64_t r = 0; r < rows; r++) {                                                            \
+            const float inv = len > 0 ? 1.0f / l[r] : 0.0f;                                             \
+            for (int64_t i = 0; i < d; i++) o0[r * d + i] = STORE(acc[r][i] * inv);                     \
         }                                                                                               \
     }
 
@@ -146,28 +178,34 @@ static inline float exp_nonpos(float x) {
     int NAME(const T *cache, const T *q, T *out, const int32_t *tables, int64_t table_stride,         \
              const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs,        \
              int64_t num_blocks, float scale, int threads) {                                            \
-        if (hkv < 1 || hq % hkv || hq / hkv > MAX_G || d > MAX_D || bs > MAX_BS) return -1;            \
+        if (hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS) return -1;            \
         const int64_t g_rows = hq / hkv;                                                                \
         const T *kc = cache;                                                                            \
         const T *vc = cache + num_blocks * bs * hkv * d;                                                \
+        /* heads per task: all of a sequence's (as many as MAX_ROWS query rows hold) when the batch    \
+           alone keeps every thread busy, else one, so a few long sequences still spread */           \
+        int64_t per = batch >= 4 * (int64_t)threads ? MAX_ROWS / g_rows : 1;                            \
+        per = per > hkv ? hkv : per;                                                                    \
+        const int64_t groups = (hkv + per - 1) / per;                                                   \
         int64_t bad = 0;                                                                                \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)")      \
-        for (int64_t task = 0; task < batch * hkv; task++) {                                            \
-            const int64_t b = task / hkv, h = task % hkv;                                               \
+        for (int64_t task = 0; task < batch * groups; task++) {                                         \
+            const int64_t b = task / groups, h0 = task % groups * per;                                  \
+            const int64_t h1 = h0 + per < hkv ? h0 + per : hkv;                                         \
             const T *qb = q + b * hq * d;                                                               \
             T *ob = out + b * hq * d;                                                                   \
             const int32_t *tb = tables + b * table_stride;                                              \
             if (d == 64)                                                                                \
-                TASK(kc, vc, qb, ob, tb, lens[b], h, hkv, g_rows, 64, bs, num_blocks, scale, &bad);     \
+                TASK(kc, vc, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 64, bs, num_blocks, scale, &bad); \
             else if (d == 128)                                                                          \
-                TASK(kc, vc, qb, ob, tb, lens[b], h, hkv, g_rows, 128, bs, num_blocks, scale, &bad);    \
+                TASK(kc, vc, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 128, bs, num_blocks, scale, &bad);\
             else                                                                                        \
-                TASK(kc, vc, qb, ob, tb, lens[b], h, hkv, g_rows, d, bs, num_blocks, scale, &bad);      \
+                TASK(kc, vc, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, d, bs, num_blocks, scale, &bad);  \
         }                                                                                               \
         return bad ? 1 : 0;                                                                             \
     }
 
-DEFINE_TASK(task_f32, float, f32_load, f32_store)
-DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_TASK(task_f32, float, f32_load, f32_store, dot_raw_f32, 0)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, dot_raw_bf16, HAVE_DPBF16)
 DEFINE_DECODE(paged_decode_f32, float, task_f32)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, task_bf16)
