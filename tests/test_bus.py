@@ -138,3 +138,19 @@ def test_registry_bucket_roundtrip(nats_server):
         await nc.close()
 
     run(body())
+
+
+def test_services_run_on_uvloop_unless_switched_off(nats_server, monkeypatch):
+    uvloop = pytest.importorskip("uvloop")
+    from llmbus.bus.service import ServiceOptions, serve
+
+    seen = []
+
+    async def body(ctx):
+        seen.append(type(asyncio.get_running_loop()))
+
+    options = ServiceOptions(role="router", nats_url=nats_server)
+    assert serve(options, body) == 0
+    monkeypatch.setenv("LLMBUS_UVLOOP", "0")
+    assert serve(options, body) == 0
+    assert issubclass(seen[0], uvloop.Loop) and not issubclass(seen[1], uvloop.Loop)
