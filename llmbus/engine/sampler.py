@@ -25,6 +25,13 @@ GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
+def _exponential(shape, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) draws as -log(U), U ~ U[0, 1): the distribution of ``Tensor.exponential_``, whose CPU
+    kernel is scalar (10.2 vs 2.0 ms for a 32 x 16,384 batch). U = 0 gives +inf: that token cannot
+    win this draw (probability 2^-24 per entry)."""
+    return torch.rand(shape, device=device, generator=generator).log_().neg_()
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -184,22 +191,21 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(raw, tokens, token_list, seqs))
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row, by the exponential race: argmax(p / q), q ~ Exp(1) i.i.d."""
         probs = warp_logits(x, [s.params for s in seqs]).softmax(dim=-1)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         free = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if not seeded:  # one batched draw from the Sampler's own generator
-            q = torch.empty_like(probs).exponential_(generator=self._generator(probs.device))
+            q = _exponential(probs.shape, probs.device, self._generator(probs.device))
         else:
             q = torch.empty_like(probs)
         if free and seeded:
-            q[free] = torch.empty(len(free), probs.shape[1], device=probs.device).exponential_(
-                generator=self._generator(probs.device)
-            )
+            q[free] = _exponential((len(free), probs.shape[1]), probs.device, self._generator(probs.device))
         for i in seeded:  # NOTE: per-row loop only for seeded rows: each needs its own generator
             s = seqs[i]
             gen = torch.Generator(device=probs.device)
             gen.manual_seed(step_seed(s.params.seed, len(s.output_token_ids)))
-            q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=gen)
+            q[i] = _exponential((probs.shape[1],), probs.device, gen)
         # NOTE: clamping q keeps 0/q at 0, so a zero-probability token can never win the race.
         return (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
