@@ -1,0 +1,89 @@
+"""Decode step time of the in-process engine on CPU: the fused C decode kernel against the torch path.
+
+Each run starts two fresh processes in turn (``LLMBUS_CPU_NATIVE=0``, then ``1``), which add
+``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and
+``--warm-steps`` decode steps have run, then time ``--steps`` decode steps and report the median.
+Alternating the two paths run by run keeps a noisy shared machine's drift out of the ratio.
+
+    python scripts/bench_cpu_decode.py [--model-dir DIR | --demo large] [--batch 32] [--runs 3] [--temperature 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def child(args) -> dict:
+    import torch
+
+    from llmbus.engine.config import EngineConfig
+    from llmbus.engine.engine import Engine
+    from llmbus.engine.sampling_params import SamplingParams
+
+    engine = Engine.from_model_dir(str(args.model_dir), EngineConfig(max_num_seqs=args.batch))
+    vocab = engine.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.warm_steps + args.steps + 64, ignore_eos=True, temperature=args.temperature)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist(), params)
+    for _ in range(args.warm_steps + -(-args.batch * args.prompt_len // engine.config.max_num_batched_tokens)):
+        engine.step()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return {"median_ms": 1000 * statistics.median(times)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-dir", type=Path)
+    ap.add_argument("--demo", default="large")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--warm-steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.model_dir is None:
+        from llmbus.model.demo import ensure_demo_model
+
+        args.model_dir = ensure_demo_model(args.demo)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
+    if "--model-dir" not in passed:
+        passed += ["--model-dir", str(args.model_dir)]
+    rows = []
+    for run in range(args.runs):
+        row = {}
+        for native in ("0", "1"):
+            env = {**os.environ, "LLMBUS_CPU_NATIVE": native}
+            out = subprocess.run([sys.executable, __file__, *passed, "--child"], env=env, check=True,
+                                 capture_output=True, text=True).stdout  # fmt: skip
+            row["fused" if native == "1" else "torch"] = json.loads(out.strip().splitlines()[-1])["median_ms"]
+        rows.append(row)
+        print(f"run {run + 1}: torch path {row['torch']:.1f} ms, fused kernel {row['fused']:.1f} ms "
+              f"({row['fused'] / row['torch']:.2f}x)", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"model": str(args.model_dir), "batch": args.batch, "prompt_len": args.prompt_len,
+                                        "temperature": args.temperature, "runs": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
