@@ -81,11 +81,11 @@ class PrefixCache:
         present = len(hashes) - len(todo)
         stored = 0
         if todo:
-            idx = torch.tensor(todo)
-            converted = self.codec.convert(rows[idx], self.fmt["t0"], self.fmt["cpu"])
+            same = self.fmt["cpu"] == self.fmt["t0"]  # NOTE: then each row goes straight into its slot
+            converted = None if same else self.codec.convert(rows[torch.tensor(todo)], self.fmt["t0"], self.fmt["cpu"])
             for j, i in enumerate(todo):
                 prev = hashes[i - 1] if i else parent
-                stored += self._put_cpu(hashes[i], converted[j], prev)
+                stored += self._put_cpu(hashes[i], rows[i] if same else converted[j], prev)
         self._touch_chain(hashes)
         return stored, present
 

@@ -206,8 +206,6 @@ class KVPool:
         return FetchReply(n, self._lease(rec), served["cpu"], served["ssd"])
 
     def _store(self, req: StoreRequest) -> StoreReply:
-        import torch
-
         prefix = self._need_prefix(req.kv_format, req.block_bytes)
         rec = self.allocator.get(req.lease_id)
         n = len(req.block_hashes)
@@ -216,8 +214,8 @@ class KVPool:
         bb = self.config.block_bytes
         if prefix.block_bytes > bb:
             raise ValueError(f"a {prefix.block_bytes}-byte block does not fit kvpool's {bb}-byte lease blocks")
-        raw = self.tier.read(rec.blocks, req.lease_index * bb, n * bb)
-        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, bb)[:, : prefix.block_bytes]
+        # NOTE: one copy out of the lease (not read()'s bytes, then a bytearray): multi-MB per prompt
+        rows = self.tier.gather(rec.blocks[req.lease_index : req.lease_index + n])[:, : prefix.block_bytes]
         stored, present = prefix.store(req.block_hashes, rows, parent=req.parent_hash)
         return StoreReply(stored, present)
 

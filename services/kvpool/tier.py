@@ -30,6 +30,17 @@ class CpuTier:
         buf = self._shm.buf
         return b"".join(bytes(buf[s : s + n]) for s, n in shm.lease_spans(blocks, self.block_bytes, offset, length))
 
+    def gather(self, blocks: list[int]):
+        """uint8 ``[len(blocks), block_bytes]``: the blocks copied out in one pass (a torch tensor;
+        the segment's view is released before returning, so ``close`` never finds it exported)."""
+        import torch
+
+        whole = torch.frombuffer(self._shm.buf, dtype=torch.uint8).view(self.capacity, self.block_bytes)
+        try:
+            return whole[torch.tensor(blocks, dtype=torch.int64)]
+        finally:
+            del whole
+
     def close(self) -> None:
         """Unmap and unlink the segment (kvpool is its only owner)."""
         shm.destroy(self._shm)
