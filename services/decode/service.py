@@ -97,6 +97,9 @@ class DecodeWorker(EngineWorker):
                 raise ValueError(f"handoff KV is {handoff.kv_format}, this decode worker runs {self.engine.config.kv_format}")
             n, layers, layer_bytes = handoff.kv_shape
             raw = await self.kv.read_blocks(handoff.lease)
+            if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
+                await msg.ack()
+                return
             rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, handoff.lease.block_bytes)
             kv = rows[:, : layers * layer_bytes].reshape(n, layers, layer_bytes)
             params = req.sampling.to_params()

@@ -1,0 +1,127 @@
+"""The decode worker in-process against a real nats-server, a real kvpool process and real engines:
+a handoff aborted while the worker reads its blocks from kvpool is dropped, not decoded for nobody."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from llmbus.bus import subjects
+from llmbus.bus.connection import connect
+from llmbus.bus.kvclient import KVPoolClient
+from llmbus.bus.service import READY_PREFIX, ServiceOptions, run_service
+from llmbus.bus.streams import ensure_streams
+from llmbus.engine.config import EngineConfig
+from llmbus.engine.engine import Engine, kv_block_bytes
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.model.demo import make_demo_model
+from llmbus.protocol import Abort, GenerateRequest, Handoff, SamplingSpec, TokenEvent, decode, encode
+from services.decode.service import DecodeWorker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _engine(model_dir: Path) -> Engine:
+    return Engine.from_model_dir(str(model_dir), EngineConfig(dtype="float32", device="cpu"))
+
+
+def _prefilled(engine: Engine, rid: str, prompt: list[int]) -> tuple[dict, torch.Tensor, list[int]]:
+    """A prompt prefilled on ``engine`` (prefill_only): its exported state, KV rows and first token."""
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), prefill_only=True)
+    while True:
+        outs = [o for o in engine.step() if o.request_id == rid]
+        if outs and outs[0].finish_reason == "handoff":
+            state, kv = engine.export_sequence(rid)
+            return state, kv, list(state["output_token_ids"])
+
+
+def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp_path):
+    model, rid = "handoffrace", "doomed"
+    model_dir = make_demo_model(tmp_path / "m", "small")
+    source, engine = _engine(model_dir), _engine(model_dir)
+    imported: list[str] = []
+    import_sequence = engine.import_sequence
+
+    def recording_import(state, kv, params):
+        imported.append(state.get("request_id", "?"))
+        return import_sequence(state, kv, params)
+
+    engine.import_sequence = recording_import
+    prompt = list(range(7, 47))
+    state, kv, first = _prefilled(source, rid, prompt)
+    block = kv_block_bytes(engine.layout, engine.config.kv_format)
+    kvpool = subprocess.Popen(
+        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes", str(block),
+         "--capacity-blocks", "16", "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert kvpool.stdout.readline().startswith(f"{READY_PREFIX} kvpool ")
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        client = KVPoolClient(nc, transport="bus")
+        lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
+        await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
+        req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid),
+                              sampling=SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True))
+        handoff = Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
+                          lease=lease, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
+        events: list[TokenEvent] = []
+
+        async def on_token(msg):
+            events.append(decode(TokenEvent, msg.data))
+
+        await nc.subscribe(subjects.tokens(rid), cb=on_token)
+        holder: dict = {}
+        reading, release = asyncio.Event(), asyncio.Event()
+
+        async def service(ctx):
+            worker = holder["worker"] = DecodeWorker(ctx, engine, model)
+            read_blocks = worker.kv.read_blocks
+
+            async def held_read(*args, **kwargs):  # NOTE: the real read, held until the abort is in
+                reading.set()
+                await release.wait()
+                return await read_blocks(*args, **kwargs)
+
+            worker.kv.read_blocks = held_read
+            await worker.run()
+
+        task = asyncio.create_task(run_service(ServiceOptions("decode", nats_server, models=(model,)), service))
+        await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+        await asyncio.wait_for(reading.wait(), 30)
+        worker = holder["worker"]
+        await nc.publish(subjects.abort(rid), encode(Abort(rid, "client_disconnected")))
+        while rid not in worker.recent_aborts:
+            await asyncio.sleep(0.005)
+        release.set()
+        for _ in range(200):  # the lease comes back once the take is over
+            if (await client.stats()).active_leases == 0:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # steps a wrongly admitted sequence would have decoded in
+        assert (await client.stats()).active_leases == 0
+        assert rid not in worker.active and imported == []
+        worker.ctx.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+        await nc.close()
+        return events
+
+    try:
+        events = asyncio.run(body())
+    finally:
+        kvpool.terminate()
+        kvpool.wait(timeout=20)
+        kvpool.stdout.close()
+    assert events == []  # no token decoded for nobody, no failure for a request its client gave up
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+    with contextlib.suppress(Exception):
+        source.abort(rid)
