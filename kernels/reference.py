@@ -201,7 +201,7 @@ def dequantize_blocks(
     return torch.stack((k, v))
 
 
-def _dequantized(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor):
+def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor):
     """The blocks the batch reads, dequantized to fp32, with a block table into them."""
     b, bs = block_tables.shape[0], cache.data.shape[2]
     nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
@@ -222,7 +222,7 @@ def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq
         return paged_decode_attention(query, cache.data, block_tables, seq_lens, scale)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    kv, tables = _dequantized(cache, block_tables, seq_lens)
+    kv, tables = dequantized_context(cache, block_tables, seq_lens)
     return paged_decode_attention(query, kv, tables, seq_lens, scale)
 
 
@@ -232,5 +232,5 @@ def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, se
         return paged_prefill_attention(query, cache.data, block_tables, seq_lens, query_start_loc, scale)
     if block_tables.shape[0] == 0:
         return torch.empty_like(query)
-    kv, tables = _dequantized(cache, block_tables, seq_lens)
+    kv, tables = dequantized_context(cache, block_tables, seq_lens)
     return paged_prefill_attention(query, kv, tables, seq_lens, query_start_loc, scale)

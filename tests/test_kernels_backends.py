@@ -1,9 +1,12 @@
-"""Attention backends: Triton and torch agree step by step through the AttentionBackend protocol."""
+"""Attention backends: Triton, the torch references and the CPU engine's quantized-cache backend agree
+step by step through the AttentionBackend protocol."""
 
 import pytest
 import torch
 
-from kernels.backends import TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend  # noqa: E402
+from kernels import cpu_native  # noqa: E402
+from kernels.backends import (  # noqa: E402
+    CpuPagedAttentionBackend, TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend)
 from llmbus.engine.attention import AttentionMetadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -22,32 +25,50 @@ def _meta(lay, tables, ctx, qlens, num_decodes):
     )
 
 
-@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
-def test_triton_and_torch_backends_agree_over_steps(fmt):
-    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
-    tri, tor = TritonAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
-    ca, cb = tri.allocate_cache(lay, 8, DEV)[0], tor.allocate_cache(lay, 8, DEV)[0]
+def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5, device: str = DEV):
+    """Both backends through the same three steps on their own caches; returns the caches."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
+    ca, cb = first.allocate_cache(lay, 8, device)[0], second.allocate_cache(lay, 8, device)[0]
     tables = [[3, 5, 0], [6, 1]]
     g = torch.Generator().manual_seed(3)
     # step 1: two prefill chunks; step 2: seq 0 decodes while seq 1 prefills more; step 3: both decode
     plan = [([14, 20], [14, 20], 0), ([15, 31], [1, 11], 1), ([16, 32], [1, 1], 2)]
     for ctx, qlens, nd in plan:
         t = sum(qlens)
-        q = torch.randn(t, 4, 32, generator=g).to(DEV)
-        k, v = torch.randn(t, 2, 32, generator=g).to(DEV), torch.randn(t, 2, 32, generator=g).to(DEV)
+        q = torch.randn(t, 4, 32, generator=g).to(device, getattr(torch, dtype))
+        k = torch.randn(t, 2, 32, generator=g).to(device, getattr(torch, dtype))
+        v = torch.randn(t, 2, 32, generator=g).to(device, getattr(torch, dtype))
         meta = _meta(lay, tables, ctx, qlens, nd)
-        a = tri.forward(q, k, v, ca, meta, 0.2)
-        b = tor.forward(q, k, v, cb, meta, 0.2)
-        torch.testing.assert_close(a, b, atol=1e-3 if fmt == "int4" else 2e-5, rtol=1e-3)
+        a = first.forward(q, k, v, ca, meta, 0.2)
+        b = second.forward(q, k, v, cb, meta, 0.2)
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=1e-3)
+    return ca, cb
+
+
+@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
+def test_triton_and_torch_backends_agree_over_steps(fmt):
+    tri, tor = TritonAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
+    ca, cb = _agree_over_steps(tri, tor, atol=1e-3 if fmt == "int4" else 2e-5)
     # the handoff bytes move between backends
     blocks = tri.read_blocks(ca, [3, 5])
     tor.write_blocks(cb, [2, 4], blocks)
     assert torch.equal(tor.read_blocks(cb, [2, 4]), blocks)
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="the fused CPU decode kernel did not build here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
+    """The CPU engine's backend for int8/int4 (dequantize, then the fused kernel) against the
+    reference, with identical cache bytes after every step."""
+    ours, ref = CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
+    ca, cb = _agree_over_steps(ours, ref, dtype, atol=2e-2 if dtype == "bfloat16" else 2e-5, device="cpu")
+    assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
+
+
 def test_make_attention_backend_choices_and_errors():
     cpu = make_attention_backend("cpu", "int4")
-    assert isinstance(cpu, TorchPagedAttentionBackend) and cpu.kv_format.name == "int4"
+    assert isinstance(cpu, CpuPagedAttentionBackend) and cpu.kv_format.name == "int4"
     with pytest.raises(ValueError, match="unknown KV format"):
         make_attention_backend("cpu", "int3")
     with pytest.raises(ValueError, match="unsupported device"):
