@@ -32,7 +32,6 @@ static inline float dot_raw_bf16(const uint16_t *a, const uint16_t *b, int64_t d
 #define HAVE_DPBF16 0
 static inline float dot_raw_bf16(const uint16_t *a, const uint16_t *b, int64_t d) { (void)a; (void)b; (void)d; return 0.0f; }
 #endif
-static inline float dot_raw_f32(const float *a, const float *b, int64_t d) { (void)a; (void)b; (void)d; return 0.0f; }
 
 #define MAX_ROWS 32 /* query rows (heads) one task holds: at least one KV head's group */
 #define MAX_D 256
@@ -79,29 +78,31 @@ static inline float exp_nonpos(float x) {
    block (the block's rows are contiguous across heads, so each cache line fetched is used at once).
    Inlined into callers with a constant head dim (64, 128) so the loops over it unroll and a query
    row's accumulator stays in registers across a block's tokens; a block's keys and values are
-   widened to fp32 once per head, into a buffer that stays in L1. */
-#define DEFINE_TASK(NAME, T, LOAD, STORE, RAW_DOT, USE_RAW)                                              \
+   widened to fp32 once per head, into a buffer that stays in L1. QT: the queries' and output's
+   element type; KT: the cache's; SCALED: int8 entries times a per (token, head) scale of type ST
+   (``kernels/kv_cache.py``'s int8 format: scales [2, N, bs, Hkv] beside the data). */
+#define DEFINE_TASK(NAME, QT, LOADQ, STOREQ, KT, LOADK, ST, SCALED, RAW_DOT, USE_RAW)                   \
     static inline __attribute__((always_inline)) void NAME(                                             \
-        const T *kc, const T *vc, const T *q, T *out, const int32_t *table, int64_t len, int64_t h0,    \
-        int64_t h1, int64_t hkv, int64_t g_rows, const int64_t d, int64_t bs, int64_t num_blocks,       \
-        float scale, int64_t *bad) {                                                                    \
+        const KT *kc, const KT *vc, const ST *ksc, const ST *vsc, const QT *q, QT *out,                 \
+        const int32_t *table, int64_t len, int64_t h0, int64_t h1, int64_t hkv, int64_t g_rows,         \
+        const int64_t d, int64_t bs, int64_t num_blocks, float scale, int64_t *bad) {                   \
         float qf[MAX_ROWS][MAX_D] __attribute__((aligned(64)));                                         \
         float acc[MAX_ROWS][MAX_D] __attribute__((aligned(64)));                                        \
         float buf[MAX_BS][MAX_D] __attribute__((aligned(64)));                                          \
         float s[MAX_ROWS][MAX_BS], m[MAX_ROWS], l[MAX_ROWS];                                            \
         const int64_t tok = hkv * d; /* elements from one token to the next within a block */        \
         const int64_t rows = (h1 - h0) * g_rows;                                                        \
-        const T *q0 = q + h0 * g_rows * d;                                                              \
+        const QT *q0 = q + h0 * g_rows * d;                                                             \
         for (int64_t r = 0; r < rows; r++) {                                                            \
             for (int64_t i = 0; i < d; i++) {                                                           \
-                qf[r][i] = LOAD(q0[r * d + i]) * scale;                                                 \
+                qf[r][i] = LOADQ(q0[r * d + i]) * scale;                                                \
                 acc[r][i] = 0.0f;                                                                       \
             }                                                                                           \
             m[r] = 0.0f;                                                                                \
             l[r] = 0.0f;                                                                                \
         }                                                                                               \
         const int64_t nblk = (len + bs - 1) / bs;                                                       \
-        const int64_t span = (h1 - h0) * d * (int64_t)sizeof(T); /* bytes of one token's heads */      \
+        const int64_t span = (h1 - h0) * d * (int64_t)sizeof(KT); /* bytes of one token's heads */      \
         for (int64_t j = 0; j < nblk; j++) {                                                            \
             const int64_t blk = table[j];                                                               \
             if (blk < 0 || blk >= num_blocks) {                                                         \
@@ -116,19 +117,21 @@ static inline float exp_nonpos(float x) {
                     const char *vn = (const char *)(vc + (nxt * bs * hkv + h0) * d);                    \
                     for (int64_t t = 0; t < bs; t++)                                                    \
                         for (int64_t o = 0; o < span; o += 64) {                                        \
-                            __builtin_prefetch(kn + t * tok * (int64_t)sizeof(T) + o);                  \
-                            __builtin_prefetch(vn + t * tok * (int64_t)sizeof(T) + o);                  \
+                            __builtin_prefetch(kn + t * tok * (int64_t)sizeof(KT) + o);                  \
+                            __builtin_prefetch(vn + t * tok * (int64_t)sizeof(KT) + o);                  \
                         }                                                                               \
                 }                                                                                       \
             }                                                                                           \
             for (int64_t h = h0; h < h1; h++) {                                                         \
                 const int64_t r0 = (h - h0) * g_rows;                                                   \
-                const T *kb = kc + (blk * bs * hkv + h) * d;                                            \
-                const T *vb = vc + (blk * bs * hkv + h) * d;                                            \
+                const KT *kb = kc + (blk * bs * hkv + h) * d;                                           \
+                const KT *vb = vc + (blk * bs * hkv + h) * d;                                           \
+                const ST *kst = SCALED ? ksc + blk * bs * hkv + h : 0; /* token t: kst[t * hkv] */    \
+                const ST *vst = SCALED ? vsc + blk * bs * hkv + h : 0;                                  \
                 const int raw = USE_RAW && d % 32 == 0;                                                 \
                 if (!raw)                                                                               \
                     for (int64_t t = 0; t < n; t++)                                                     \
-                        for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(kb[t * tok + i]);              \
+                        for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(kb[t * tok + i]);             \
                 for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
                     if (raw)                                                                            \
                         for (int64_t t = 0; t < n; t++)                                                 \
@@ -137,7 +140,7 @@ static inline float exp_nonpos(float x) {
                         for (int64_t t = 0; t < n; t++) {                                               \
                             float dot = 0.0f;                                                           \
                             for (int64_t i = 0; i < d; i++) dot += qf[r][i] * buf[t][i];                \
-                            s[r][t] = dot;                                                              \
+                            s[r][t] = SCALED ? dot * (float)kst[t * hkv] : dot;                         \
                         }                                                                               \
                     float mb = s[r][0];                                                                 \
                     for (int64_t t = 1; t < n; t++) mb = s[r][t] > mb ? s[r][t] : mb;                  \
@@ -153,59 +156,82 @@ static inline float exp_nonpos(float x) {
                     for (int64_t i = 0; i < d; i++) acc[r][i] *= corr;                                  \
                 }                                                                                       \
                 for (int64_t t = 0; t < n; t++)                                                         \
-                    for (int64_t i = 0; i < d; i++) buf[t][i] = LOAD(vb[t * tok + i]);                  \
+                    for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(vb[t * tok + i]);                 \
                 for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
                     float a[MAX_D] __attribute__((aligned(64)));                                        \
                     for (int64_t i = 0; i < d; i++) a[i] = acc[r][i];                                   \
                     for (int64_t t = 0; t < n; t++) {                                                   \
-                        const float p = s[r][t];                                                        \
+                        const float p = SCALED ? s[r][t] * (float)vst[t * hkv] : s[r][t];               \
                         for (int64_t i = 0; i < d; i++) a[i] += p * buf[t][i];                          \
                     }                                                                                   \
                     for (int64_t i = 0; i < d; i++) acc[r][i] = a[i];                                   \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
-        T *o0 = out + h0 * g_rows * d;                                                                  \
+        QT *o0 = out + h0 * g_rows * d;                                                                 \
         for (int64_t r = 0; r < rows; r++) {                                                            \
             const float inv = len > 0 ? 1.0f / l[r] : 0.0f;                                             \
-            for (int64_t i = 0; i < d; i++) o0[r * d + i] = STORE(acc[r][i] * inv);                     \
+            for (int64_t i = 0; i < d; i++) o0[r * d + i] = STOREQ(acc[r][i] * inv);                    \
         }                                                                                               \
     }
 
-/* q, out [B, Hq, D]; cache [2, N, bs, Hkv, D]; tables [B, table_stride] int32; lens [B] int32.
-   Returns 0, -1 for an unsupported shape, or 1 when a table names a block outside the cache. */
+/* The parallel loop over tasks, shared by every entry point. */
+#define RUN_TASKS(TASK, QT, KC, VC, KS, VS)                                                             \
+    if (hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS) return -1;              \
+    const int64_t g_rows = hq / hkv;                                                                    \
+    /* heads per task: all of a sequence's (as many as MAX_ROWS query rows hold) when the batch        \
+       alone keeps every thread busy, else one, so a few long sequences still spread */               \
+    int64_t per = batch >= 4 * (int64_t)threads ? MAX_ROWS / g_rows : 1;                                \
+    per = per > hkv ? hkv : per;                                                                        \
+    const int64_t groups = (hkv + per - 1) / per;                                                       \
+    int64_t bad = 0;                                                                                    \
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)")          \
+    for (int64_t task = 0; task < batch * groups; task++) {                                             \
+        const int64_t b = task / groups, h0 = task % groups * per;                                      \
+        const int64_t h1 = h0 + per < hkv ? h0 + per : hkv;                                             \
+        const QT *qb = q + b * hq * d;                                                                  \
+        QT *ob = out + b * hq * d;                                                                      \
+        const int32_t *tb = tables + b * table_stride;                                                  \
+        if (d == 64)                                                                                    \
+            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 64, bs, num_blocks, scale, &bad);  \
+        else if (d == 128)                                                                              \
+            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 128, bs, num_blocks, scale, &bad); \
+        else                                                                                            \
+            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, d, bs, num_blocks, scale, &bad);   \
+    }                                                                                                   \
+    return bad ? 1 : 0;
+
+/* Model-dtype caches. q, out [B, Hq, D]; cache [2, N, bs, Hkv, D]; tables [B, table_stride] int32;
+   lens [B] int32. Returns 0, -1 for an unsupported shape, or 1 when a table names a block outside
+   the cache. */
 #define DEFINE_DECODE(NAME, T, TASK)                                                                    \
     int NAME(const T *cache, const T *q, T *out, const int32_t *tables, int64_t table_stride,         \
              const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs,        \
              int64_t num_blocks, float scale, int threads) {                                            \
-        if (hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS) return -1;            \
-        const int64_t g_rows = hq / hkv;                                                                \
-        const T *kc = cache;                                                                            \
-        const T *vc = cache + num_blocks * bs * hkv * d;                                                \
-        /* heads per task: all of a sequence's (as many as MAX_ROWS query rows hold) when the batch    \
-           alone keeps every thread busy, else one, so a few long sequences still spread */           \
-        int64_t per = batch >= 4 * (int64_t)threads ? MAX_ROWS / g_rows : 1;                            \
-        per = per > hkv ? hkv : per;                                                                    \
-        const int64_t groups = (hkv + per - 1) / per;                                                   \
-        int64_t bad = 0;                                                                                \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)")      \
-        for (int64_t task = 0; task < batch * groups; task++) {                                         \
-            const int64_t b = task / groups, h0 = task % groups * per;                                  \
-            const int64_t h1 = h0 + per < hkv ? h0 + per : hkv;                                         \
-            const T *qb = q + b * hq * d;                                                               \
-            T *ob = out + b * hq * d;                                                                   \
-            const int32_t *tb = tables + b * table_stride;                                              \
-            if (d == 64)                                                                                \
-                TASK(kc, vc, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 64, bs, num_blocks, scale, &bad); \
-            else if (d == 128)                                                                          \
-                TASK(kc, vc, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 128, bs, num_blocks, scale, &bad);\
-            else                                                                                        \
-                TASK(kc, vc, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, d, bs, num_blocks, scale, &bad);  \
-        }                                                                                               \
-        return bad ? 1 : 0;                                                                             \
+        const float *none = 0;                                                                          \
+        RUN_TASKS(TASK, T, cache, cache + num_blocks * bs * hkv * d, none, none)                        \
     }
 
-DEFINE_TASK(task_f32, float, f32_load, f32_store, dot_raw_f32, 0)
-DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, dot_raw_bf16, HAVE_DPBF16)
+/* int8 caches: data int8 [2, N, bs, Hkv, D], scales [2, N, bs, Hkv] of type ST; q, out as above. */
+#define DEFINE_DECODE_INT8(NAME, QT, ST, TASK)                                                          \
+    int NAME(const int8_t *cache, const ST *scales, const QT *q, QT *out, const int32_t *tables,      \
+             int64_t table_stride, const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv,         \
+             int64_t d, int64_t bs, int64_t num_blocks, float scale, int threads) {                     \
+        RUN_TASKS(TASK, QT, cache, cache + num_blocks * bs * hkv * d, scales, scales + num_blocks * bs * hkv) \
+    }
+
+#define NO_RAW_DOT(a, b, d) ((void)(a), (void)(b), (void)(d), 0.0f)
+static inline float i8_load(int8_t x) { return (float)x; }
+
+DEFINE_TASK(task_f32, float, f32_load, f32_store, float, f32_load, float, 0, NO_RAW_DOT, 0)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, uint16_t, bf16_load, float, 0, dot_raw_bf16, HAVE_DPBF16)
+DEFINE_TASK(task_i8_f32_h, float, f32_load, f32_store, int8_t, i8_load, _Float16, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_i8_f32_f, float, f32_load, f32_store, int8_t, i8_load, float, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_i8_bf16_h, uint16_t, bf16_load, bf16_store, int8_t, i8_load, _Float16, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_i8_bf16_f, uint16_t, bf16_load, bf16_store, int8_t, i8_load, float, 1, NO_RAW_DOT, 0)
 DEFINE_DECODE(paged_decode_f32, float, task_f32)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, task_bf16)
+DEFINE_DECODE_INT8(paged_decode_int8_f32_f16, float, _Float16, task_i8_f32_h)
+DEFINE_DECODE_INT8(paged_decode_int8_f32_f32, float, float, task_i8_f32_f)
+DEFINE_DECODE_INT8(paged_decode_int8_bf16_f16, uint16_t, _Float16, task_i8_bf16_h)
+DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)

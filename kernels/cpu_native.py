@@ -35,6 +35,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
 # kernel limits (MAX_G, MAX_D, MAX_BS in the source): larger shapes use the torch path
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
 
+# int8 caches: entry point per (query dtype, scale dtype)
+_INT8 = {(torch.float32, torch.float16): "paged_decode_int8_f32_f16", (torch.float32, torch.float32): "paged_decode_int8_f32_f32",
+         (torch.bfloat16, torch.float16): "paged_decode_int8_bf16_f16",
+         (torch.bfloat16, torch.float32): "paged_decode_int8_bf16_f32"}  # fmt: skip
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -71,6 +76,9 @@ def _build() -> Path:
         subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
         os.replace(tmp, out)
+        for old in out.parent.glob("cpu_decode-*.so"):  # other versions' builds (a loaded one stays mapped)
+            if old != out:
+                old.unlink(missing_ok=True)
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"{cc} failed: {exc.stderr.strip()[-500:]}") from None
     finally:
@@ -96,6 +104,10 @@ def _load() -> ctypes.CDLL | None:
         for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        for fn in _INT8.values():
+            fn = getattr(lib, fn)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
         _lib = lib
         return lib
 
@@ -140,6 +152,30 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables:
         raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
     if rc != 0:
         raise ValueError(f"unsupported decode shape: q {q.dtype} {list(q.shape)}, cache {list(cache.shape)}")
+
+
+def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
+                     tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+    """``decode_into`` over an int8 cache: ``data`` int8 ``[2, N, bs, Hkv, D]`` and ``scales``
+    ``[2, N, bs, Hkv]`` (fp16 or fp32), entry = int8 x scale (``kernels/kv_cache.py``)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the fused CPU decode kernel is not available")
+    b, hq, d = q.shape
+    _, n_blocks, bs, hkv, _ = data.shape
+    name = _INT8.get((q.dtype, scales.dtype))
+    if name is None or data.dtype != torch.int8 or scales.shape != data.shape[:4] or out.dtype != q.dtype:
+        raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
+                         f"scales {scales.dtype} {list(scales.shape)}")
+    if not all(t.is_contiguous() for t in (q, out, data, scales)):
+        raise ValueError("q, out, the int8 data and its scales must be contiguous")
+    rc = getattr(lib, name)(data.data_ptr(), scales.data_ptr(), q.data_ptr(), out.data_ptr(), tables.data_ptr(),
+                            tables.shape[1], lens.data_ptr(), b, hq, hkv, d, bs, n_blocks, float(scale),
+                            torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
+    if rc != 0:
+        raise ValueError(f"unsupported decode shape: q {list(q.shape)}, cache {list(data.shape)}")
 
 
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -1,11 +1,14 @@
 """Decode step time of the in-process engine on CPU: the fused C decode kernel against the torch path.
 
+For ``--kv-format int8|int4`` the torch path is the references (``LLMBUS_CPU_NATIVE=0``).
+
 Each run starts two fresh processes in turn (``LLMBUS_CPU_NATIVE=0``, then ``1``), which add
 ``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and
 ``--warm-steps`` decode steps have run, then time ``--steps`` decode steps and report the median.
 Alternating the two paths run by run keeps a noisy shared machine's drift out of the ratio.
 
     python scripts/bench_cpu_decode.py [--model-dir DIR | --demo large] [--batch 32] [--runs 3] [--temperature 0]
+        [--kv-format model|int8|int4]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def child(args) -> dict:
     from llmbus.engine.engine import Engine
     from llmbus.engine.sampling_params import SamplingParams
 
-    engine = Engine.from_model_dir(str(args.model_dir), EngineConfig(max_num_seqs=args.batch))
+    engine = Engine.from_model_dir(str(args.model_dir), EngineConfig(max_num_seqs=args.batch, kv_format=args.kv_format))
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.warm_steps + args.steps + 64, ignore_eos=True, temperature=args.temperature)
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({row['fused'] / row['torch']:.2f}x)", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"model": str(args.model_dir), "batch": args.batch, "prompt_len": args.prompt_len,
-                                        "temperature": args.temperature, "runs": rows}, indent=1))  # fmt: skip
+                                        "temperature": args.temperature, "kv_format": args.kv_format, "runs": rows}, indent=1))  # fmt: skip
     return 0
 
 

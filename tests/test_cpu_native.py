@@ -110,3 +110,32 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
     )
     assert _python(code, tmp_path / "off", LLMBUS_CPU_NATIVE="0").splitlines() == ["True", "refused"]
     assert not (tmp_path / "off" / "native").exists()
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_cache_matches_the_reference(dtype, scale_dtype):
+    """int8 entries times their per (token, head) scale, dequantized inside the kernel."""
+    from kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=str(dtype).removeprefix("torch."))
+    lens = [0, 1, 15, 16, 17, 70, 129]
+    _, _, tables, lens_t = _case(lens, 8, 2, 64, 16, dtype)
+    n_blocks = int(tables.max()) + 1
+    cache = kv_cache.allocate_cache(KVFormat("int8", scale_dtype), lay, n_blocks, "cpu")
+    g = torch.Generator().manual_seed(4)
+    slots = torch.tensor([lay.slot(tables[b].tolist(), t) for b, n in enumerate(lens) for t in range(n)])
+    k, v = (torch.randn(len(slots), 2, 64, generator=g).to(dtype) for _ in range(2))
+    reference.write_kv_cache(k, v, cache, slots)
+    q = torch.randn(len(lens), 8, 64, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    cpu_native.decode_int8_into(out, q, cache.data, cache.scale, tables, lens_t, 0.125)
+    want = reference.paged_decode_attention_cache(q.float(), cache, tables, lens_t, 0.125)
+    assert torch.count_nonzero(out[0]) == 0
+    err = (out.float() - want.float()).abs().max().item()
+    assert err < TOL[dtype], f"max abs diff {err:.3g}"
+    with pytest.raises(ValueError, match="unsupported int8 decode"):
+        cpu_native.decode_int8_into(out, q, cache.data.float(), cache.scale, tables, lens_t, 0.125)
