@@ -223,7 +223,7 @@ class CpuAttentionBackend:
             raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
         reference.write_kv(k, v, cache, meta.slot_mapping)
         plan = self.plan(cache, meta, q.shape[1])
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # NOTE: contiguous even if q is a permuted view
         if plan.native is not None:
             nd = plan.native.lens.shape[0]
             cpu_native.decode_into(out[:nd], q[:nd].contiguous(), cache, plan.native.tables, plan.native.lens, scale)

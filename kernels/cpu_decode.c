@@ -36,6 +36,8 @@ static inline float dot_raw_bf16(const uint16_t *a, const uint16_t *b, int64_t d
 #define MAX_ROWS 32 /* query rows (heads) one task holds: at least one KV head's group */
 #define MAX_D 256
 #define MAX_BS 64
+/* NOTE: a task's buffers (query rows, accumulators, a block) take ~140 KB of stack: fine for glibc
+   threads (8 MB), too much for musl's 128 KB defaults or a small OMP_STACKSIZE. */
 
 static inline float bf16_load(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -53,10 +55,29 @@ static inline uint16_t bf16_store(float f) {
 }
 
 static inline float f32_load(float x) { return x; }
+
+/* IEEE half (int8 caches' default scale type) to fp32 by hand: no _Float16 needed (gcc < 12). */
+static inline float f16_load(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1fu) {
+        u = sign | 0x7f800000u | (man << 13); /* inf, NaN */
+    } else if (exp != 0) {
+        u = sign | ((exp + 112u) << 23) | (man << 13); /* normal: rebias 15 -> 127 */
+    } else {
+        float f = (float)man * 5.9604644775390625e-8f; /* subnormal (or zero): man x 2^-24 */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 static inline float f32_store(float x) { return x; }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), |rel err| < 2e-7; pure
-   arithmetic, so the loops that call it vectorize. */
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r); pure arithmetic, so the
+   loops that call it vectorize. Relative error < 4e-6 as built (-fassociative-math lets the
+   compiler merge the two-part ln 2 reduction; 8e-8 without it), far below bf16's rounding. */
 static inline float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x;
     float n = floorf(x * 1.44269504f + 0.5f);
@@ -68,7 +89,7 @@ static inline float exp_nonpos(float x) {
     p = p * r + 1.66666657e-1f;
     p = p * r + 5.0e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
+    int32_t e = ((n == n ? (int32_t)n : 0) + 127) << 23; /* NaN in, NaN out (p), no UB cast */
     float s;
     memcpy(&s, &e, 4);
     return p * s;
@@ -81,7 +102,7 @@ static inline float exp_nonpos(float x) {
    widened to fp32 once per head, into a buffer that stays in L1. QT: the queries' and output's
    element type; KT: the cache's; SCALED: int8 entries times a per (token, head) scale of type ST
    (``kernels/kv_cache.py``'s int8 format: scales [2, N, bs, Hkv] beside the data). */
-#define DEFINE_TASK(NAME, QT, LOADQ, STOREQ, KT, LOADK, ST, SCALED, RAW_DOT, USE_RAW)                   \
+#define DEFINE_TASK(NAME, QT, LOADQ, STOREQ, KT, LOADK, ST, LOADS, SCALED, RAW_DOT, USE_RAW)            \
     static inline __attribute__((always_inline)) void NAME(                                             \
         const KT *kc, const KT *vc, const ST *ksc, const ST *vsc, const QT *q, QT *out,                 \
         const int32_t *table, int64_t len, int64_t h0, int64_t h1, int64_t hkv, int64_t g_rows,         \
@@ -140,7 +161,7 @@ static inline float exp_nonpos(float x) {
                         for (int64_t t = 0; t < n; t++) {                                               \
                             float dot = 0.0f;                                                           \
                             for (int64_t i = 0; i < d; i++) dot += qf[r][i] * buf[t][i];                \
-                            s[r][t] = SCALED ? dot * (float)kst[t * hkv] : dot;                         \
+                            s[r][t] = SCALED ? dot * LOADS(kst[t * hkv]) : dot;                         \
                         }                                                                               \
                     float mb = s[r][0];                                                                 \
                     for (int64_t t = 1; t < n; t++) mb = s[r][t] > mb ? s[r][t] : mb;                  \
@@ -161,7 +182,7 @@ static inline float exp_nonpos(float x) {
                     float a[MAX_D] __attribute__((aligned(64)));                                        \
                     for (int64_t i = 0; i < d; i++) a[i] = acc[r][i];                                   \
                     for (int64_t t = 0; t < n; t++) {                                                   \
-                        const float p = SCALED ? s[r][t] * (float)vst[t * hkv] : s[r][t];               \
+                        const float p = SCALED ? s[r][t] * LOADS(vst[t * hkv]) : s[r][t];               \
                         for (int64_t i = 0; i < d; i++) a[i] += p * buf[t][i];                          \
                     }                                                                                   \
                     for (int64_t i = 0; i < d; i++) acc[r][i] = a[i];                                   \
@@ -177,7 +198,9 @@ static inline float exp_nonpos(float x) {
 
 /* The parallel loop over tasks, shared by every entry point. */
 #define RUN_TASKS(TASK, QT, KC, VC, KS, VS)                                                             \
-    if (hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS) return -1;              \
+    if (hq < 1 || hkv < 1 || d < 1 || bs < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D            \
+        || bs > MAX_BS)                                                                                 \
+        return -1;                                                                                      \
     const int64_t g_rows = hq / hkv;                                                                    \
     /* heads per task: all of a sequence's (as many as MAX_ROWS query rows hold) when the batch        \
        alone keeps every thread busy, else one, so a few long sequences still spread */               \
@@ -223,15 +246,15 @@ static inline float exp_nonpos(float x) {
 #define NO_RAW_DOT(a, b, d) ((void)(a), (void)(b), (void)(d), 0.0f)
 static inline float i8_load(int8_t x) { return (float)x; }
 
-DEFINE_TASK(task_f32, float, f32_load, f32_store, float, f32_load, float, 0, NO_RAW_DOT, 0)
-DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, uint16_t, bf16_load, float, 0, dot_raw_bf16, HAVE_DPBF16)
-DEFINE_TASK(task_i8_f32_h, float, f32_load, f32_store, int8_t, i8_load, _Float16, 1, NO_RAW_DOT, 0)
-DEFINE_TASK(task_i8_f32_f, float, f32_load, f32_store, int8_t, i8_load, float, 1, NO_RAW_DOT, 0)
-DEFINE_TASK(task_i8_bf16_h, uint16_t, bf16_load, bf16_store, int8_t, i8_load, _Float16, 1, NO_RAW_DOT, 0)
-DEFINE_TASK(task_i8_bf16_f, uint16_t, bf16_load, bf16_store, int8_t, i8_load, float, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_f32, float, f32_load, f32_store, float, f32_load, float, f32_load, 0, NO_RAW_DOT, 0)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, uint16_t, bf16_load, float, f32_load, 0, dot_raw_bf16, HAVE_DPBF16)
+DEFINE_TASK(task_i8_f32_h, float, f32_load, f32_store, int8_t, i8_load, uint16_t, f16_load, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_i8_f32_f, float, f32_load, f32_store, int8_t, i8_load, float, f32_load, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_i8_bf16_h, uint16_t, bf16_load, bf16_store, int8_t, i8_load, uint16_t, f16_load, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_i8_bf16_f, uint16_t, bf16_load, bf16_store, int8_t, i8_load, float, f32_load, 1, NO_RAW_DOT, 0)
 DEFINE_DECODE(paged_decode_f32, float, task_f32)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, task_bf16)
-DEFINE_DECODE_INT8(paged_decode_int8_f32_f16, float, _Float16, task_i8_f32_h)
+DEFINE_DECODE_INT8(paged_decode_int8_f32_f16, float, uint16_t, task_i8_f32_h)
 DEFINE_DECODE_INT8(paged_decode_int8_f32_f32, float, float, task_i8_f32_f)
-DEFINE_DECODE_INT8(paged_decode_int8_bf16_f16, uint16_t, _Float16, task_i8_bf16_h)
+DEFINE_DECODE_INT8(paged_decode_int8_bf16_f16, uint16_t, uint16_t, task_i8_bf16_h)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)

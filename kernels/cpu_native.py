@@ -14,6 +14,7 @@ torch path serves. ctypes drops the GIL for the call, so the event loop keeps ru
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errn
          "-fno-signed-zeros", "-fassociative-math"]  # fmt: skip
 # kernel limits (MAX_G, MAX_D, MAX_BS in the source): larger shapes use the torch path
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
+STALE_BUILD_S = 7 * 24 * 3600  # builds of other source versions older than this are removed
 
 # int8 caches: entry point per (query dtype, scale dtype)
 _INT8 = {(torch.float32, torch.float16): "paged_decode_int8_f32_f16", (torch.float32, torch.float32): "paged_decode_int8_f32_f32",
@@ -60,14 +63,16 @@ def build_dir() -> Path:
     return (Path(data) if data else Path.home() / ".cache" / "llmbus") / "native"
 
 
-def _build() -> Path:
+def _build(force: bool = False) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (set CC or install gcc)")
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]  # fmt: skip
     out = build_dir() / f"cpu_decode-{key}.so"
-    if out.is_file():
+    if out.is_file() and not force:
+        with contextlib.suppress(OSError):
+            os.utime(out)  # in use: not stale
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -75,10 +80,13 @@ def _build() -> Path:
     try:
         subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
+        os.chmod(tmp, 0o644)  # NOTE: mkstemp's 0600 would lock out other users of a shared data dir
         os.replace(tmp, out)
-        for old in out.parent.glob("cpu_decode-*.so"):  # other versions' builds (a loaded one stays mapped)
-            if old != out:
-                old.unlink(missing_ok=True)
+        stale = time.time() - STALE_BUILD_S
+        for old in out.parent.glob("cpu_decode-*.so"):  # other versions' builds, unused for a week
+            with contextlib.suppress(OSError):
+                if old != out and old.stat().st_mtime < stale:
+                    old.unlink()
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"{cc} failed: {exc.stderr.strip()[-500:]}") from None
     finally:
@@ -96,7 +104,10 @@ def _load() -> ctypes.CDLL | None:
             log.info("fused CPU decode kernel disabled (LLMBUS_CPU_NATIVE=0): torch path")
             return None
         try:
-            lib = ctypes.CDLL(str(_build()))
+            try:
+                lib = ctypes.CDLL(str(_build()))
+            except OSError:  # removed or unreadable between the check and the load: build it afresh
+                lib = ctypes.CDLL(str(_build(force=True)))
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             log.warning("fused CPU decode kernel unavailable, using the torch path: %s", exc)
             return None
@@ -117,7 +128,8 @@ def available() -> bool:
 
 
 def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    return (dtype in (torch.float32, torch.bfloat16) and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+    return (dtype in (torch.float32, torch.bfloat16) and num_kv_heads > 0 and num_q_heads > 0
+            and num_q_heads % num_kv_heads == 0
             and num_q_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
             and block_size <= MAX_BLOCK_SIZE)  # fmt: skip
 
@@ -134,6 +146,21 @@ def check_tables(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> N
                          f"blocks of {block_size}, got {lens.tolist()}")
 
 
+def _check_call(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, tables: torch.Tensor,
+                lens: torch.Tensor) -> None:
+    """What the C side trusts: shapes that agree, contiguous CPU tensors (checks cost microseconds)."""
+    if data.dim() != 5 or data.shape[0] != 2 or q.dim() != 3 or q.shape[2] != data.shape[4] or out.shape != q.shape:
+        raise ValueError(f"q {list(q.shape)}, out {list(out.shape)} and cache {list(data.shape)} do not agree")
+    if tables.shape[0] != q.shape[0] or lens.shape != (q.shape[0],):
+        raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match "
+                         f"{q.shape[0]} queries")
+    if tables.dtype != torch.int32 or lens.dtype != torch.int32:
+        raise ValueError("block tables and sequence lengths must be int32")
+    for t in (out, q, data, tables, lens):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("the fused CPU decode kernel takes contiguous CPU tensors only")
+
+
 def decode_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> None:
     """The kernel call on arguments ``check_tables`` passed: ``out``/``q`` contiguous ``[B, Hq, D]``
@@ -141,10 +168,11 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables:
     lib = _load()
     if lib is None:
         raise RuntimeError("the fused CPU decode kernel is not available")
+    _check_call(out, q, cache, tables, lens)
     b, hq, d = q.shape
     _, n_blocks, bs, hkv, _ = cache.shape
-    if not (q.is_contiguous() and out.is_contiguous() and cache.is_contiguous()) or q.dtype != cache.dtype:
-        raise ValueError("q, out and the cache must be contiguous and share a dtype")
+    if q.dtype != cache.dtype or out.dtype != q.dtype:
+        raise ValueError("q, out and the cache must share a dtype")
     fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
     rc = fn(cache.data_ptr(), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
             b, hq, hkv, d, bs, n_blocks, float(scale), torch.get_num_threads())  # fmt: skip
@@ -162,13 +190,14 @@ def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, sca
     if lib is None:
         raise RuntimeError("the fused CPU decode kernel is not available")
     b, hq, d = q.shape
-    _, n_blocks, bs, hkv, _ = data.shape
     name = _INT8.get((q.dtype, scales.dtype))
     if name is None or data.dtype != torch.int8 or scales.shape != data.shape[:4] or out.dtype != q.dtype:
         raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
                          f"scales {scales.dtype} {list(scales.shape)}")
-    if not all(t.is_contiguous() for t in (q, out, data, scales)):
-        raise ValueError("q, out, the int8 data and its scales must be contiguous")
+    _check_call(out, q, data, tables, lens)
+    if scales.device.type != "cpu" or not scales.is_contiguous():
+        raise ValueError("the fused CPU decode kernel takes contiguous CPU tensors only")
+    _, n_blocks, bs, hkv, _ = data.shape
     rc = getattr(lib, name)(data.data_ptr(), scales.data_ptr(), q.data_ptr(), out.data_ptr(), tables.data_ptr(),
                             tables.shape[1], lens.data_ptr(), b, hq, hkv, d, bs, n_blocks, float(scale),
                             torch.get_num_threads())  # fmt: skip

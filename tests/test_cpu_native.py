@@ -36,11 +36,21 @@ def _case(lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype, seed: int 
     return q, cache, torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The kernel gives a task all of a sequence's heads when batch >= 4 x threads, else one head:
+    7 sequences take the first path on one thread, the second on two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)], ids=["mha", "gqa4", "gqa8"])
 @pytest.mark.parametrize("d,bs", [(64, 16), (128, 32)])
-def test_matches_the_reference(dtype, hq, hkv, d, bs):
+def test_matches_the_reference(dtype, hq, hkv, d, bs, threads):
     lens = [0, 1, bs - 1, bs, bs + 1, 3 * bs + 5, 200]
     q, cache, tables, lens_t = _case(lens, hq, hkv, d, bs, dtype)
     scale = d**-0.5
@@ -75,6 +85,9 @@ def test_bad_tables_and_shapes_raise_clear_errors():
     with pytest.raises(ValueError, match="unsupported decode"):
         cpu_native.paged_decode(q.half(), cache.half(), tables, lens, 0.1)
     assert not cpu_native.supports(torch.float32, 66, 2, 64, 16)  # 33 query heads per KV head
+    assert not cpu_native.supports(torch.float32, 0, 2, 64, 16)
+    with pytest.raises(ValueError, match="do not agree"):
+        cpu_native.decode_into(torch.empty(2, 4, 32), q[:, :, :32].contiguous(), cache, tables, lens, 0.1)
 
 
 def _python(code: str, data_dir: Path, **env) -> str:
@@ -89,9 +102,10 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
     assert _python(probe, tmp_path) == "True"
     built = sorted((tmp_path / "native").glob("cpu_decode-*.so"))
     assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
+    inode = built[0].stat().st_ino
     assert _python(probe, tmp_path) == "True"
-    assert sorted((tmp_path / "native").glob("*")) == built and built[0].stat().st_mtime_ns == stamp  # reused
+    assert sorted((tmp_path / "native").glob("*")) == built and built[0].stat().st_ino == inode  # reused
+    assert built[0].stat().st_mode & 0o044 == 0o044  # readable by other users of a shared data dir
     # switched off: the backend's default takes the gathered path; asking for the kernel is refused
     code = (
         "import torch\n"
@@ -115,7 +129,7 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int8_cache_matches_the_reference(dtype, scale_dtype):
+def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
     """int8 entries times their per (token, head) scale, dequantized inside the kernel."""
     from kernels import kv_cache
     from llmbus.kv.formats import KVFormat

@@ -99,8 +99,12 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
         await asyncio.wait_for(reading.wait(), 30)
         worker = holder["worker"]
         await nc.publish(subjects.abort(rid), encode(Abort(rid, "client_disconnected")))
-        while rid not in worker.recent_aborts:
-            await asyncio.sleep(0.005)
+
+        async def abort_seen():
+            while rid not in worker.recent_aborts:
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(abort_seen(), 30)
         release.set()
         for _ in range(200):  # the lease comes back once the take is over
             if (await client.stats()).active_leases == 0:
