@@ -73,7 +73,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             out = torch.empty_like(q)
             cpu_native.decode_int8_into(out, q, cache.data, cache.scale, tables, lens, scale)
             return out
-        kv, tables = reference.dequantized_context(cache, block_tables, seq_lens)
+        kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False)
         return cpu_native.paged_decode(q.float(), kv, tables, seq_lens, scale).to(q.dtype)
 
 

@@ -196,24 +196,32 @@ def dequantize_blocks(
     v = qr.int4_group_dequantize(qr.unpack_nibbles(cache.data[1, ids]), vm[..., 0], vm[..., 1], KVFormat.value_group(d))
     km = cache.k_meta[ids]
     lo, hi = km[:, :, d].view(torch.float16), km[:, :, d + 1].view(torch.float16)
-    k_full = qr.int4_key_block_dequantize(qr.unpack_nibbles(cache.data[0, ids]), km[:, :, :d], lo, hi)
-    k = torch.where(full.to(ids.device)[:, None, None, None], k_full, _int4_tail_keys(cache, ids))
+    k = qr.int4_key_block_dequantize(qr.unpack_nibbles(cache.data[0, ids]), km[:, :, :d], lo, hi)
+    partial = (~full.to(ids.device)).nonzero().flatten()
+    if partial.numel():  # NOTE: only the partial blocks (a sequence's last) are per token
+        k[partial] = _int4_tail_keys(cache, ids[partial])
     return torch.stack((k, v))
 
 
-def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor):
-    """The blocks the batch reads, dequantized to fp32, with a block table into them."""
+def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        zero_past_end: bool = True):
+    """The blocks the batch reads, dequantized to fp32, with a block table into them.
+    ``zero_past_end=False`` leaves slots past each sequence's end as they decode (for a consumer
+    that never reads them, such as the fused CPU kernel)."""
     b, bs = block_tables.shape[0], cache.data.shape[2]
     nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
     ids = block_tables[:, :nblk].long()
     full = (torch.arange(ids.shape[1], device=ids.device) + 1) * bs <= seq_lens[:, None].to(ids.device)
     kv = dequantize_blocks(cache, ids.reshape(-1), full.reshape(-1))
+    table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
+    if not zero_past_end:
+        return kv, table
     # NOTE: slots past a sequence's end may hold another encoding's bytes (a reused block, table
     # padding), which can decode to inf/nan; zero them so masked positions stay harmless.
     pos = torch.arange(ids.shape[1] * bs, device=ids.device).view(ids.shape[1], bs)
     live = (pos[None] < seq_lens.to(ids.device)[:, None, None]).reshape(1, -1, bs, 1, 1)
     kv = torch.where(live, kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    return kv, torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
+    return kv, table
 
 
 def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, scale: float) -> torch.Tensor:
