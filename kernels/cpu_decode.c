@@ -131,15 +131,15 @@ static inline float exp_nonpos(float x) {
                 return;                                                                                 \
             }                                                                                           \
             const int64_t n = len - j * bs < bs ? len - j * bs : bs;                                    \
-            if (j + 1 < nblk) { /* the loads wait on memory latency: ask for the next block now */     \
+            if (j + 1 < nblk) { /* loads wait on memory: prefetch the next block into L2 (more misses in flight) */ \
                 const int64_t nxt = table[j + 1];                                                       \
                 if (nxt >= 0 && nxt < num_blocks) {                                                     \
                     const char *kn = (const char *)(kc + (nxt * bs * hkv + h0) * d);                    \
                     const char *vn = (const char *)(vc + (nxt * bs * hkv + h0) * d);                    \
                     for (int64_t t = 0; t < bs; t++)                                                    \
                         for (int64_t o = 0; o < span; o += 64) {                                        \
-                            __builtin_prefetch(kn + t * tok * (int64_t)sizeof(KT) + o);                  \
-                            __builtin_prefetch(vn + t * tok * (int64_t)sizeof(KT) + o);                  \
+                            __builtin_prefetch(kn + t * tok * (int64_t)sizeof(KT) + o, 0, 2);                  \
+                            __builtin_prefetch(vn + t * tok * (int64_t)sizeof(KT) + o, 0, 2);                  \
                         }                                                                               \
                 }                                                                                       \
             }                                                                                           \
