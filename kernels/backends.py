@@ -66,13 +66,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             return reference.paged_decode_attention_cache(q, cache, block_tables, seq_lens, scale)
         if cache.fmt.name == "int8" and q.dtype in (torch.float32, torch.bfloat16):
             # NOTE: int8 dequantizes inside the kernel, reading half the bytes of a bf16 cache
-            tables = block_tables.to(torch.int32).contiguous()
-            lens = seq_lens.to(torch.int32).contiguous()
-            cpu_native.check_tables(tables, lens, lay.block_size)
-            q = q.contiguous()
-            out = torch.empty_like(q)
-            cpu_native.decode_int8_into(out, q, cache.data, cache.scale, tables, lens, scale)
-            return out
+            return cpu_native.paged_decode(q, cache.data, block_tables, seq_lens, scale, scales=cache.scale)
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False)
         return cpu_native.paged_decode(q.float(), kv, tables, seq_lens, scale).to(q.dtype)
 

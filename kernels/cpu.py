@@ -123,9 +123,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: 
     empty_rows = torch.tensor(empty, dtype=torch.int64, device=dev) if empty else None
     fused = None
     if native and nd:
-        fused = NativeDecodes(meta.block_tables[:nd].to(torch.int32).contiguous(),
-                              meta.seq_lens[:nd].to(torch.int32).contiguous())  # fmt: skip
-        cpu_native.check_tables(fused.tables, fused.lens, block_size)
+        fused = NativeDecodes(*cpu_native.prepare_tables(meta.block_tables[:nd], meta.seq_lens[:nd], block_size))
     return StepPlan(groups, empty_rows, prefills, fused)
 
 

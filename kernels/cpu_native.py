@@ -134,92 +134,82 @@ def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: 
             and block_size <= MAX_BLOCK_SIZE)  # fmt: skip
 
 
-def check_tables(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
-    """The checks the kernel leaves to its caller: int32 ``[B, M]`` tables, ``[B]`` lengths in
-    ``[0, M * block_size]`` (block ids themselves are checked by the kernel)."""
-    if tables.dtype != torch.int32 or lens.dtype != torch.int32 or not (tables.is_contiguous() and lens.is_contiguous()):
-        raise ValueError("block tables and sequence lengths must be contiguous int32 tensors")
-    if tables.dim() != 2 or lens.dim() != 1 or tables.shape[0] != lens.shape[0]:
+def prepare_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables ``[B, M]`` and lengths ``[B]`` as the kernel takes them (contiguous int32), with
+    what it leaves to its caller checked: every length in ``[0, M * block_size]`` (block ids
+    themselves are checked by the kernel). Once per step; the calls then reuse them."""
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if tables.dim() != 2 or lens.dim() != 1:
         raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match")
     if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > tables.shape[1] * block_size):
         raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * block_size}] for {tables.shape[1]} "
                          f"blocks of {block_size}, got {lens.tolist()}")
+    return tables, lens
 
 
-def _check_call(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, tables: torch.Tensor,
-                lens: torch.Tensor) -> None:
-    """What the C side trusts: shapes that agree, contiguous CPU tensors (checks cost microseconds)."""
+def _run(entry: str, out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
+         tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
+    """One kernel call, after checking what the C side trusts: shapes that agree, int32 tables,
+    contiguous CPU tensors (checks that cost microseconds)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the fused CPU decode kernel is not available")
     if data.dim() != 5 or data.shape[0] != 2 or q.dim() != 3 or q.shape[2] != data.shape[4] or out.shape != q.shape:
         raise ValueError(f"q {list(q.shape)}, out {list(out.shape)} and cache {list(data.shape)} do not agree")
-    if tables.shape[0] != q.shape[0] or lens.shape != (q.shape[0],):
+    if tables.dim() != 2 or tables.shape[0] != q.shape[0] or lens.shape != (q.shape[0],):
         raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match "
                          f"{q.shape[0]} queries")
     if tables.dtype != torch.int32 or lens.dtype != torch.int32:
         raise ValueError("block tables and sequence lengths must be int32")
-    for t in (out, q, data, tables, lens):
+    for t in (out, q, data, tables, lens) + ((scales,) if scales is not None else ()):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("the fused CPU decode kernel takes contiguous CPU tensors only")
+    b, hq, d = q.shape
+    _, n_blocks, bs, hkv, _ = data.shape
+    ptrs = [data.data_ptr()] + ([scales.data_ptr()] if scales is not None else [])
+    rc = getattr(lib, entry)(*ptrs, q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                             b, hq, hkv, d, bs, n_blocks, float(scale), torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
+    if rc != 0:
+        raise ValueError(f"unsupported decode shape: q {q.dtype} {list(q.shape)}, cache {list(data.shape)}")
 
 
 def decode_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> None:
-    """The kernel call on arguments ``check_tables`` passed: ``out``/``q`` contiguous ``[B, Hq, D]``
-    in the cache's dtype (``supports``), cache ``[2, N, bs, Hkv, D]`` contiguous."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the fused CPU decode kernel is not available")
-    _check_call(out, q, cache, tables, lens)
-    b, hq, d = q.shape
-    _, n_blocks, bs, hkv, _ = cache.shape
+    """The kernel over a model-dtype cache, on tables from ``prepare_tables``: ``out``/``q``
+    contiguous ``[B, Hq, D]`` in the cache's dtype (``supports``), cache ``[2, N, bs, Hkv, D]``."""
     if q.dtype != cache.dtype or out.dtype != q.dtype:
         raise ValueError("q, out and the cache must share a dtype")
-    fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
-    rc = fn(cache.data_ptr(), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            b, hq, hkv, d, bs, n_blocks, float(scale), torch.get_num_threads())  # fmt: skip
-    if rc == 1:
-        raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
-    if rc != 0:
-        raise ValueError(f"unsupported decode shape: q {q.dtype} {list(q.shape)}, cache {list(cache.shape)}")
+    _run("paged_decode_bf16" if q.dtype == torch.bfloat16 else "paged_decode_f32", out, q, cache, None, tables, lens,
+         scale)  # fmt: skip
 
 
 def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
     """``decode_into`` over an int8 cache: ``data`` int8 ``[2, N, bs, Hkv, D]`` and ``scales``
     ``[2, N, bs, Hkv]`` (fp16 or fp32), entry = int8 x scale (``kernels/kv_cache.py``)."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the fused CPU decode kernel is not available")
-    b, hq, d = q.shape
-    name = _INT8.get((q.dtype, scales.dtype))
-    if name is None or data.dtype != torch.int8 or scales.shape != data.shape[:4] or out.dtype != q.dtype:
+    entry = _INT8.get((q.dtype, scales.dtype))
+    if entry is None or data.dtype != torch.int8 or scales.shape != data.shape[:4] or out.dtype != q.dtype:
         raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
                          f"scales {scales.dtype} {list(scales.shape)}")
-    _check_call(out, q, data, tables, lens)
-    if scales.device.type != "cpu" or not scales.is_contiguous():
-        raise ValueError("the fused CPU decode kernel takes contiguous CPU tensors only")
-    _, n_blocks, bs, hkv, _ = data.shape
-    rc = getattr(lib, name)(data.data_ptr(), scales.data_ptr(), q.data_ptr(), out.data_ptr(), tables.data_ptr(),
-                            tables.shape[1], lens.data_ptr(), b, hq, hkv, d, bs, n_blocks, float(scale),
-                            torch.get_num_threads())  # fmt: skip
-    if rc == 1:
-        raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
-    if rc != 0:
-        raise ValueError(f"unsupported decode shape: q {list(q.shape)}, cache {list(data.shape)}")
+    _run(entry, out, q, data, scales, tables, lens, scale)
 
 
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, scales: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[B, Hq, D]`` (one token per sequence), cache ``[2, N, bs, Hkv, D]`` (float32 or
-    bfloat16, q's dtype), block_tables ``[B, >= ceil(len / bs)]``, seq_lens ``[B]`` -> ``[B, Hq, D]``;
-    a sequence of length 0 gets zeros."""
+    bfloat16, q's dtype; or int8 with its ``scales``), block_tables ``[B, >= ceil(len / bs)]``,
+    seq_lens ``[B]`` -> ``[B, Hq, D]``; a sequence of length 0 gets zeros."""
     _, _, bs, hkv, d = cache.shape
-    if cache.device.type != "cpu" or q.dtype != cache.dtype or q.dim() != 3 or q.shape[2] != d \
-            or not supports(q.dtype, q.shape[1], hkv, d, bs):
+    if cache.device.type != "cpu" or q.dim() != 3 or q.shape[2] != d or not supports(q.dtype, q.shape[1], hkv, d, bs):
         raise ValueError(f"unsupported decode: q {q.dtype} {list(q.shape)}, cache {cache.dtype} {list(cache.shape)}")
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    check_tables(tables, lens, bs)
+    tables, lens = prepare_tables(block_tables, seq_lens, bs)
     q = q.contiguous()
     out = torch.empty_like(q)
-    decode_into(out, q, cache.contiguous(), tables, lens, scale)
+    if scales is None:
+        decode_into(out, q, cache.contiguous(), tables, lens, scale)
+    else:
+        decode_int8_into(out, q, cache.contiguous(), scales.contiguous(), tables, lens, scale)
     return out
