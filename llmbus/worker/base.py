@@ -118,6 +118,15 @@ class EngineWorker(abc.ABC):
             rows = torch.nn.functional.pad(rows, (0, pad))
         await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
 
+    @staticmethod
+    def lease_rows(raw: bytes, n_blocks: int, lease_block_bytes: int, num_layers: int, layer_bytes: int):
+        """The inverse of ``write_rows``: ``n_blocks`` lease blocks read back as ``Engine.read_blocks``
+        rows ``[n, layers, bytes]`` (each block's zero padding dropped)."""
+        import torch
+
+        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n_blocks, lease_block_bytes)
+        return rows[:, : num_layers * layer_bytes].reshape(n_blocks, num_layers, layer_bytes)
+
 
 def _finished_take(taking: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
     def done(task: asyncio.Task) -> None:

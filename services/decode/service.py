@@ -18,8 +18,6 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-import torch
-
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_decode_consumer
@@ -100,8 +98,7 @@ class DecodeWorker(EngineWorker):
             if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
                 await msg.ack()
                 return
-            rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, handoff.lease.block_bytes)
-            kv = rows[:, : layers * layer_bytes].reshape(n, layers, layer_bytes)
+            kv = self.lease_rows(raw, n, handoff.lease.block_bytes, layers, layer_bytes)
             params = req.sampling.to_params()
             # NOTE: registered first: the engine may emit its first token before we resume
             self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))

@@ -160,16 +160,13 @@ class PrefillWorker(EngineWorker):
         if reply.lease is None:
             return hashes, local, None
         try:
-            import torch
-
             raw = await self.kv.read_blocks(reply.lease, 0, reply.num_blocks)
         finally:
             with contextlib.suppress(Exception):
                 await self.kv.release(reply.lease.lease_id)
         layers = self.engine.layout.num_layers
-        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(reply.num_blocks, reply.lease.block_bytes)
         width = self._block_bytes // layers  # one layer's block in this cache's format
-        return hashes, local, rows[:, : layers * width].reshape(reply.num_blocks, layers, width)
+        return hashes, local, self.lease_rows(raw, reply.num_blocks, reply.lease.block_bytes, layers, width)
 
     async def _store_from_tier0(self, req: GenerateRequest) -> None:
         """A request that ended on its first token never hands off, so its prompt's full blocks reach
