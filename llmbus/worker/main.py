@@ -27,8 +27,10 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
         config = engine_config_from_args(args)
         options = ServiceOptions(role=role, nats_url=args.nats_url, instance_id=args.instance_id, models=(name,))
         from llmbus.engine.engine import Engine
+        from llmbus.engine.omp import on_own_thread, serial_here
 
-        engine = Engine.from_model_dir(path, config)
+        serial_here()  # the engine thread alone computes with OpenMP (llmbus.engine.omp says why)
+        engine = on_own_thread(lambda: Engine.from_model_dir(path, config))
     except (ValueError, FileNotFoundError) as exc:
         print(f"{role}: error: {exc}", file=sys.stderr)
         return 2
