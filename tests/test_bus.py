@@ -154,3 +154,15 @@ def test_services_run_on_uvloop_unless_switched_off(nats_server, monkeypatch):
     monkeypatch.setenv("LLMBUS_UVLOOP", "0")
     assert serve(options, body) == 0
     assert issubclass(seen[0], uvloop.Loop) and not issubclass(seen[1], uvloop.Loop)
+
+
+def test_aio_run_picks_uvloop_for_the_gateway_and_the_bench_client_too(monkeypatch):
+    uvloop = pytest.importorskip("uvloop")
+    from llmbus import aio
+
+    async def loop_type():
+        return type(asyncio.get_running_loop())
+
+    assert issubclass(aio.run(loop_type()), uvloop.Loop)
+    monkeypatch.setenv("LLMBUS_UVLOOP", "0")
+    assert not issubclass(aio.run(loop_type()), uvloop.Loop)

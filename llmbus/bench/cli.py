@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import sys
 
+from llmbus import aio
 from llmbus.bench.args import add_dataset_args, dataset_summary, load_items, rate
 
 
@@ -139,7 +139,7 @@ def _serve(args) -> int:
     load = LoadConfig(arrivals=_arrivals(args), max_concurrency=args.max_concurrency, seed=args.seed,
                       progress=not args.no_progress)
     items, warmup, _ = load_items(args, args.tokenizer)
-    records, summary = asyncio.run(run_serve(req, load, items, warmup=warmup, slo=slo, server_pids=args.server_pid))
+    records, summary = aio.run(run_serve(req, load, items, warmup=warmup, slo=slo, server_pids=args.server_pid))
     label = args.label or f"{args.model}@{args.base_url}"
     return _finish(args, "serve", label, _config(args, items), records, summary)
 

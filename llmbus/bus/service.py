@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from llmbus import aio
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
@@ -133,24 +134,11 @@ async def run_service(options: ServiceOptions, body: Body) -> int:
                 await registry.delete(ctx.registry_key)
 
 
-def _loop_factory():
-    """uvloop's event loop where it is installed (less CPU per message and per HTTP chunk, CPU the
-    engines share on a small machine), unless ``LLMBUS_UVLOOP=0``; else asyncio's own."""
-    if os.environ.get("LLMBUS_UVLOOP", "1") == "0":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def serve(options: ServiceOptions, body: Body) -> int:
     """Run a service from its command line: the exit code, or 1 with a one-line message when NATS
     cannot be reached."""
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(run_service(options, body))
+        return aio.run(run_service(options, body))
     except ConnectionError as exc:
         print(f"{options.role}: error: {exc}", file=sys.stderr)
         return 1

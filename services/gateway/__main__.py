@@ -15,6 +15,7 @@ import sys
 
 import uvicorn
 
+from llmbus import aio
 from llmbus.bus.service import ServiceContext, ServiceOptions, add_common_args, run_service, setup_logging
 from services.gateway.app import build_app
 from services.gateway.bus_client import GatewayBus
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         gw = Gateway(config, ModelRegistry.load(config.models))  # before connecting: bad dirs fail fast
         options = ServiceOptions(role="gateway", nats_url=config.nats_url, instance_id=instance_id,
                                  models=tuple(m.name for m in config.models))
-        return asyncio.run(run_service(options, lambda ctx: serve_http(gw, ctx)))
+        return aio.run(run_service(options, lambda ctx: serve_http(gw, ctx)))
     except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"gateway: error: {exc}", file=sys.stderr)
         return 2
