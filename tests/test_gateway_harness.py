@@ -24,9 +24,10 @@ import pytest
 from llmbus.bus import subjects
 from llmbus.bus.server import EmbeddedNats
 from llmbus.bus.streams import ensure_streams
+from llmbus.bus.tokens import TokenPublisher
 from llmbus.model.demo import make_demo_model
 from llmbus.model.tokenizer import Tokenizer
-from llmbus.protocol import Abort, GenerateRequest, TokenEvent, decode, encode
+from llmbus.protocol import Abort, GenerateRequest, TokenEvent, decode
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 128
@@ -82,6 +83,7 @@ class ScriptedWorker:
             self.aborts.append(decode(Abort, msg.data))
 
         await nc.subscribe(subjects.ABORTS_WILDCARD, cb=on_abort)
+        tokens = TokenPublisher(nc)
         self._ready.set()
         tasks = set()
         while not self._stop.is_set():
@@ -95,7 +97,7 @@ class ScriptedWorker:
                 self.requests.append((req, dict(msg.headers or {})))
 
                 async def emit(event: TokenEvent, subject=req.token_subject) -> None:
-                    await nc.publish(subject, encode(event))
+                    await tokens.publish(subject, event)  # as the workers send them (batched)
 
                 if self.script is not None:
                     task = asyncio.ensure_future(self.script(req, emit))
@@ -103,6 +105,7 @@ class ScriptedWorker:
                     task.add_done_callback(tasks.discard)
         for task in list(tasks):
             task.cancel()
+        await tokens.drain()
         await nc.close()
 
     def close(self) -> None:

@@ -26,8 +26,8 @@ def _engine(tmp_path, **config) -> Engine:
                                  EngineConfig(dtype="float32", device="cpu", **config))
 
 
-async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int) -> None:
-    req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid),
+async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, token_subject: str = "") -> None:
+    req = GenerateRequest(rid, model, prompt, token_subject=token_subject or subjects.tokens(rid),
                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     await js.publish(subjects.prefill_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
 

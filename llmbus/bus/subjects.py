@@ -6,6 +6,7 @@
 | prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
 | handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
 | tokens (worker -> gateway) | core NATS | `llmbus.tok.<request_id>` |
+| token batches (worker -> one gateway) | core NATS | `llmbus.toks.<instance_id>` |
 | aborts (anyone -> workers) | core NATS | `llmbus.abort.<request_id>` |
 | kvpool ops | core request/reply, queue group `kvpool` | `llmbus.kvpool.<op>` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
@@ -31,6 +32,7 @@ DECODE_STREAM = "LLMBUS_DECODE"
 DECODE_SUBJECTS = f"{PREFIX}.decode.>"
 
 TOKENS_WILDCARD = f"{PREFIX}.tok.*"
+TOKEN_BATCHES_WILDCARD = f"{PREFIX}.toks.*"
 ABORTS_WILDCARD = f"{PREFIX}.abort.*"
 
 KVPOOL_OPS = ("allocate", "renew", "release", "write", "read", "stats", "lookup", "fetch", "store")
@@ -91,6 +93,17 @@ def decode_consumer(model: str) -> str:
 def tokens(request_id: str) -> str:
     """Core subject carrying a request's TokenEvents."""
     return f"{PREFIX}.tok.{check_id('request_id', request_id)}"
+
+
+def token_batches(instance_id: str) -> str:
+    """Core subject of one gateway instance's TokenEvents, batched: a request whose
+    ``token_subject`` is this gets its events inside ``TokenEvents`` messages, one message per
+    publisher per engine step for all of that gateway's requests."""
+    return f"{PREFIX}.toks.{check_id('instance_id', instance_id)}"
+
+
+def is_token_batches(subject: str) -> bool:
+    return subject.startswith(f"{PREFIX}.toks.")
 
 
 def abort(request_id: str) -> str:

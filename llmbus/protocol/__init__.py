@@ -22,6 +22,7 @@ from llmbus.protocol.messages import (
     SamplingSpec,
     StatsRequest,
     TokenEvent,
+    TokenEvents,
     WriteReply,
     WriteRequest,
     check_id,
@@ -44,7 +45,7 @@ __all__ = [
     "FINISH_REASONS", "LANES", "ROLES", "Abort", "AllocateRequest", "ErrorReply", "GenerateRequest",
     "Handoff", "InstanceInfo", "Lease", "LogprobEntry", "PoolStats", "ProtocolError", "ReadReply",
     "ReadRequest", "ReleaseReply", "ReleaseRequest", "RenewRequest", "SamplingSpec", "StatsRequest",
-    "TokenEvent", "WriteReply", "WriteRequest", "check_id", "decode", "encode",
+    "TokenEvent", "TokenEvents", "WriteReply", "WriteRequest", "check_id", "decode", "encode",
     "BlockRemovedEvent", "BlockStoredEvent", "FetchReply", "FetchRequest", "KVEvents", "LookupReply",
     "LookupRequest", "PrefixHit", "StoreReply", "StoreRequest", "TierStats",
 ]  # fmt: skip

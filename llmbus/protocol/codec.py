@@ -43,6 +43,12 @@ def decode(cls: type[T], data: bytes | bytearray | memoryview) -> T:
     return _from_wire(cls, raw, name)
 
 
+def from_raw(cls: type[T], raw: Any) -> T:
+    """A ``cls`` record from an already unpacked MessagePack value (checked as ``decode`` checks);
+    for readers that unpack a container once and check its items one by one."""
+    return _from_wire(cls, raw, cls.__name__)
+
+
 def _to_wire(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}

@@ -78,7 +78,7 @@ class GenerateRequest:
     priority: int = 0  # larger runs first within a lane
     deadline: float | None = None  # unix seconds; workers abort the request after it
     created: float = 0.0  # unix seconds when the gateway accepted it
-    token_subject: str = ""  # where TokenEvents go; normally bus.subjects.tokens(request_id)
+    token_subject: str = ""  # where its events go: "" = subjects.tokens(request_id); a gateway's subjects.token_batches(...)
     kv_format: str = "model"  # KV cache format (part of the prefix hash root)
     lane: str = ""  # set by the router: "short" | "long"; "" before routing
 
@@ -104,7 +104,8 @@ class LogprobEntry:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Worker -> gateway on core subject ``llmbus.tok.<request_id>``; one per engine step per request.
+    """Worker -> gateway, one per engine step per request: alone on ``llmbus.tok.<request_id>``, or
+    inside a ``TokenEvents`` batch on ``llmbus.toks.<gateway>`` (whichever ``token_subject`` named).
 
     ``seq`` counts 0, 1, 2, ... per request across prefill and decode so the gateway can spot gaps.
     The last event of a request has a non-null ``finish_reason``; usage counts are exact and cumulative.
@@ -134,6 +135,16 @@ class TokenEvent:
     def failure(cls, request_id: str, message: str, *, seq: int = 0, worker: str = "", prompt_tokens: int = 0):
         """The final event of a request that failed before (or while) producing tokens."""
         return cls(request_id, seq, finish_reason="error", error=message, worker=worker, prompt_tokens=prompt_tokens)
+
+
+@dataclass(frozen=True)
+class TokenEvents:
+    """Worker (or router) -> one gateway on core subject ``llmbus.toks.<gateway instance>``: the
+    TokenEvents of that gateway's requests that one publisher had ready at once (normally one engine
+    step's), in publish order. Each event keeps its own ``seq``; a request's events all travel on
+    the one subject its GenerateRequest named."""
+
+    events: list[TokenEvent] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

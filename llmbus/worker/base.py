@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
+from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput
 from llmbus.protocol import Abort, GenerateRequest, ProtocolError, TokenEvent, decode, encode
@@ -43,6 +44,7 @@ class EngineWorker(abc.ABC):
         self.model = model
         self.recent_aborts = RecentIds()
         self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
+        self.tokens = TokenPublisher(ctx.nc)
         self.loop: EngineLoop | None = None
 
     def start_engine(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
@@ -50,6 +52,7 @@ class EngineWorker(abc.ABC):
         self.loop.start()
         self.ctx.stack.callback(self.loop.stop)
         self.ctx.stack.callback(self.kv.close)
+        self.ctx.stack.push_async_callback(self.tokens.drain)  # runs before the connection closes
 
     async def subscribe_aborts(self) -> None:
         sub = await self.ctx.nc.subscribe(subjects.ABORTS_WILDCARD, cb=self._on_abort_msg)
@@ -102,7 +105,8 @@ class EngineWorker(abc.ABC):
                     task.cancel()
 
     async def publish(self, req: GenerateRequest, event: TokenEvent) -> None:
-        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+        """Send ``event`` where ``req`` asked (``llmbus.bus.tokens``: batched per gateway, or alone)."""
+        await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
 
     async def write_rows(self, lease, kv) -> None:
         """Write ``Engine.read_blocks`` rows ``[n, layers, bytes]`` into lease blocks 0..n-1, each

@@ -53,7 +53,8 @@ class _Server(uvicorn.Server):
 async def serve_http(gw: Gateway, ctx: ServiceContext) -> None:
     """The service body: serve until ``ctx.stop``; then stop accepting, let streams in flight end."""
     config = gw.config
-    gw.bus = GatewayBus(ctx.nc)
+    gw.bus = GatewayBus(ctx.nc, ctx.instance_id)
+    await gw.bus.start()
     server = _Server(uvicorn.Config(build_app(gw), host=config.host, port=config.port, log_level="warning",
                                     lifespan="off", timeout_graceful_shutdown=30))
     serving = asyncio.ensure_future(server.serve())

@@ -9,16 +9,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from nats.aio.subscription import Subscription
-
-from services.gateway.bus_client import GatewayBus
+from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.generation import Generation
 
 log = logging.getLogger("llmbus.gateway")
 
 
 @contextlib.asynccontextmanager
-async def abort_unless_finished(bus: GatewayBus, request_id: str, sub: Subscription,
+async def abort_unless_finished(bus: GatewayBus, request_id: str, sub: Listening,
                                 generation: Generation) -> AsyncIterator[None]:
     reason = "client_disconnected"
     try:
@@ -38,7 +36,7 @@ async def abort_unless_finished(bus: GatewayBus, request_id: str, sub: Subscript
             await _shielded(_unsubscribe(sub))
 
 
-async def _cleanup(bus: GatewayBus, request_id: str, sub: Subscription, reason: str) -> None:
+async def _cleanup(bus: GatewayBus, request_id: str, sub: Listening, reason: str) -> None:
     await _unsubscribe(sub)
     try:
         await bus.abort(request_id, reason)
@@ -47,7 +45,7 @@ async def _cleanup(bus: GatewayBus, request_id: str, sub: Subscription, reason: 
         log.warning("could not publish the abort for %s: %s", request_id, exc)
 
 
-async def _unsubscribe(sub: Subscription) -> None:
+async def _unsubscribe(sub: Listening) -> None:
     with contextlib.suppress(Exception):
         await sub.unsubscribe()
 

@@ -1,37 +1,68 @@
 """The gateway's side of the bus, the only gateway module that touches NATS.
 
-Submitting a request subscribes to its token subject FIRST, then publishes the GenerateRequest to
-JetStream with ``Nats-Msg-Id = request_id`` (dedup on retries).
-
-NOTE: the SUB and the publish go out on the same connection in that order, and the server handles
-one connection's protocol lines in order, so no token event can be published before we listen.
+The gateway listens on one subject, ``llmbus.toks.<its instance id>``, from the start, and names it
+as every request's ``token_subject``: workers send each engine step's events for all of this
+gateway's requests as one ``TokenEvents`` message (``llmbus.bus.tokens``), which this module hands
+out to the requests' TokenStreams by request id. Submitting a request registers its stream FIRST,
+then publishes the GenerateRequest to JetStream with ``Nats-Msg-Id = request_id`` (dedup on
+retries), so no event can arrive before its stream is there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import nats
-from nats.aio.subscription import Subscription
 from nats.js.errors import NoStreamResponseError
 
 from llmbus.bus import subjects
+from llmbus.bus.tokens import read_batch
 from llmbus.protocol import Abort, GenerateRequest, encode
 from services.gateway.errors import server_error
 from services.gateway.token_stream import TokenStream
 
 
+log = logging.getLogger("llmbus.gateway")
+
+
+class Listening:
+    """A submitted request's place in the routing table; ``unsubscribe`` stops its events."""
+
+    def __init__(self, streams: dict[str, TokenStream], request_id: str) -> None:
+        self._streams = streams
+        self.request_id = request_id
+
+    async def unsubscribe(self) -> None:
+        self._streams.pop(self.request_id, None)
+
+
 class GatewayBus:
-    def __init__(self, nc: nats.NATS, publish_timeout_s: float = 5.0) -> None:
+    def __init__(self, nc: nats.NATS, instance_id: str, publish_timeout_s: float = 5.0) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=publish_timeout_s)
+        self.token_subject = subjects.token_batches(instance_id)
+        self._streams: dict[str, TokenStream] = {}
 
-    async def submit(self, request: GenerateRequest, stream: TokenStream) -> Subscription:
-        """Listen on the request's token subject, then enqueue the request. Returns the
-        subscription (the caller unsubscribes). Raises APIError 503 when the bus refuses."""
+    async def start(self):
+        """Subscribe to this gateway's token batches; returns the subscription (drained with the
+        connection)."""
+        return await self.nc.subscribe(self.token_subject, cb=self._on_batch)
 
-        async def on_token(msg) -> None:
-            stream.push(msg.data)
+    async def _on_batch(self, msg) -> None:
+        for rid, item in read_batch(msg.data):
+            stream = self._streams.get(rid) if rid is not None else None
+            if stream is not None:
+                stream.push(item)
+            elif rid is None:  # its requests find out through their silence timeout
+                log.warning("dropping unreadable token events: %s", item)
 
-        sub = await self.nc.subscribe(request.token_subject, cb=on_token)
+    async def submit(self, request: GenerateRequest, stream: TokenStream) -> Listening:
+        """Route the request's events to ``stream``, then enqueue the request. Returns its
+        ``Listening`` (the caller unsubscribes). Raises APIError 503 when the bus refuses."""
+        request = dataclasses.replace(request, token_subject=self.token_subject)
+        self._streams[request.request_id] = stream
+        sub = Listening(self._streams, request.request_id)
         try:
             await self.js.publish(subjects.request_subject(request.model), encode(request),
                                   headers={subjects.MSG_ID_HEADER: request.request_id})
@@ -50,7 +81,7 @@ class GatewayBus:
         await self.nc.publish(subjects.abort(request_id), encode(Abort(request_id, reason)))
 
 
-async def _quiet_unsubscribe(sub: Subscription) -> None:
+async def _quiet_unsubscribe(sub: Listening) -> None:
     try:
         await sub.unsubscribe()
     except Exception:  # the connection may be closing; nothing more to free

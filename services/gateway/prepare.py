@@ -7,7 +7,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from llmbus.bus import subjects
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.protocol import GenerateRequest, SamplingSpec
 from services.gateway.errors import APIError, invalid
@@ -39,8 +38,7 @@ def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) ->
     now = time.time()
     request_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     request = GenerateRequest(request_id=request_id, model=model.name, prompt_token_ids=prompt_ids,
-                              sampling=spec, deadline=now + request_timeout_s, created=now,
-                              token_subject=subjects.tokens(request_id))
+                              sampling=spec, deadline=now + request_timeout_s, created=now)  # fmt: skip
     return Prepared(request, int(now))
 
 

@@ -25,11 +25,12 @@ class TokenStream:
             raise ValueError(f"silence_timeout_s must be > 0, got {silence_timeout_s}")
         self.request_id = request_id
         self.silence_timeout_s = silence_timeout_s
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._queue: asyncio.Queue[bytes | TokenEvent | ProtocolError] = asyncio.Queue()
         self._next_seq = 0
 
-    def push(self, payload: bytes) -> None:
-        """Called by the subscription for every message on the request's token subject."""
+    def push(self, payload: bytes | TokenEvent | ProtocolError) -> None:
+        """Called by the bus for every event addressed to this request: an encoded TokenEvent, one
+        already read out of a batch, or the error that made a batch entry unreadable."""
         self._queue.put_nowait(payload)
 
     async def next(self) -> TokenEvent:
@@ -48,7 +49,9 @@ class TokenStream:
                 raise StreamFailure(f"no token event for {self.silence_timeout_s:g}s (expected seq "
                                     f"{self._next_seq}); the workers stopped answering", "timeout") from None
             try:
-                event = decode(TokenEvent, payload)
+                if isinstance(payload, ProtocolError):
+                    raise payload
+                event = payload if isinstance(payload, TokenEvent) else decode(TokenEvent, payload)
             except ProtocolError as exc:
                 raise StreamFailure(f"malformed token event: {exc}", "bad_event") from None
             if event.request_id != self.request_id:

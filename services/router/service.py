@@ -20,6 +20,7 @@ import msgpack
 
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
+from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker
 from llmbus.protocol import GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, decode, encode
 from services.router.policy import RouteError, RoutingPolicy, live_models
@@ -35,12 +36,14 @@ class Router:
         self.instances: list[InstanceInfo] = []
         self.routed = 0
         self.failed = 0
+        self.tokens = TokenPublisher(ctx.nc)
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
         worker = await PullWorker.bind(self.ctx.js, subjects.REQUESTS_STREAM, subjects.ROUTER_CONSUMER,
                                        max_deliver=limits.max_deliver)  # fmt: skip
         self.ctx.stack.push_async_callback(worker.close)
+        self.ctx.stack.push_async_callback(self.tokens.drain)
         watcher = asyncio.create_task(self._watch_registry())
         await self.ctx.ready()
         try:
@@ -86,7 +89,7 @@ class Router:
         self.failed += 1
         event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
                                    prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
-        await self.ctx.nc.publish(req.token_subject or subjects.tokens(req.request_id), encode(event))
+        await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
 
     async def _fail_unreadable(self, data: bytes, message: str) -> None:
         """Best effort: tell the client when the payload at least names its request."""
@@ -94,11 +97,13 @@ class Router:
             raw = msgpack.unpackb(data, raw=False)
             rid = raw["request_id"]
             subject = raw.get("token_subject") or subjects.tokens(rid)
+            if not isinstance(subject, str):
+                return
             event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id)
         except Exception:
             return
         self.failed += 1
-        await self.ctx.nc.publish(subject, encode(event))
+        await self.tokens.publish(subject, event)
 
     async def _watch_registry(self) -> None:
         """Refresh the live-instance snapshot once per heartbeat period."""
