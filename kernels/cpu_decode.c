@@ -1,4 +1,5 @@
-/* Paged decode attention on CPU, fused: one query token per sequence reads its K/V blocks in place.
+/* CPU kernels: paged decode attention, fused (one query token per sequence reads its K/V blocks in
+   place); at the end, the bf16 model's RMSNorm and SwiGLU in one pass each.
 
    The torch path gathers every sequence's blocks into a workspace and runs two batched matmuls over
    the copy, so each K/V byte crosses memory three times and every sequence is padded to the longest
@@ -258,3 +259,44 @@ DEFINE_DECODE_INT8(paged_decode_int8_f32_f16, float, uint16_t, task_i8_f32_h)
 DEFINE_DECODE_INT8(paged_decode_int8_f32_f32, float, float, task_i8_f32_f)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f16, uint16_t, uint16_t, task_i8_bf16_h)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)
+
+/* ---- Element-wise fusions the CPU model runs around its GEMMs (bf16 only) -------------------
+   torch runs each as 3-6 passes over the activations (widen, square, mean, scale, narrow, scale;
+   silu, then multiply), each a parallel region; here one pass, rounding where torch rounds. */
+
+/* HF's RMSNorm: y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))); rows of n, x rows x_stride apart. */
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
+                   float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * x_stride;
+        uint16_t *yr = y + r * n;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) {
+            const float v = bf16_load(xr[i]);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            yr[i] = bf16_store(bf16_load(w[i]) * bf16_load(bf16_store(bf16_load(xr[i]) * inv)));
+    }
+}
+
+/* SwiGLU on a fused gate_up projection: gu rows are [gate (n) | up (n)];
+   out = bf16(bf16(silu(gate)) * up), as F.silu(gate, inplace=True).mul_(up) rounds. */
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gu + r * 2 * n, *u = g + n;
+        uint16_t *o = out + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            const float v = bf16_load(g[i]);
+            const float e = exp_nonpos(-fabsf(v)); /* exp(-|v|): sigmoid without overflow */
+            const float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            o[i] = bf16_store(bf16_load(bf16_store(v * sig)) * bf16_load(u[i]));
+        }
+    }
+}

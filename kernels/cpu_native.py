@@ -119,6 +119,9 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, fn)
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
+        lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         _lib = lib
         return lib
 
@@ -212,4 +215,30 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
         decode_into(out, q, cache.contiguous(), tables, lens, scale)
     else:
         decode_int8_into(out, q, cache.contiguous(), scales.contiguous(), tables, lens, scale)
+    return out
+
+
+def _fusable(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """HF's RMSNorm of bf16 rows ``x [T, n]`` (rows may be strided) in one pass; None where the
+    kernel does not apply (not bf16 CPU, kernel unavailable): the caller runs torch's ops."""
+    if not (_fusable(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous()) or _load() is None:
+        return None
+    y = torch.empty(x.shape, dtype=x.dtype)
+    _lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
+                       eps, torch.get_num_threads())  # fmt: skip
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of a contiguous bf16 ``[T, 2n]`` gate_up projection in one pass; None
+    where the kernel does not apply."""
+    if not (_fusable(gate_up) and gate_up.is_contiguous()) or _load() is None:
+        return None
+    t, n2 = gate_up.shape
+    out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
+    _lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, n2 // 2, torch.get_num_threads())
     return out

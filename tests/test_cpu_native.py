@@ -153,3 +153,103 @@ def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
     assert err < TOL[dtype], f"max abs diff {err:.3g}"
     with pytest.raises(ValueError, match="unsupported int8 decode"):
         cpu_native.decode_int8_into(out, q, cache.data.float(), cache.scale, tables, lens_t, 0.125)
+
+
+# --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 units in the last place (same-sign values)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_matches_torch_rounding_for_rounding(threads, rows):
+    if not cpu_native.available():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(rows)
+    wide = (torch.randn(rows, 3 * 768, generator=g) * 3).bfloat16()
+    x = wide[:, 768 : 2 * 768]  # strided rows, as a slice of a wider activation
+    w = (torch.rand(768, generator=g) + 0.5).bfloat16()
+    got = cpu_native.rms_norm(x, w, 1e-6)
+    want = _torch_rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # NOTE: the sum of squares is added in another order than torch's; an intermediate that lands
+    # on a rounding boundary may round the other way: one bf16 step, rarely two after the weight
+    assert _ulps_apart(got, want) <= 2
+    assert (got.float() - want.float()).abs().mean() < 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul_matches_torch(threads, rows):
+    if not cpu_native.available():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 2048, generator=g) * 4).bfloat16()
+    gate_up[0, :4] = torch.tensor([0.0, -90.0, 90.0, float("inf")]).bfloat16()  # edges of the exp
+    got = cpu_native.silu_mul(gate_up)
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate).mul_(up)
+    assert got.shape == (rows, 2048)
+    finite = want.isfinite()
+    assert torch.equal(finite, got.isfinite())
+    # one bf16 step (relative 2^-8) apart at most; values that underflow to ~0 differ only in
+    # how tiny they are (the kernel's exp stops at e^-87)
+    diff = (got[finite].float() - want[finite].float()).abs()
+    assert bool((diff <= 2**-8 * want[finite].float().abs() + 1e-30).all()), diff.max()
+
+
+def test_fusions_decline_what_they_do_not_cover():
+    x = torch.randn(4, 64)
+    assert cpu_native.rms_norm(x, torch.ones(64), 1e-6) is None  # fp32: torch's ops
+    assert cpu_native.silu_mul(torch.randn(4, 64).bfloat16()[:, ::2]) is None  # not contiguous rows
+
+
+def test_bf16_model_with_fusions_matches_the_torch_ops(tmp_path):
+    """The packed (CPU fast path) bf16 model with the fusions on, against the same model with them
+    off: the same greedy tokens and logits within bf16 noise."""
+    if not cpu_native.available():
+        pytest.skip("no C compiler")
+    from llmbus.engine.config import EngineConfig
+    from llmbus.engine.engine import Engine
+    from llmbus.engine.sampling_params import SamplingParams
+    from llmbus.model.demo import make_demo_model
+
+    model_dir = make_demo_model(tmp_path / "m", "small")
+    engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype="bfloat16", device="cpu"))
+    model = engine.model
+    if not model.layers[0].mlp.packed:
+        pytest.skip("oneDNN cannot pack bf16 on this CPU")
+    norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    assert all(n.fused for n in norms)
+    prompt = list(range(3, 40))
+
+    def run(fused: bool):
+        for n in norms:
+            n.fused = fused
+        engine.add_request(f"r{fused}", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        tokens = []
+        while engine.has_unfinished():
+            tokens += [t for o in engine.step() for t in o.new_token_ids]
+        x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+        return tokens, model.layers[0].mlp(x).float(), model.norm(x).float()
+
+    with_tokens, with_mlp, with_norm = run(True)
+    calls = []
+    real = cpu_native.silu_mul
+    try:  # the MLP's fusion off too: the torch ops decide it when the kernel declines
+        cpu_native.silu_mul = lambda gu: calls.append(1)
+        without_tokens, without_mlp, without_norm = run(False)
+    finally:
+        cpu_native.silu_mul = real
+    assert calls, "the MLP should have asked for the fused SwiGLU"
+    assert with_tokens == without_tokens
+    assert (with_mlp - without_mlp).abs().max() <= 2 ** -6 * without_mlp.abs().max()
+    assert (with_norm - without_norm).abs().max() <= 2 ** -6 * without_norm.abs().max()

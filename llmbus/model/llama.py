@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_native
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
 from llmbus.model.cpu_linear import linear, pack, packing_supported
@@ -29,8 +30,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(size, dtype=dtype, device=device)
+        self.fused = False  # one pass in C (kernels.cpu_native) where it applies: set with packed weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and (y := cpu_native.rms_norm(x, self.weight, self.eps)) is not None:
+            return y
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -71,9 +75,13 @@ class MLP(nn.Module):
         self.packed: dict[str, torch.Tensor] = {}  # "gate_up", "down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up")).chunk(2, dim=-1)
-        # in place on the fresh gate_up output: the same values as silu(gate) * up, one buffer
-        return linear(F.silu(gate, inplace=True).mul_(up), self.down_weight, self.down_bias, self.packed.get("down"))
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up"))
+        act = cpu_native.silu_mul(gate_up) if self.packed else None  # packed: the CPU fast path
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            # in place on the fresh gate_up output: the same values as silu(gate) * up, one buffer
+            act = F.silu(gate, inplace=True).mul_(up)
+        return linear(act, self.down_weight, self.down_bias, self.packed.get("down"))
 
 
 class DecoderLayer(nn.Module):
@@ -132,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
                 module.packed[name] = pack(param)
                 param.data = param.data.new_empty(0)
         self.packed_lm_head = pack(self.lm_head_weight)
+        for norm in [self.norm] + [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.fused = True
         if self.lm_head is not None:  # NOTE: a tied head is the embedding table, still needed for lookups
             self.lm_head.data = self.lm_head.data.new_empty(0)
         return True
