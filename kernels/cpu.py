@@ -69,6 +69,16 @@ class NativeDecodes:
 
 
 @dataclass
+class NativePrefills:
+    """The step's prefill chunks for the C prefill kernel (``cpu_native.prefill_into``)."""
+
+    tables: torch.Tensor  # [chunks, max_blocks] int32
+    rows: torch.Tensor  # [chunks] int32: first query row
+    lens: torch.Tensor  # [chunks] int32: query rows
+    ctxs: torch.Tensor  # [chunks] int32: context after this step's write
+
+
+@dataclass
 class StepPlan:
     """What every layer of one step shares: derived once from the step's AttentionMetadata."""
 
@@ -76,13 +86,15 @@ class StepPlan:
     empty_decodes: torch.Tensor | None  # decode rows with seq_len 0 (their output is zeros)
     prefills: list[PrefillChunk]
     native: NativeDecodes | None = None  # set: the fused kernel computes every decode row
+    native_prefills: NativePrefills | None = None  # set: the C kernel computes every prefill row
 
 
 def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: torch.dtype,
-               group_bytes: int = DECODE_GROUP_BYTES, native: bool = False) -> StepPlan:
+               group_bytes: int = DECODE_GROUP_BYTES, native: bool = False, native_prefill: bool = False) -> StepPlan:
     """``row_bytes``: bytes of one token's keys plus values in one layer; ``group_bytes``: the
     gathered K/V budget of one decode group (a group holds at least one sequence); ``native``: the
-    decodes go to the fused kernel instead of gathered groups."""
+    decodes go to the fused kernel instead of gathered groups; ``native_prefill``: the prefill
+    chunks go to the C prefill kernel instead of SDPA."""
     nd = meta.num_decodes
     lens = meta.seq_lens.tolist()
     starts = meta.query_start_loc.tolist()
@@ -105,6 +117,7 @@ def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: 
         i = j
     empty = [] if native else [r for r in range(nd) if lens[r] == 0]
     prefills = []
+    chunks = []  # (sequence, first row, rows, context) for the C prefill kernel
     for s in range(nd, len(lens)):
         q0, q1, ctx = starts[s], starts[s + 1], lens[s]
         ql = q1 - q0
@@ -112,6 +125,9 @@ def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: 
             continue
         if ql > ctx:
             raise ValueError(f"sequence {s} has {ql} query tokens but a context of only {ctx}")
+        if native_prefill:
+            chunks.append((s, q0, ql, ctx))
+            continue
         if ctx == ql:
             prefills.append(PrefillChunk(q0, q1, ctx, None, None))
             continue
@@ -124,7 +140,11 @@ def build_plan(meta: AttentionMetadata, block_size: int, row_bytes: int, dtype: 
     fused = None
     if native and nd:
         fused = NativeDecodes(*cpu_native.prepare_tables(meta.block_tables[:nd], meta.seq_lens[:nd], block_size))
-    return StepPlan(groups, empty_rows, prefills, fused)
+    native_prefills = None
+    if chunks:
+        seqs, rows, qls, ctxs = (torch.tensor(col, dtype=torch.int32) for col in zip(*chunks))
+        native_prefills = NativePrefills(meta.block_tables[seqs.long()].to(torch.int32).contiguous(), rows, qls, ctxs)
+    return StepPlan(groups, empty_rows, prefills, fused, native_prefills)
 
 
 def _decode_group(tables, lens, i, j, longest, block_size, dev) -> DecodeGroup:
@@ -207,7 +227,9 @@ class CpuAttentionBackend:
             budget = self.decode_group_bytes or DECODE_GROUP_BYTES * (
                 THREADED_GROUP_FACTOR if torch.get_num_threads() > 1 else 1)
             plan = build_plan(meta, bs, 2 * h * d * cache.element_size(), cache.dtype, budget,
-                              native=self._native(cache, num_q_heads))  # fmt: skip
+                              native=self._native(cache, num_q_heads),
+                              native_prefill=self.native is not False and cpu_native.prefill_supports(
+                                  cache.dtype, num_q_heads, h, d, bs))  # fmt: skip
             meta.backend_plans[self.name] = plan
         return plan
 
@@ -229,6 +251,9 @@ class CpuAttentionBackend:
             out[g.start : g.end] = self._decode(q[g.start : g.end], cache, g, scale)
         if plan.empty_decodes is not None:
             out.index_fill_(0, plan.empty_decodes, 0)
+        if plan.native_prefills is not None:
+            p = plan.native_prefills
+            cpu_native.prefill_into(out, q, cache, p.tables, p.rows, p.lens, p.ctxs, scale)
         for c in plan.prefills:
             out[c.start : c.end] = self._prefill(q, k, v, cache, c, scale)
         return out

@@ -119,6 +119,10 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, fn)
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.prefill_attn_bf16.restype = lib.have_prefill_attn.restype = ctypes.c_int
+        lib.prefill_attn_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                          ctypes.c_float, ctypes.c_int]  # fmt: skip
+        lib.have_prefill_attn.argtypes = []
         lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
         lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
@@ -242,3 +246,49 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
     _lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, n2 // 2, torch.get_num_threads())
     return out
+
+
+PREFILL_MAX_GROUP = 64  # query heads per KV head the prefill kernel's tiles hold
+
+
+def prefill_supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether ``prefill_into`` serves these caches here: bf16, head dims multiple of 32, blocks
+    multiple of 16, and a CPU with the bf16 dot instruction the kernel is written with."""
+    return (dtype == torch.bfloat16 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads <= PREFILL_MAX_GROUP and head_dim % 32 == 0
+            and head_dim <= MAX_HEAD_DIM and block_size % 16 == 0 and block_size <= MAX_BLOCK_SIZE
+            and _load() is not None and bool(_lib.have_prefill_attn()))  # fmt: skip
+
+
+def prefill_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                 lens: torch.Tensor, ctxs: torch.Tensor, scale: float) -> None:
+    """Causal attention of a step's prefill chunks over the paged cache (their keys/values written
+    there already): chunk i's queries are ``q`` rows ``[rows[i], rows[i] + lens[i])`` at positions
+    ``ctxs[i] - lens[i] ...``, attending to keys ``0 ..`` own position through ``tables[i]``. Fills
+    those rows of ``out`` (contiguous ``[T, Hq, D]``). ``q``: ``[T, Hq, D]``, heads contiguous (rows
+    may be strided, as a slice of the qkv projection). Tables/rows/lens/ctxs: contiguous int32."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    _, n_blocks, bs, hkv, d = cache.shape
+    t, hq, _ = q.shape
+    if q.dtype != torch.bfloat16 or cache.dtype != q.dtype or out.dtype != q.dtype or out.shape != q.shape:
+        raise ValueError(f"prefill needs bf16 q, out and cache: q {q.dtype} {list(q.shape)}, cache {cache.dtype}")
+    if q.stride(2) != 1 or q.stride(1) != d or not out.is_contiguous() or not cache.is_contiguous():
+        raise ValueError("prefill needs heads contiguous in q and a contiguous out and cache")
+    n = rows.shape[0]
+    for x in (rows, lens, ctxs, tables):
+        if x.dtype != torch.int32 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("prefill tables and lengths must be contiguous int32 CPU tensors")
+    if lens.shape != (n,) or ctxs.shape != (n,) or tables.dim() != 2 or tables.shape[0] != n:
+        raise ValueError(f"{n} chunks but lens {list(lens.shape)}, ctxs {list(ctxs.shape)}, tables {list(tables.shape)}")
+    if n and (int(rows.min()) < 0 or int((rows + lens).max()) > t):
+        raise ValueError(f"prefill rows outside the step's {t} query rows")
+    rc = lib.prefill_attn_bf16(cache.data_ptr(), q.data_ptr(), q.stride(0), out.data_ptr(), tables.data_ptr(),
+                               tables.shape[1], rows.data_ptr(), lens.data_ptr(), ctxs.data_ptr(), n, hq, hkv, d, bs,
+                               n_blocks, float(scale), torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"a prefill chunk's table names a block outside the cache's {n_blocks}, or its lengths do "
+                         "not fit its table")
+    if rc != 0:
+        raise ValueError(f"unsupported prefill: q {list(q.shape)}, cache {list(cache.shape)}")

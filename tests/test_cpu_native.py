@@ -253,3 +253,20 @@ def test_bf16_model_with_fusions_matches_the_torch_ops(tmp_path):
     assert with_tokens == without_tokens
     assert (with_mlp - without_mlp).abs().max() <= 2 ** -6 * without_mlp.abs().max()
     assert (with_norm - without_norm).abs().max() <= 2 ** -6 * without_norm.abs().max()
+
+
+def test_prefill_kernel_refuses_tables_outside_the_cache():
+    if not cpu_native.prefill_supports(torch.bfloat16, 4, 2, 64, 16):
+        pytest.skip("no C prefill kernel here (needs the bf16 dot instruction)")
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(20, 4, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_native.prefill_into(out, q, cache, i32([0, 4]), i32(0), i32(20), i32(20), 0.125)
+    with pytest.raises(ValueError, match="lengths do not fit"):  # 40 tokens need 3 blocks, the table has 2
+        cpu_native.prefill_into(out, q, cache, i32([0, 1]), i32(0), i32(20), i32(40), 0.125)
+    with pytest.raises(ValueError, match="outside the step"):
+        cpu_native.prefill_into(out, q, cache, i32([0, 1]), i32(5), i32(20), i32(20), 0.125)
+    cpu_native.prefill_into(out, q, cache, i32([0, 1]), i32(0), i32(20), i32(20), 0.125)  # in range: runs
+    assert torch.equal(out, torch.zeros_like(out))

@@ -162,3 +162,31 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="num_blocks"):
         backend.allocate_cache(lay, 0, torch.device("cpu"))
 
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (3, 64, 16), (4, 128, 32), (8, 64, 32)])
+def test_bf16_prefill_kernel_matches_reference(group, head_dim, block_size):
+    """The C prefill kernel (bf16): whole prompts, chunks after a cached prefix, a single-token
+    chunk, a long prompt over many blocks; against the reference computed in fp32."""
+    if not cpu_native.prefill_supports(torch.bfloat16, 2 * group, 2, head_dim, block_size):
+        pytest.skip("no C prefill kernel here (needs the bf16 dot instruction)")
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype="bfloat16")
+    ctx, qlens = [5, 40, 23, 1, 64, 1031, 2], [5, 13, 23, 1, 30, 1031, 1]
+    cache, q, k, v, meta = _step(lay, ctx, qlens, 0, torch.bfloat16, group, 2 * group)
+    scale = head_dim**-0.5
+    want = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, scale)
+    backend = cpu.CpuAttentionBackend(native=True)
+    got = backend.forward(q, k, v, cache, meta, scale)
+    plan = meta.backend_plans["cpu"]
+    assert plan.native_prefills is not None and not plan.prefills
+    # bf16 output and weights rounded to bf16 for the second product: ~2^-8 of the values
+    err = (got.float() - want).abs()
+    assert err.max().item() <= 2**-6 * want.abs().max().item(), err.max().item()
+    assert err.mean().item() <= 2**-9 * want.abs().mean().item() * 4
+
+
+def test_prefill_kernel_is_not_used_when_the_fused_path_is_off():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    _, meta = _check(lay, [40, 23], [13, 23], 0, dtype=torch.bfloat16, hq=4, backend=cpu.CpuAttentionBackend(native=False))
+    plan = meta.backend_plans["cpu"]
+    assert plan.native_prefills is None and len(plan.prefills) == 2
