@@ -18,8 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define HAVE_DPBF16 1
 /* bf16 x bf16 dot product accumulated in fp32 by the CPU's bf16 dot instruction, straight from the
    cache (no widening); d a multiple of 32 */
@@ -94,6 +96,27 @@ static inline float exp_nonpos(float x) {
     float s;
     memcpy(&s, &e, 4);
     return p * s;
+}
+
+/* acc[0:d] += sum_t w[t] * rows[t][0:d]. With AVX-512 the accumulator stays in registers over
+   the rows (plain C kept it in memory: a store-to-load chain per row and vector); acc and rows
+   64-byte aligned. */
+static inline __attribute__((always_inline)) void add_weighted(float *acc, const float *w, float (*rows)[MAX_D],
+                                                               int64_t n, const int64_t d) {
+#ifdef __AVX512F__
+    if (d % 16 == 0) {
+        __m512 o[MAX_D / 16];
+        for (int64_t v = 0; v < d / 16; v++) o[v] = _mm512_load_ps(acc + 16 * v);
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 x = _mm512_set1_ps(w[t]);
+            for (int64_t v = 0; v < d / 16; v++) o[v] = _mm512_fmadd_ps(x, _mm512_load_ps(rows[t] + 16 * v), o[v]);
+        }
+        for (int64_t v = 0; v < d / 16; v++) _mm512_store_ps(acc + 16 * v, o[v]);
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < d; i++) acc[i] += w[t] * rows[t][i];
 }
 
 /* One task: a sequence's KV heads [h0, h1), block by block, every head of a block before the next
@@ -180,13 +203,9 @@ static inline float exp_nonpos(float x) {
                 for (int64_t t = 0; t < n; t++)                                                         \
                     for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(vb[t * tok + i]);                 \
                 for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
-                    float a[MAX_D] __attribute__((aligned(64)));                                        \
-                    for (int64_t i = 0; i < d; i++) a[i] = acc[r][i];                                   \
-                    for (int64_t t = 0; t < n; t++) {                                                   \
-                        const float p = SCALED ? s[r][t] * LOADS(vst[t * hkv]) : s[r][t];               \
-                        for (int64_t i = 0; i < d; i++) a[i] += p * buf[t][i];                          \
-                    }                                                                                   \
-                    for (int64_t i = 0; i < d; i++) acc[r][i] = a[i];                                   \
+                    if (SCALED)                                                                         \
+                        for (int64_t t = 0; t < n; t++) s[r][t] *= LOADS(vst[t * hkv]);                \
+                    add_weighted(acc[r], s[r], buf, n, d);                                              \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
