@@ -11,7 +11,8 @@ for mode in disaggregated colocated; do
   rm -rf /tmp/llmbus-$mode
   .venv/bin/llmbus up --model bench=$M --port 8600 --data-dir /tmp/llmbus-$mode $extra > /tmp/llmbus-$mode.log 2>&1 &
   pid=$!
-  for i in $(seq 1 120); do curl -sf http://127.0.0.1:8600/v1/models >/dev/null && break; sleep 1; done
+  # the whole stack up (the gateway answers before kvpool and the workers have started)
+  for i in $(seq 1 240); do grep -q "llmbus up: ready" /tmp/llmbus-$mode.log && break; sleep 1; done
   .venv/bin/llmbus bench serve --base-url http://127.0.0.1:8600 --model bench --tokenizer $M $MIXED --no-progress \
      --label "$mode" --out $OUT_DIR/$mode-mixed.json | grep -E "output throughput|short|long"
   kill -INT $pid; wait $pid

@@ -39,13 +39,19 @@ stop_server() {
 trap stop_server EXIT
 
 start_server() {  # name port command... ; returns non-zero when the server never answers
+    # READY_LINE (optional): a line the server logs once ALL of it is up; llmbus's gateway answers
+    # /v1/models before kvpool and the workers finish starting, which would then run (importing
+    # torch, loading the model) on the cores of the first measured requests
     local name=$1 port=$2; shift 2
     local pin=()
     [ -n "${SERVER_CPUS:-}" ] && pin=(taskset -c "$SERVER_CPUS")
     "${pin[@]}" "$@" > "$OUT/$name.server.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 1 300); do
-        curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1 && return 0
+        if curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
+            [ -z "${READY_LINE:-}" ] && return 0
+            grep -q "$READY_LINE" "$OUT/$name.server.log" && return 0
+        fi
         kill -0 "$SERVER_PID" 2>/dev/null || break
         sleep 1
     done
@@ -97,7 +103,8 @@ for size in $MODELS; do
     if wants llmbus; then
         cmd="${LLMBUS_SERVE_CMD//\{model\}/$model}"
         cmd="${cmd//\{name\}/$size}"
-        start_server "llmbus-$size" 8300 ${cmd//\{port\}/8300} && { serve_runs llmbus 8300 "$model" "$size"; stop_server; }
+        READY_LINE="llmbus up: ready" start_server "llmbus-$size" 8300 ${cmd//\{port\}/8300} \
+            && { serve_runs llmbus 8300 "$model" "$size"; stop_server; }
     fi
     if ! wants vllm; then :
     elif [ -x .peers/vllm-venv/bin/python ]; then
