@@ -293,3 +293,26 @@ def test_bad_input_gives_clear_errors():
         bm.allocate(stale, 1)
     with pytest.raises(ValueError, match="num_computed_tokens"):
         bm.allocate_computed(make_seq("x", [1, 2]), 2)
+
+
+def test_evictions_of_computed_blocks_are_reported_with_their_parents_before_reuse():
+    bm = BlockManager(4, BS)
+    seen = []
+    bm.on_evict = lambda block, h, parent: seen.append((block, h, parent))
+    a = make_seq("a", list(range(12)))  # 3 full blocks
+    prefill(bm, a)
+    hashes = list(a.block_hashes)
+    bm.free(a)
+    assert seen == []  # freed blocks stay cached: nothing evicted yet
+    b = make_seq("b", list(range(100, 112)))
+    prefill(bm, b)  # takes the one free block, then evicts a's tail first
+    assert [h for _, h, _ in seen] == [hashes[2], hashes[1]]
+    assert [p for _, _, p in seen] == [hashes[1], hashes[0]]  # each block's chain parent
+    assert all(bm.ref_count(block) == 1 for block, _, _ in seen)  # reported, then handed to b
+    bm.free(b)
+    imported = bm.import_cached([b"x" * 32, b"y" * 32])  # a lower tier's blocks, not written back
+    seen.clear()
+    c = make_seq("c", list(range(200, 216)))
+    prefill(bm, c)  # needs all 4 blocks: evicts everything cached
+    assert len(imported) == 2 and {h for _, h, _ in seen}.isdisjoint({b"x" * 32, b"y" * 32})
+    assert len(seen) == 2  # b's two blocks the import left cached

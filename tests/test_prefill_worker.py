@@ -143,3 +143,50 @@ def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, t
     assert added == ["busy"]
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
+def test_an_engine_keeps_the_bytes_of_what_it_evicts(tmp_path):
+    """keep_evicted: an evicted prefix block's bytes are copied before another sequence reuses it."""
+    import torch
+
+    from llmbus.engine.sampling_params import SamplingParams
+    from services.prefill.service import _chains
+
+    engine = _engine(tmp_path, num_blocks=6)
+    engine.keep_evicted()
+    bs = engine.layout.block_size
+    first = list(range(5, 5 + 4 * bs + 3))  # 4 full blocks and a partial one
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def run(rid, prompt):
+        engine.add_request(rid, prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+
+    run("a", first)
+    hashes = engine.prefix_hashes(first[: 4 * bs])
+    before = engine.export_cached(hashes)
+    assert before.shape[0] == 4 and engine.num_evicted == 0
+    run("b", list(range(500, 500 + 5 * bs)))  # needs 5 of the 6 blocks: evicts a's cached blocks
+    evicted = engine.take_evicted()
+    assert engine.num_evicted == 0 and len(evicted) >= 3
+    [chain] = _chains(evicted)  # one chain, from its first evicted block on
+    got = {h: row for h, _, row in chain}
+    for i, h in enumerate(hashes):
+        if h in got:
+            assert torch.equal(got[h], before[i]), f"block {i} changed before it was saved"
+    assert [h for h, _, _ in chain] == [h for h in hashes if h in got]
+    first = hashes.index(chain[0][0])
+    if first:  # a chain that starts mid-prompt names the block before it as its parent
+        assert chain[0][1] == hashes[first - 1]
+
+
+def test_chains_come_out_first_block_first_and_branches_stay_stored():
+    from services.prefill.service import _chains
+
+    ev = lambda h, p: (h, p, None)  # noqa: E731
+    # two sequences' tails, tail first and interleaved; x2 branches off the same parent as a2
+    evicted = [ev("a3", "a2"), ev("b2", "b1"), ev("a2", "a1"), ev("x2", "a1"), ev("b1", "root")]
+    chains = [[h for h, _, _ in c] for c in _chains(evicted)]
+    assert sorted(chains) == [["a2", "a3"], ["b1", "b2"], ["x2"]]
+    assert sum(len(c) for c in chains) == len(evicted)

@@ -52,6 +52,11 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[bytes, int] = {}  # hash -> block id
         self._hash_of: dict[int, bytes] = {}  # block id -> hash, for indexed blocks only
+        self._parent_of: dict[int, bytes] = {}  # block id -> its chain parent's hash (committed blocks)
+        # Set to a callable(block_id, hash, parent) to hear of every computed block about to be
+        # evicted, before anything overwrites it (a write-back to a lower tier). Blocks that came
+        # from import_cached (a lower tier already has them) are not reported.
+        self.on_evict = None
 
     # --- counters -----------------------------------------------------------------------------
 
@@ -175,9 +180,16 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)  # least recently used
-            del self._index[self._hash_of.pop(block)]
+            self._evict(block)
         self._ref[block] = 1
         return block
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of.pop(block)
+        del self._index[h]
+        parent = self._parent_of.pop(block, None)
+        if parent is not None and self.on_evict is not None:
+            self.on_evict(block, h, parent)
 
     # --- prefix import / export (kvpool's tiers) ----------------------------------------------
 
@@ -232,7 +244,7 @@ class BlockManager:
             if block is None:
                 return None
             del self._evictable[block]
-            del self._index[self._hash_of.pop(block)]
+            self._evict(block)
         self._ref[block] = 1
         return block
 
@@ -252,12 +264,13 @@ class BlockManager:
         tokens = seq.all_token_ids
         parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq)
         for i in range(start, full):
-            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            prev, parent = parent, block_hash(parent, tokens[i * bs : (i + 1) * bs])
             seq.block_hashes.append(parent)
             block = seq.block_table[i]
             if self.enable_prefix_caching and parent not in self._index and block not in self._hash_of:
                 self._index[parent] = block
                 self._hash_of[block] = parent
+                self._parent_of[block] = prev
 
     def free(self, seq: Sequence) -> None:
         """Release the seq's blocks, last block first; idempotent. Clears its table and hashes."""

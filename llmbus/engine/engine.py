@@ -312,6 +312,30 @@ class Engine:
             self.write_blocks(ids, kv[: len(ids)])
         return len(ids)
 
+    # NOTE: a cap on blocks kept for a caller that stopped draining them: the oldest go first
+    MAX_EVICTED = 4096
+
+    def keep_evicted(self) -> None:
+        """From now on, copy every computed prefix block the cache evicts (before it is reused)
+        into a list that ``take_evicted`` drains: a write-back of tier 0 to a lower tier."""
+        self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []
+
+        def save(block: int, h: bytes, parent: bytes) -> None:
+            self._evicted.append((h, parent, self.read_blocks([block])[0]))
+            del self._evicted[: -self.MAX_EVICTED]
+
+        self.block_manager.on_evict = save
+
+    @property
+    def num_evicted(self) -> int:
+        return len(getattr(self, "_evicted", ()))
+
+    def take_evicted(self) -> list[tuple[bytes, bytes, torch.Tensor]]:
+        """``(hash, parent hash, read_blocks row)`` of each block evicted since the last call, in
+        eviction order (``keep_evicted`` first)."""
+        out, self._evicted = self._evicted, []
+        return out
+
     def export_cached(self, hashes: list[bytes], start: int = 0) -> torch.Tensor:
         """``read_blocks`` rows of ``hashes[start:n]``, where ``n`` is how many of the chain this
         engine still caches (consecutive from the start); empty when ``n <= start``."""

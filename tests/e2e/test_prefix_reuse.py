@@ -85,3 +85,39 @@ def test_request_ending_on_its_first_token_still_stores_its_prefix(client, stack
         time.sleep(0.1)
     assert pool_stats(stack).tiers[0].blocks >= before + 20
     assert stack.wait_idle()["kvpool_leased_blocks"] == 0
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir, tmp_path_factory):
+    s = Stack(MODEL, model_dir, tmp_path_factory.mktemp("e2e-colocated"), "--token-timeout", "30", "--colocated",
+              f"--worker-arg=--num-blocks={BLOCKS}")  # fmt: skip
+    yield s
+    s.stop()
+
+
+def test_colocated_worker_writes_back_what_it_evicts(colocated, model_dir):
+    """One worker for both phases stores a prompt's blocks in kvpool when it evicts them (not when
+    the request ends): a prompt nothing evicted costs kvpool nothing; an evicted one is served
+    from kvpool's CPU tier."""
+    client = openai.OpenAI(base_url=colocated.base_url, api_key="unused", max_retries=0, timeout=120)
+    rng = random.Random(11)
+    prefix = [rng.randrange(10, 1900) for _ in range(1024)]
+    prompt = prefix + [rng.randrange(10, 1900) for _ in range(16)]
+    other = [rng.randrange(10, 1900) for _ in range(1040)]
+    empty = pool_stats(colocated).tiers[0].blocks
+    first = complete(client, prompt)
+    time.sleep(1.0)  # longer than the write-back period: nothing was evicted, nothing is stored
+    assert pool_stats(colocated).tiers[0].blocks == empty
+    complete(client, other)  # evicts most of the first prompt's blocks from the worker's cache
+    for _ in range(50):
+        if pool_stats(colocated).tiers[0].blocks >= empty + 56:
+            break
+        time.sleep(0.1)
+    assert pool_stats(colocated).tiers[0].blocks >= empty + 56
+    before = pool_stats(colocated).tiers[0]
+    again = complete(client, prompt)
+    after = pool_stats(colocated).tiers[0]
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens == 1024
+    assert after.hits - before.hits >= 56
+    assert colocated.wait_idle()["kvpool_leased_blocks"] == 0
