@@ -190,3 +190,18 @@ def test_chains_come_out_first_block_first_and_branches_stay_stored():
     chains = [[h for h, _, _ in c] for c in _chains(evicted)]
     assert sorted(chains) == [["a2", "a3"], ["b1", "b2"], ["x2"]]
     assert sum(len(c) for c in chains) == len(evicted)
+
+
+def test_evicted_blocks_nobody_drains_are_capped(tmp_path):
+    from llmbus.engine.sampling_params import SamplingParams
+
+    engine = _engine(tmp_path, num_blocks=6)
+    engine.keep_evicted()
+    bs = engine.layout.block_size
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for i in range(30):  # each prompt evicts the previous one's four cached blocks
+        engine.add_request(f"r{i}", list(range(10 + 7 * i, 10 + 7 * i + 4 * bs + 1)), params)
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.num_evicted == 64  # the floor of the cap (a quarter of a larger cache)
+    assert len(engine.take_evicted()) == 64 and engine.num_evicted == 0

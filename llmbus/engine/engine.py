@@ -312,17 +312,18 @@ class Engine:
             self.write_blocks(ids, kv[: len(ids)])
         return len(ids)
 
-    # NOTE: a cap on blocks kept for a caller that stopped draining them: the oldest go first
-    MAX_EVICTED = 4096
-
     def keep_evicted(self) -> None:
         """From now on, copy every computed prefix block the cache evicts (before it is reused)
-        into a list that ``take_evicted`` drains: a write-back of tier 0 to a lower tier."""
+        into a list that ``take_evicted`` drains: a write-back of tier 0 to a lower tier.
+
+        NOTE: at most a quarter of the cache's blocks are kept for a caller that stopped draining
+        them (the oldest go first), so a stalled write-back costs bounded memory."""
         self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []
+        cap = max(64, self.runner.num_blocks // 4)
 
         def save(block: int, h: bytes, parent: bytes) -> None:
             self._evicted.append((h, parent, self.read_blocks([block])[0]))
-            del self._evicted[: -self.MAX_EVICTED]
+            del self._evicted[:-cap]
 
         self.block_manager.on_evict = save
 
