@@ -476,3 +476,26 @@ int prefill_attn_bf16(const uint16_t *cache, const uint16_t *q, int64_t q_stride
 }
 
 int have_prefill_attn(void) { return HAVE_DPBF16 + 0; }
+
+/* Rotary embedding, rotate-half convention, bf16: out[t, h] = (x1*c - x2*s, x2*c + x1*s) with each
+   product and each sum rounded to bf16 as torch's bf16 ops round them (bit-identical). x rows
+   x_stride elements apart, heads d apart; cos/sin [T, d/2]; out [T, H, d] contiguous. */
+void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_, const uint16_t *sin_, uint16_t *out,
+               int64_t t, int64_t h, int64_t d, int threads) {
+    const int64_t half = d / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (t * h * d >= 65536)
+    for (int64_t r = 0; r < t; r++) {
+        const uint16_t *c = cos_ + r * half, *s = sin_ + r * half;
+        for (int64_t j = 0; j < h; j++) {
+            const uint16_t *xr = x + r * x_stride + j * d;
+            uint16_t *o = out + (r * h + j) * d;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bf16_load(xr[i]), b = bf16_load(xr[i + half]);
+                const float ci = bf16_load(c[i]), si = bf16_load(s[i]);
+                o[i] = bf16_store(bf16_load(bf16_store(a * ci)) - bf16_load(bf16_store(b * si)));
+                o[i + half] = bf16_store(bf16_load(bf16_store(b * ci)) + bf16_load(bf16_store(a * si)));
+            }
+        }
+    }
+}

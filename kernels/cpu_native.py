@@ -123,6 +123,8 @@ def _load() -> ctypes.CDLL | None:
         lib.prefill_attn_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.have_prefill_attn.argtypes = []
+        lib.rope_bf16.restype = None
+        lib.rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
         lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
@@ -235,6 +237,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     _lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
                        eps, torch.get_num_threads())  # fmt: skip
     return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """``llmbus.model.rope.apply_rotary`` of bf16 ``x [T, H, D]`` (rows may be strided, heads
+    contiguous) in one pass, bit-identical; cos/sin ``[T, 1, D/2]`` bf16. None where the kernel
+    does not apply."""
+    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 3 or x.stride(2) != 1
+            or x.stride(1) != x.shape[2] or x.shape[2] % 2 or _load() is None):  # fmt: skip
+        return None
+    t, h, d = x.shape
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or cos.numel() != t * (d // 2) or sin.numel() != cos.numel():
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype)
+    _lib.rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d,
+                   torch.get_num_threads())  # fmt: skip
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

@@ -270,3 +270,21 @@ def test_prefill_kernel_refuses_tables_outside_the_cache():
         cpu_native.prefill_into(out, q, cache, i32([0, 1]), i32(5), i32(20), i32(20), 0.125)
     cpu_native.prefill_into(out, q, cache, i32([0, 1]), i32(0), i32(20), i32(20), 0.125)  # in range: runs
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+def test_rope_is_bit_identical_to_apply_rotary(threads, rows):
+    if not cpu_native.available():
+        pytest.skip("no C compiler")
+    from llmbus.model.rope import RotaryEmbedding, apply_rotary
+    from llmbus.model.rope_config import RopeConfig
+
+    hq, hkv, d = 12, 4, 64
+    g = torch.Generator().manual_seed(rows)
+    qkv = (torch.randn(rows, (hq + 2 * hkv) * d, generator=g) * 3).bfloat16()
+    x = qkv[:, : (hq + hkv) * d].view(rows, -1, d)  # strided rows: q and k of a fused projection
+    cos, sin = RotaryEmbedding(RopeConfig(), d, 4096).cos_sin(torch.randint(0, 4000, (rows,), generator=g),
+                                                              torch.bfloat16)  # fmt: skip
+    got = cpu_native.rope(x, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, apply_rotary(x, cos, sin))
+    assert cpu_native.rope(x.float(), cos.float(), sin.float()) is None  # fp32: torch's ops

@@ -57,7 +57,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         # q and k sit side by side in qkv: rotate both heads' sets in one pass, then split.
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        rotated = cpu_native.rope(qk, cos, sin) if self.packed else None  # packed: the CPU fast path
+        qk = rotated if rotated is not None else apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, cache, meta, self.scale)
