@@ -127,5 +127,6 @@ def test_colocated_worker_sends_a_step_of_several_requests_as_one_message(nats_s
     for i in range(n_requests):
         mine = [e for e in events if e.request_id == f"b-{i}"]
         assert [e.seq for e in mine] == list(range(max_tokens)) and mine[-1].finish_reason == "length"
-    # the requests decode in the same steps: their events share messages
-    assert len(messages) < len(events) // 2 and max(len(m) for m in messages) == n_requests
+    # the requests decode in the same steps: their events share messages (a message may also carry
+    # two steps' events when the publisher had both before it yielded)
+    assert len(messages) < len(events) // 2 and max(len(m) for m in messages) >= n_requests
