@@ -103,6 +103,7 @@ class Engine:
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
         self.num_preemptions = 0
+        self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []  # filled once keep_evicted() is on
 
     @classmethod
     def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None) -> "Engine":
@@ -318,7 +319,6 @@ class Engine:
 
         NOTE: at most a quarter of the cache's blocks are kept for a caller that stopped draining
         them (the oldest go first), so a stalled write-back costs bounded memory."""
-        self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []
         cap = max(64, self.runner.num_blocks // 4)
 
         def save(block: int, h: bytes, parent: bytes) -> None:
@@ -329,7 +329,7 @@ class Engine:
 
     @property
     def num_evicted(self) -> int:
-        return len(getattr(self, "_evicted", ()))
+        return len(self._evicted)
 
     def take_evicted(self) -> list[tuple[bytes, bytes, torch.Tensor]]:
         """``(hash, parent hash, read_blocks row)`` of each block evicted since the last call, in

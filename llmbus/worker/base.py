@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -15,7 +16,7 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput
-from llmbus.protocol import Abort, GenerateRequest, ProtocolError, TokenEvent, decode, encode
+from llmbus.protocol import Abort, GenerateRequest, ProtocolError, StoreReply, TokenEvent, decode
 from llmbus.worker.engine_loop import EngineLoop
 
 log = logging.getLogger("llmbus.worker")
@@ -121,6 +122,19 @@ class EngineWorker(abc.ABC):
         if pad:
             rows = torch.nn.functional.pad(rows, (0, pad))
         await self.kv.write_blocks(lease, 0, rows.contiguous().numpy().data)
+
+    async def store_rows(self, rows, hashes: list[bytes], *, parent_hash: bytes | None = None,
+                         request_id: str = "", ttl_s: float = 60.0) -> StoreReply:
+        """Put ``Engine.read_blocks`` rows in kvpool's prefix tiers under the chain ``hashes`` (the
+        first block's parent ``parent_hash``): a lease, the write, ``store``, the lease released."""
+        lease = await self.kv.allocate(rows.shape[0], ttl_s=ttl_s, request_id=request_id)
+        try:
+            await self.write_rows(lease, rows)
+            return await self.kv.store(lease, hashes, parent_hash=parent_hash, kv_format=self.engine.config.kv_format,
+                                       block_bytes=rows[0].numel())  # fmt: skip
+        finally:
+            with contextlib.suppress(Exception):
+                await self.kv.release(lease.lease_id)
 
     @staticmethod
     def lease_rows(raw: bytes, n_blocks: int, lease_block_bytes: int, num_layers: int, layer_bytes: int):

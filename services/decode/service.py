@@ -145,12 +145,11 @@ class DecodeWorker(EngineWorker):
         """Store the finished sequence's full blocks that kvpool lacks (best effort)."""
         if not self.engine.config.enable_prefix_caching:
             return
-        req, fmt = act.request, self.engine.config.kv_format
+        req = act.request
         tokens = req.prompt_token_ids + act.output_token_ids
         bs = self.engine.layout.block_size
         full = (len(tokens) - 1) // bs  # the last sampled token has no KV
         hashes = self.engine.prefix_hashes(tokens[: full * bs], req.cache_salt)
-        lease = None
         try:
             have = (await self.kv.lookup(hashes)).pool_blocks if hashes else len(hashes)
             if have >= len(hashes):
@@ -159,17 +158,10 @@ class DecodeWorker(EngineWorker):
             n = kv.shape[0]
             if n == 0:
                 return
-            lease = await self.kv.allocate(n, ttl_s=60.0, request_id=req.request_id)
-            await self.write_rows(lease, kv)
-            parent = hashes[have - 1] if have else None
-            await self.kv.store(lease, hashes[have : have + n], parent_hash=parent, kv_format=fmt,
-                                block_bytes=kv[0].numel())
+            await self.store_rows(kv, hashes[have : have + n], parent_hash=hashes[have - 1] if have else None,
+                                  request_id=req.request_id)  # fmt: skip
         except Exception as exc:
             log.debug("kvpool did not take the blocks of %s: %s", req.request_id, exc)
-        finally:
-            if lease is not None:
-                with contextlib.suppress(Exception):
-                    await self.kv.release(lease.lease_id)
 
     async def on_abort(self, rid: str) -> None:
         if self.active.pop(rid, None) is not None:

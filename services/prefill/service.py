@@ -183,14 +183,11 @@ class PrefillWorker(EngineWorker):
         hashes = self.engine.prefix_hashes(req.prompt_token_ids[: full * bs], req.cache_salt)
         try:
             kv = await self.loop.call(lambda e: e.export_cached(hashes))
-            if kv.shape[0] == 0:
+            n = kv.shape[0]
+            if n == 0:
                 return
-            lease = await self.kv.allocate(kv.shape[0], ttl_s=self.lease_ttl_s, request_id=req.request_id)
-            try:
-                await self.write_rows(lease, kv)
-                await self._commit_prefix(req, lease, kv.shape[0], kv.shape[0] * bs)
-            finally:
-                await self.kv.release(lease.lease_id)
+            await self.store_rows(kv, hashes[:n], request_id=req.request_id, ttl_s=self.lease_ttl_s)
+            await self.kv.publish_stored(hashes[:n], token_count=bs)
         except Exception as exc:
             log.debug("could not store the prefix of %s: %s", req.request_id, exc)
 
@@ -279,13 +276,8 @@ class PrefillWorker(EngineWorker):
         import torch
 
         try:
-            lease = await self.kv.allocate(len(chain), ttl_s=self.lease_ttl_s)
-            try:
-                await self.write_rows(lease, torch.stack([row for _, _, row in chain]))
-                await self.kv.store(lease, [h for h, _, _ in chain], parent_hash=chain[0][1],
-                                    kv_format=self.engine.config.kv_format, block_bytes=self._block_bytes)
-            finally:
-                await self.kv.release(lease.lease_id)
+            await self.store_rows(torch.stack([row for _, _, row in chain]), [h for h, _, _ in chain],
+                                  parent_hash=chain[0][1], ttl_s=self.lease_ttl_s)  # fmt: skip
         except Exception as exc:
             log.debug("could not write back %d evicted blocks: %s", len(chain), exc)
 
