@@ -59,6 +59,9 @@ static inline uint16_t bf16_store(float f) {
 
 static inline float f32_load(float x) { return x; }
 
+/* x rounded to bf16 and back: an intermediate torch's bf16 ops would have stored */
+static inline float bf16_round(float x) { return bf16_load(bf16_store(x)); }
+
 /* IEEE half (int8 caches' default scale type) to fp32 by hand: no _Float16 needed (gcc < 12). */
 static inline float f16_load(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -299,7 +302,7 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
 #pragma omp simd
         for (int64_t i = 0; i < n; i++)
-            yr[i] = bf16_store(bf16_load(w[i]) * bf16_load(bf16_store(bf16_load(xr[i]) * inv)));
+            yr[i] = bf16_store(bf16_load(w[i]) * bf16_round(bf16_load(xr[i]) * inv));
     }
 }
 
@@ -315,7 +318,7 @@ void silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n, i
             const float v = bf16_load(g[i]);
             const float e = exp_nonpos(-fabsf(v)); /* exp(-|v|): sigmoid without overflow */
             const float sig = v >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-            o[i] = bf16_store(bf16_load(bf16_store(v * sig)) * bf16_load(u[i]));
+            o[i] = bf16_store(bf16_round(v * sig) * bf16_load(u[i]));
         }
     }
 }
@@ -493,8 +496,8 @@ void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_, const 
             for (int64_t i = 0; i < half; i++) {
                 const float a = bf16_load(xr[i]), b = bf16_load(xr[i + half]);
                 const float ci = bf16_load(c[i]), si = bf16_load(s[i]);
-                o[i] = bf16_store(bf16_load(bf16_store(a * ci)) - bf16_load(bf16_store(b * si)));
-                o[i + half] = bf16_store(bf16_load(bf16_store(b * ci)) + bf16_load(bf16_store(a * si)));
+                o[i] = bf16_store(bf16_round(a * ci) - bf16_round(b * si));
+                o[i + half] = bf16_store(bf16_round(b * ci) + bf16_round(a * si));
             }
         }
     }

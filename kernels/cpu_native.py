@@ -1,8 +1,11 @@
-"""The fused CPU decode kernel (``kernels/cpu_decode.c``): built once per machine, loaded with ctypes.
+"""The CPU kernels in ``kernels/cpu_decode.c``: built once per machine, loaded with ctypes.
 
 ``paged_decode(q, cache, block_tables, seq_lens, scale)`` is the whole decode half of a step in one
 call; ``CpuAttentionBackend`` uses it when ``available()``, else its torch path (same results within
-the dtype's rounding, checked by tests/test_cpu_native.py against ``kernels.reference``).
+the dtype's rounding, checked by tests/test_cpu_native.py against ``kernels.reference``). The same
+library holds bf16 prefill attention (``prefill_into``) and the model's element-wise fusions
+(``rms_norm``, ``silu_mul``, ``rope``), each of which returns None (or is not planned) where it does
+not apply, so the caller's torch ops serve.
 
 Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native -fopenmp``, into
 ``$LLMBUS_DATA_DIR/native`` (else ``~/.cache/llmbus/native``) under a name that hashes the source, the

@@ -176,9 +176,10 @@ def test_an_engine_keeps_the_bytes_of_what_it_evicts(tmp_path):
         if h in got:
             assert torch.equal(got[h], before[i]), f"block {i} changed before it was saved"
     assert [h for h, _, _ in chain] == [h for h in hashes if h in got]
+    # b took the two never-cached blocks, then evicted a's blocks tail first down to its second:
+    # the chain starts mid-prompt and names the block before it as its parent
     first = hashes.index(chain[0][0])
-    if first:  # a chain that starts mid-prompt names the block before it as its parent
-        assert chain[0][1] == hashes[first - 1]
+    assert first == 1 and chain[0][1] == hashes[0]
 
 
 def test_chains_come_out_first_block_first_and_branches_stay_stored():
