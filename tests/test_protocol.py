@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import msgpack
 import pytest
@@ -139,3 +140,72 @@ def test_sampling_spec_mirrors_sampling_params():
     assert params == SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(2,), logprobs=2, seed=9)
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingSpec(top_p=0.0).to_params()
+
+
+# -- the codec's checks, one per kind of annotation, on records defined here ----------------------
+@dataclasses.dataclass
+class _Inner:
+    name: str
+    weight: float = 1.0
+
+
+@dataclasses.dataclass
+class _Every:
+    count: int
+    flag: bool
+    blob: bytes
+    either: int | str
+    maybe: _Inner | None
+    items: list[_Inner]
+    loose: list[Any]
+    pair: tuple[int, str]
+    free: dict[str, int]
+    late: int = 0
+
+
+@dataclasses.dataclass
+class _Unsupported:
+    tags: set[int]
+
+
+def _every_raw(**over):
+    raw = {"count": 3, "flag": True, "blob": b"\x00\x01", "either": "x", "maybe": {"name": "a"},
+           "items": [{"name": "b", "weight": 2}], "loose": [1, "two", None], "pair": [7, "seven"],
+           "free": {"k": [1, 2]}, "extra": "ignored"}
+    raw.update(over)
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def test_codec_reads_every_kind_of_field():
+    got = decode(_Every, _every_raw())
+    assert got == _Every(count=3, flag=True, blob=b"\x00\x01", either="x", maybe=_Inner("a"),
+                         items=[_Inner("b", 2.0)], loose=[1, "two", None], pair=(7, "seven"),
+                         free={"k": [1, 2]}, late=0)
+    assert isinstance(got.items[0].weight, float)  # an integer on the wire becomes the float field
+    assert decode(_Every, _every_raw(maybe=None, either=5)).maybe is None
+    assert decode(_Every, encode(got)) == got  # tuples go out as lists and come back as tuples
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"count": True}, r"_Every\.count: expected an integer, got bool"),
+    ({"flag": 1}, r"_Every\.flag: expected a boolean, got int"),
+    ({"blob": "text"}, r"_Every\.blob: expected bytes, got str"),
+    ({"either": 1.5}, r"_Every\.either: no variant matched \(.*integer.*; .*string.*\)"),
+    ({"either": None}, r"_Every\.either: must not be null"),
+    ({"maybe": {"weight": 1.0}}, r"_Every\.maybe: missing required field 'name'"),
+    ({"items": [{"name": "ok"}, {"name": 5}]}, r"_Every\.items\[1\]\.name: expected a string, got int"),
+    ({"items": {"name": "b"}}, r"_Every\.items: expected a list, got dict"),
+    ({"loose": "abc"}, r"_Every\.loose: expected a list, got str"),
+    ({"pair": [7]}, r"_Every\.pair: expected a list of 2 items"),
+    ({"pair": [7, 8]}, r"_Every\.pair\[1\]: expected a string, got int"),
+    ({"free": [1]}, r"_Every\.free: expected a map, got list"),
+    ({"late": "soon"}, r"_Every\.late: expected an integer, got str"),
+])
+def test_codec_names_the_field_that_is_wrong(over, message):
+    with pytest.raises(ProtocolError, match=message):
+        decode(_Every, _every_raw(**over))
+
+
+def test_codec_rejects_a_record_with_an_annotation_it_cannot_check():
+    with pytest.raises(TypeError, match="unsupported annotation"):
+        decode(_Unsupported, msgpack.packb({"tags": [1]}))

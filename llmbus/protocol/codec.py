@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgpack
@@ -49,9 +50,22 @@ def from_raw(cls: type[T], raw: Any) -> T:
     return _from_wire(cls, raw, cls.__name__)
 
 
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    """The field names of record class ``cls``; None for anything else."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
+
+
 def _to_wire(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    cls = type(value)
+    if cls in _SCALARS:
+        return value
+    names = _field_names(cls)
+    if names is not None:
+        return {name: _to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -59,81 +73,131 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
+Checker = Callable[[Any, str], Any]
+
+
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _plan(cls: type) -> tuple[tuple[str, Checker, bool], ...]:
+    """Per field of record ``cls``: (name, its checker, required). Built once per class, so decoding
+    a message does no annotation introspection (the token events a gateway reads every engine step
+    spent most of their decoding time there)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, _checker(hints[f.name]),
+                  f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
 
 
 def _from_wire(cls: type[T], raw: Any, where: str) -> T:
     if not isinstance(raw, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(raw).__name__}")
-    hints = _hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in raw:
-            kwargs[f.name] = _check(hints[f.name], raw[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{where}: missing required field {f.name!r}")
+    for name, check, required in _plan(cls):
+        if name in raw:
+            kwargs[name] = check(raw[name], f"{where}.{name}")
+        elif required:
+            raise ProtocolError(f"{where}: missing required field {name!r}")
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise ProtocolError(f"{where}: {exc}") from None
 
 
-def _check(tp: Any, value: Any, where: str) -> Any:
-    """Return ``value`` converted to ``tp``, or raise ProtocolError naming ``where``."""
-    origin = typing.get_origin(tp)
+def _got(value: Any) -> str:
+    return type(value).__name__
+
+
+@functools.cache
+def _checker(tp: Any) -> Checker:
+    """A function ``(value, where) -> value converted to tp``, raising ProtocolError naming ``where``."""
     if tp is Any:
-        return value
+        return lambda value, where: value
+    origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ProtocolError(f"{where}: must not be null")
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check(arg, value, where)
-            except ProtocolError as exc:
-                errors.append(str(exc))
-        raise ProtocolError(errors[0] if len(errors) == 1 else f"{where}: no variant matched ({'; '.join(errors)})")
+        nullable = type(None) in args
+        variants = [_checker(arg) for arg in args if arg is not type(None)]
+
+        def union(value: Any, where: str) -> Any:
+            if value is None:
+                if nullable:
+                    return None
+                raise ProtocolError(f"{where}: must not be null")
+            errors = []
+            for check in variants:
+                try:
+                    return check(value, where)
+                except ProtocolError as exc:
+                    errors.append(str(exc))
+            raise ProtocolError(errors[0] if len(errors) == 1 else f"{where}: no variant matched ({'; '.join(errors)})")
+
+        return union
     if dataclasses.is_dataclass(tp):
-        return _from_wire(tp, value, where)
+        return lambda value, where: _from_wire(tp, value, where)
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         (item,) = typing.get_args(tp) or (Any,)
-        return [_check(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        check_item = _checker(item)
+
+        def list_of(value: Any, where: str) -> list:
+            if not isinstance(value, list):
+                raise ProtocolError(f"{where}: expected a list, got {_got(value)}")
+            if item is Any:
+                return list(value)
+            return [check_item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+        return list_of
     if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, list) or len(value) != len(args):
-            raise ProtocolError(f"{where}: expected a list of {len(args)} items")
-        return tuple(_check(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        checks = [_checker(a) for a in typing.get_args(tp)]
+
+        def tuple_of(value: Any, where: str) -> tuple:
+            if not isinstance(value, list) or len(value) != len(checks):
+                raise ProtocolError(f"{where}: expected a list of {len(checks)} items")
+            return tuple(c(v, f"{where}[{i}]") for i, (c, v) in enumerate(zip(checks, value)))
+
+        return tuple_of
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        return value  # free-form maps (engine state) are checked by their consumer
+        def map_of(value: Any, where: str) -> dict:
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{where}: expected a map, got {_got(value)}")
+            return value  # free-form maps (engine state) are checked by their consumer
+
+        return map_of
     if tp is bool:
-        if not isinstance(value, bool):
-            raise ProtocolError(f"{where}: expected a boolean, got {type(value).__name__}")
-        return value
+        def boolean(value: Any, where: str) -> bool:
+            if not isinstance(value, bool):
+                raise ProtocolError(f"{where}: expected a boolean, got {_got(value)}")
+            return value
+
+        return boolean
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an integer, got {type(value).__name__}")
-        return value
+        def integer(value: Any, where: str) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ProtocolError(f"{where}: expected an integer, got {_got(value)}")
+            return value
+
+        return integer
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
+        def number(value: Any, where: str) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ProtocolError(f"{where}: expected a number, got {_got(value)}")
+            return float(value)
+
+        return number
     if tp is str:
-        if not isinstance(value, str):
-            raise ProtocolError(f"{where}: expected a string, got {type(value).__name__}")
-        return value
+        def string(value: Any, where: str) -> str:
+            if not isinstance(value, str):
+                raise ProtocolError(f"{where}: expected a string, got {_got(value)}")
+            return value
+
+        return string
     if tp is bytes:
-        if not isinstance(value, (bytes, bytearray)):
-            raise ProtocolError(f"{where}: expected bytes, got {type(value).__name__}")
-        return bytes(value)
-    raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a bug in a record definition
+        def raw_bytes(value: Any, where: str) -> bytes:
+            if not isinstance(value, (bytes, bytearray)):
+                raise ProtocolError(f"{where}: expected bytes, got {_got(value)}")
+            return bytes(value)
+
+        return raw_bytes
+
+    def unsupported(value: Any, where: str) -> Any:
+        raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a bug in a record definition
+
+    return unsupported
