@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
                keys before its scores, their values one token at a time as it widens its own).     \
                One burst of the whole block's lines at the start, as before, filled the core's     \
                miss queue and stalled there instead of overlapping: 12-layer attention at batch    \
-               32, cold caches, 11.3-11.8 -> 7.7-8.5 ms. */                                         \
+               32, cold caches, 11.0-11.2 -> 8.9-9.1 ms (scripts/bench_cpu_attention.py). */        \
             const int64_t nxt = j + 1 < nblk ? table[j + 1] : -1;                                       \
             const int ahead = nxt >= 0 && nxt < num_blocks;                                             \
             const char *kn = ahead ? (const char *)(kc + (nxt * bs * hkv + h0) * d) : 0;                \
