@@ -82,9 +82,23 @@ def _plan(cls: type) -> tuple[tuple[str, Checker, bool], ...]:
     a message does no annotation introspection (the token events a gateway reads every engine step
     spent most of their decoding time there)."""
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, _checker(hints[f.name]),
+    return tuple((f.name, _built(hints[f.name]),
                   f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
                  for f in dataclasses.fields(cls))
+
+
+def _built(tp: Any) -> Checker:
+    """``_checker(tp)``; an annotation it cannot even read (a bug in a record definition) fails
+    when a payload carries that field, not every decode of the record."""
+    try:
+        return _checker(tp)
+    except Exception as exc:
+        error = exc  # NOTE: ``exc`` itself is unbound once the except clause ends
+
+        def broken(value: Any, where: str) -> Any:
+            raise error
+
+        return broken
 
 
 def _from_wire(cls: type[T], raw: Any, where: str) -> T:
@@ -106,9 +120,11 @@ def _got(value: Any) -> str:
     return type(value).__name__
 
 
-@functools.cache
 def _checker(tp: Any) -> Checker:
-    """A function ``(value, where) -> value converted to tp``, raising ProtocolError naming ``where``."""
+    """A function ``(value, where) -> value converted to tp``, raising ProtocolError naming ``where``.
+
+    NOTE: not cached by annotation: ``int | float == float | int``, but the variants are tried in
+    the order written; ``_plan`` caches per record class instead."""
     if tp is Any:
         return lambda value, where: value
     origin = typing.get_origin(tp)
