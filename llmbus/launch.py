@@ -130,9 +130,12 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
 
 
 def _start(child: Child) -> None:
-    # NOTE: own session, so a terminal's Ctrl-C reaches only `up`, which then stops services in order
+    # NOTE: own process group, so a terminal's Ctrl-C reaches only `up`, which then stops services in
+    # order; but `up`'s session: Linux schedules each session as one group (autogroup), and a session
+    # per service made the services share the cores as equal groups, whatever their threads' nice
+    # values (large model, c32: 486-492 -> 486-513 tok/s; tests/test_launch_groups.py)
     child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                  bufsize=1, start_new_session=True)
+                                  bufsize=1, process_group=0)
 
     def pump() -> None:  # forward output, spot readiness; keeps the pipe from filling
         for line in child.proc.stdout:

@@ -87,7 +87,7 @@ class EmbeddedNats:
         self._proc = subprocess.Popen(
             [str(nats_server_binary()), "-c", str(conf)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C reaches the owner, which stops us last
+            process_group=0,  # a terminal's Ctrl-C reaches the owner, which stops us last (llmbus.launch: why not a session)
         )  # fmt: skip
         ports_file = self.data_dir / f"nats-server_{self._proc.pid}.ports"
         deadline = time.monotonic() + self.config.start_timeout_s
