@@ -1,5 +1,5 @@
 """Per-request cleanup as a context manager: whatever ends the request (client disconnect, stop
-string, broken token stream, gateway error), the token subscription is dropped and, unless the
+string, broken token stream, gateway error), its events stop being routed to it and, unless the
 workers finished the request themselves, an Abort is published so they free its blocks."""
 
 from __future__ import annotations
@@ -25,29 +25,22 @@ async def abort_unless_finished(bus: GatewayBus, request_id: str, sub: Listening
         reason = "gateway_error"
         raise
     finally:
+        sub.close()
         if not generation.finished:
             if generation.stopped_by_string:
                 reason = "stop_string"
             elif generation.failed:
                 reason = "token_stream_failed"
             # NOTE: shielded, so the abort still goes out when the handler itself is being cancelled
-            await _shielded(_cleanup(bus, request_id, sub, reason))
-        else:
-            await _shielded(_unsubscribe(sub))
+            await _shielded(_abort(bus, request_id, reason))
 
 
-async def _cleanup(bus: GatewayBus, request_id: str, sub: Listening, reason: str) -> None:
-    await _unsubscribe(sub)
+async def _abort(bus: GatewayBus, request_id: str, reason: str) -> None:
     try:
         await bus.abort(request_id, reason)
         log.info("aborted %s (%s)", request_id, reason)
     except Exception as exc:
         log.warning("could not publish the abort for %s: %s", request_id, exc)
-
-
-async def _unsubscribe(sub: Listening) -> None:
-    with contextlib.suppress(Exception):
-        await sub.unsubscribe()
 
 
 async def _shielded(coro) -> None:

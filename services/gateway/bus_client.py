@@ -27,13 +27,13 @@ log = logging.getLogger("llmbus.gateway")
 
 
 class Listening:
-    """A submitted request's place in the routing table; ``unsubscribe`` stops its events."""
+    """A submitted request's place in the routing table; ``close`` stops its events (idempotent)."""
 
     def __init__(self, streams: dict[str, TokenStream], request_id: str) -> None:
         self._streams = streams
         self.request_id = request_id
 
-    async def unsubscribe(self) -> None:
+    def close(self) -> None:
         self._streams.pop(self.request_id, None)
 
 
@@ -59,7 +59,7 @@ class GatewayBus:
 
     async def submit(self, request: GenerateRequest, stream: TokenStream) -> Listening:
         """Route the request's events to ``stream``, then enqueue the request. Returns its
-        ``Listening`` (the caller unsubscribes). Raises APIError 503 when the bus refuses."""
+        ``Listening`` (the caller closes it). Raises APIError 503 when the bus refuses."""
         request = dataclasses.replace(request, token_subject=self.token_subject)
         self._streams[request.request_id] = stream
         sub = Listening(self._streams, request.request_id)
@@ -67,11 +67,11 @@ class GatewayBus:
             await self.js.publish(subjects.request_subject(request.model), encode(request),
                                   headers={subjects.MSG_ID_HEADER: request.request_id})
         except NoStreamResponseError:
-            await _quiet_unsubscribe(sub)
+            sub.close()
             raise server_error("the request queue does not exist (is the router's stream set up?)", 503,
                                code="service_unavailable") from None
         except Exception as exc:  # timeouts, disconnects: the client sees 503, not a traceback
-            await _quiet_unsubscribe(sub)
+            sub.close()
             raise server_error(f"could not enqueue the request: {type(exc).__name__}: {exc}", 503,
                                code="service_unavailable") from None
         return sub
@@ -79,10 +79,3 @@ class GatewayBus:
     async def abort(self, request_id: str, reason: str) -> None:
         """Tell every worker to stop ``request_id`` and free its blocks (core NATS, at most once)."""
         await self.nc.publish(subjects.abort(request_id), encode(Abort(request_id, reason)))
-
-
-async def _quiet_unsubscribe(sub: Listening) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception:  # the connection may be closing; nothing more to free
-        pass
