@@ -166,3 +166,48 @@ def test_aio_run_picks_uvloop_for_the_gateway_and_the_bench_client_too(monkeypat
     assert issubclass(aio.run(loop_type()), uvloop.Loop)
     monkeypatch.setenv("LLMBUS_UVLOOP", "0")
     assert not issubclass(aio.run(loop_type()), uvloop.Loop)
+
+
+def test_pull_worker_returns_a_lone_job_at_once_and_a_burst_in_one_fetch(nats_server):
+    """A fetch with room for many returns as soon as one job arrives, not when its wait ends, and
+    takes a burst already queued in one call, never more than its capacity.
+
+    The stall it guards against: a fetch that timed out leaves its pull request on the server for
+    a moment; nats-py's fetch(n) read that request's expiry as its own probe's answer and sent a
+    lingering request for n, which then caught a later job and held it until it expired."""
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        limits = StreamLimits(ack_wait_s=30)
+        await ensure_streams(js, limits, models=("lone",))
+        subj = subjects.decode_subject("lone")
+        worker = await PullWorker.bind(js, subjects.DECODE_STREAM, subjects.decode_consumer("lone"),
+                                       max_deliver=limits.max_deliver)
+
+        async def one(name: str) -> None:
+            waiting = asyncio.create_task(worker.fetch(64, timeout=30.0))
+            await asyncio.sleep(0.1)  # the pull request is waiting on the server
+            await js.publish(subj, name.encode(), headers={subjects.MSG_ID_HEADER: name})
+            done, _ = await asyncio.wait({waiting}, timeout=10.0)
+            assert done, f"fetch(64) kept the lone job {name} until its wait ran out"
+            assert [m.data for m in waiting.result()] == [name.encode()]
+            await waiting.result()[0].ack()
+
+        for i in range(4):
+            assert await worker.fetch(64, timeout=0.2) == []  # times out: its request lingers a moment
+            await one(f"a{i}")
+            await one(f"b{i}")
+
+        for i in range(5):
+            await js.publish(subj, f"c{i}".encode(), headers={subjects.MSG_ID_HEADER: f"c{i}"})
+        first = await worker.fetch(3, timeout=5.0)
+        rest = await worker.fetch(64, timeout=5.0)
+        assert [m.data for m in first] == [b"c0", b"c1", b"c2"]
+        assert [m.data for m in rest] == [b"c3", b"c4"]
+        for m in first + rest:
+            await m.ack()
+        await worker.close()
+        await nc.close()
+
+    run(body())

@@ -20,6 +20,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 
+# the wait for jobs the consumer reported pending: another replica may have taken them meanwhile
+_READY_WAIT_S = 0.05
+
+
 class PullWorker:
     def __init__(self, sub: JetStreamContext.PullSubscription, *, max_deliver: int, heartbeat_s: float = 5.0) -> None:
         if heartbeat_s <= 0:
@@ -35,14 +39,26 @@ class PullWorker:
         return cls(sub, max_deliver=max_deliver, heartbeat_s=heartbeat_s)
 
     async def fetch(self, capacity: int, timeout: float = 1.0) -> list[Msg]:
-        """Up to ``capacity`` jobs, waiting at most ``timeout`` s; [] when none (or capacity < 1)."""
+        """Up to ``capacity`` jobs: those ready now, or the first to arrive within ``timeout`` s;
+        [] when none (or capacity < 1).
+
+        NOTE: one message first, then as many more as the consumer reports pending. nats-py's
+        ``fetch(n)`` for n > 1 returns only when n messages came or the pull request expired, so a
+        lone job published while a worker waited sat in its queue for the rest of the wait (a
+        real server: 74-125 ms in 3 of 12 publishes at n = 64, 1 ms at n = 1; a decode worker's
+        handoff 150-230 ms, which was the p99 of short requests' TPOT)."""
         if capacity < 1:
             await asyncio.sleep(min(timeout, 0.05))
             return []
         try:
-            return await self._sub.fetch(capacity, timeout=timeout)
+            msgs = await self._sub.fetch(1, timeout=timeout)
         except (nats.errors.TimeoutError, asyncio.TimeoutError):  # NOTE: nats raises either on an empty fetch
             return []
+        ready = min(capacity - len(msgs), msgs[-1].metadata.num_pending) if msgs else 0
+        if ready > 0:  # a burst: the rest in one request (all are there, so it returns at once)
+            with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
+                msgs += await self._sub.fetch(ready, timeout=_READY_WAIT_S)
+        return msgs
 
     @contextlib.asynccontextmanager
     async def working(self, msg: Msg) -> AsyncIterator[None]:
