@@ -3,9 +3,10 @@
 ``paged_decode(q, cache, block_tables, seq_lens, scale)`` is the whole decode half of a step in one
 call; ``CpuAttentionBackend`` uses it when ``available()``, else its torch path (same results within
 the dtype's rounding, checked by tests/test_cpu_native.py against ``kernels.reference``). The same
-library holds bf16 prefill attention (``prefill_into``) and the model's element-wise fusions
-(``rms_norm``, ``silu_mul``, ``rope``), each of which returns None (or is not planned) where it does
-not apply, so the caller's torch ops serve.
+library holds bf16 prefill attention (``prefill_into``), the model's element-wise fusions
+(``rms_norm``, ``silu_mul``, ``rope``) and the bf16 linear product over blocked weights
+(``linear``), each of which returns None (or is not planned) where it does not apply, so the
+caller's torch ops serve.
 
 Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native -fopenmp``, into
 ``$LLMBUS_DATA_DIR/native`` (else ``~/.cache/llmbus/native``) under a name that hashes the source, the
@@ -122,10 +123,11 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, fn)
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-        lib.prefill_attn_bf16.restype = lib.have_prefill_attn.restype = ctypes.c_int
+        lib.prefill_attn_bf16.restype = lib.have_bf16_dot.restype = lib.linear_bf16.restype = ctypes.c_int
         lib.prefill_attn_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip
-        lib.have_prefill_attn.argtypes = []
+        lib.have_bf16_dot.argtypes = []
+        lib.linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.rope_bf16.restype = None
         lib.rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
@@ -273,13 +275,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 PREFILL_MAX_GROUP = 64  # query heads per KV head the prefill kernel's tiles hold
 
 
+def has_bf16_dot() -> bool:
+    """Whether the library loaded and this CPU has the bf16 dot instruction its bf16 kernels use."""
+    return _load() is not None and bool(_lib.have_bf16_dot())
+
+
 def prefill_supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
     """Whether ``prefill_into`` serves these caches here: bf16, head dims multiple of 32, blocks
     multiple of 16, and a CPU with the bf16 dot instruction the kernel is written with."""
     return (dtype == torch.bfloat16 and num_kv_heads > 0 and num_q_heads % num_kv_heads == 0
             and num_q_heads // num_kv_heads <= PREFILL_MAX_GROUP and head_dim % 32 == 0
             and head_dim <= MAX_HEAD_DIM and block_size % 16 == 0 and block_size <= MAX_BLOCK_SIZE
-            and _load() is not None and bool(_lib.have_prefill_attn()))  # fmt: skip
+            and has_bf16_dot())  # fmt: skip
 
 
 def prefill_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
@@ -314,3 +321,43 @@ def prefill_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables
                          "not fit its table")
     if rc != 0:
         raise ValueError(f"unsupported prefill: q {list(q.shape)}, cache {list(cache.shape)}")
+
+
+LINEAR_BLOCK = 16  # output rows per block of ``to_blocked``'s layout (the kernel's 16 fp32 lanes)
+
+
+def linear_supported(weight: torch.Tensor) -> bool:
+    """Whether ``linear`` can serve this ``[out, in]`` weight: bf16 on a CPU with the bf16 dot
+    instruction, ``out`` a multiple of 16 and ``in`` of 2."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[0] % LINEAR_BLOCK == 0 and weight.shape[1] % 2 == 0 and has_bf16_dot())  # fmt: skip
+
+
+def to_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[N/16, K/2, 16, 2]`` (a copy): the layout ``linear`` reads."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def from_blocked(blocked: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``to_blocked``: the plain ``[N, K]`` weight (a copy)."""
+    g, k2, n, two = blocked.shape
+    return blocked.transpose(1, 2).reshape(g * n, k2 * two)
+
+
+def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` for bf16 rows ``x [M, K]`` (rows may be strided) from the
+    weight blocked by ``to_blocked``. None where the kernel does not apply (not bf16 CPU rows, a
+    bias not bf16, no bf16 dot instruction): the caller unblocks the weight."""
+    if not _fusable(x) or not has_bf16_dot() or (bias is not None and bias.dtype != torch.bfloat16):
+        return None
+    groups, pairs = blocked.shape[0], blocked.shape[1]
+    if x.shape[1] != 2 * pairs:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {2 * pairs}")
+    n = groups * LINEAR_BLOCK
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    _lib.linear_bf16(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), x.shape[0], n, x.shape[1], torch.get_num_threads())  # fmt: skip
+    return y

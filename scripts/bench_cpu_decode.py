@@ -1,14 +1,16 @@
-"""Decode step time of the in-process engine on CPU: the fused C decode kernel against the torch path.
+"""Decode step time of the in-process engine on CPU, two variants side by side.
 
-For ``--kv-format int8|int4`` the torch path is the references (``LLMBUS_CPU_NATIVE=0``).
+``--compare native`` (default): the fused C kernels against the torch path (``LLMBUS_CPU_NATIVE=0``;
+for ``--kv-format int8|int4`` the torch path is the references). ``--compare gemm``: bf16 weights
+in oneDNN's packed layout (``LLMBUS_CPU_GEMM=onednn``) against our blocked kernel's (the default).
 
-Each run starts two fresh processes in turn (``LLMBUS_CPU_NATIVE=0``, then ``1``), which add
+Each run starts two fresh processes in turn (the baseline, then the variant), which add
 ``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and
 ``--warm-steps`` decode steps have run, then time ``--steps`` decode steps and report the median.
-Alternating the two paths run by run keeps a noisy shared machine's drift out of the ratio.
+Alternating the two run by run keeps a noisy shared machine's drift out of the ratio.
 
     python scripts/bench_cpu_decode.py [--model-dir DIR | --demo large] [--batch 32] [--runs 3] [--temperature 0]
-        [--kv-format model|int8|int4]
+        [--kv-format model|int8|int4] [--compare native|gemm] [--threads N]
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def child(args) -> dict:
     from llmbus.engine.engine import Engine
     from llmbus.engine.sampling_params import SamplingParams
 
-    engine = Engine.from_model_dir(str(args.model_dir), EngineConfig(max_num_seqs=args.batch, kv_format=args.kv_format))
+    config = EngineConfig(max_num_seqs=args.batch, kv_format=args.kv_format, num_threads=args.threads)
+    engine = Engine.from_model_dir(str(args.model_dir), config)
     vocab = engine.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=args.warm_steps + args.steps + 64, ignore_eos=True, temperature=args.temperature)
@@ -48,6 +51,13 @@ def child(args) -> dict:
     return {"median_ms": 1000 * statistics.median(times)}
 
 
+# --compare: (label, environment) of the baseline, then of the variant
+VARIANTS = {
+    "native": (("torch", {"LLMBUS_CPU_NATIVE": "0"}), ("fused", {"LLMBUS_CPU_NATIVE": "1"})),
+    "gemm": (("onednn", {"LLMBUS_CPU_GEMM": "onednn"}), ("blocked", {"LLMBUS_CPU_GEMM": "blocked"})),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", type=Path)
@@ -59,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
+    ap.add_argument("--compare", default="native", choices=tuple(VARIANTS))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -73,19 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     if "--model-dir" not in passed:
         passed += ["--model-dir", str(args.model_dir)]
     rows = []
+    (base, _), (variant, _) = VARIANTS[args.compare]
     for run in range(args.runs):
         row = {}
-        for native in ("0", "1"):
-            env = {**os.environ, "LLMBUS_CPU_NATIVE": native}
-            out = subprocess.run([sys.executable, __file__, *passed, "--child"], env=env, check=True,
-                                 capture_output=True, text=True).stdout  # fmt: skip
-            row["fused" if native == "1" else "torch"] = json.loads(out.strip().splitlines()[-1])["median_ms"]
+        for label, env in VARIANTS[args.compare]:
+            out = subprocess.run([sys.executable, __file__, *passed, "--child"], env={**os.environ, **env},
+                                 check=True, capture_output=True, text=True).stdout  # fmt: skip
+            row[label] = json.loads(out.strip().splitlines()[-1])["median_ms"]
         rows.append(row)
-        print(f"run {run + 1}: torch path {row['torch']:.1f} ms, fused kernel {row['fused']:.1f} ms "
-              f"({row['fused'] / row['torch']:.2f}x)", flush=True)
+        print(f"run {run + 1}: {base} {row[base]:.1f} ms, {variant} {row[variant]:.1f} ms "
+              f"({row[variant] / row[base]:.2f}x)", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"model": str(args.model_dir), "batch": args.batch, "prompt_len": args.prompt_len,
-                                        "temperature": args.temperature, "kv_format": args.kv_format, "runs": rows}, indent=1))  # fmt: skip
+                                        "temperature": args.temperature, "kv_format": args.kv_format,
+                                        "compare": args.compare, "threads": args.threads, "runs": rows}, indent=1))  # fmt: skip
     return 0
 
 

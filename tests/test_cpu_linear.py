@@ -1,4 +1,5 @@
-"""oneDNN-packed projection weights on CPU: the same products as F.linear, one copy of each weight."""
+"""Packed projection weights on CPU (oneDNN's layout, or ours blocked for bf16): the same products
+as F.linear, one copy of each weight."""
 
 from __future__ import annotations
 
@@ -6,12 +7,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine
 from llmbus.model import cpu_linear
+from llmbus.model.cpu_linear import PackedWeight
 from llmbus.model.demo import make_demo_model
 
 CPU = torch.device("cpu")
+
+
+def _greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """12 greedy tokens and their logprobs."""
+    from llmbus.engine.sampling_params import SamplingParams
+
+    engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
+    toks, lps = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            toks += out.new_token_ids
+            lps += [lp.logprob for lp in out.logprobs or []]
+    return toks, lps
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
@@ -47,16 +63,78 @@ def test_engine_packs_its_model_and_keeps_one_copy(tmp_path):
     assert layer.self_attn.qkv_weight.numel() == 0 and layer.mlp.down_weight.numel() == 0  # plain copies freed
     assert plain.model.layers[0].self_attn.packed == {}
     assert packed.model.pack_cpu_weights() is False  # once only
-    from llmbus.engine.sampling_params import SamplingParams
-
     outs = {}
     for name, engine in (("packed", packed), ("plain", plain)):
-        engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
-        toks, lps = [], []
-        while engine.has_unfinished():
-            for out in engine.step():
-                toks += out.new_token_ids
-                lps += [lp.logprob for lp in out.logprobs or []]
-        outs[name] = (toks, lps)
+        outs[name] = _greedy(engine, prompt)
     assert outs["packed"][0] == outs["plain"][0]
     assert outs["packed"][1] == pytest.approx(outs["plain"][1], abs=1e-4)
+
+
+needs_bf16_dot = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("n,k", [(16, 2), (96, 80), (1280, 768), (64, 2048)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 150])
+def test_blocked_linear_matches_the_fp64_product(n, k, rows):
+    """Every row count the kernel special-cases (1-8 in registers, then passes of 8), and with K =
+    2048 row tiles of 64 (150 rows: three tiles, the last partial); with and without bias."""
+    g = torch.Generator().manual_seed(n * rows + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    blocked = cpu_native.to_blocked(w)
+    for bias in (None, b):
+        got = cpu_native.linear(x, blocked, bias)
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # fp32 sums rounded once to bf16: within half a bf16 ulp plus the fp32 summation error
+        err = (got.double() - want).abs() - 2 ** -8 * want.abs()
+        assert err.max().item() <= 1e-4 * k ** 0.5 * (1 + want.abs().max().item())
+
+
+@needs_bf16_dot
+def test_blocked_layout_round_trips_and_takes_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    blocked = cpu_native.to_blocked(w)
+    assert blocked.shape == (3, 32, 16, 2) and torch.equal(cpu_native.from_blocked(blocked), w)
+    wide = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    rows = wide[:, 32:96]  # rows 128 apart
+    assert torch.equal(cpu_native.linear(rows, blocked, None), cpu_native.linear(rows.contiguous(), blocked, None))
+    with pytest.raises(ValueError, match="features"):
+        cpu_native.linear(torch.zeros(2, 62, dtype=torch.bfloat16), blocked, None)
+
+
+@needs_bf16_dot
+def test_pack_chooses_the_blocked_layout_for_bf16_where_it_applies(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64, generator=g).to(torch.bfloat16)  # leading dims kept
+    packed = cpu_linear.pack(w)
+    assert packed.blocked is not None and packed.onednn is None
+    assert torch.equal(cpu_linear.linear(x, w, None, packed), cpu_native.linear(x.reshape(6, 64), packed.blocked, None).reshape(2, 3, 32))
+    # outputs not a multiple of 16, fp32, or oneDNN asked for: oneDNN's layout
+    assert cpu_linear.pack(torch.randn(20, 64).to(torch.bfloat16)).onednn is not None
+    assert cpu_linear.pack(torch.randn(32, 64)).onednn is not None
+    monkeypatch.setenv("LLMBUS_CPU_GEMM", "onednn")
+    assert cpu_linear.pack(w).blocked is None
+    # rows the kernel does not take (features strided): the plain product from the unblocked weight
+    cols = torch.randn(64, 2, generator=g).to(torch.bfloat16).T
+    got = cpu_linear.linear(cols, w, None, PackedWeight(blocked=cpu_native.to_blocked(w)))
+    assert torch.equal(got, F.linear(cols, w))
+
+
+@needs_bf16_dot
+def test_bf16_engine_with_blocked_weights_generates_as_the_plain_model(tmp_path):
+    model_dir = make_demo_model(tmp_path / "m", "small")
+    prompt = list(range(3, 40))
+    outs = {}
+    for name, pack_weights in (("blocked", True), ("plain", False)):
+        engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype="bfloat16", device="cpu", pack_cpu_weights=pack_weights))
+        if pack_weights:
+            assert engine.model.layers[0].mlp.packed["down"].blocked is not None
+            assert engine.model.packed_lm_head.blocked is not None
+        outs[name] = _greedy(engine, prompt)
+    assert outs["blocked"][0] == outs["plain"][0]
+    assert outs["blocked"][1] == pytest.approx(outs["plain"][1], abs=0.05)

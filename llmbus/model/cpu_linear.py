@@ -6,15 +6,35 @@ Measured on 2 AMD EPYC cores for the large demo model's projections: a decode-si
 (32 rows) 4.27 -> 3.18 ms in bf16 and 16.0 -> 6.3 ms in fp32; prefill-sized (2,048 rows) 7-15%
 faster. The results are the same products (oneDNN computes them either way in bf16; in fp32 the
 summation order may differ in the last bits).
+
+bf16 weights go further where the CPU has the bf16 dot instruction: they are blocked once for our
+own kernel (``kernels.cpu_native.linear``, the layout and the reasons in kernels/cpu_decode.c)
+instead of oneDNN's, still one copy. A decode step at low batch is bound by reading the weights
+once; oneDNN reads them at 12-15 GB/s on one core for 1-4 rows, the blocked kernel at ~24 (the large
+demo model's projections for one row, one thread: 12.6 -> 7.0 ms; 32 rows 32 -> 29-31 ms; 1,024
+rows on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout for bf16 too (for comparison).
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
+
 # rows the packed layout is tuned for: the measured speed barely depends on it (1, 32 or 2,048)
 BATCH_HINT = 32
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One copy of a weight, in exactly one of the two layouts."""
+
+    onednn: torch.Tensor | None = None  # opaque oneDNN tensor
+    blocked: torch.Tensor | None = None  # kernels.cpu_native.to_blocked's layout
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -28,13 +48,21 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``[out, in]`` -> an opaque oneDNN tensor usable only by :func:`linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
+def pack(weight: torch.Tensor) -> PackedWeight:
+    """``[out, in]`` -> a layout usable only by :func:`linear`: blocked for our kernel where it
+    serves the weight, else oneDNN's."""
+    if os.environ.get("LLMBUS_CPU_GEMM") != "onednn" and cpu_native.linear_supported(weight):
+        return PackedWeight(blocked=cpu_native.to_blocked(weight))
+    return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.onednn is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    if (y := cpu_native.linear(rows, packed.blocked, bias)) is None:  # rows the kernel does not take
+        y = F.linear(rows, cpu_native.from_blocked(packed.blocked), bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

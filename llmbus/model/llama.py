@@ -15,7 +15,7 @@ from torch import nn
 from kernels import cpu_native
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
-from llmbus.model.cpu_linear import linear, pack, packing_supported
+from llmbus.model.cpu_linear import PackedWeight, linear, pack, packing_supported
 from llmbus.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype, device=device) if cfg.qkv_bias else None
         self.o_weight = _param(cfg.hidden_size, self.q_size, dtype=dtype, device=device)
         self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
-        self.packed: dict[str, torch.Tensor] = {}  # "qkv", "o": oneDNN weights (LlamaForCausalLM.pack_cpu_weights)
+        self.packed: dict[str, PackedWeight] = {}  # "qkv", "o": packed weights (LlamaForCausalLM.pack_cpu_weights)
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -74,7 +74,7 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(2 * i, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.down_weight = _param(h, i, dtype=dtype, device=device)
         self.down_bias = _param(h, dtype=dtype, device=device) if cfg.mlp_bias else None
-        self.packed: dict[str, torch.Tensor] = {}  # "gate_up", "down"
+        self.packed: dict[str, PackedWeight] = {}  # "gate_up", "down"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up"))
@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else _param(v, h, dtype=dtype, device=device)
         rope_device = "cpu" if torch.device(device).type == "meta" else device
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, rope_device)
-        self.packed_lm_head: torch.Tensor | None = None
+        self.packed_lm_head: PackedWeight | None = None
 
     def _apply(self, fn, recurse=True):  # keep the rope frequencies on the parameters' device
         out = super()._apply(fn, recurse)
@@ -127,9 +127,10 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def pack_cpu_weights(self) -> bool:
-        """Reorder every projection weight once into oneDNN's layout (``llmbus.model.cpu_linear``)
-        and free the plain copies, so the model holds one copy of each. Returns False, changing
-        nothing, where packing is unsupported (not CPU, fp16, no bf16 instructions).
+        """Reorder every projection weight once into a layout for a faster CPU product
+        (``llmbus.model.cpu_linear``: ours blocked for bf16 with the bf16 dot instruction, else
+        oneDNN's) and free the plain copies, so the model holds one copy of each. Returns False,
+        changing nothing, where packing is unsupported (not CPU, fp16, no bf16 instructions).
 
         After this the projection parameters are empty: the model only runs forward."""
         weight = self.embed_tokens
