@@ -100,6 +100,8 @@ def _build(force: bool = False) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried
+    if _lib is not None:  # loaded: no lock (every kernel call of every step asks)
+        return _lib
     with _lock:
         if _tried:
             return _lib

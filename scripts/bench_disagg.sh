@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 M=${1:-bench-results/models/large-sp}
 OUT_DIR=${OUT_DIR:-bench-results}
 MIXED="--dataset mixed --num-prompts 32 --input-len 64 --output-len 64 --long-share 0.125 --long-input-len 1024 --long-output-len 8 --ignore-eos --request-rate 2 --slo ttft:2000 tpot:100"
-for mode in disaggregated colocated; do
+for mode in ${MODES:-disaggregated colocated}; do
   extra=""; [ $mode = colocated ] && extra="--colocated --threads 2"
   [ $mode = disaggregated ] && extra="--threads 1"
   rm -rf /tmp/llmbus-$mode
