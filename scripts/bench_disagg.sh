@@ -1,6 +1,7 @@
 #!/bin/bash
 # Disaggregated (one prefill + one decode process) vs colocated (one worker doing both), same 2 cores,
-# on `mixed`: short chat requests with long prompts interleaved. usage: bash scripts/bench_disagg.sh [MODEL_DIR]
+# on `mixed`: short chat requests with long prompts interleaved.
+# usage: [MODES=disaggregated] bash scripts/bench_disagg.sh [MODEL_DIR]
 cd "$(dirname "$0")/.."
 M=${1:-bench-results/models/large-sp}
 OUT_DIR=${OUT_DIR:-bench-results}
