@@ -18,6 +18,7 @@ from llmbus.bus.kvclient import KVPoolClient, KVPoolError
 from llmbus.bus.service import READY_PREFIX
 from llmbus.kv.layout import KVLayout
 from llmbus.protocol import ErrorReply, decode
+from llmbus.worker.base import EngineWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
@@ -61,6 +62,16 @@ def test_shm_write_is_read_back_over_the_bus_from_the_kvpool_process(nats_server
         await remote.write_blocks(lease, 1, new_mid)  # chunked over the bus
         assert await local.read_blocks(lease, 1, 1) == new_mid
         assert await local.read_blocks(lease) == data[:BLOCK] + new_mid + data[2 * BLOCK :]
+        # from shared memory: one writable copy, which the workers' lease_rows use in place
+        got = await local.read_blocks(lease, 1, 2)
+        assert isinstance(got, bytearray) and got == new_mid + data[2 * BLOCK :]
+        rows = EngineWorker.lease_rows(got, 2, BLOCK, 2, BLOCK // 2 - 8)  # 8 bytes of padding per layer
+        assert rows.shape == (2, 2, BLOCK // 2 - 8) and bytes(rows[1, 0]) == data[2 * BLOCK : 2 * BLOCK + BLOCK // 2 - 8]
+        got[BLOCK] ^= 0xFF
+        assert rows[1, 0, 0].item() == got[BLOCK]  # the same memory, not a copy
+        copied = EngineWorker.lease_rows(bytes(got), 2, BLOCK, 2, BLOCK // 2 - 8)
+        got[BLOCK] ^= 0xFF
+        assert copied[1, 0, 0].item() != got[BLOCK]  # bytes are copied (torch needs a writable buffer)
         with pytest.raises(ValueError, match="not a multiple of the block size"):
             await local.write_blocks(lease, 0, b"x" * (BLOCK + 1))
         with pytest.raises(ValueError, match="outside the lease's 3 blocks"):

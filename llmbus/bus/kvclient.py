@@ -134,15 +134,22 @@ class KVPoolClient:
             chunk = bytes(view[pos : pos + self.chunk_bytes])
             await self._call("write", WriteRequest(lease.lease_id, offset + pos, chunk), WriteReply)
 
-    async def read_blocks(self, lease: Lease, index: int = 0, count: int | None = None) -> bytes:
-        """``count`` blocks (default: the rest of the lease) from lease block ``index``."""
+    async def read_blocks(self, lease: Lease, index: int = 0, count: int | None = None) -> bytes | bytearray:
+        """``count`` blocks (default: the rest of the lease) from lease block ``index``; from shared
+        memory a bytearray, written once (a long prompt's handoff is megabytes, copied while the
+        engine thread waits for the GIL: bytes per span, then their join, then the caller's
+        writable copy were three)."""
         count = len(lease.blocks) - index if count is None else count
         offset = self._offset(lease, index, count)
         length = count * lease.block_bytes
         segment = self._segment(lease)
         if segment is not None:
-            spans = shm.lease_spans(lease.blocks, lease.block_bytes, offset, length)
-            return b"".join(bytes(segment.buf[s : s + n]) for s, n in spans)
+            out = bytearray(length)
+            view, pos = memoryview(out), 0
+            for s, n in shm.lease_spans(lease.blocks, lease.block_bytes, offset, length):
+                view[pos : pos + n] = segment.buf[s : s + n]
+                pos += n
+            return out
         parts = []
         for pos in range(0, length, self.chunk_bytes):
             n = min(self.chunk_bytes, length - pos)

@@ -137,12 +137,14 @@ class EngineWorker(abc.ABC):
                 await self.kv.release(lease.lease_id)
 
     @staticmethod
-    def lease_rows(raw: bytes, n_blocks: int, lease_block_bytes: int, num_layers: int, layer_bytes: int):
+    def lease_rows(raw: bytes | bytearray, n_blocks: int, lease_block_bytes: int, num_layers: int, layer_bytes: int):
         """The inverse of ``write_rows``: ``n_blocks`` lease blocks read back as ``Engine.read_blocks``
-        rows ``[n, layers, bytes]`` (each block's zero padding dropped)."""
+        rows ``[n, layers, bytes]`` (each block's zero padding dropped); a bytearray is used in
+        place, bytes copied once (torch wants a writable buffer)."""
         import torch
 
-        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n_blocks, lease_block_bytes)
+        buf = raw if isinstance(raw, bytearray) else bytearray(raw)
+        rows = torch.frombuffer(buf, dtype=torch.uint8).reshape(n_blocks, lease_block_bytes)
         return rows[:, : num_layers * layer_bytes].reshape(n_blocks, num_layers, layer_bytes)
 
 
