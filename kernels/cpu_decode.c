@@ -525,11 +525,11 @@ void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_, const 
    in L2 while the thread's blocks stream past.
 
    Why not oneDNN's packed GEMM (llmbus/model/cpu_linear.py): a decode step at low batch is bound
-   by reading the weights once, and oneDNN reads the large demo model's projections at 12-15 GB/s
-   on one core for 1-4 rows, this at ~24 (a plain sequential read's rate): 12.6 -> 7.0 ms for all
-   of them at 1 row, one thread; 2 threads, 8 rows 8.2-8.4 -> 5.6-5.9 ms, 32 rows 16.6-22.1 ->
-   14.8; 2,048 rows (prefill) on par. Sums are fp32 in the instruction's order; each output is
-   rounded to bf16 once, with the bias. */
+   by reading the weights once, and oneDNN reads the large demo model's projections at 11-15 GB/s
+   on one core for 1-8 rows, this at 17-23 (a plain sequential read reaches ~24). All of them
+   (scripts/bench_cpu_linear.py), one thread: 1 row 13.9 -> 7.8 ms, 4 rows 11.8 -> 8.8, 32 rows
+   31.9 -> 30.6; two threads, 1 row 8.4 -> 5.5, 1,024 rows (prefill) on par. Sums are fp32 in the
+   instruction's order; each output is rounded to bf16 once, with the bias. */
 #define LIN_N 16 /* output rows per block: the 16 fp32 lanes */
 #define LIN_MB 8 /* rows of x per pass over a block */
 #define LIN_PREFETCH 1024

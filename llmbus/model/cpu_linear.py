@@ -10,9 +10,9 @@ summation order may differ in the last bits).
 bf16 weights go further where the CPU has the bf16 dot instruction: they are blocked once for our
 own kernel (``kernels.cpu_native.linear``, the layout and the reasons in kernels/cpu_decode.c)
 instead of oneDNN's, still one copy. A decode step at low batch is bound by reading the weights
-once; oneDNN reads them at 12-15 GB/s on one core for 1-4 rows, the blocked kernel at ~24 (the large
-demo model's projections for one row, one thread: 12.6 -> 7.0 ms; 32 rows 32 -> 29-31 ms; 1,024
-rows on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout for bf16 too (for comparison).
+once; oneDNN reads them at 11-15 GB/s on one core for 1-8 rows, the blocked kernel at 17-23 (the
+large demo model's projections, scripts/bench_cpu_linear.py: one row, one thread 13.9 -> 7.8 ms;
+32 rows 31.9 -> 30.6 ms; 1,024 rows, two threads, on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout for bf16 too (for comparison).
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""All of a model's projections, one decode step's worth: oneDNN's packed GEMM against our blocked kernel.
+
+The shapes of ``--demo`` (default: large) demo model's layers (fused q/k/v, o, fused gate/up, down)
+and its lm_head, random bf16 weights, both layouts built in one process; each repetition runs every
+product once per layout, alternating, with fresh inputs of ``--rows`` rows; the median of
+``--reps`` is reported in ms and as the weights' bytes per second.
+
+    python scripts/bench_cpu_linear.py [--rows 1,4,32] [--threads 1] [--reps 15] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import cpu_native  # noqa: E402
+from llmbus.model.demo import DEMO_SIZES  # noqa: E402
+
+
+def shapes(size: str) -> list[tuple[int, int]]:
+    c = DEMO_SIZES[size]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    head = h // c["num_attention_heads"]
+    qkv = h + 2 * c["num_key_value_heads"] * head
+    return [(qkv, h), (h, h), (2 * i, h), (h, i)] * c["num_hidden_layers"] + [(c["vocab_size"], h)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--demo", default="large", choices=tuple(DEMO_SIZES))
+    ap.add_argument("--rows", default="1,4,32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if not cpu_native.has_bf16_dot():
+        print("this CPU (or build) has no bf16 dot instruction: the blocked kernel does not run here")
+        return 1
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g).to(torch.bfloat16) for n, k in shapes(args.demo)]
+    total = sum(w.numel() * 2 for w in weights)
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    blocked = [cpu_native.to_blocked(w) for w in weights]
+    del weights
+
+    def step(kind: str, rows: int) -> float:
+        xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {b.shape[1] * 2 for b in blocked}}
+        t = time.perf_counter()
+        for p, b in zip(onednn, blocked):
+            x = xs[b.shape[1] * 2]
+            if kind == "onednn":
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            else:
+                cpu_native.linear(x, b, None)
+        return time.perf_counter() - t
+
+    result = {"demo": args.demo, "threads": args.threads, "weight_bytes": total, "rows": {}}
+    print(f"{args.demo} demo model, {total / 1e6:.0f} MB of projections, {args.threads} thread(s), median of {args.reps}")
+    for rows in (int(r) for r in args.rows.split(",")):
+        times: dict[str, list[float]] = {"onednn": [], "blocked": []}
+        for _ in range(args.reps):
+            for kind in times:
+                times[kind].append(step(kind, rows))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        result["rows"][rows] = {k: 1e3 * v for k, v in med.items()}
+        print(f"rows {rows:5d}: oneDNN {1e3 * med['onednn']:7.2f} ms ({total / med['onednn'] / 1e9:5.1f} GB/s), "
+              f"blocked {1e3 * med['blocked']:7.2f} ms ({total / med['blocked'] / 1e9:5.1f} GB/s), "
+              f"{med['blocked'] / med['onednn']:.2f}x", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
