@@ -277,9 +277,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 PREFILL_MAX_GROUP = 64  # query heads per KV head the prefill kernel's tiles hold
 
 
+_bf16_dot: bool | None = None
+
+
 def has_bf16_dot() -> bool:
     """Whether the library loaded and this CPU has the bf16 dot instruction its bf16 kernels use."""
-    return _load() is not None and bool(_lib.have_bf16_dot())
+    global _bf16_dot
+    if _bf16_dot is None:  # NOTE: asked on every linear call: the answer is kept once known
+        _bf16_dot = _load() is not None and bool(_lib.have_bf16_dot())
+    return _bf16_dot
 
 
 def prefill_supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -332,7 +338,8 @@ def linear_supported(weight: torch.Tensor) -> bool:
     """Whether ``linear`` can serve this ``[out, in]`` weight: bf16 on a CPU with the bf16 dot
     instruction, ``out`` a multiple of 16 and ``in`` of 2."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[0] % LINEAR_BLOCK == 0 and weight.shape[1] % 2 == 0 and has_bf16_dot())  # fmt: skip
+            and weight.numel() > 0 and weight.shape[0] % LINEAR_BLOCK == 0 and weight.shape[1] % 2 == 0
+            and has_bf16_dot())  # fmt: skip
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -358,6 +365,8 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
         raise ValueError(f"x has {x.shape[1]} features, the weight {2 * pairs}")
     n = groups * LINEAR_BLOCK
     if bias is not None:
+        if bias.numel() != n:
+            raise ValueError(f"bias has {bias.numel()} values, the weight {n} outputs")
         bias = bias.contiguous()
     y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
     _lib.linear_bf16(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(),

@@ -33,14 +33,19 @@ def _greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_equals_f_linear(dtype, atol, rows, with_bias):
+@pytest.mark.parametrize("gemm", ["auto", "onednn"])  # bf16 "auto": the blocked kernel where it runs
+def test_packed_linear_equals_f_linear(dtype, atol, rows, with_bias, gemm, monkeypatch):
+    monkeypatch.setenv("LLMBUS_CPU_GEMM", gemm)
     if not cpu_linear.packing_supported(dtype, CPU):
         pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, 80, generator=g).to(dtype)
-    got = cpu_linear.linear(x, w, b, cpu_linear.pack(w))
+    packed = cpu_linear.pack(w)
+    blocked = gemm == "auto" and dtype == torch.bfloat16 and cpu_native.has_bf16_dot()
+    assert (packed.blocked is not None, packed.onednn is not None) == (blocked, not blocked)
+    got = cpu_linear.linear(x, w, b, packed)
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.dtype == dtype and got.shape == (rows, 96)
     # bf16: both round the fp32-accumulated product once; compare against the fp32 product
@@ -104,6 +109,9 @@ def test_blocked_layout_round_trips_and_takes_strided_rows():
     assert torch.equal(cpu_native.linear(rows, blocked, None), cpu_native.linear(rows.contiguous(), blocked, None))
     with pytest.raises(ValueError, match="features"):
         cpu_native.linear(torch.zeros(2, 62, dtype=torch.bfloat16), blocked, None)
+    with pytest.raises(ValueError, match="bias has 16 values, the weight 48"):
+        cpu_native.linear(rows, blocked, torch.zeros(16, dtype=torch.bfloat16))
+    assert not cpu_native.linear_supported(torch.zeros(16, 0, dtype=torch.bfloat16))  # nothing to block
 
 
 @needs_bf16_dot

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 
-# the wait for jobs the consumer reported pending: another replica may have taken them meanwhile
+# the wait for each job the consumer reported pending: another replica may have taken it meanwhile
 _READY_WAIT_S = 0.05
 
 
@@ -42,22 +42,28 @@ class PullWorker:
         """Up to ``capacity`` jobs: those ready now, or the first to arrive within ``timeout`` s;
         [] when none (or capacity < 1).
 
-        NOTE: one message first, then as many more as the consumer reports pending. nats-py's
-        ``fetch(n)`` for n > 1 returns only when n messages came or the pull request expired, so a
-        lone job published while a worker waited sat in its queue for the rest of the wait (a
-        real server: 74-125 ms in 3 of 12 publishes at n = 64, 1 ms at n = 1; a decode worker's
-        handoff 150-230 ms, which was the p99 of short requests' TPOT)."""
+        NOTE: one message at a time: the first within ``timeout``, then as many more as the
+        consumer reports pending, each within ``_READY_WAIT_S``. nats-py's ``fetch(n)`` for n > 1
+        returns only when n messages came or the pull request expired, so a lone job published
+        while a worker waited could sit in its queue for the rest of the wait (a real server:
+        74-143 ms in about 1 of 10-30 publishes at n = 64, 1 ms at n = 1; a decode worker's handoff
+        150-230 ms, which was the p99 of short requests' TPOT). A ``fetch(n)`` cut short also
+        leaves the rest of its batch to land in the local queue, which its next call takes whole,
+        past any capacity; a ``fetch(1)`` cut short leaves at most one, which the next call takes
+        first."""
         if capacity < 1:
             await asyncio.sleep(min(timeout, 0.05))
             return []
-        try:
-            msgs = await self._sub.fetch(1, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):  # NOTE: nats raises either on an empty fetch
-            return []
-        ready = min(capacity - len(msgs), msgs[-1].metadata.num_pending) if msgs else 0
-        if ready > 0:  # a burst: the rest in one request (all are there, so it returns at once)
-            with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
-                msgs += await self._sub.fetch(ready, timeout=_READY_WAIT_S)
+        msgs: list[Msg] = []
+        wait = timeout
+        while len(msgs) < capacity:
+            try:
+                msgs += await self._sub.fetch(1, timeout=wait)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # NOTE: nats raises either on an empty fetch
+                break
+            if not msgs[-1].metadata.num_pending:
+                break
+            wait = _READY_WAIT_S  # a burst: the rest are there already (unless another replica took them)
         return msgs
 
     @contextlib.asynccontextmanager
