@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
-from llmbus.bus.service import ServiceOptions, run_service
-from llmbus.bus.streams import ensure_streams
+from llmbus.bus.service import READY_PREFIX, ServiceOptions, run_service
+from llmbus.bus.streams import ensure_decode_consumer, ensure_streams
 from llmbus.engine.config import EngineConfig
-from llmbus.engine.engine import Engine
+from llmbus.engine.engine import Engine, kv_block_bytes
 from llmbus.model.demo import make_demo_model
-from llmbus.protocol import Abort, GenerateRequest, SamplingSpec, TokenEvent, decode, encode
+from llmbus.protocol import Abort, GenerateRequest, Handoff, SamplingSpec, TokenEvent, decode, encode
 from services.prefill.service import PrefillWorker
 
 BURST = 6
@@ -33,12 +36,12 @@ async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, 
 
 
 @contextlib.asynccontextmanager
-async def _colocated_worker(nats_server: str, engine: Engine, model: str):
-    """A colocated PrefillWorker run as a service until the block ends; yields the worker."""
+async def _colocated_worker(nats_server: str, engine: Engine, model: str, colocated: bool = True):
+    """A PrefillWorker (colocated unless told) run as a service until the block ends; yields the worker."""
     holder: dict = {}
 
     async def service(ctx):
-        holder["worker"] = PrefillWorker(ctx, engine, model, colocated=True)
+        holder["worker"] = PrefillWorker(ctx, engine, model, colocated=colocated)
         await holder["worker"].run()
 
     task = asyncio.create_task(run_service(ServiceOptions("prefill", nats_server, models=(model,)), service))
@@ -95,6 +98,45 @@ def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
     # NOTE: taken one job at a time, each waited for a step boundary, so steps prefilled one prompt each
     assert max(prompts_per_step) >= BURST // 2, prompts_per_step
     assert engine.leak_check()["free_blocks"] == engine.leak_check()["total_blocks"]
+
+
+def test_a_short_prompt_is_handed_off_before_a_long_one_prefilled_with_it(nats_server, tmp_path):
+    """Handoffs of one step leave shortest prompt first: the short one's first token is out, and
+    its second should not wait behind the long one's KV (export, lease, copy) in the queues they
+    share (the engine thread, kvpool)."""
+    model = "order"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+    kvpool = subprocess.Popen(
+        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes",
+         str(kv_block_bytes(engine.layout, "model")), "--capacity-blocks", "64", "--log-level", "WARNING"],
+        cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert kvpool.stdout.readline().startswith(f"{READY_PREFIX} kvpool ")
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js, models=(model,))
+        handoffs = await js.pull_subscribe_bind(await ensure_decode_consumer(js, model), stream=subjects.DECODE_STREAM)
+        # long first: both wait in the lane before the worker starts, so one step prefills them
+        await _submit(js, model, "long", [3 + i % 1500 for i in range(600)], 4)
+        await _submit(js, model, "short", list(range(3, 11)), 4)
+        msgs = []
+        async with _colocated_worker(nats_server, engine, model, colocated=False):
+            while len(msgs) < 2:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    msgs += await handoffs.fetch(2 - len(msgs), timeout=5)
+        for m in msgs:
+            await m.ack()
+        await nc.close()
+        return [decode(Handoff, m.data).request.request_id for m in msgs]  # in stream order
+
+    try:
+        assert asyncio.run(asyncio.wait_for(body(), 120)) == ["short", "long"]
+    finally:
+        kvpool.terminate()
+        kvpool.wait(timeout=20)
+        kvpool.stdout.close()
 
 
 def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, tmp_path):
