@@ -538,6 +538,15 @@ void rope_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos_, const 
 #endif
 
 #if HAVE_DPBF16
+/* the hint must be a compile-time constant, hence a macro */
+#define PREFETCH_4_LINES(p, hint)                                                                   \
+    do {                                                                                            \
+        _mm_prefetch((p), hint);                                                                    \
+        _mm_prefetch((p) + 64, hint);                                                               \
+        _mm_prefetch((p) + 128, hint);                                                              \
+        _mm_prefetch((p) + 192, hint);                                                              \
+    } while (0)
+
 static inline __attribute__((always_inline)) void linear_block(const uint16_t *x, int64_t x_stride, int64_t k_len,
                                                                const uint16_t *w, const uint16_t *bias, uint16_t *y,
                                                                int64_t y_stride, const int mb) {
@@ -549,17 +558,11 @@ static inline __attribute__((always_inline)) void linear_block(const uint16_t *x
     for (int64_t k = 0; k < k_len; k += 2, w += 2 * LIN_N) {
         if ((k & 7) == 0) { /* every 256 bytes of weight, the 4 lines LIN_PREFETCH ahead */
             const char *pf = (const char *)w + LIN_PREFETCH;
-            if (mb <= 2) { /* to L2 only: 1-2 rows stream faster so (M=1 ~10%); 4-8 rows slower */
-                _mm_prefetch(pf, _MM_HINT_T1);
-                _mm_prefetch(pf + 64, _MM_HINT_T1);
-                _mm_prefetch(pf + 128, _MM_HINT_T1);
-                _mm_prefetch(pf + 192, _MM_HINT_T1);
-            } else {
-                _mm_prefetch(pf, _MM_HINT_T0);
-                _mm_prefetch(pf + 64, _MM_HINT_T0);
-                _mm_prefetch(pf + 128, _MM_HINT_T0);
-                _mm_prefetch(pf + 192, _MM_HINT_T0);
-            }
+            /* 1-2 rows stream the weight faster when it lands in L2 only (1 row ~10%), 4-8 slower */
+            if (mb <= 2)
+                PREFETCH_4_LINES(pf, _MM_HINT_T1);
+            else
+                PREFETCH_4_LINES(pf, _MM_HINT_T0);
         }
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w);
         for (int m = 0; m < mb; m++) {
