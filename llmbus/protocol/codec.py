@@ -120,6 +120,29 @@ def _got(value: Any) -> str:
     return type(value).__name__
 
 
+def _expect(what: str, kinds: type | tuple[type, ...], *, bools: bool = True,
+            convert: Callable[[Any], Any] | None = None) -> Checker:  # fmt: skip
+    """A checker accepting instances of ``kinds`` (not bools unless ``bools``: bool is an int),
+    returned as they are or through ``convert``."""
+
+    def check(value: Any, where: str) -> Any:
+        if isinstance(value, kinds) and (bools or value.__class__ is not bool):
+            return value if convert is None else convert(value)
+        raise ProtocolError(f"{where}: expected {what}, got {_got(value)}")
+
+    return check
+
+
+_MAP = _expect("a map", dict)
+_SCALAR_CHECKERS: dict[type, Checker] = {
+    bool: _expect("a boolean", bool),
+    int: _expect("an integer", int, bools=False),
+    float: _expect("a number", (int, float), bools=False, convert=float),
+    str: _expect("a string", str),
+    bytes: _expect("bytes", (bytes, bytearray), convert=bytes),
+}
+
+
 def _checker(tp: Any) -> Checker:
     """A function ``(value, where) -> value converted to tp``, raising ProtocolError naming ``where``.
 
@@ -171,47 +194,9 @@ def _checker(tp: Any) -> Checker:
 
         return tuple_of
     if origin is dict:
-        def map_of(value: Any, where: str) -> dict:
-            if not isinstance(value, dict):
-                raise ProtocolError(f"{where}: expected a map, got {_got(value)}")
-            return value  # free-form maps (engine state) are checked by their consumer
-
-        return map_of
-    if tp is bool:
-        def boolean(value: Any, where: str) -> bool:
-            if not isinstance(value, bool):
-                raise ProtocolError(f"{where}: expected a boolean, got {_got(value)}")
-            return value
-
-        return boolean
-    if tp is int:
-        def integer(value: Any, where: str) -> int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ProtocolError(f"{where}: expected an integer, got {_got(value)}")
-            return value
-
-        return integer
-    if tp is float:
-        def number(value: Any, where: str) -> float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ProtocolError(f"{where}: expected a number, got {_got(value)}")
-            return float(value)
-
-        return number
-    if tp is str:
-        def string(value: Any, where: str) -> str:
-            if not isinstance(value, str):
-                raise ProtocolError(f"{where}: expected a string, got {_got(value)}")
-            return value
-
-        return string
-    if tp is bytes:
-        def raw_bytes(value: Any, where: str) -> bytes:
-            if not isinstance(value, (bytes, bytearray)):
-                raise ProtocolError(f"{where}: expected bytes, got {_got(value)}")
-            return bytes(value)
-
-        return raw_bytes
+        return _MAP  # free-form maps (engine state) are checked by their consumer
+    if tp in _SCALAR_CHECKERS:
+        return _SCALAR_CHECKERS[tp]
 
     def unsupported(value: Any, where: str) -> Any:
         raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a bug in a record definition
