@@ -12,7 +12,8 @@ own kernel (``kernels.cpu_native.linear``, the layout and the reasons in kernels
 instead of oneDNN's, still one copy. A decode step at low batch is bound by reading the weights
 once; oneDNN reads them at 11-15 GB/s on one core for 1-8 rows, the blocked kernel at 17-23 (the
 large demo model's projections, scripts/bench_cpu_linear.py: one row, one thread 13.9 -> 7.8 ms;
-32 rows 31.9 -> 30.6 ms; 1,024 rows, two threads, on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout for bf16 too (for comparison).
+32 rows 31.9 -> 30.6 ms; 1,024 rows, two threads, on par). ``LLMBUS_CPU_GEMM=onednn`` keeps
+oneDNN's layout for bf16 too (for comparison).
 """
 
 from __future__ import annotations

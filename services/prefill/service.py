@@ -209,8 +209,8 @@ class PrefillWorker(EngineWorker):
             # NOTE: shortest prompts first: each handoff's engine export and kvpool calls queue in
             # this order, and a short prompt prefilled in the same step as a long one should not
             # wait behind the long one's megabytes of KV (its first token is already out)
-            outputs = sorted(outputs, key=lambda o: len(self.jobs[o.request_id].request.prompt_token_ids)
-                             if o.request_id in self.jobs else 0)  # fmt: skip
+            outputs = sorted(outputs, key=lambda o: len(job.request.prompt_token_ids)
+                             if (job := self.jobs.get(o.request_id)) else 0)  # fmt: skip
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
