@@ -233,6 +233,17 @@ class CpuAttentionBackend:
             meta.backend_plans[self.name] = plan
         return plan
 
+    def native_decode_tables(self, cache, meta: AttentionMetadata, num_q_heads: int) -> NativeDecodes | None:
+        """The step's tables for the fused kernel when it computes every row of the step (all
+        decodes, a bf16 cache it serves), else None: what a caller running the whole step's
+        attention in C (``cpu_native.decode_layers``) needs."""
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.dtype != torch.bfloat16:
+            return None
+        plan = self.plan(cache, meta, num_q_heads)
+        if plan.decode_groups or plan.prefills or plan.native_prefills is not None:
+            return None
+        return plan.native
+
     def forward(self, q, k, v, cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``; writes k/v into ``cache`` first."""
         if not isinstance(cache, torch.Tensor) or cache.dim() != 5:

@@ -135,6 +135,9 @@ def _load() -> ctypes.CDLL | None:
         lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
         lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        lib.decode_layers_bf16.restype = ctypes.c_int
+        lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
+                                           i64, i64, i64, ctypes.c_float, ctypes.c_float, ctypes.c_int]  # fmt: skip
         _lib = lib
         return lib
 
@@ -372,3 +375,55 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
     _lib.linear_bf16(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(),
                      y.data_ptr(), x.shape[0], n, x.shape[1], torch.get_num_threads())  # fmt: skip
     return y
+
+
+DECODE_LAYER_PTRS = 10  # addresses per layer in ``decode_layers``'s table (DL_PTRS in the source)
+
+
+def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: torch.Tensor,
+                  caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                  num_heads: int, intermediate: int, eps: float, scale: float) -> None:
+    """Every decoder layer of a step whose tokens are all decodes, in one call (bf16, blocked
+    weights; kernels/cpu_decode.c ``decode_layers_bf16``): ``h [B, H]`` holds the embedded tokens
+    and is replaced in place by the last layer's output, bit-identical to running the layers'
+    modules; every layer's new keys/values are written to its cache. ``layers``: int64 ``[L, 10]``
+    addresses per layer (input norm weight, qkv blocked weight, qkv bias, o weight, o bias,
+    post-attention norm weight, gate_up weight, gate_up bias, down weight, down bias; 0 for no bias),
+    which the caller keeps alive. ``caches``: L contiguous bf16 ``[2, N, bs, Hkv, D]``; ``slots``
+    ``[B]``; tables/lens from ``prepare_tables``; cos/sin ``B x D/2`` bf16."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available")
+    first = caches[0]
+    _, n_blocks, bs, hkv, d = first.shape
+    b, hidden = h.shape
+    if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.device.type != "cpu":
+        raise ValueError("decode_layers needs contiguous bf16 CPU hidden states")
+    if layers.dtype != torch.int64 or tuple(layers.shape) != (len(caches), DECODE_LAYER_PTRS) or not layers.is_contiguous():
+        raise ValueError(f"expected int64 [{len(caches)}, {DECODE_LAYER_PTRS}] layer addresses, got {list(layers.shape)}")
+    for c in caches:
+        if c.shape != first.shape or c.dtype != torch.bfloat16 or not c.is_contiguous() or c.device.type != "cpu":
+            raise ValueError("decode_layers needs every layer's cache a contiguous bf16 CPU tensor of one shape")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.numel() != b * (d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be bf16 with {b} x {d // 2} values")
+    slots = slots.to(torch.int64).contiguous()
+    if slots.shape != (b,) or tables.dim() != 2 or tables.shape[0] != b or lens.shape != (b,):
+        raise ValueError(f"slots {list(slots.shape)}, tables {list(tables.shape)}, lens {list(lens.shape)} do not match "
+                         f"{b} decodes")  # fmt: skip
+    if tables.dtype != torch.int32 or lens.dtype != torch.int32 or not tables.is_contiguous() or not lens.is_contiguous():
+        raise ValueError("block tables and sequence lengths must be contiguous int32")
+    ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+    rc = lib.decode_layers_bf16(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(),
+                                len(caches), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b,
+                                hidden, num_heads, hkv, d, intermediate, bs, n_blocks, float(eps), float(scale),
+                                torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
+    if rc == 2:
+        raise ValueError(f"a cache slot lies outside the cache's {n_blocks * bs}")
+    if rc == 3:
+        raise MemoryError("decode_layers could not allocate its scratch buffers")
+    if rc != 0:
+        raise ValueError(f"unsupported decode_layers shape: hidden {hidden}, {num_heads}/{hkv} heads of {d}, "
+                         f"intermediate {intermediate}, block size {bs}")

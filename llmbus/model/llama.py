@@ -8,6 +8,8 @@ loader stacks the Hugging Face weights (``q;k;v`` and ``gate;up`` along the outp
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,6 +121,9 @@ class LlamaForCausalLM(nn.Module):
         rope_device = "cpu" if torch.device(device).type == "meta" else device
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings, rope_device)
         self.packed_lm_head: PackedWeight | None = None
+        # int64 [L, 10] weight addresses for cpu_native.decode_layers (set by pack_cpu_weights where
+        # every projection is blocked): a step of only decodes runs all its layers in one C call
+        self.decode_stack: torch.Tensor | None = None
 
     def _apply(self, fn, recurse=True):  # keep the rope frequencies on the parameters' device
         out = super()._apply(fn, recurse)
@@ -147,6 +152,41 @@ class LlamaForCausalLM(nn.Module):
             norm.fused = True
         if self.lm_head is not None:  # NOTE: a tied head is the embedding table, still needed for lookups
             self.lm_head.data = self.lm_head.data.new_empty(0)
+        self.decode_stack = self._decode_stack()
+        return True
+
+    def _decode_stack(self) -> torch.Tensor | None:
+        """The layers' weight addresses for ``cpu_native.decode_layers``, or None where it does not
+        serve: a projection not blocked (fp32, oneDNN's layout), a weight not bf16 or not contiguous,
+        ``LLMBUS_CPU_FUSED_LAYERS=0`` (the per-layer modules run, for comparison)."""
+        if os.environ.get("LLMBUS_CPU_FUSED_LAYERS", "1") == "0":
+            return None
+        rows = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = [layer.input_layernorm.weight, attn.packed["qkv"].blocked, attn.qkv_bias, attn.packed["o"].blocked,
+                       attn.o_bias, layer.post_attention_layernorm.weight, mlp.packed["gate_up"].blocked,
+                       mlp.gate_up_bias, mlp.packed["down"].blocked, mlp.down_bias]  # fmt: skip
+            if any(t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()) for t in tensors):
+                return None
+            if any(tensors[i] is None for i in (0, 1, 3, 5, 6, 8)):  # norms and projections: blocked ones
+                return None
+            rows.append([0 if t is None else t.data_ptr() for t in tensors])
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def _decode_layers(self, h: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> bool:
+        """All layers in one C call when the step is only decodes and the attention backend's fused
+        kernel serves the caches; False (nothing done) otherwise."""
+        if self.decode_stack is None or meta.num_decodes != h.shape[0]:
+            return False
+        tables_for = getattr(self.backend, "native_decode_tables", None)
+        native = tables_for(kv_caches[0], meta, self.config.num_attention_heads) if tables_for else None
+        if native is None:
+            return False
+        attn = self.layers[0].self_attn
+        cpu_native.decode_layers(h, cos, sin, self.decode_stack, kv_caches, meta.slot_mapping, native.tables,
+                                 native.lens, attn.num_heads, self.config.intermediate_size,
+                                 self.layers[0].input_layernorm.eps, attn.scale)  # fmt: skip
         return True
 
     @property
@@ -166,8 +206,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.layers)} per-layer KV caches, got {len(kv_caches)}")
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        for layer, cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, cache, meta, self.backend)
+        if not self._decode_layers(h, cos, sin, kv_caches, meta):
+            for layer, cache in zip(self.layers, kv_caches):
+                h = layer(h, cos, sin, cache, meta, self.backend)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""A decode-only step's decoder layers in one C call (``cpu_native.decode_layers``): the same
+hidden states and caches as the layer modules, bit for bit, and logits that track transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers  # the independent reference
+
+from kernels import cpu_native
+from kernels.cpu import CpuAttentionBackend
+from llmbus.model.loader import load_model
+from tests.model_factory import PagedDriver, write_random_model
+
+pytestmark = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
+
+CASES = {
+    "llama_gqa2": ("llama", {}),
+    "qwen2_bias": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}),  # q/k/v biases, GQA 4
+    "llama_all_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+}
+
+
+def _packed_model(model_dir):
+    model = load_model(model_dir, dtype="bfloat16").model
+    model.backend = CpuAttentionBackend()
+    assert model.pack_cpu_weights()
+    assert model.decode_stack is not None
+    return model
+
+
+class _Counted:
+    """Counts the calls of ``cpu_native.decode_layers`` (the real one runs)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.calls = 0
+        real = cpu_native.decode_layers
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_native, "decode_layers", counted)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_layers_equal_the_layer_modules(tmp_path, monkeypatch, name, threads):
+    arch, overrides = CASES[name]
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 3, **overrides}, seed=5, architecture=arch))
+    stack = model.decode_stack
+    counted = _Counted(monkeypatch)
+    fused, plain = PagedDriver(model, seed=1), PagedDriver(model, seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompts = {s: torch.randint(0, 512, (n,), generator=g).tolist() for s, n in (("a", 40), ("b", 17), ("c", 70))}
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for driver, decode_stack in ((fused, stack), (plain, None)):
+            model.decode_stack = decode_stack
+            driver.step(list(prompts.items()))  # prefill chunks: the layer modules either way
+        assert counted.calls == 0
+        for i in range(20):  # every sequence decodes; one joins late through a mixed step
+            step = [(s, [int(t)]) for s, t in zip("abc", torch.randint(0, 512, (3,), generator=g))]
+            if i == 10:
+                step.append(("d", torch.randint(0, 512, (9,), generator=g).tolist()))
+            elif i > 10:
+                step.append(("d", [7]))
+            outs = {}
+            for driver, decode_stack in ((fused, stack), (plain, None)):
+                model.decode_stack = decode_stack
+                outs[driver is fused] = driver.step(step)
+            assert all(torch.equal(x, y) for x, y in zip(outs[True], outs[False])), f"step {i}"
+    finally:
+        torch.set_num_threads(old)
+        model.decode_stack = stack
+    assert counted.calls == 19  # every decode-only step; not the one with a prefill chunk
+    assert all(torch.equal(x, y) for x, y in zip(fused.caches, plain.caches))
+
+
+def test_fused_decode_tracks_transformers(tmp_path, monkeypatch):
+    """Token-by-token decoding through the fused layers is as close to transformers' fp32 logits as
+    transformers' own bf16 run."""
+    model_dir = write_random_model(tmp_path, {"num_hidden_layers": 3}, seed=11, architecture="llama")
+    ids = torch.randint(0, 512, (60,), generator=torch.Generator().manual_seed(12)).tolist()
+    with torch.no_grad():
+        ref32 = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()(
+            torch.tensor([ids])).logits[0].float()
+        ref16 = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()(
+            torch.tensor([ids])).logits[0].float()
+    counted = _Counted(monkeypatch)
+    driver = PagedDriver(_packed_model(model_dir))
+    got = torch.cat(driver.step([("a", ids[:20])]) + [driver.step([("a", [t])])[0] for t in ids[20:]])
+    assert counted.calls == 40
+    ours_err, hf_err = (got - ref32).abs().max().item(), (ref16 - ref32).abs().max().item()
+    assert ours_err < max(2 * hf_err, 0.02), (ours_err, hf_err)
+
+
+def test_bad_slots_and_tables_are_refused(tmp_path):
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=2))
+    driver = PagedDriver(model, num_blocks=8)
+    driver.step([("a", list(range(5, 25)))])
+    caches = driver.caches
+    cfg, attn = model.config, model.layers[0].self_attn
+    h = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, cfg.head_dim // 2, dtype=torch.bfloat16)
+    lens = torch.tensor([21], dtype=torch.int32)
+
+    def run(slot: int, table: list[int]) -> None:
+        cpu_native.decode_layers(h, cos, sin, model.decode_stack, caches, torch.tensor([slot]),
+                                 torch.tensor([table], dtype=torch.int32), lens, attn.num_heads,
+                                 cfg.intermediate_size, 1e-6, attn.scale)  # fmt: skip
+
+    before = [c.clone() for c in caches]
+    with pytest.raises(ValueError, match="slot"):
+        run(8 * 16, [0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(before, caches))  # refused before any write
+    with pytest.raises(ValueError, match="outside the cache"):
+        run(20, [0, 99])
+    with pytest.raises(ValueError, match="layer addresses"):
+        cpu_native.decode_layers(h, cos, sin, model.decode_stack[:1], caches, torch.tensor([20]),
+                                 torch.tensor([[0, 1]], dtype=torch.int32), lens, attn.num_heads,
+                                 cfg.intermediate_size, 1e-6, attn.scale)  # fmt: skip
+
+
+def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
+    model_dir = write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=4)
+    monkeypatch.setenv("LLMBUS_CPU_FUSED_LAYERS", "0")
+    model = load_model(model_dir, dtype="bfloat16").model
+    assert model.pack_cpu_weights() and model.decode_stack is None
+    monkeypatch.setenv("LLMBUS_CPU_GEMM", "onednn")  # not blocked: no stack either
+    monkeypatch.delenv("LLMBUS_CPU_FUSED_LAYERS")
+    model = load_model(model_dir, dtype="bfloat16").model
+    assert model.pack_cpu_weights() and model.decode_stack is None
