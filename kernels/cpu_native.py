@@ -413,6 +413,12 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
                          f"{b} decodes")  # fmt: skip
     if tables.dtype != torch.int32 or lens.dtype != torch.int32 or not tables.is_contiguous() or not lens.is_contiguous():
         raise ValueError("block tables and sequence lengths must be contiguous int32")
+    if any(t.device.type != "cpu" for t in (cos, sin, slots, tables, lens, layers)):
+        raise ValueError("decode_layers takes CPU tensors only")
+    if b and (int(lens.min()) < 0 or int(lens.max()) > tables.shape[1] * bs):
+        raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * bs}] for {tables.shape[1]} blocks of {bs}")
+    if not bool((layers[:, [0, 1, 3, 5, 6, 8]] != 0).all()):
+        raise ValueError("every layer needs its norm and projection weights (only biases may be 0)")
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
     rc = lib.decode_layers_bf16(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(),
                                 len(caches), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b,

@@ -9,6 +9,9 @@ import transformers  # the independent reference
 
 from kernels import cpu_native
 from kernels.cpu import CpuAttentionBackend
+from llmbus.engine.config import EngineConfig
+from llmbus.engine.engine import Engine
+from llmbus.engine.sampling_params import SamplingParams
 from llmbus.model.loader import load_model
 from tests.model_factory import PagedDriver, write_random_model
 
@@ -18,6 +21,8 @@ CASES = {
     "llama_gqa2": ("llama", {}),
     "qwen2_bias": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}),  # q/k/v biases, GQA 4
     "llama_all_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    # multi-head, head_dim 64 (the kernels' specialised loops, bf16 dot products over the head)
+    "llama_mha_d64": ("llama", {"hidden_size": 256, "num_key_value_heads": 4, "intermediate_size": 256}),
 }
 
 
@@ -132,3 +137,50 @@ def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.delenv("LLMBUS_CPU_FUSED_LAYERS")
     model = load_model(model_dir, dtype="bfloat16").model
     assert model.pack_cpu_weights() and model.decode_stack is None
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_engine_generates_the_same_tokens_with_the_fused_layers(tmp_path, monkeypatch, micro_batches):
+    """Through the engine (its runner, the CPU backend, micro-batches on threads), greedy tokens and
+    logprobs with the layers in one call equal the modules'."""
+    model_dir = write_random_model(tmp_path, {"num_hidden_layers": 3, "dtype": "bfloat16"}, seed=6)
+    counted = _Counted(monkeypatch)
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("LLMBUS_CPU_FUSED_LAYERS", flag)
+        engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype="bfloat16", device="cpu", num_threads=2,
+                                                                    cpu_micro_batches=micro_batches))  # fmt: skip
+        assert (engine.model.decode_stack is not None) == (flag == "1")
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+        for i, n in enumerate((1, 9, 30)):  # a one-token prompt too
+            engine.add_request(f"r{i}", list(range(3, 3 + n)), params)
+        got: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend((t, lp.logprob) for t, lp in zip(out.new_token_ids, out.logprobs))
+        outs[flag] = got
+    assert outs["1"] == outs["0"]
+    assert counted.calls >= 9
+
+
+def test_modules_serve_where_the_fused_call_does_not(tmp_path, monkeypatch):
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=7))
+    counted = _Counted(monkeypatch)
+    model.backend = CpuAttentionBackend(native=False)  # the torch decode path: no fused tables
+    driver = PagedDriver(model)
+    driver.step([("a", list(range(3, 20)))])
+    driver.step([("a", [5])])
+    assert counted.calls == 0
+    model.backend = CpuAttentionBackend()
+    wrong = PagedDriver(model)  # caches shaped for another model: the modules raise, as without the fused call
+    wrong.caches = [torch.zeros(2, 64, 16, 4, model.config.head_dim, dtype=torch.bfloat16) for _ in wrong.caches]
+    with pytest.raises(RuntimeError):
+        wrong.step([("a", [5])])
+    assert counted.calls == 0
+
+
+def test_the_stack_follows_storage_that_moves(tmp_path):
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=8))
+    model.share_memory()  # moves every parameter's storage
+    assert model.decode_stack[0, 0] == model.layers[0].input_layernorm.weight.data_ptr()
+    assert model.decode_stack[1, 5] == model.layers[1].post_attention_layernorm.weight.data_ptr()

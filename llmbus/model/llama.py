@@ -129,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         out = super()._apply(fn, recurse)
         if self.embed_tokens.device.type != "meta":
             self.rotary.to(self.embed_tokens.device)
+        if self.decode_stack is not None:  # NOTE: the norms' and biases' storage may have moved
+            self.decode_stack = self._decode_stack()
         return out
 
     def pack_cpu_weights(self) -> bool:
@@ -179,6 +181,10 @@ class LlamaForCausalLM(nn.Module):
         kernel serves the caches; False (nothing done) otherwise."""
         if self.decode_stack is None or meta.num_decodes != h.shape[0]:
             return False
+        c = kv_caches[0]
+        cfg = self.config
+        if not isinstance(c, torch.Tensor) or c.dim() != 5 or c.shape[0] != 2 or c.shape[3:] != (cfg.num_key_value_heads, cfg.head_dim):
+            return False  # not this model's cache layout: the modules raise on it
         tables_for = getattr(self.backend, "native_decode_tables", None)
         native = tables_for(kv_caches[0], meta, self.config.num_attention_heads) if tables_for else None
         if native is None:
