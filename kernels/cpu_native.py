@@ -135,6 +135,8 @@ def _load() -> ctypes.CDLL | None:
         lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
         lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        lib.sample_f32.restype = ctypes.c_int
+        lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         lib.decode_layers_bf16.restype = ctypes.c_int
         lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
                                            i64, i64, i64, ctypes.c_float, ctypes.c_float, ctypes.c_int]  # fmt: skip
@@ -433,3 +435,34 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     if rc != 0:
         raise ValueError(f"unsupported decode_layers shape: hidden {hidden}, {num_heads}/{hkv} heads of {d}, "
                          f"intermediate {intermediate}, block size {bs}")
+
+
+
+def sample(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
+           keys: list[int], filtered: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One draw per row of float32 CPU logits ``x [n, V]`` (rows may be strided) after the row's
+    temperature (> 0), top-k, top-p and min-p (``llmbus.engine.sampler.warp_logits``'s rules), row
+    ``i``'s randomness only from ``keys[i]`` (64-bit): int64 ``[n]`` token ids, -1 for a row with no
+    finite entry. ``filtered`` (contiguous float32 ``[n, V]``, optional) receives the warped rows.
+    None where the library is unavailable."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or _load() is None:
+        return None
+    rows, v = x.shape
+    if not len(temperature) == len(top_k) == len(top_p) == len(min_p) == len(keys) == rows:
+        raise ValueError(f"per-row parameters must have {rows} entries each")
+    if filtered is not None and (filtered.shape != x.shape or filtered.dtype != torch.float32
+                                 or not filtered.is_contiguous()):  # fmt: skip
+        raise ValueError("filtered must be a contiguous float32 tensor shaped like x")
+    temps = torch.tensor(temperature, dtype=torch.float32)
+    if rows and not bool((temps > 0).all()):
+        raise ValueError("sampling temperatures must be > 0")
+    ks = torch.tensor(top_k, dtype=torch.int64)
+    ps, mins = torch.tensor(top_p, dtype=torch.float32), torch.tensor(min_p, dtype=torch.float32)
+    k = torch.tensor([key & 0xFFFFFFFFFFFFFFFF for key in keys], dtype=torch.uint64)
+    out = torch.empty(rows, dtype=torch.int64)
+    rc = _lib.sample_f32(x.data_ptr(), x.stride(0), rows, v, temps.data_ptr(), ks.data_ptr(), ps.data_ptr(),
+                         mins.data_ptr(), k.data_ptr(), out.data_ptr(),
+                         None if filtered is None else filtered.data_ptr(), torch.get_num_threads())  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the sampler could not allocate its row buffers")
+    return out

@@ -154,7 +154,11 @@ def test_token_id_prompts_and_extra_body(server_url):
     records, _ = asyncio.run(run_serve(cfg, LoadConfig(progress=False), _items(1, out_len=2)))
     body = _state["bodies"][-1]
     assert body["prompt"] == [5, 6, 7] and body["min_tokens"] == 2 and "ignore_eos" not in body
+    assert "top_p" not in body  # the server's default unless asked
     assert records[0].success
+    nucleus = RequestConfig(base_url=server_url, model="cadence", temperature=0.8, top_p=0.9)
+    asyncio.run(run_serve(nucleus, LoadConfig(progress=False), _items(1, out_len=2)))
+    assert _state["bodies"][-1]["top_p"] == 0.9 and _state["bodies"][-1]["temperature"] == 0.8
 
 
 def test_server_errors_are_reported_not_raised(server_url):
@@ -243,7 +247,7 @@ def test_llama_server_quirks_are_counted_right():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"endpoint": "embeddings"}, "endpoint"), ({"base_url": "localhost:8000"}, "http://"),
-    ({"endpoint": "chat", "prompt_format": "ids"}, "completions"),
+    ({"endpoint": "chat", "prompt_format": "ids"}, "completions"), ({"top_p": 0.0}, "top_p"),
 ])
 def test_bad_request_config_is_a_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -14,7 +14,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from llmbus.engine.sampler import Sampler, apply_penalties, warp_logits
+from kernels import cpu_native
+from llmbus.engine.sampler import Sampler, apply_penalties, step_seed, warp_logits
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence
 
@@ -249,3 +250,78 @@ def test_seeded_randomness_advances_with_each_output_token():
     for _ in range(8):
         s.output_token_ids.append(sampler(logits, [s]).token_ids[0])
     assert len(set(s.output_token_ids)) > 1
+
+
+needs_native = pytest.mark.skipif(not cpu_native.available(), reason="the C library did not build")
+
+
+def _native(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], filtered=None):
+    return cpu_native.sample(logits, [p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [p.min_p for p in params], keys, filtered)  # fmt: skip
+
+
+@needs_native
+@pytest.mark.parametrize("vocab", [V, 16384])
+def test_native_warp_keeps_what_transformers_keeps(vocab):
+    """The C path's filters (radix selection, no sort) keep exactly transformers' sets and scale
+    by the same temperature, row by row in one batch."""
+    torch.manual_seed(8)
+    logits = torch.randn(len(WARP_CASES), vocab) * 3
+    logits[0, :20] = float("-inf")
+    filtered = torch.empty_like(logits)
+    tokens = _native(logits, WARP_CASES, list(range(len(WARP_CASES))), filtered)
+    for i, p in enumerate(WARP_CASES):
+        ref = hf_warp(logits[i : i + 1].clone(), p)[0]
+        assert torch.equal(filtered[i] > float("-inf"), ref > float("-inf")), f"kept set differs for {p}"
+        kept = ref > float("-inf")
+        torch.testing.assert_close(filtered[i][kept], ref[kept], rtol=0, atol=0)
+        assert kept[tokens[i]], f"drew a removed token for {p}"
+
+
+@needs_native
+def test_native_draw_depends_only_on_its_key_and_skips_dead_rows():
+    torch.manual_seed(9)
+    logits = torch.randn(6, 300)
+    p = [SamplingParams(temperature=1.0)] * 6
+    a = _native(logits, p, [11, 12, 13, 14, 15, 16])
+    b = _native(logits.flip(0), p, [16, 15, 14, 13, 12, 11]).flip(0)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, _native(logits, p, [21, 22, 23, 24, 25, 26]))
+    wide = torch.randn(6, 600)
+    assert torch.equal(_native(wide[:, :300], p, list(range(6))), _native(wide[:, :300].contiguous(), p, list(range(6))))
+    dead = torch.full((1, 10), float("-inf"))
+    assert _native(dead, p[:1], [1]).tolist() == [-1]
+
+
+@needs_native
+@pytest.mark.parametrize("logits", [torch.zeros(64), torch.tensor([4.0, 0.1, -2.0] + [-9.0] * 5)])
+def test_native_draws_follow_softmax_with_sequential_keys(logits):
+    """Neighbouring keys (unseeded rows draw theirs, seeded ones hash theirs) still give independent
+    draws with softmax's frequencies, flat and peaked."""
+    n = 40_000
+    tokens = _native(logits.expand(n, -1).contiguous(), [SamplingParams()] * n, list(range(n)))
+    _check_frequencies(tokens.tolist(), logits.softmax(-1))
+
+
+@needs_native
+def test_native_top_p_keeps_every_tie_at_its_boundary():
+    logits = torch.zeros(1, 10)
+    logits[0, 0] = 1.0
+    filtered = torch.empty_like(logits)
+    _native(logits, [SamplingParams(top_p=0.2)], [5], filtered)
+    assert (filtered > float("-inf")).sum() == 1  # the top token alone holds 23%
+    # 40% needs two of the nine tied tokens: all nine are kept (torch keeps the two its sort put last)
+    _native(logits, [SamplingParams(top_p=0.4)], [5], filtered)
+    assert (filtered > float("-inf")).all()
+
+
+@needs_native
+def test_sampler_draws_on_cpu_through_the_native_path():
+    torch.manual_seed(10)
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=77), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, top_k=20, seed=78)]  # fmt: skip
+    seqs = [seq(p, output=[1] * i, rid=str(i)) for i, p in enumerate(params)]
+    got = Sampler(seed=0)(logits, seqs).token_ids
+    want = _native(logits[[0, 2]], [params[0], params[2]], [step_seed(77, 0), step_seed(78, 2)])
+    assert got == [int(want[0]), int(logits[1].argmax()), int(want[1])]

@@ -62,6 +62,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo", nargs="+", metavar="METRIC:MS", help="goodput objectives, e.g. ttft:500 tpot:50")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     p.add_argument("--cpus", help="pin this process to these cores, e.g. 1 or 0-1")
     p.add_argument("--label", default=None, help="name in reports and comparisons")
     p.add_argument("--out", help="JSON report path")
@@ -134,7 +135,7 @@ def _serve(args) -> int:
     slo = SLO.parse(args.slo)
     req = RequestConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                         prompt_format=args.prompt_format, ignore_eos=args.ignore_eos,
-                        temperature=args.temperature, api_key=args.api_key, timeout_s=args.timeout,
+                        temperature=args.temperature, top_p=args.top_p, api_key=args.api_key, timeout_s=args.timeout,
                         extra_body=args.extra_body)
     load = LoadConfig(arrivals=_arrivals(args), max_concurrency=args.max_concurrency, seed=args.seed,
                       progress=not args.no_progress)
@@ -159,13 +160,14 @@ def _offline(args) -> int:
         torch.set_num_threads(args.threads)
     if args.backend == "hf":
         records, duration, cpu = run_hf(args.model, items, arrivals, args.seed, batch_size=args.batch_size,
-                                        ignore_eos=args.ignore_eos, temperature=args.temperature,
+                                        ignore_eos=args.ignore_eos, temperature=args.temperature, top_p=args.top_p,
                                         dtype=args.dtype or "float32", warmup=warmup, progress=not args.no_progress)
     else:
         kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching)
         records, duration, cpu = run_llmbus(args.model, items, arrivals, args.seed, ignore_eos=args.ignore_eos,
-                                            temperature=args.temperature, engine_kwargs=kw, warmup=warmup,
+                                            temperature=args.temperature, top_p=args.top_p, engine_kwargs=kw,
+                                            warmup=warmup,
                                             progress=not args.no_progress)
     summary = summarize(records, duration, slo, cpu_s=cpu)
     label = args.label or f"offline-{args.backend}"

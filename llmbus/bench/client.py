@@ -26,6 +26,7 @@ class RequestConfig:
     prompt_format: str = "text"  # completions only: "text" or "ids" (a list of ints as the prompt)
     ignore_eos: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0
     api_key: str | None = None
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)  # merged into every request body last
@@ -41,6 +42,8 @@ class RequestConfig:
             raise ValueError(f"base URL must start with http:// or https://, got {self.base_url!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.timeout_s > 0:
             raise ValueError(f"request timeout must be positive, got {self.timeout_s}")
         if not isinstance(self.extra_body, dict):
@@ -60,6 +63,8 @@ class RequestConfig:
             body["messages"] = item.messages or [{"role": "user", "content": item.prompt}]
         else:
             body["prompt"] = item.prompt_token_ids if self.prompt_format == "ids" else item.prompt
+        if self.top_p < 1:
+            body["top_p"] = self.top_p
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM extra body field; llama-server reads the same name
         body.update(self.extra_body)

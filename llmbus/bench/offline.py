@@ -63,7 +63,7 @@ def wait_until(clock: TokenClock, t: float) -> None:
 
 def run_llmbus(model_dir: str, items: list[BenchItem], arrivals: ArrivalProcess, seed: int, *,
                ignore_eos: bool, temperature: float, engine_kwargs: dict, warmup: list[BenchItem] = (),
-               progress: bool = True) -> tuple[list[RequestRecord], float, float]:
+               progress: bool = True, top_p: float = 1.0) -> tuple[list[RequestRecord], float, float]:
     """Drives llmbus.engine.llm.LLM. With its step-level `engine` attribute each token is timed;
     otherwise one `generate` call times the batch as a whole."""
     from llmbus.engine.llm import LLM
@@ -73,7 +73,8 @@ def run_llmbus(model_dir: str, items: list[BenchItem], arrivals: ArrivalProcess,
     if warmup:  # unmeasured
         llm.generate([it.prompt_token_ids for it in warmup],
                      [SamplingParams(max_tokens=it.output_len, temperature=0.0, ignore_eos=True) for it in warmup])
-    params = [SamplingParams(max_tokens=it.output_len, temperature=temperature, ignore_eos=ignore_eos, seed=seed + i)
+    params = [SamplingParams(max_tokens=it.output_len, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos,
+                             seed=seed + i)
               for i, it in enumerate(items)]
     schedule = arrivals.schedule(len(items), seed)
     bar = Progress(len(items), "bench offline", enabled=progress)
@@ -119,7 +120,7 @@ def run_llmbus(model_dir: str, items: list[BenchItem], arrivals: ArrivalProcess,
 
 def run_hf(model_dir: str, items: list[BenchItem], arrivals: ArrivalProcess, seed: int, *, batch_size: int,
            ignore_eos: bool, temperature: float, dtype: str = "float32", warmup: list[BenchItem] = (),
-           progress: bool = True) -> tuple[list[RequestRecord], float, float]:
+           progress: bool = True, top_p: float = 1.0) -> tuple[list[RequestRecord], float, float]:
     """Static batching with transformers `generate`: up to `batch_size` arrived requests start
     together and the next batch starts only when the whole batch is done. Tokens are timed per
     decoding step (a request's last token is its own, not the batch's)."""
@@ -171,7 +172,8 @@ def run_hf(model_dir: str, items: list[BenchItem], arrivals: ArrivalProcess, see
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n_new,
                                  min_new_tokens=n_new if ignore_eos else 0, do_sample=temperature > 0,
-                                 temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+                                 temperature=temperature if temperature > 0 else None, top_k=None,
+                                 top_p=top_p if temperature > 0 and top_p < 1 else None,
                                  pad_token_id=pad, stopping_criteria=StoppingCriteriaList([steps]))
         gen = out[:, width:]
         for row, i in enumerate(batch):

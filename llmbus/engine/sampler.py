@@ -3,20 +3,25 @@
 Per row, in order: repetition penalty (HF convention, over prompt + output tokens), presence and
 frequency penalties (OpenAI convention, over output tokens), then argmax (temperature 0) or
 temperature, top-k, top-p, min-p (each as the transformers logits warper of the same name) and a
-draw by the exponential race ``argmax(probs / Exponential(1))``.
+draw by the exponential race ``argmax(probs / Exponential(1))``. On CPU the warp and the race run
+in C (``kernels.cpu_native.sample``: thresholds by radix selection instead of a sort, the same race
+in logs, ``argmax(logits + Gumbel)``, its uniforms a counter-based hash of a per-row key); elsewhere
+(or without the C library) ``warp_logits`` and torch's generator serve.
 
 Seeds are stateless: a seeded row's randomness at a step comes only from ``(seed, number of output
 tokens so far)``, so the same request gives the same tokens whatever shares its batch, in whatever
-order, and whichever worker process (of the same device type) continues it.
+order, and whichever worker process (of the same device type, with the same path) continues it.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_native
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence, TokenLogprob
 
@@ -153,6 +158,8 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # LLMBUS_CPU_SAMPLER=torch: the torch path on CPU too (for comparison)
+        self._native = os.environ.get("LLMBUS_CPU_SAMPLER", "native") != "torch"
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -179,9 +186,12 @@ class Sampler:
             x = raw.clone()
             x[pen] = apply_penalties(raw[pen], [seqs[i] for i in pen], self._prompt_cache)
         rand = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_EPS]
-        tokens = x.argmax(dim=-1)  # NOTE: all-greedy batches stop here: one argmax
-        if rand:
-            tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
+        if len(rand) == len(seqs):
+            tokens = self._draw(x, seqs)
+        else:
+            tokens = x.argmax(dim=-1)  # NOTE: all-greedy batches stop here: one argmax
+            if rand:
+                tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
         # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
         bad = ~torch.isfinite(raw.amax(dim=-1))
         token_list, bad_list = tokens.tolist(), bad.tolist()
@@ -192,7 +202,13 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row, by the exponential race: argmax(p / q), q ~ Exp(1) i.i.d."""
-        probs = warp_logits(x, [s.params for s in seqs]).softmax(dim=-1)
+        params = [s.params for s in seqs]
+        if self._native and x.device.type == "cpu":  # warp and draw in C where it is built
+            tokens = cpu_native.sample(x, [p.temperature for p in params], [p.top_k for p in params],
+                                       [p.top_p for p in params], [p.min_p for p in params], self._keys(seqs))  # fmt: skip
+            if tokens is not None:
+                return tokens
+        probs = warp_logits(x, params).softmax(dim=-1)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         free = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if not seeded:  # one batched draw from the Sampler's own generator
@@ -208,6 +224,21 @@ class Sampler:
             q[i] = _exponential((probs.shape[1],), probs.device, gen)
         # NOTE: clamping q keeps 0/q at 0, so a zero-probability token can never win the race.
         return (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    def _keys(self, seqs: list[Sequence]) -> list[int]:
+        """A 64-bit key per row for ``cpu_native.sample``: a seeded row's from its seed and
+        step (``step_seed``), the others' drawn from the Sampler's own generator."""
+        free = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        keys = [0] * len(seqs)
+        if free:
+            drawn = torch.randint(-(2**63), 2**63 - 1, (len(free),), dtype=torch.int64,
+                                  generator=self._generator(torch.device("cpu"))).tolist()  # fmt: skip
+            for i, k in zip(free, drawn):
+                keys[i] = k
+        for i, s in enumerate(seqs):
+            if s.params.seed is not None:
+                keys[i] = step_seed(s.params.seed, len(s.output_token_ids))
+        return keys
 
     @staticmethod
     def _logprobs(

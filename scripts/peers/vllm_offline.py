@@ -38,7 +38,8 @@ def run(args) -> int:
         llm.generate([{"prompt_token_ids": it.prompt_token_ids} for it in warmup],
                      SamplingParams(max_tokens=warmup[0].output_len, temperature=0.0, ignore_eos=True), use_tqdm=False)
     engine = llm.llm_engine
-    params = [SamplingParams(max_tokens=it.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    params = [SamplingParams(max_tokens=it.output_len, temperature=args.temperature, top_p=args.top_p,
+                             ignore_eos=args.ignore_eos)
               for it in items]
     schedule = arrivals.schedule(len(items), args.seed)
     bar = Progress(len(items), "vllm offline", enabled=not args.no_progress)
@@ -92,6 +93,7 @@ def main() -> int:
     p.add_argument("--slo", nargs="+")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--label")
     p.add_argument("--out")
     p.add_argument("--no-progress", action="store_true")
