@@ -706,7 +706,7 @@ int decode_layers_bf16(uint16_t *h, const uint16_t *cos_, const uint16_t *sin_, 
    bucket that holds the threshold) and the draw is the Gumbel-max race, argmax_i(x_i + G_i) with
    G_i = -log(-log U_i): the same race as argmax(p_i / E_i), E_i = -log U_i, in logs. U_i is a
    counter-based hash of (row key, i): SplitMix64's output i of the stream that starts at the key,
-   24 bits as torch.rand's float32, so a row's draw depends on its key alone and the loops
+   23 bits (torch.rand's float32 has 24), so a row's draw depends on its key alone and the loops
    vectorize. Ties at a top-p boundary are all kept (torch keeps those its sort put last); the
    thresholds are summed in double where torch sums in float: only a token within rounding of a
    boundary can fall the other way. Entries of -inf never win; a row with none finite yields -1. */
@@ -732,6 +732,7 @@ static inline float log_pos(float x) {
 static inline uint32_t order_key(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
+    if (u == 0x80000000u) u = 0; /* -0 is +0 (x + 0.0f would not do: -fno-signed-zeros) */
     return (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
@@ -819,7 +820,9 @@ int sample_f32(const float *logits, int64_t x_stride, int64_t rows, int64_t n, c
                     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
                     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
                     z ^= z >> 31;
-                    const float u = ((float)(z >> 40) + 0.5f) * 5.9604645e-08f; /* (k + 1/2) / 2^24 */
+                    /* (k + 1/2) / 2^23, exact in float and strictly inside (0, 1) (24 bits would round
+                       the largest k up to 1: log(1) = 0, and that token would win) */
+                    const float u = ((float)(z >> 41) + 0.5f) * 1.1920929e-07f;
                     score[j] = s[i0 + j] - log_pos(-log_pos(u));
                 }
                 for (int64_t j = 0; j < len; j++)

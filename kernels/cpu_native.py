@@ -451,12 +451,12 @@ def sample(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: l
     if not len(temperature) == len(top_k) == len(top_p) == len(min_p) == len(keys) == rows:
         raise ValueError(f"per-row parameters must have {rows} entries each")
     if filtered is not None and (filtered.shape != x.shape or filtered.dtype != torch.float32
-                                 or not filtered.is_contiguous()):  # fmt: skip
-        raise ValueError("filtered must be a contiguous float32 tensor shaped like x")
+                                 or not filtered.is_contiguous() or filtered.device.type != "cpu"):  # fmt: skip
+        raise ValueError("filtered must be a contiguous float32 CPU tensor shaped like x")
     temps = torch.tensor(temperature, dtype=torch.float32)
     if rows and not bool((temps > 0).all()):
         raise ValueError("sampling temperatures must be > 0")
-    ks = torch.tensor(top_k, dtype=torch.int64)
+    ks = torch.tensor([k if 0 < k < v else 0 for k in top_k], dtype=torch.int64)  # 0: no top-k (any int)
     ps, mins = torch.tensor(top_p, dtype=torch.float32), torch.tensor(min_p, dtype=torch.float32)
     k = torch.tensor([key & 0xFFFFFFFFFFFFFFFF for key in keys], dtype=torch.uint64)
     out = torch.empty(rows, dtype=torch.int64)

@@ -128,6 +128,16 @@ def test_greedy_is_argmax_and_penalised_greedy_is_argmax_of_penalised_logits():
     assert got[3] == top[3]
 
 
+@pytest.fixture(params=["native", "torch"])
+def sampler_path(request, monkeypatch):
+    """Runs a test through the C warp-and-draw and through the torch path (the GPU's, and the CPU's
+    without the library): both must honour the same contract."""
+    if request.param == "native" and not cpu_native.available():
+        pytest.skip("the C library did not build")
+    monkeypatch.setenv("LLMBUS_CPU_SAMPLER", request.param)
+    return request.param
+
+
 def _run(sampler: Sampler, target: Sequence, steps: int, companions: int, reverse: bool, gen_seed: int) -> list[int]:
     """Decodes ``target`` for ``steps`` steps beside random companions; returns its tokens."""
     g = torch.Generator().manual_seed(gen_seed)
@@ -146,6 +156,7 @@ def _run(sampler: Sampler, target: Sequence, steps: int, companions: int, revers
     return list(target.output_token_ids)
 
 
+@pytest.mark.usefixtures("sampler_path")
 def test_seeded_request_is_independent_of_batch_order_and_worker():
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     alone = _run(Sampler(seed=1), seq(params, rid="t"), 25, 0, False, 5)
@@ -169,6 +180,7 @@ def _check_frequencies(tokens: list[int], probs: torch.Tensor) -> None:
     assert ((freq - p).abs() <= 5 * se + 1e-9).all(), f"max deviation {((freq - p).abs() / (se + 1e-12)).max()} SE"
 
 
+@pytest.mark.usefixtures("sampler_path")
 def test_unseeded_draws_follow_the_warped_distribution():
     torch.manual_seed(4)
     logits = torch.randn(1, 24) * 2
@@ -178,6 +190,7 @@ def test_unseeded_draws_follow_the_warped_distribution():
     _check_frequencies(out.token_ids, hf_warp(logits.clone(), p)[0].softmax(-1))
 
 
+@pytest.mark.usefixtures("sampler_path")
 def test_seeded_draws_follow_the_warped_distribution():
     torch.manual_seed(5)
     logits = torch.randn(1, 16)
@@ -216,6 +229,7 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert out.token_ids[1] < 10
 
 
+@pytest.mark.usefixtures("sampler_path")
 def test_filtered_tokens_are_never_drawn_and_inf_rows_stay_finite():
     torch.manual_seed(7)
     logits = torch.randn(64, 40)
@@ -243,6 +257,7 @@ def test_bad_input_is_a_clear_value_error():
     assert s(torch.randn(0, 5), []).token_ids == []
 
 
+@pytest.mark.usefixtures("sampler_path")
 def test_seeded_randomness_advances_with_each_output_token():
     logits = torch.zeros(1, 1000)  # uniform: only the per-step draw picks the token
     s = seq(SamplingParams(temperature=1.0, seed=7))
@@ -316,7 +331,8 @@ def test_native_top_p_keeps_every_tie_at_its_boundary():
 
 
 @needs_native
-def test_sampler_draws_on_cpu_through_the_native_path():
+def test_sampler_draws_on_cpu_through_the_native_path(monkeypatch):
+    monkeypatch.setenv("LLMBUS_CPU_SAMPLER", "native")
     torch.manual_seed(10)
     logits = torch.randn(3, V)
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=77), SamplingParams(temperature=0.0),
@@ -325,3 +341,36 @@ def test_sampler_draws_on_cpu_through_the_native_path():
     got = Sampler(seed=0)(logits, seqs).token_ids
     want = _native(logits[[0, 2]], [params[0], params[2]], [step_seed(77, 0), step_seed(78, 2)])
     assert got == [int(want[0]), int(logits[1].argmax()), int(want[1])]
+
+
+@needs_native
+def test_native_uniforms_never_reach_one():
+    """A uniform of exactly 1 would give its token log(-log 1) = -inf and the win: with 24 bits the
+    largest of 2^24 values rounded up to 1 (a stray token in ~V / 2^24 draws)."""
+    v, n = 128_256, 1024
+    logits = torch.zeros(n, v)
+    logits[:, 0] = 30.0  # every other token together: ~1e-8
+    tokens = _native(logits, [SamplingParams()] * n, list(range(n)))
+    assert (tokens == 0).all(), f"{int((tokens != 0).sum())} stray draws"
+
+
+@needs_native
+def test_native_top_k_edges():
+    logits = torch.tensor([[1.0, 0.0, -0.0, -1.0]])
+    filtered = torch.empty_like(logits)
+    _native(logits, [SamplingParams(top_k=2)], [1], filtered)  # -0 ties +0 at the k-th value: both kept
+    assert (filtered > float("-inf")).tolist() == [[True, True, True, False]]
+    _native(logits, [SamplingParams(top_k=2**63)], [1], filtered)  # any integer: beyond V keeps all
+    assert (filtered > float("-inf")).all()
+
+
+def test_huge_top_k_samples_on_every_path(sampler_path):
+    out = Sampler(seed=0)(torch.randn(2, 50), [seq(SamplingParams(top_k=2**70), rid=str(i)) for i in range(2)])
+    assert all(0 <= t < 50 for t in out.token_ids)
+
+
+def test_overflowing_temperature_falls_back_to_the_best_raw_logit(sampler_path):
+    logits = torch.full((1, 8), -1e36)
+    logits[0, 3] = -1e35
+    out = Sampler(seed=0)(logits, [seq(SamplingParams(temperature=1e-5 * 1.5))])
+    assert out.token_ids == [3]

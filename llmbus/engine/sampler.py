@@ -207,8 +207,9 @@ class Sampler:
             tokens = cpu_native.sample(x, [p.temperature for p in params], [p.top_k for p in params],
                                        [p.top_p for p in params], [p.min_p for p in params], self._keys(seqs))  # fmt: skip
             if tokens is not None:
-                return tokens
-        probs = warp_logits(x, params).softmax(dim=-1)
+                return self._or_best(tokens, tokens < 0, x)
+        warped = warp_logits(x, params)
+        probs = warped.softmax(dim=-1)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         free = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if not seeded:  # one batched draw from the Sampler's own generator
@@ -223,7 +224,16 @@ class Sampler:
             gen.manual_seed(step_seed(s.params.seed, len(s.output_token_ids)))
             q[i] = _exponential((probs.shape[1],), probs.device, gen)
         # NOTE: clamping q keeps 0/q at 0, so a zero-probability token can never win the race.
-        return (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        tokens = (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        return self._or_best(tokens, warped.amax(dim=-1) == float("-inf"), x)
+
+    @staticmethod
+    def _or_best(tokens: torch.Tensor, dead: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rows where nothing stayed finite after the temperature (logits beyond ~3e33 at a tiny
+        temperature) cannot be drawn from: the raw logits' best stands in."""
+        if bool(dead.any()):
+            tokens = torch.where(dead, x.argmax(dim=-1), tokens)
+        return tokens
 
     def _keys(self, seqs: list[Sequence]) -> list[int]:
         """A 64-bit key per row for ``cpu_native.sample``: a seeded row's from its seed and
