@@ -129,7 +129,9 @@ def _load() -> ctypes.CDLL | None:
         lib.prefill_attn_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.have_bf16_dot.argtypes = []
-        lib.linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.linear_bf16.argtypes = lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.linear_f32.restype = lib.have_linear_f32.restype = ctypes.c_int
+        lib.have_linear_f32.argtypes = []
         lib.rope_bf16.restype = None
         lib.rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
@@ -137,9 +139,10 @@ def _load() -> ctypes.CDLL | None:
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         lib.sample_f32.restype = ctypes.c_int
         lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
-        lib.decode_layers_bf16.restype = ctypes.c_int
-        lib.decode_layers_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64,
-                                           i64, i64, i64, ctypes.c_float, ctypes.c_float, ctypes.c_int]  # fmt: skip
+        for fn in (lib.decode_layers_bf16, lib.decode_layers_f32):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
+                           ctypes.c_float, ctypes.c_float, ctypes.c_int]  # fmt: skip
         _lib = lib
         return lib
 
@@ -339,43 +342,68 @@ def prefill_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables
 LINEAR_BLOCK = 16  # output rows per block of ``to_blocked``'s layout (the kernel's 16 fp32 lanes)
 
 
+_linear_f32: bool | None = None
+
+
+def has_linear_f32() -> bool:
+    """Whether the library loaded and this CPU has the AVX-512 its float32 linear kernel uses."""
+    global _linear_f32
+    if _linear_f32 is None:
+        _linear_f32 = _load() is not None and bool(_lib.have_linear_f32())
+    return _linear_f32
+
+
+def _has_linear(dtype: torch.dtype) -> bool:
+    return has_bf16_dot() if dtype == torch.bfloat16 else dtype == torch.float32 and has_linear_f32()
+
+
 def linear_supported(weight: torch.Tensor) -> bool:
     """Whether ``linear`` can serve this ``[out, in]`` weight: bf16 on a CPU with the bf16 dot
-    instruction, ``out`` a multiple of 16 and ``in`` of 2."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.numel() > 0 and weight.shape[0] % LINEAR_BLOCK == 0 and weight.shape[1] % 2 == 0
-            and has_bf16_dot())  # fmt: skip
+    instruction (``in`` a multiple of 2) or float32 on one with AVX-512, ``out`` a multiple of 16."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
+            and weight.shape[0] % LINEAR_BLOCK == 0 and _has_linear(weight.dtype)
+            and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))  # fmt: skip
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` -> ``[N/16, K/2, 16, 2]`` (a copy): the layout ``linear`` reads."""
+    """``[N, K]`` -> bf16 ``[N/16, K/2, 16, 2]`` or float32 ``[N/16, K, 16]`` (a copy): the layout
+    ``linear`` reads (one weight vector per dot instruction or FMA)."""
     n, k = weight.shape
-    return weight.detach().reshape(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
+    w = weight.detach()
+    if w.dtype == torch.float32:
+        return w.reshape(n // LINEAR_BLOCK, LINEAR_BLOCK, k).transpose(1, 2).contiguous()
+    return w.reshape(n // LINEAR_BLOCK, LINEAR_BLOCK, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def from_blocked(blocked: torch.Tensor) -> torch.Tensor:
     """The inverse of ``to_blocked``: the plain ``[N, K]`` weight (a copy)."""
+    if blocked.dim() == 3:
+        g, k, n = blocked.shape
+        return blocked.transpose(1, 2).reshape(g * n, k)
     g, k2, n, two = blocked.shape
     return blocked.transpose(1, 2).reshape(g * n, k2 * two)
 
 
 def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` for bf16 rows ``x [M, K]`` (rows may be strided) from the
-    weight blocked by ``to_blocked``. None where the kernel does not apply (not bf16 CPU rows, a
-    bias not bf16, no bf16 dot instruction): the caller unblocks the weight."""
-    if not _fusable(x) or not has_bf16_dot() or (bias is not None and bias.dtype != torch.bfloat16):
+    """``F.linear(x, weight, bias)`` for rows ``x [M, K]`` (rows may be strided) of the blocked
+    weight's dtype, from the weight blocked by ``to_blocked``. None where the kernel does not apply
+    (other rows, a bias of another dtype, no kernel for the dtype here): the caller unblocks."""
+    dtype = blocked.dtype
+    if (x.dtype != dtype or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or not _has_linear(dtype)
+            or (bias is not None and bias.dtype != dtype)):  # fmt: skip
         return None
-    groups, pairs = blocked.shape[0], blocked.shape[1]
-    if x.shape[1] != 2 * pairs:
-        raise ValueError(f"x has {x.shape[1]} features, the weight {2 * pairs}")
-    n = groups * LINEAR_BLOCK
+    k = blocked.shape[1] * (2 if dtype == torch.bfloat16 else 1)
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, the weight {k}")
+    n = blocked.shape[0] * LINEAR_BLOCK
     if bias is not None:
         if bias.numel() != n:
             raise ValueError(f"bias has {bias.numel()} values, the weight {n} outputs")
         bias = bias.contiguous()
-    y = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-    _lib.linear_bf16(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), x.shape[0], n, x.shape[1], torch.get_num_threads())  # fmt: skip
+    y = torch.empty((x.shape[0], n), dtype=dtype)
+    entry = _lib.linear_bf16 if dtype == torch.bfloat16 else _lib.linear_f32
+    entry(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+          x.shape[0], n, x.shape[1], torch.get_num_threads())  # fmt: skip
     return y
 
 
@@ -385,30 +413,32 @@ DECODE_LAYER_PTRS = 10  # addresses per layer in ``decode_layers``'s table (DL_P
 def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: torch.Tensor,
                   caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                   num_heads: int, intermediate: int, eps: float, scale: float) -> None:
-    """Every decoder layer of a step whose tokens are all decodes, in one call (bf16, blocked
-    weights; kernels/cpu_decode.c ``decode_layers_bf16``): ``h [B, H]`` holds the embedded tokens
-    and is replaced in place by the last layer's output, bit-identical to running the layers'
-    modules; every layer's new keys/values are written to its cache. ``layers``: int64 ``[L, 10]``
+    """Every decoder layer of a step whose tokens are all decodes, in one call (bf16 or float32,
+    blocked weights; kernels/cpu_decode.c ``decode_layers_*``): ``h [B, H]`` holds the embedded
+    tokens and is replaced in place by the last layer's output (bf16: bit-identical to running the
+    layers' modules; float32: up to the order of sums); every layer's new keys/values are written
+    to its cache. ``layers``: int64 ``[L, 10]``
     addresses per layer (input norm weight, qkv blocked weight, qkv bias, o weight, o bias,
     post-attention norm weight, gate_up weight, gate_up bias, down weight, down bias; 0 for no bias),
-    which the caller keeps alive. ``caches``: L contiguous bf16 ``[2, N, bs, Hkv, D]``; ``slots``
-    ``[B]``; tables/lens from ``prepare_tables``; cos/sin ``B x D/2`` bf16."""
+    which the caller keeps alive, all of h's dtype. ``caches``: L contiguous ``[2, N, bs, Hkv, D]``;
+    ``slots`` ``[B]``; tables/lens from ``prepare_tables``; cos/sin ``B x D/2``."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available")
     first = caches[0]
     _, n_blocks, bs, hkv, d = first.shape
     b, hidden = h.shape
-    if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.device.type != "cpu":
-        raise ValueError("decode_layers needs contiguous bf16 CPU hidden states")
+    dtype = h.dtype
+    if dtype not in (torch.bfloat16, torch.float32) or not h.is_contiguous() or h.device.type != "cpu":
+        raise ValueError("decode_layers needs contiguous bf16 or float32 CPU hidden states")
     if layers.dtype != torch.int64 or tuple(layers.shape) != (len(caches), DECODE_LAYER_PTRS) or not layers.is_contiguous():
         raise ValueError(f"expected int64 [{len(caches)}, {DECODE_LAYER_PTRS}] layer addresses, got {list(layers.shape)}")
     for c in caches:
-        if c.shape != first.shape or c.dtype != torch.bfloat16 or not c.is_contiguous() or c.device.type != "cpu":
-            raise ValueError("decode_layers needs every layer's cache a contiguous bf16 CPU tensor of one shape")
+        if c.shape != first.shape or c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu":
+            raise ValueError(f"decode_layers needs every layer's cache a contiguous {dtype} CPU tensor of one shape")
     cos, sin = cos.contiguous(), sin.contiguous()
-    if cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.numel() != b * (d // 2) or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin must be bf16 with {b} x {d // 2} values")
+    if cos.dtype != dtype or sin.dtype != dtype or cos.numel() != b * (d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin must be {dtype} with {b} x {d // 2} values")
     slots = slots.to(torch.int64).contiguous()
     if slots.shape != (b,) or tables.dim() != 2 or tables.shape[0] != b or lens.shape != (b,):
         raise ValueError(f"slots {list(slots.shape)}, tables {list(tables.shape)}, lens {list(lens.shape)} do not match "
@@ -422,10 +452,10 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     if not bool((layers[:, [0, 1, 3, 5, 6, 8]] != 0).all()):
         raise ValueError("every layer needs its norm and projection weights (only biases may be 0)")
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
-    rc = lib.decode_layers_bf16(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(),
-                                len(caches), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b,
-                                hidden, num_heads, hkv, d, intermediate, bs, n_blocks, float(eps), float(scale),
-                                torch.get_num_threads())  # fmt: skip
+    entry = lib.decode_layers_bf16 if dtype == torch.bfloat16 else lib.decode_layers_f32
+    rc = entry(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(), len(caches),
+               slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, hidden, num_heads, hkv, d,
+               intermediate, bs, n_blocks, float(eps), float(scale), torch.get_num_threads())  # fmt: skip
     if rc == 1:
         raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
     if rc == 2:

@@ -1,11 +1,12 @@
 """All of a model's projections, one decode step's worth: oneDNN's packed GEMM against our blocked kernel.
 
 The shapes of ``--demo`` (default: large) demo model's layers (fused q/k/v, o, fused gate/up, down)
-and its lm_head, random bf16 weights, both layouts built in one process; each repetition runs every
+and its lm_head, random weights in ``--dtype`` (bfloat16 or float32), both layouts built in one process; each repetition runs every
 product once per layout, alternating, with fresh inputs of ``--rows`` rows; the median of
 ``--reps`` is reported in ms and as the weights' bytes per second.
 
-    python scripts/bench_cpu_linear.py [--rows 1,4,32] [--threads 1] [--reps 15] [--out FILE]
+    python scripts/bench_cpu_linear.py [--demo large] [--dtype bfloat16|float32] [--rows 1,4,32] [--threads 1]
+        [--reps 15] [--out FILE]
 """
 
 from __future__ import annotations
@@ -36,35 +37,39 @@ def shapes(size: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", default="large", choices=tuple(DEMO_SIZES))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--rows", default="1,4,32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if not cpu_native.has_bf16_dot():
-        print("this CPU (or build) has no bf16 dot instruction: the blocked kernel does not run here")
+    dtype = getattr(torch, args.dtype)
+    if not cpu_native.linear_supported(torch.zeros(16, 2, dtype=dtype)):
+        print(f"this CPU (or build) has no blocked {args.dtype} kernel (bf16: the bf16 dot instruction; float32: AVX-512)")
         return 1
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g).to(torch.bfloat16) for n, k in shapes(args.demo)]
-    total = sum(w.numel() * 2 for w in weights)
+    weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in shapes(args.demo)]
+    total = sum(w.numel() * w.element_size() for w in weights)
+    in_features = [w.shape[1] for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
     blocked = [cpu_native.to_blocked(w) for w in weights]
     del weights
 
     def step(kind: str, rows: int) -> float:
-        xs = {k: torch.randn(rows, k, generator=g).to(torch.bfloat16) for k in {b.shape[1] * 2 for b in blocked}}
+        xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in set(in_features)}
         t = time.perf_counter()
-        for p, b in zip(onednn, blocked):
-            x = xs[b.shape[1] * 2]
+        for p, b, k in zip(onednn, blocked, in_features):
+            x = xs[k]
             if kind == "onednn":
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
             else:
                 cpu_native.linear(x, b, None)
         return time.perf_counter() - t
 
-    result = {"demo": args.demo, "threads": args.threads, "weight_bytes": total, "rows": {}}
-    print(f"{args.demo} demo model, {total / 1e6:.0f} MB of projections, {args.threads} thread(s), median of {args.reps}")
+    result = {"demo": args.demo, "dtype": args.dtype, "threads": args.threads, "weight_bytes": total, "rows": {}}
+    print(f"{args.demo} demo model, {args.dtype}, {total / 1e6:.0f} MB of projections, {args.threads} thread(s), "
+          f"median of {args.reps}")
     for rows in (int(r) for r in args.rows.split(",")):
         times: dict[str, list[float]] = {"onednn": [], "blocked": []}
         for _ in range(args.reps):

@@ -33,7 +33,7 @@ def _greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
 @pytest.mark.parametrize("rows", [1, 7, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("gemm", ["auto", "onednn"])  # bf16 "auto": the blocked kernel where it runs
+@pytest.mark.parametrize("gemm", ["auto", "onednn"])  # "auto": the blocked kernel where it runs
 def test_packed_linear_equals_f_linear(dtype, atol, rows, with_bias, gemm, monkeypatch):
     monkeypatch.setenv("LLMBUS_CPU_GEMM", gemm)
     if not cpu_linear.packing_supported(dtype, CPU):
@@ -43,7 +43,7 @@ def test_packed_linear_equals_f_linear(dtype, atol, rows, with_bias, gemm, monke
     b = torch.randn(96, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, 80, generator=g).to(dtype)
     packed = cpu_linear.pack(w)
-    blocked = gemm == "auto" and dtype == torch.bfloat16 and cpu_native.has_bf16_dot()
+    blocked = gemm == "auto" and cpu_native.linear_supported(w)  # bf16: the bf16 dot; fp32: AVX-512
     assert (packed.blocked is not None, packed.onednn is not None) == (blocked, not blocked)
     got = cpu_linear.linear(x, w, b, packed)
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
@@ -78,40 +78,49 @@ def test_engine_packs_its_model_and_keeps_one_copy(tmp_path):
 needs_bf16_dot = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
 
 
-@needs_bf16_dot
+def _needs_kernel(dtype: torch.dtype) -> None:
+    if not cpu_native.linear_supported(torch.zeros(16, 2, dtype=dtype)):
+        pytest.skip(f"no blocked {dtype} kernel on this CPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(16, 2), (96, 80), (1280, 768), (64, 2048)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 150])
-def test_blocked_linear_matches_the_fp64_product(n, k, rows):
+def test_blocked_linear_matches_the_fp64_product(n, k, rows, dtype):
     """Every row count the kernel special-cases (1-8 in registers, then passes of 8), and with K =
-    2048 row tiles of 64 (150 rows: three tiles, the last partial); with and without bias."""
+    2048 row tiles (150 rows: several tiles, the last partial); with and without bias."""
+    _needs_kernel(dtype)
     g = torch.Generator().manual_seed(n * rows + k)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16)
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     blocked = cpu_native.to_blocked(w)
     for bias in (None, b):
         got = cpu_native.linear(x, blocked, bias)
         want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        # fp32 sums rounded once to bf16: within half a bf16 ulp plus the fp32 summation error
-        err = (got.double() - want).abs() - 2 ** -8 * want.abs()
+        assert got.dtype == dtype and got.shape == (rows, n)
+        # fp32 sums (rounded once to bf16: within half a bf16 ulp) plus the fp32 summation error
+        rounding = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -24
+        err = (got.double() - want).abs() - rounding * want.abs()
         assert err.max().item() <= 1e-4 * k ** 0.5 * (1 + want.abs().max().item())
 
 
-@needs_bf16_dot
-def test_blocked_layout_round_trips_and_takes_strided_rows():
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (3, 32, 16, 2)), (torch.float32, (3, 64, 16))])
+def test_blocked_layout_round_trips_and_takes_strided_rows(dtype, shape):
+    _needs_kernel(dtype)
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(48, 64, generator=g).to(dtype)
     blocked = cpu_native.to_blocked(w)
-    assert blocked.shape == (3, 32, 16, 2) and torch.equal(cpu_native.from_blocked(blocked), w)
-    wide = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    assert blocked.shape == shape and torch.equal(cpu_native.from_blocked(blocked), w)
+    wide = torch.randn(5, 128, generator=g).to(dtype)
     rows = wide[:, 32:96]  # rows 128 apart
     assert torch.equal(cpu_native.linear(rows, blocked, None), cpu_native.linear(rows.contiguous(), blocked, None))
     with pytest.raises(ValueError, match="features"):
-        cpu_native.linear(torch.zeros(2, 62, dtype=torch.bfloat16), blocked, None)
+        cpu_native.linear(torch.zeros(2, 62, dtype=dtype), blocked, None)
     with pytest.raises(ValueError, match="bias has 16 values, the weight 48"):
-        cpu_native.linear(rows, blocked, torch.zeros(16, dtype=torch.bfloat16))
-    assert not cpu_native.linear_supported(torch.zeros(16, 0, dtype=torch.bfloat16))  # nothing to block
+        cpu_native.linear(rows, blocked, torch.zeros(16, dtype=dtype))
+    assert cpu_native.linear(rows.to(torch.float16), blocked, None) is None  # other rows: the caller unblocks
+    assert not cpu_native.linear_supported(torch.zeros(16, 0, dtype=dtype))  # nothing to block
 
 
 @needs_bf16_dot
@@ -122,9 +131,10 @@ def test_pack_chooses_the_blocked_layout_for_bf16_where_it_applies(monkeypatch):
     packed = cpu_linear.pack(w)
     assert packed.blocked is not None and packed.onednn is None
     assert torch.equal(cpu_linear.linear(x, w, None, packed), cpu_native.linear(x.reshape(6, 64), packed.blocked, None).reshape(2, 3, 32))
-    # outputs not a multiple of 16, fp32, or oneDNN asked for: oneDNN's layout
+    # outputs not a multiple of 16, or oneDNN asked for: oneDNN's layout (fp32: blocked with AVX-512)
     assert cpu_linear.pack(torch.randn(20, 64).to(torch.bfloat16)).onednn is not None
-    assert cpu_linear.pack(torch.randn(32, 64)).onednn is not None
+    assert cpu_linear.pack(torch.randn(20, 64)).onednn is not None
+    assert (cpu_linear.pack(torch.randn(32, 64)).blocked is not None) == cpu_native.has_linear_f32()
     monkeypatch.setenv("LLMBUS_CPU_GEMM", "onednn")
     assert cpu_linear.pack(w).blocked is None
     # rows the kernel does not take (features strided): the plain product from the unblocked weight

@@ -7,13 +7,15 @@ Measured on 2 AMD EPYC cores for the large demo model's projections: a decode-si
 faster. The results are the same products (oneDNN computes them either way in bf16; in fp32 the
 summation order may differ in the last bits).
 
-bf16 weights go further where the CPU has the bf16 dot instruction: they are blocked once for our
-own kernel (``kernels.cpu_native.linear``, the layout and the reasons in kernels/cpu_decode.c)
-instead of oneDNN's, still one copy. A decode step at low batch is bound by reading the weights
-once; oneDNN reads them at 11-15 GB/s on one core for 1-8 rows, the blocked kernel at 17-23 (the
-large demo model's projections, scripts/bench_cpu_linear.py: one row, one thread 13.9 -> 7.8 ms;
-32 rows 31.9 -> 30.6 ms; 1,024 rows, two threads, on par). ``LLMBUS_CPU_GEMM=onednn`` keeps
-oneDNN's layout for bf16 too (for comparison).
+bf16 weights go further where the CPU has the bf16 dot instruction, and float32 weights where it
+has AVX-512: they are blocked once for our own kernel (``kernels.cpu_native.linear``, the layout
+and the reasons in kernels/cpu_decode.c) instead of oneDNN's, still one copy. A decode step at
+low batch is bound by reading the weights once; oneDNN reads them at 11-15 GB/s on one core for
+1-8 rows, the blocked kernel at 17-23 (the large demo model's projections,
+scripts/bench_cpu_linear.py: bf16, one row, one thread 13.9 -> 7.8 ms; 32 rows 31.9 -> 30.6 ms;
+1,024 rows, two threads, on par; float32, one thread: 1 row 1.02 -> 0.83 ms, the small demo
+model's 0.072 -> 0.029 ms, 1,024 rows on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout
+(for comparison).
 """
 
 from __future__ import annotations

@@ -159,9 +159,12 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self) -> torch.Tensor | None:
         """The layers' weight addresses for ``cpu_native.decode_layers``, or None where it does not
-        serve: a projection not blocked (fp32, oneDNN's layout), a weight not bf16 or not contiguous,
+        serve: a projection not blocked (oneDNN's layout), a weight of another dtype or not contiguous,
         ``LLMBUS_CPU_FUSED_LAYERS=0`` (the per-layer modules run, for comparison)."""
         if os.environ.get("LLMBUS_CPU_FUSED_LAYERS", "1") == "0":
+            return None
+        dtype = self.embed_tokens.dtype
+        if dtype not in (torch.bfloat16, torch.float32):
             return None
         rows = []
         for layer in self.layers:
@@ -169,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
             tensors = [layer.input_layernorm.weight, attn.packed["qkv"].blocked, attn.qkv_bias, attn.packed["o"].blocked,
                        attn.o_bias, layer.post_attention_layernorm.weight, mlp.packed["gate_up"].blocked,
                        mlp.gate_up_bias, mlp.packed["down"].blocked, mlp.down_bias]  # fmt: skip
-            if any(t is not None and (t.dtype != torch.bfloat16 or not t.is_contiguous()) for t in tensors):
+            if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in tensors):
                 return None
             if any(tensors[i] is None for i in (0, 1, 3, 5, 6, 8)):  # norms and projections: blocked ones
                 return None
