@@ -544,9 +544,9 @@ DEFINE_ROPE(rope_f32, float, f32_load, f32_store, f32_load)
 
    float32 weights take the same scheme with one input per step: blocked [N/16][K][16], each
    64-byte vector of 16 rows' weights multiplied by one x broadcast (FMA), on any AVX-512 CPU.
-   Against oneDNN's packed fp32 GEMM (the large demo model's shapes, one thread): 1 row 1.02 ->
-   0.83 ms, 4 rows 1.23 -> 0.92, 32 rows 4.35 -> 4.05, 1,024 rows on par; the small model's
-   (128-wide) 1 row 0.072 -> 0.029 ms. */
+   Against oneDNN's packed fp32 GEMM (scripts/bench_cpu_linear.py --dtype float32, all of a demo
+   model's projections, one thread): large 1 row 22.96 -> 13.72 ms, 4 rows 18.42 -> 15.28, 32 rows
+   and 1,024 rows on par; small 1 row 0.34 -> 0.18 ms. */
 #define LIN_N 16 /* output rows per block: the 16 fp32 lanes */
 #define LIN_MB 8 /* rows of x per pass over a block */
 #define LIN_PREFETCH 1024
@@ -597,17 +597,26 @@ static inline __attribute__((always_inline)) void linear_block(const uint16_t *x
 
 #ifdef __AVX512F__
 #define HAVE_LINEAR_F32 1
+#define LIN_F32_CHUNK 128 /* inputs per partial sum of the float32 kernel */
 static inline __attribute__((always_inline)) void linear_block_f32(const float *x, int64_t x_stride, int64_t k_len,
                                                                    const float *w, const float *bias, float *y,
                                                                    int64_t y_stride, const int mb) {
-    __m512 acc[LIN_MB];
+    /* sums in chunks of LIN_F32_CHUNK inputs, each added to the total when done: one running sum
+       over all of K let its rounding error grow with K (3e-6 relative at K = 14,336 against
+       oneDNN's 6e-7); chunked, it stays near oneDNN's at one add per chunk */
+    __m512 acc[LIN_MB], part[LIN_MB];
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
     for (int m = 0; m < mb; m++) acc[m] = b;
-    for (int64_t k = 0; k < k_len; k++, w += LIN_N) {
-        if ((k & 3) == 0) /* every 256 bytes of weight, the 4 lines LIN_PREFETCH ahead */
-            PREFETCH_4_LINES((const char *)w + LIN_PREFETCH, _MM_HINT_T0);
-        const __m512 wv = _mm512_loadu_ps(w);
-        for (int m = 0; m < mb; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * x_stride + k]), acc[m]);
+    for (int64_t k0 = 0; k0 < k_len; k0 += LIN_F32_CHUNK) {
+        const int64_t k1 = k0 + LIN_F32_CHUNK < k_len ? k0 + LIN_F32_CHUNK : k_len;
+        for (int m = 0; m < mb; m++) part[m] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++, w += LIN_N) {
+            if ((k & 3) == 0) /* every 256 bytes of weight, the 4 lines LIN_PREFETCH ahead */
+                PREFETCH_4_LINES((const char *)w + LIN_PREFETCH, _MM_HINT_T0);
+            const __m512 wv = _mm512_loadu_ps(w);
+            for (int m = 0; m < mb; m++) part[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * x_stride + k]), part[m]);
+        }
+        for (int m = 0; m < mb; m++) acc[m] = _mm512_add_ps(acc[m], part[m]);
     }
     for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * y_stride, acc[m]);
 }
@@ -616,8 +625,41 @@ static inline __attribute__((always_inline)) void linear_block_f32(const float *
 #endif
 
 /* Threads take contiguous runs of blocks; rows of x go in tiles that stay in L2 (BLOCK: the
-   block function, T the element type, K_PER_STEP inputs per weight vector). */
-#define LINEAR_DRIVER(BLOCK, T)                                                                             const int64_t blocks = n_len / LIN_N;                                                                   const int64_t fit = LIN_TILE_BYTES / ((int64_t)sizeof(T) * k_len) / LIN_MB * LIN_MB;                    const int64_t tile = fit > LIN_MB ? fit : LIN_MB;                                                       _Pragma("omp parallel num_threads(threads)")                                                            {                                                                                                           const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                                     const int64_t g0 = blocks * t / nt, g1 = blocks * (t + 1) / nt;                                         for (int64_t t0 = 0; t0 < m_len; t0 += tile) {                                                              const int64_t t1 = t0 + tile < m_len ? t0 + tile : m_len;                                               for (int64_t g = g0; g < g1; g++) {                                                                         const T *wg = w + g * LIN_N * k_len, *bg = bias ? bias + g * LIN_N : NULL;                              for (int64_t m0 = t0; m0 < t1; m0 += LIN_MB) {                                                              const T *xm = x + m0 * x_stride;                                                                        T *ym = y + m0 * n_len + g * LIN_N;                                                                     switch (t1 - m0) { /* constant row counts: the accumulators stay in registers */                        case 1: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 1); break;                                        case 2: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 2); break;                                        case 3: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 3); break;                                        case 4: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 4); break;                                        case 5: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 5); break;                                        case 6: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 6); break;                                        case 7: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 7); break;                                        default: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 8); break;                                       }                                                                                                   }                                                                                                   }                                                                                                   }                                                                                                   }                                                                                                       return 0;
+   block function, T the element type). When there are fewer blocks than two per thread and rows
+   enough (prefill of a narrow projection), threads split the rows instead and each reads the
+   whole weight: otherwise some would sit idle. Each output's sum is the same either way. */
+#define LINEAR_DRIVER(BLOCK, T)                                                                         \
+    const int64_t blocks = n_len / LIN_N;                                                               \
+    const int64_t fit = LIN_TILE_BYTES / ((int64_t)sizeof(T) * k_len) / LIN_MB * LIN_MB;                \
+    const int64_t tile = fit > LIN_MB ? fit : LIN_MB;                                                   \
+    _Pragma("omp parallel num_threads(threads)")                                                        \
+    {                                                                                                   \
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                             \
+        const int by_rows = nt > 1 && blocks < 2 * nt && m_len >= 2 * LIN_MB * nt;                      \
+        const int64_t g0 = by_rows ? 0 : blocks * t / nt, g1 = by_rows ? blocks : blocks * (t + 1) / nt; \
+        const int64_t r0 = by_rows ? m_len * t / nt : 0, r1 = by_rows ? m_len * (t + 1) / nt : m_len;   \
+        for (int64_t t0 = r0; t0 < r1; t0 += tile) {                                                    \
+            const int64_t t1 = t0 + tile < r1 ? t0 + tile : r1;                                         \
+            for (int64_t g = g0; g < g1; g++) {                                                         \
+                const T *wg = w + g * LIN_N * k_len, *bg = bias ? bias + g * LIN_N : NULL;              \
+                for (int64_t m0 = t0; m0 < t1; m0 += LIN_MB) {                                          \
+                    const T *xm = x + m0 * x_stride;                                                    \
+                    T *ym = y + m0 * n_len + g * LIN_N;                                                 \
+                    switch (t1 - m0) { /* constant row counts: the accumulators stay in registers */    \
+                    case 1: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 1); break;                    \
+                    case 2: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 2); break;                    \
+                    case 3: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 3); break;                    \
+                    case 4: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 4); break;                    \
+                    case 5: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 5); break;                    \
+                    case 6: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 6); break;                    \
+                    case 7: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 7); break;                    \
+                    default: BLOCK(xm, x_stride, k_len, wg, bg, ym, n_len, 8); break;                   \
+                    }                                                                                   \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }                                                                                                   \
+    return 0;
 
 /* x [M, K] rows x_stride apart, w blocked [N/16][K/2][16][2], bias [N] or NULL, y [M, N] contiguous;
    N a multiple of 16, K of 2. Returns -1 where the CPU lacks the bf16 dot instruction. */
@@ -654,13 +696,13 @@ int have_linear_f32(void) { return HAVE_LINEAR_F32 + 0; }
    up to the order of sums in the norms and products), the glue in C.
 
    h [B, H] (bf16 or float32, as every weight and cache): the embedded tokens in, the last layer's
-   output out (in place). cos/sin [B, d/2]. layers [L][DL_PTRS]: per layer, as uint64 addresses: input norm weight, qkv blocked weight, qkv
-   bias, o blocked weight, o bias, post-attention norm weight, gate_up blocked weight, gate_up bias,
-   down blocked weight, down bias (biases may be 0). caches [L]: each layer's [2, N, bs, Hkv, D]
-   cache. slots [B] int64: each token's cache slot. tables/lens as for paged_decode_bf16.
-   Returns 0; -1: unsupported (the type's linear kernel missing on this CPU, shapes the kernels do
-   not take); 1: a table
-   names a block outside the cache; 2: a slot outside the cache; 3: out of memory. */
+   output out (in place). cos/sin [B, d/2]. layers [L][DL_PTRS]: per layer, as uint64 addresses:
+   input norm weight, qkv blocked weight, qkv bias, o blocked weight, o bias, post-attention norm
+   weight, gate_up blocked weight, gate_up bias, down blocked weight, down bias (biases may be 0).
+   caches [L]: each layer's [2, N, bs, Hkv, D] cache. slots [B] int64: each token's cache slot.
+   tables/lens as for paged_decode_bf16. Returns 0; -1: unsupported (the type's linear kernel
+   missing on this CPU, shapes the kernels do not take); 1: a table names a block outside the
+   cache; 2: a slot outside the cache; 3: out of memory. */
 #define DL_PTRS 10
 
 #define DEFINE_ADD_INTO(NAME, T, LOAD, STORE)                                                          \

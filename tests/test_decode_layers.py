@@ -16,8 +16,10 @@ from llmbus.engine.sampling_params import SamplingParams
 from llmbus.model.loader import load_model
 from tests.model_factory import PagedDriver, write_random_model
 
-pytestmark = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
-DTYPES = ["bfloat16", "float32"]
+needs_bf16 = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
+# float32 needs only AVX-512 (its linear kernel), bf16 the bf16 dot instruction
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16),
+          pytest.param("float32", marks=pytest.mark.skipif(not cpu_native.has_linear_f32(), reason="no AVX-512"))]
 
 CASES = {
     "llama_gqa2": ("llama", {}),
@@ -114,6 +116,7 @@ def test_fused_decode_tracks_transformers(tmp_path, monkeypatch, dtype):
         assert ours_err < max(2 * hf_err, 0.02), (ours_err, hf_err)
 
 
+@needs_bf16
 def test_bad_slots_and_tables_are_refused(tmp_path):
     model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=2))
     driver = PagedDriver(model, num_blocks=8)
@@ -141,6 +144,7 @@ def test_bad_slots_and_tables_are_refused(tmp_path):
                                  cfg.intermediate_size, 1e-6, attn.scale)  # fmt: skip
 
 
+@needs_bf16
 def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     model_dir = write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=4)
     monkeypatch.setenv("LLMBUS_CPU_FUSED_LAYERS", "0")
@@ -152,6 +156,7 @@ def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     assert model.pack_cpu_weights() and model.decode_stack is None
 
 
+@needs_bf16
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_engine_generates_the_same_tokens_with_the_fused_layers(tmp_path, monkeypatch, micro_batches):
     """Through the engine (its runner, the CPU backend, micro-batches on threads), greedy tokens and
@@ -176,6 +181,7 @@ def test_engine_generates_the_same_tokens_with_the_fused_layers(tmp_path, monkey
     assert counted.calls >= 9
 
 
+@needs_bf16
 def test_modules_serve_where_the_fused_call_does_not(tmp_path, monkeypatch):
     model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=7))
     counted = _Counted(monkeypatch)
@@ -192,6 +198,7 @@ def test_modules_serve_where_the_fused_call_does_not(tmp_path, monkeypatch):
     assert counted.calls == 0
 
 
+@needs_bf16
 def test_the_stack_follows_storage_that_moves(tmp_path):
     model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=8))
     model.share_memory()  # moves every parameter's storage

@@ -24,7 +24,7 @@ class EngineConfig:
     kv_format: str = "model"
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     cpu_micro_batches: int = 1  # > 1: split each CPU step into this many single-threaded micro-batches
-    pack_cpu_weights: bool = True  # CPU: projection weights reordered once for oneDNN (llmbus.model.cpu_linear)
+    pack_cpu_weights: bool = True  # CPU: projection weights reordered once, ours or oneDNN's (llmbus.model.cpu_linear)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -66,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="split each CPU step into N single-threaded micro-batches on N threads "
                              "(faster than intra-op threads for attention-heavy fp32 models)")
     parser.add_argument("--no-packed-weights", action="store_true",
-                        help="CPU: keep plain weights instead of oneDNN-packed ones (slower; for comparison)")
+                        help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

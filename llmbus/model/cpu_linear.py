@@ -13,8 +13,8 @@ and the reasons in kernels/cpu_decode.c) instead of oneDNN's, still one copy. A 
 low batch is bound by reading the weights once; oneDNN reads them at 11-15 GB/s on one core for
 1-8 rows, the blocked kernel at 17-23 (the large demo model's projections,
 scripts/bench_cpu_linear.py: bf16, one row, one thread 13.9 -> 7.8 ms; 32 rows 31.9 -> 30.6 ms;
-1,024 rows, two threads, on par; float32, one thread: 1 row 1.02 -> 0.83 ms, the small demo
-model's 0.072 -> 0.029 ms, 1,024 rows on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout
+1,024 rows, two threads, on par; float32, one thread: 1 row 22.96 -> 13.72 ms, the small demo
+model's 0.34 -> 0.18 ms, 1,024 rows on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout
 (for comparison).
 """
 

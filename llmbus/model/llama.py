@@ -135,8 +135,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_cpu_weights(self) -> bool:
         """Reorder every projection weight once into a layout for a faster CPU product
-        (``llmbus.model.cpu_linear``: ours blocked for bf16 with the bf16 dot instruction, else
-        oneDNN's) and free the plain copies, so the model holds one copy of each. Returns False,
+        (``llmbus.model.cpu_linear``: ours blocked for bf16 with the bf16 dot instruction and for
+        float32 with AVX-512, else oneDNN's) and free the plain copies, so the model holds one copy of each. Returns False,
         changing nothing, where packing is unsupported (not CPU, fp16, no bf16 instructions).
 
         After this the projection parameters are empty: the model only runs forward."""
