@@ -8,7 +8,8 @@
 # Env: OUT (bench-results), MODELS ("small large"), NUM_PROMPTS (64), CONCURRENCIES ("1 8 32"),
 #      LLMBUS_SERVE_CMD (how to start the llmbus service; {name}, {model}, {port} are substituted),
 #      TARGETS ("llmbus vllm llamacpp": which servers to run), OFFLINE (1: also the in-process runs),
-#      SERVER_CPUS / CLIENT_CPUS (taskset core lists; default: no pinning), PY (.venv/bin/python).
+#      SERVER_CPUS / CLIENT_CPUS (taskset core lists; default: no pinning), PY (.venv/bin/python),
+#      SAMPLING (sampling flags for the random runs, e.g. "--temperature 0.8 --top-p 0.9"; default greedy).
 set -uo pipefail
 PY="${PY:-.venv/bin/python}"
 OUT="${OUT:-bench-results}"
@@ -26,6 +27,8 @@ BENCH=("$PY" -m llmbus.cli bench)
 CLIENT_PIN=()
 [ -n "${CLIENT_CPUS:-}" ] && CLIENT_PIN=(--cpus "$CLIENT_CPUS")
 RANDOM_ARGS=(--dataset random --num-prompts "$N" --input-len 256 --output-len 128 --ignore-eos --warmup 4)
+read -r -a SAMPLING_ARGS <<< "${SAMPLING:-}"  # e.g. SAMPLING="--temperature 0.8 --top-p 0.9" (default greedy)
+RANDOM_ARGS+=(${SAMPLING_ARGS[@]+"${SAMPLING_ARGS[@]}"})
 MIXED_ARGS=(--dataset mixed --num-prompts "$N" --input-len 64 --output-len 64 --long-share 0.125
             --long-input-len 1024 --long-output-len 8 --ignore-eos --request-rate 4 --slo ttft:2000 tpot:100)
 mkdir -p "$OUT"
