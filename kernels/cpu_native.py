@@ -431,8 +431,9 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     dtype = h.dtype
     if dtype not in (torch.bfloat16, torch.float32) or not h.is_contiguous() or h.device.type != "cpu":
         raise ValueError("decode_layers needs contiguous bf16 or float32 CPU hidden states")
-    if layers.dtype != torch.int64 or tuple(layers.shape) != (len(caches), DECODE_LAYER_PTRS) or not layers.is_contiguous():
-        raise ValueError(f"expected int64 [{len(caches)}, {DECODE_LAYER_PTRS}] layer addresses, got {list(layers.shape)}")
+    want = (len(caches), DECODE_LAYER_PTRS)
+    if layers.dtype != torch.int64 or tuple(layers.shape) != want or not layers.is_contiguous():
+        raise ValueError(f"expected int64 {list(want)} layer addresses, got {list(layers.shape)}")
     for c in caches:
         if c.shape != first.shape or c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu":
             raise ValueError(f"decode_layers needs every layer's cache a contiguous {dtype} CPU tensor of one shape")
@@ -448,7 +449,8 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     if any(t.device.type != "cpu" for t in (cos, sin, slots, tables, lens, layers)):
         raise ValueError("decode_layers takes CPU tensors only")
     if b and (int(lens.min()) < 0 or int(lens.max()) > tables.shape[1] * bs):
-        raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * bs}] for {tables.shape[1]} blocks of {bs}")
+        raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * bs}] for {tables.shape[1]} blocks "
+                         f"of {bs}")
     if not bool((layers[:, [0, 1, 3, 5, 6, 8]] != 0).all()):
         raise ValueError("every layer needs its norm and projection weights (only biases may be 0)")
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)

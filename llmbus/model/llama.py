@@ -184,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
         kernel serves the caches; False (nothing done) otherwise."""
         if self.decode_stack is None or meta.num_decodes != h.shape[0]:
             return False
-        c = kv_caches[0]
-        cfg = self.config
-        if not isinstance(c, torch.Tensor) or c.dim() != 5 or c.shape[0] != 2 or c.shape[3:] != (cfg.num_key_value_heads, cfg.head_dim):
+        c, cfg = kv_caches[0], self.config
+        layout = (2, cfg.num_key_value_heads, cfg.head_dim)
+        if not isinstance(c, torch.Tensor) or c.dim() != 5 or (c.shape[0], *c.shape[3:]) != layout:
             return False  # not this model's cache layout: the modules raise on it
         tables_for = getattr(self.backend, "native_decode_tables", None)
         native = tables_for(kv_caches[0], meta, self.config.num_attention_heads) if tables_for else None
