@@ -132,11 +132,12 @@ def _load() -> ctypes.CDLL | None:
         lib.linear_bf16.argtypes = lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.linear_f32.restype = lib.have_linear_f32.restype = ctypes.c_int
         lib.have_linear_f32.argtypes = []
-        lib.rope_bf16.restype = None
-        lib.rope_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        lib.rms_norm_bf16.restype = lib.silu_mul_bf16.restype = None
-        lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-        lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+        for sfx in ("bf16", "f32"):
+            norm, silu, rot = getattr(lib, f"rms_norm_{sfx}"), getattr(lib, f"silu_mul_{sfx}"), getattr(lib, f"rope_{sfx}")
+            norm.restype = silu.restype = rot.restype = None
+            norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+            silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
+            rot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.sample_f32.restype = ctypes.c_int
         lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         for fn in (lib.decode_layers_bf16, lib.decode_layers_f32):
@@ -239,26 +240,30 @@ def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tenso
     return out
 
 
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
 def _fusable(x: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    return x.dtype in _SUFFIX and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """HF's RMSNorm of bf16 rows ``x [T, n]`` (rows may be strided) in one pass; None where the
-    kernel does not apply (not bf16 CPU, kernel unavailable): the caller runs torch's ops."""
-    if not (_fusable(x) and weight.dtype == torch.bfloat16 and weight.is_contiguous()) or _load() is None:
+    """HF's RMSNorm of bf16 or float32 rows ``x [T, n]`` (rows may be strided) in one pass; None
+    where the kernel does not apply (other dtypes, kernel unavailable): the caller runs torch's
+    ops. bf16 rounds where torch's ops round; float32 sums the squares in another order."""
+    if not (_fusable(x) and weight.dtype == x.dtype and weight.is_contiguous()) or _load() is None:
         return None
     y = torch.empty(x.shape, dtype=x.dtype)
-    _lib.rms_norm_bf16(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1],
-                       eps, torch.get_num_threads())  # fmt: skip
+    getattr(_lib, f"rms_norm_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), weight.data_ptr(), y.data_ptr(),
+                                                  x.shape[0], x.shape[1], eps, torch.get_num_threads())  # fmt: skip
     return y
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """``llmbus.model.rope.apply_rotary`` of bf16 ``x [T, H, D]`` (rows may be strided, heads
-    contiguous) in one pass, bit-identical; cos/sin ``[T, 1, D/2]`` bf16. None where the kernel
-    does not apply."""
-    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 3 or x.stride(2) != 1
+    """``llmbus.model.rope.apply_rotary`` of bf16 or float32 ``x [T, H, D]`` (rows may be strided,
+    heads contiguous) in one pass (bf16: bit-identical); cos/sin ``[T, 1, D/2]`` of x's dtype.
+    None where the kernel does not apply."""
+    if (x.dtype not in _SUFFIX or x.device.type != "cpu" or x.dim() != 3 or x.stride(2) != 1
             or x.stride(1) != x.shape[2] or x.shape[2] % 2 or _load() is None):  # fmt: skip
         return None
     t, h, d = x.shape
@@ -266,19 +271,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((t, h, d), dtype=x.dtype)
-    _lib.rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), t, h, d,
-                   torch.get_num_threads())  # fmt: skip
+    getattr(_lib, f"rope_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                              t, h, d, torch.get_num_threads())  # fmt: skip
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """``silu(gate) * up`` of a contiguous bf16 ``[T, 2n]`` gate_up projection in one pass; None
-    where the kernel does not apply."""
+    """``silu(gate) * up`` of a contiguous bf16 or float32 ``[T, 2n]`` gate_up projection in one
+    pass; None where the kernel does not apply."""
     if not (_fusable(gate_up) and gate_up.is_contiguous()) or _load() is None:
         return None
     t, n2 = gate_up.shape
     out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
-    _lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, n2 // 2, torch.get_num_threads())
+    getattr(_lib, f"silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(), t, n2 // 2,
+                                                        torch.get_num_threads())  # fmt: skip
     return out
 
 

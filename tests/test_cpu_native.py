@@ -207,9 +207,24 @@ def test_silu_mul_matches_torch(threads, rows):
 
 
 def test_fusions_decline_what_they_do_not_cover():
-    x = torch.randn(4, 64)
-    assert cpu_native.rms_norm(x, torch.ones(64), 1e-6) is None  # fp32: torch's ops
+    x = torch.randn(4, 64).half()
+    assert cpu_native.rms_norm(x, torch.ones(64).half(), 1e-6) is None  # fp16: torch's ops
+    assert cpu_native.rms_norm(x.float(), torch.ones(64).bfloat16(), 1e-6) is None  # weight of another dtype
     assert cpu_native.silu_mul(torch.randn(4, 64).bfloat16()[:, ::2]) is None  # not contiguous rows
+
+
+def test_float32_fusions_match_the_torch_ops(threads):
+    if not cpu_native.available():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(33, 3 * 256, generator=g) * 3
+    x = wide[:, 256:512]  # strided rows
+    w = torch.rand(256, generator=g) + 0.5
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(cpu_native.rms_norm(x, w, 1e-6), want, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(33, 2 * 512, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_model_with_fusions_matches_the_torch_ops(tmp_path):
@@ -287,4 +302,7 @@ def test_rope_is_bit_identical_to_apply_rotary(threads, rows):
                                                               torch.bfloat16)  # fmt: skip
     got = cpu_native.rope(x, cos, sin)
     assert got.is_contiguous() and torch.equal(got, apply_rotary(x, cos, sin))
-    assert cpu_native.rope(x.float(), cos.float(), sin.float()) is None  # fp32: torch's ops
+    # float32: the same rotation, up to a fused multiply-add's rounding
+    x32, cos32, sin32 = x.float(), cos.float(), sin.float()
+    torch.testing.assert_close(cpu_native.rope(x32, cos32, sin32), apply_rotary(x32, cos32, sin32), rtol=1e-6, atol=1e-6)
+    assert cpu_native.rope(x.half(), cos.half(), sin.half()) is None  # fp16: torch's ops
