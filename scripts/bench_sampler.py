@@ -1,5 +1,6 @@
 """The sampler's time per step on CPU: the C warp-and-draw (default) against the torch path
-(``LLMBUS_CPU_SAMPLER=torch``), alternating, for a batch of random logits and a few settings.
+(``LLMBUS_CPU_SAMPLER=torch``), alternating, for a batch of random logits and a few settings
+(penalties are applied the same way on both paths).
 
     python scripts/bench_sampler.py [--batch 32] [--vocab 16384] [--threads 2] [--steps 50] [--out FILE]
 """
@@ -27,13 +28,17 @@ SETTINGS = {
     "temperature 0.8": SamplingParams(temperature=0.8),
     "top_p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
     "top_k 50, top_p 0.95, min_p 0.05": SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05),
+    "top_p 0.9, repetition_penalty 1.1": SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.1),
+    "top_p 0.9, frequency_penalty 0.5": SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5),
 }
 
 
 def time_sampler(path: str, logits: torch.Tensor, params: SamplingParams, steps: int) -> float:
     os.environ["LLMBUS_CPU_SAMPLER"] = path  # read when a Sampler is made
     sampler = Sampler(seed=0)
-    seqs = [Sequence(request_id=str(i), prompt_token_ids=[1], params=params) for i in range(logits.shape[0])]
+    # 256 prompt and 100 output tokens each (what the penalties read)
+    seqs = [Sequence(request_id=str(i), prompt_token_ids=list(range(i, i + 256)), params=params,
+                     output_token_ids=list(range(1000 + i, 1100 + i))) for i in range(logits.shape[0])]  # fmt: skip
     sampler(logits, seqs)  # warm
     times = []
     for _ in range(steps):
