@@ -235,9 +235,9 @@ class CpuAttentionBackend:
 
     def native_decode_tables(self, cache, meta: AttentionMetadata, num_q_heads: int) -> NativeDecodes | None:
         """The step's tables for the fused kernel when it computes every row of the step (all
-        decodes, a bf16 or float32 cache it serves), else None: what a caller running the whole step's
-        attention in C (``cpu_native.decode_layers``) needs."""
-        if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.dtype not in (torch.bfloat16, torch.float32):
+        decodes, a cache it serves: ``cpu_native.supports``), else None: what a caller running the
+        whole step's attention in C (``cpu_native.decode_layers``) needs."""
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5:
             return None
         plan = self.plan(cache, meta, num_q_heads)
         if plan.decode_groups or plan.prefills or plan.native_prefills is not None:

@@ -774,8 +774,8 @@ DEFINE_DECODE_LAYERS(f32, float, HAVE_LINEAR_F32)
    (the transformers warpers' rules), then one draw. torch's path sorts every row for the filters
    (19 ms for 32 x 16,384 on two cores, ~50 on one) and makes its uniforms with a scalar Mersenne
    twister (1.5 ms). Here the filters find their thresholds by radix selection over the values'
-   order-preserving bit patterns (a histogram of 8 bits per pass, each later pass over the one
-   bucket that holds the threshold) and the draw is the Gumbel-max race, argmax_i(x_i + G_i) with
+   order-preserving bit patterns (a histogram of 8 bits per pass, each later pass counting only
+   the entries of the bucket that holds the threshold) and the draw is the Gumbel-max race, argmax_i(x_i + G_i) with
    G_i = -log(-log U_i): the same race as argmax(p_i / E_i), E_i = -log U_i, in logs. U_i is a
    counter-based hash of (row key, i): SplitMix64's output i of the stream that starts at the key,
    23 bits (torch.rand's float32 has 24), so a row's draw depends on its key alone and the loops

@@ -4,9 +4,10 @@
 call; ``CpuAttentionBackend`` uses it when ``available()``, else its torch path (same results within
 the dtype's rounding, checked by tests/test_cpu_native.py against ``kernels.reference``). The same
 library holds bf16 prefill attention (``prefill_into``), the model's element-wise fusions
-(``rms_norm``, ``silu_mul``, ``rope``) and the bf16 linear product over blocked weights
-(``linear``), each of which returns None (or is not planned) where it does not apply, so the
-caller's torch ops serve.
+(``rms_norm``, ``silu_mul``, ``rope``), the bf16/float32 linear product over blocked weights
+(``linear``) and the sampler's warp and draw (``sample``), each of which returns None (or is not
+planned) where it does not apply, so the caller's torch ops serve; and a decode-only step's
+decoder layers in one call (``decode_layers``).
 
 Build: the system C compiler (``$CC``, else ``cc``) with ``-O3 -march=native -fopenmp``, into
 ``$LLMBUS_DATA_DIR/native`` (else ``~/.cache/llmbus/native``) under a name that hashes the source, the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -167,10 +169,15 @@ def prepare_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_siz
     lens = seq_lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or lens.dim() != 1:
         raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match")
+    _check_lens(tables, lens, block_size)
+    return tables, lens
+
+
+def _check_lens(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> None:
+    """Every length in ``[0, table width * block_size]``: what the kernels trust their caller for."""
     if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > tables.shape[1] * block_size):
         raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * block_size}] for {tables.shape[1]} "
                          f"blocks of {block_size}, got {lens.tolist()}")
-    return tables, lens
 
 
 def _run(entry: str, out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
@@ -291,15 +298,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 PREFILL_MAX_GROUP = 64  # query heads per KV head the prefill kernel's tiles hold
 
 
-_bf16_dot: bool | None = None
-
-
+@functools.cache  # NOTE: asked on every linear call: the answer is kept once known
 def has_bf16_dot() -> bool:
     """Whether the library loaded and this CPU has the bf16 dot instruction its bf16 kernels use."""
-    global _bf16_dot
-    if _bf16_dot is None:  # NOTE: asked on every linear call: the answer is kept once known
-        _bf16_dot = _load() is not None and bool(_lib.have_bf16_dot())
-    return _bf16_dot
+    return _load() is not None and bool(_lib.have_bf16_dot())
 
 
 def prefill_supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
@@ -348,15 +350,10 @@ def prefill_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables
 LINEAR_BLOCK = 16  # output rows per block of ``to_blocked``'s layout (the kernel's 16 fp32 lanes)
 
 
-_linear_f32: bool | None = None
-
-
+@functools.cache
 def has_linear_f32() -> bool:
     """Whether the library loaded and this CPU has the AVX-512 its float32 linear kernel uses."""
-    global _linear_f32
-    if _linear_f32 is None:
-        _linear_f32 = _load() is not None and bool(_lib.have_linear_f32())
-    return _linear_f32
+    return _load() is not None and bool(_lib.have_linear_f32())
 
 
 def _has_linear(dtype: torch.dtype) -> bool:
@@ -407,7 +404,7 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
             raise ValueError(f"bias has {bias.numel()} values, the weight {n} outputs")
         bias = bias.contiguous()
     y = torch.empty((x.shape[0], n), dtype=dtype)
-    entry = _lib.linear_bf16 if dtype == torch.bfloat16 else _lib.linear_f32
+    entry = getattr(_lib, f"linear_{_SUFFIX[dtype]}")
     entry(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
           x.shape[0], n, x.shape[1], torch.get_num_threads())  # fmt: skip
     return y
@@ -435,7 +432,7 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     _, n_blocks, bs, hkv, d = first.shape
     b, hidden = h.shape
     dtype = h.dtype
-    if dtype not in (torch.bfloat16, torch.float32) or not h.is_contiguous() or h.device.type != "cpu":
+    if dtype not in _SUFFIX or not h.is_contiguous() or h.device.type != "cpu":
         raise ValueError("decode_layers needs contiguous bf16 or float32 CPU hidden states")
     want = (len(caches), DECODE_LAYER_PTRS)
     if layers.dtype != torch.int64 or tuple(layers.shape) != want or not layers.is_contiguous():
@@ -454,13 +451,11 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
         raise ValueError("block tables and sequence lengths must be contiguous int32")
     if any(t.device.type != "cpu" for t in (cos, sin, slots, tables, lens, layers)):
         raise ValueError("decode_layers takes CPU tensors only")
-    if b and (int(lens.min()) < 0 or int(lens.max()) > tables.shape[1] * bs):
-        raise ValueError(f"sequence lengths must lie in [0, {tables.shape[1] * bs}] for {tables.shape[1]} blocks "
-                         f"of {bs}")
+    _check_lens(tables, lens, bs)
     if not bool((layers[:, [0, 1, 3, 5, 6, 8]] != 0).all()):
         raise ValueError("every layer needs its norm and projection weights (only biases may be 0)")
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
-    entry = lib.decode_layers_bf16 if dtype == torch.bfloat16 else lib.decode_layers_f32
+    entry = getattr(lib, f"decode_layers_{_SUFFIX[dtype]}")
     rc = entry(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(), len(caches),
                slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, hidden, num_heads, hkv, d,
                intermediate, bs, n_blocks, float(eps), float(scale), torch.get_num_threads())  # fmt: skip
@@ -473,7 +468,6 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     if rc != 0:
         raise ValueError(f"unsupported decode_layers shape: hidden {hidden}, {num_heads}/{hkv} heads of {d}, "
                          f"intermediate {intermediate}, block size {bs}")
-
 
 
 def sample(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],

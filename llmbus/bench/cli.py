@@ -167,8 +167,7 @@ def _offline(args) -> int:
                   enable_chunked_prefill=not args.no_chunked_prefill, enable_prefix_caching=not args.no_prefix_caching)
         records, duration, cpu = run_llmbus(args.model, items, arrivals, args.seed, ignore_eos=args.ignore_eos,
                                             temperature=args.temperature, top_p=args.top_p, engine_kwargs=kw,
-                                            warmup=warmup,
-                                            progress=not args.no_progress)
+                                            warmup=warmup, progress=not args.no_progress)
     summary = summarize(records, duration, slo, cpu_s=cpu)
     label = args.label or f"offline-{args.backend}"
     return _finish(args, "offline", label, _config(args, items), records, summary)

@@ -136,8 +136,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_cpu_weights(self) -> bool:
         """Reorder every projection weight once into a layout for a faster CPU product
         (``llmbus.model.cpu_linear``: ours blocked for bf16 with the bf16 dot instruction and for
-        float32 with AVX-512, else oneDNN's) and free the plain copies, so the model holds one copy of each. Returns False,
-        changing nothing, where packing is unsupported (not CPU, fp16, no bf16 instructions).
+        float32 with AVX-512, else oneDNN's) and free the plain copies, so the model holds one copy
+        of each. Returns False, changing nothing, where packing is unsupported (not CPU, fp16, no
+        bf16 instructions).
 
         After this the projection parameters are empty: the model only runs forward."""
         weight = self.embed_tokens
@@ -189,12 +190,12 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(c, torch.Tensor) or c.dim() != 5 or (c.shape[0], *c.shape[3:]) != layout:
             return False  # not this model's cache layout: the modules raise on it
         tables_for = getattr(self.backend, "native_decode_tables", None)
-        native = tables_for(kv_caches[0], meta, self.config.num_attention_heads) if tables_for else None
+        native = tables_for(c, meta, cfg.num_attention_heads) if tables_for else None
         if native is None:
             return False
         attn = self.layers[0].self_attn
         cpu_native.decode_layers(h, cos, sin, self.decode_stack, kv_caches, meta.slot_mapping, native.tables,
-                                 native.lens, attn.num_heads, self.config.intermediate_size,
+                                 native.lens, attn.num_heads, cfg.intermediate_size,
                                  self.layers[0].input_layernorm.eps, attn.scale)  # fmt: skip
         return True
 
