@@ -77,9 +77,19 @@ def paged_decode_kernel(
         full_end = (seq_len // BS) * BS
         lim = tl.minimum(end, full_end)
         for s in range(start, lim, TILE):
-            k, v = int4_full_tile(data_ptr, kmeta_ptr, vmeta_ptr, table, s, lim, h,
-                                  s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, TILE, D, BS, GV, DQ)
             pos = s + tl.arange(0, TILE)
+            if D >= 32:
+                k, v = int4_full_tile(data_ptr, kmeta_ptr, vmeta_ptr, table, s, lim, h,
+                                      s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, TILE, D, BS, GV, DQ)
+            else:
+                # NOTE: below 32 channels the packed [.., D/2] tiles are narrower than 16 and
+                # int4_full_tile gave wrong results natively on the H200 (triton 3.6; right under the
+                # interpreter); the generic load (the prefill kernel's, right natively at D=16) serves.
+                k, v = load_kv_tile(
+                    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
+                    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                    FMT, D, BS, GV, GK,
+                )
             m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
         if (full_end < end) & (full_end >= start):
             pos = full_end + tl.arange(0, TAIL)
