@@ -1,14 +1,21 @@
 """Accuracy of quantized KV: teacher-forced top-1 agreement and mean KL of int8/int4 vs model-dtype KV.
 
 The model runs token by token (the decode path), so from the second token on every attention
-reads the quantized cache, full INT4 blocks per channel and the partial tail per token. The same
-token sequences (seeded random ids) are fed under each format.
+reads the quantized cache, full INT4 blocks per channel and the partial tail per token; each INT4
+block is re-quantized per channel from its per-token codes when its last token arrives, which is
+how generated tokens are stored. ``--path prefill`` feeds each sequence in one prefill pass
+instead, as a prompt is (full INT4 blocks quantized per channel from the exact keys). The same
+token sequences are fed under each format: seeded random ids (``--text random``, the default), or
+(``--text stdlib``) windows of the held-out part of the corpus ``scripts/train_demo_model.py``
+trains on, which is what a trained demo model should be measured on.
 
-Peaky logits: a random demo model's next-token distribution is almost flat, which makes top-1
-agreement a coin toss between near-ties. Every position's logits are multiplied by one factor
-``alpha``, chosen by bisection so that the model-dtype reference's mean top-1 probability is
-``--target-top1`` (0.5 by default), and the same ``alpha`` is applied under every format
-(``alpha`` acts like an inverse sampling temperature).
+Peaky logits: a random demo model's next-token distribution is almost flat. For the KL, every
+position's logits are multiplied by one factor ``alpha``, chosen by bisection so that the
+model-dtype reference's mean top-1 probability is ``--target-top1`` (0.5 by default with ``--text
+random``), and the same ``alpha`` is applied under every format (``alpha`` acts like an inverse
+sampling temperature; top-1 agreement does not depend on it). A trained model's distribution is
+its own: with ``--text stdlib`` the default is no scaling (``alpha`` 1; ``--target-top1`` still
+asks for one).
 
 Controls (``--controls``): the reference becomes the model in fp32 with fp32 KV, and two rows show
 how much a perturbation far smaller than quantization moves the metric: the same fp32 model with
@@ -16,6 +23,7 @@ its KV rounded to bf16, and the model run in bf16 throughout. If those disagree 
 amplifies tiny perturbations and top-1 agreement says little about the KV format.
 
     python scripts/eval_kv_quant.py [--model-dir DIR | --demo large] [--seqs 2] [--tokens 160] [--controls]
+                                    [--text random|stdlib]
 """
 
 from __future__ import annotations
@@ -31,13 +39,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.backends import make_attention_backend  # noqa: E402
-from llmbus.engine.attention import AttentionMetadata  # noqa: E402
+from llmbus.engine.attention import AttentionMetadata, build_attention_metadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 
 def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, block_size: int = 16,
-               kv_dtype: str | None = None) -> torch.Tensor:
-    """Teacher-forced logits ``[S, L, vocab]`` fp32, one decode step per position. ``kv_dtype``
+               kv_dtype: str | None = None, path: str = "decode") -> torch.Tensor:
+    """Teacher-forced logits ``[S, L, vocab]`` fp32: one decode step per position (``path``
+    "decode", how generated tokens are cached), or one prefill pass per sequence ("prefill", how a
+    prompt is; its K/V are written first, so it also attends over the quantized cache). ``kv_dtype``
     (default: the model's) is the cache dtype of the ``model`` format."""
     s, n = tokens.shape
     model.backend = make_attention_backend(device, kv_format)
@@ -49,6 +59,11 @@ def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, bl
     bt = torch.tensor(tables, dtype=torch.int32, device=device)
     out = []
     with torch.inference_mode():
+        if path == "prefill":
+            for i, table in enumerate(tables):
+                meta, pos = build_attention_metadata([(table, 0, n)], block_size, device)
+                out.append(model.compute_logits(model(tokens[i].to(device), pos.to(device), caches, meta)).float().cpu())
+            return torch.stack(out)
         for t in range(n):
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor([lay.slot(tb, t) for tb in tables], device=device),
@@ -81,6 +96,28 @@ def compare(ref: torch.Tensor, got: torch.Tensor, alpha: float) -> dict:
     return dict(top1_agreement=float(agree.mean()), mean_kl=float(kl.mean()), max_kl=float(kl.max()))
 
 
+def eval_tokens(text: str, model_dir: Path, cfg, seqs: int, n: int, seed: int) -> torch.Tensor:
+    """``[seqs, n]`` token ids: seeded random ids, or evenly spaced windows of held-out stdlib text."""
+    if text == "random":
+        return torch.randint(0, cfg.vocab_size, (seqs, n), generator=torch.Generator().manual_seed(seed))
+    import platform
+
+    from scripts.train_demo_model import corpus_tokens
+
+    trained = json.loads((model_dir / "config.json").read_text()).get("llmbus_demo_trained", {})
+    if trained.get("python", platform.python_version()) != platform.python_version():
+        print(f"note: the model was trained on Python {trained['python']}'s standard library, this is "
+              f"{platform.python_version()}'s: held-out files may differ", file=sys.stderr)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+    held = corpus_tokens(model_dir / "tokenizer.json", True, 1 << 40, eos)
+    # evenly spaced windows that never overlap, all shifted by a seeded offset (another seed reads other text)
+    stride = (len(held) - n) // seqs
+    if stride < n:
+        raise ValueError(f"the held-out corpus has {len(held)} tokens: too few for {seqs} disjoint windows of {n}")
+    shift = int(torch.randint(0, max(1, stride), (1,), generator=torch.Generator().manual_seed(seed)))
+    return torch.stack([held[i * stride + shift:i * stride + shift + n] for i in range(seqs)])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: a demo model)")
@@ -89,12 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seqs", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--target-top1", type=float, default=0.5)
+    ap.add_argument("--target-top1", type=float, default=None,
+                    help="scale logits to this mean top-1 probability (default: 0.5 for --text random, none for stdlib)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--path", choices=("decode", "prefill"), default="decode",
+                    help="teacher-force by decode steps (the default) or by one prefill pass per sequence")
+    ap.add_argument("--text", choices=("random", "stdlib"), default="random",
+                    help="random ids, or held-out Python standard library source (for a trained demo model)")
     ap.add_argument("--controls", action="store_true", help="fp32 reference plus bf16-KV and bf16-model control rows")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args(argv)
-    if args.seqs < 1 or args.tokens < 2 or not 0 < args.target_top1 < 1:
+    if args.target_top1 is None and args.text == "random":
+        args.target_top1 = 0.5
+    if args.seqs < 1 or args.tokens < 2 or not (args.target_top1 is None or 0 < args.target_top1 < 1):
         raise ValueError("need --seqs >= 1, --tokens >= 2 and 0 < --target-top1 < 1")
     from llmbus.model.loader import load_model
 
@@ -104,26 +148,30 @@ def main(argv: list[str] | None = None) -> int:
         args.model_dir = ensure_demo_model(args.demo)
     loaded = load_model(args.model_dir, dtype="float32" if args.controls else args.dtype, device=args.device)
     model, cfg = loaded.model, loaded.config
-    g = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (args.seqs, args.tokens), generator=g)
+    tokens = eval_tokens(args.text, Path(args.model_dir), cfg, args.seqs, args.tokens, args.seed)
     t0 = time.time()
-    ref = run_logits(model, cfg, "model", tokens, args.device)
-    alpha = peaky_alpha(ref, args.target_top1)
+    ref = run_logits(model, cfg, "model", tokens, args.device, path=args.path)
+    alpha = 1.0 if args.target_top1 is None else peaky_alpha(ref, args.target_top1)
     result = dict(model=str(args.model_dir), dtype=str(next(model.parameters()).dtype), seqs=args.seqs,
-                  tokens=args.tokens, alpha=alpha, target_top1=args.target_top1,
+                  tokens=args.tokens, text=args.text, path=args.path, seed=args.seed, alpha=alpha,
+                  target_top1=args.target_top1,
                   raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
-    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device) for fmt in ("int8", "int4")}
+    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, path=args.path) for fmt in ("int8", "int4")}
     if args.controls:
-        rows["control: bf16 KV"] = run_logits(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16")
+        rows["control: bf16 KV"] = run_logits(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16",
+                                                  path=args.path)
         del model
         bf16 = load_model(args.model_dir, dtype="bfloat16", device=args.device).model
-        rows["control: bf16 model"] = run_logits(bf16, cfg, "model", tokens, args.device)
+        rows["control: bf16 model"] = run_logits(bf16, cfg, "model", tokens, args.device, path=args.path)
     for name, got in rows.items():
         result["formats"][name] = compare(ref, got, alpha)
     result["seconds"] = time.time() - t0
-    print(f"model {args.model_dir} ({result['dtype']}), {args.seqs} x {args.tokens} tokens teacher-forced, "
-          f"logits x {alpha:.3g} (reference mean top-1 prob {args.target_top1}; unscaled "
-          f"{result['raw_top1_prob']:.3f})")
+    # how often the reference predicts the text's next token (meaningful for real text only)
+    result["ref_next_token_accuracy"] = float((ref[:, :-1].argmax(-1) == tokens[:, 1:]).float().mean())
+    scaled = "unscaled" if args.target_top1 is None else f"x {alpha:.3g} for a mean top-1 prob of {args.target_top1}"
+    print(f"model {args.model_dir} ({result['dtype']}), {args.seqs} x {args.tokens} {args.text} tokens "
+          f"teacher-forced; logits {scaled} (unscaled mean top-1 prob {result['raw_top1_prob']:.3f}; "
+          f"reference predicts the next token {100 * result['ref_next_token_accuracy']:.1f}% of the time)")
     print("| KV format | top-1 agreement | mean KL | max KL |\n|---|---:|---:|---:|")
     for fmt, r in result["formats"].items():
         print(f"| {fmt} | {100 * r['top1_agreement']:.2f}% | {r['mean_kl']:.2e} | {r['max_kl']:.2e} |")

@@ -1,13 +1,43 @@
 #!/usr/bin/env bash
 # One device session's worth of GPU checks: kernel tests natively, the kernel bandwidth table, and
-# the engine's decode throughput on the large demo model. Writes everything under ${OUT:-bench-results}.
+# the engine's decode throughput on the large demo model (or, with TRAINED_EVAL=1, KV-quantization
+# accuracy). Writes everything under ${OUT:-bench-results}.
 set -u
 OUT="${OUT:-bench-results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
-    tests/test_kernels_write_kv.py tests/test_kernels_backends.py 2>&1 | tail -5 | tee "$OUT/kernel-tests.txt"
-timeout 100 python3 scripts/bench_gpu.py --out "$OUT/gpu-kernels.json" 2>&1 | tail -45 | tee "$OUT/gpu-kernels.txt"
-timeout 200 python3 scripts/bench_gpu_engine.py --batches 1,32,128 --out "$OUT/gpu-engine.json" 2>&1 | tail -25 | tee "$OUT/gpu-engine.txt"
+if [ "${TRAINED_EVAL:-0}" != 1 ]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
+        tests/test_kernels_write_kv.py tests/test_kernels_backends.py 2>&1 | tail -5 | tee "$OUT/kernel-tests.txt"
+    timeout 100 python3 scripts/bench_gpu.py --out "$OUT/gpu-kernels.json" 2>&1 | tail -45 | tee "$OUT/gpu-kernels.txt"
+    timeout 200 python3 scripts/bench_gpu_engine.py --batches 1,32,128 --out "$OUT/gpu-engine.json" 2>&1 | tail -25 | tee "$OUT/gpu-engine.txt"
+fi
+# TRAINED_EVAL=1 runs this instead of the checks above (a device call of its own, up to ~10
+# minutes; needs transformers): KV-quantization accuracy through the Triton kernels on the large
+# demo model's architecture trained on real text (scripts/train_demo_model.py, about a minute on a
+# GPU), teacher-forced by decode steps and by prefill (docs/benchmarks.md). The checkpoint stays on the
+# device (~200 MB); the figures come back under $OUT. The GPU run trains with the bpe tokenizer, so
+# its windows of text differ from the CPU run's (sentencepiece).
+if [ "${TRAINED_EVAL:-0}" = 1 ]; then
+    if ! python3 -c "import transformers" 2>/dev/null; then
+        echo "TRAINED_EVAL=1 but transformers is not installed: skipped" | tee "$OUT/kvquant-trained.txt"
+    else
+        CKPT="${TMPDIR:-/tmp}/llmbus-large-trained"
+        BASE=$(python3 -c "from llmbus.model.demo import ensure_demo_model; print(ensure_demo_model('large'))")
+        timeout 240 python3 scripts/train_demo_model.py --base "$BASE" --out "$CKPT" --device cuda > "$OUT/train.txt" 2>&1
+        rc=$?
+        tail -3 "$OUT/train.txt"
+        : > "$OUT/kvquant-trained.txt"
+        if [ $rc -ne 0 ]; then
+            echo "training failed (rc $rc): evaluation skipped" | tee -a "$OUT/kvquant-trained.txt"
+        else
+            for path in decode prefill; do
+                timeout 240 python3 scripts/eval_kv_quant.py --model-dir "$CKPT" --text stdlib --path $path \
+                    --seqs 32 --tokens 256 --controls --out "$OUT/kvquant-trained-$path.json" 2>&1 | tail -8 \
+                    | tee -a "$OUT/kvquant-trained.txt"
+            done
+        fi
+    fi
+fi

@@ -17,7 +17,9 @@ token's identity persists in the residual stream. Its lm_head leans each token t
 successor ("bigram"). That lean is too weak to matter: on random token sequences the large model's
 mean top-1 probability is 0.045 (measured by scripts/eval_kv_quant.py, "unscaled"), and raising the
 lean 85-fold moved it only to 0.13 without changing how often a perturbation flips the top token,
-because after 12 layers the current token is a small part of the residual stream.
+because after 12 layers the current token is a small part of the residual stream. Accuracy
+measurements therefore use the large architecture trained on real text
+(``scripts/train_demo_model.py``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
