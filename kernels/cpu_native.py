@@ -392,8 +392,7 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
     weight's dtype, from the weight blocked by ``to_blocked``. None where the kernel does not apply
     (other rows, a bias of another dtype, no kernel for the dtype here): the caller unblocks."""
     dtype = blocked.dtype
-    if (x.dtype != dtype or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or not _has_linear(dtype)
-            or (bias is not None and bias.dtype != dtype)):  # fmt: skip
+    if not _fusable(x) or x.dtype != dtype or not _has_linear(dtype) or (bias is not None and bias.dtype != dtype):
         return None
     k = blocked.shape[1] * (2 if dtype == torch.bfloat16 else 1)
     if x.shape[1] != k:

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.backends import make_attention_backend  # noqa: E402
-from llmbus.engine.attention import AttentionMetadata, build_attention_metadata  # noqa: E402
+from llmbus.engine.attention import build_attention_metadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 
@@ -56,23 +56,15 @@ def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, bl
     per_seq = lay.num_blocks_for(n)
     caches = model.backend.allocate_cache(lay, s * per_seq, device)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(s)]
-    bt = torch.tensor(tables, dtype=torch.int32, device=device)
     out = []
     with torch.inference_mode():
         if path == "prefill":
             for i, table in enumerate(tables):
                 meta, pos = build_attention_metadata([(table, 0, n)], block_size, device)
-                out.append(model.compute_logits(model(tokens[i].to(device), pos.to(device), caches, meta)).float().cpu())
+                out.append(model.compute_logits(model(tokens[i].to(device), pos, caches, meta)).float().cpu())
             return torch.stack(out)
         for t in range(n):
-            meta = AttentionMetadata(
-                slot_mapping=torch.tensor([lay.slot(tb, t) for tb in tables], device=device),
-                block_tables=bt,
-                seq_lens=torch.full((s,), t + 1, dtype=torch.int32, device=device),
-                query_start_loc=torch.arange(s + 1, dtype=torch.int32, device=device),
-                num_decodes=s,
-            )
-            pos = torch.full((s,), t, dtype=torch.long, device=device)
+            meta, pos = build_attention_metadata([(table, t, 1) for table in tables], block_size, device)
             hidden = model(tokens[:, t].to(device), pos, caches, meta)
             out.append(model.compute_logits(hidden).float().cpu())
     return torch.stack(out, dim=1)

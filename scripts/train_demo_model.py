@@ -33,6 +33,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmbus.model.config import token_ids  # noqa: E402
+
 HELD_OUT_EVERY = 20  # a file is held out when crc32(its path under the stdlib) % 20 == 0
 _COPIED = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
 
@@ -131,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     cfg = LlamaConfig.from_pretrained(args.base)
     cfg.initializer_range = 0.02  # the standard Llama initialisation, not the demo's random conditioning
-    cfg.dtype = "bfloat16"
-    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else (cfg.eos_token_id or [0])[0]
+    eos = (token_ids(cfg.eos_token_id, "eos_token_id") or (0,))[0]
+    num_files = len(corpus_files())
     train = corpus_tokens(args.base / "tokenizer.json", False, args.max_tokens, eos)
     held = corpus_tokens(args.base / "tokenizer.json", True, args.held_out_tokens, eos)
     print(f"corpus: {len(train):,} training tokens, {len(held):,} held out", flush=True)
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if (step + 1) % args.save_every == 0 or step == args.steps - 1:
             ho = held_out_loss(model, held, args.seq)
             save(model, args.base, args.out, dict(corpus="python stdlib", python=platform.python_version(),
-                                                  corpus_files=len(corpus_files()), steps=step + 1, tokens=seen,
+                                                  corpus_files=num_files, steps=step + 1, tokens=seen,
                                                   held_out_loss=round(ho, 4), seed=args.seed,
                                                   batch=args.batch, seq=args.seq, lr=args.lr))
             print(f"saved step {step + 1}: held-out loss {ho:.3f}", flush=True)
