@@ -10,7 +10,7 @@ from nats.js.errors import NoStreamResponseError
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.server import EmbeddedNats, NatsServerConfig
-from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
+from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams, read_registry
 from llmbus.bus.worker import PullWorker
 from llmbus.protocol import GenerateRequest, InstanceInfo, decode, encode
 
@@ -138,6 +138,27 @@ def test_registry_bucket_roundtrip(nats_server):
         await nc.close()
 
     run(body())
+
+
+def test_read_registry_tolerates_empty_buckets_and_foreign_records(tmp_path):
+    """An empty registry reads as no instances (nats-py raises on it; the e2e helper once failed
+    there while heartbeats lagged); a record this version cannot decode is skipped, not fatal."""
+
+    async def body(url):
+        nc = await connect(url)
+        kv = await ensure_registry(nc.jetstream())
+        assert await read_registry(kv) == []
+        info = InstanceInfo("d-1", "decode", models=["demo"], host="h", updated_at=1.0)
+        await kv.put(subjects.registry_key("decode", "d-1"), encode(info))
+        await kv.put(subjects.registry_key("decode", "junk"), b"not msgpack of an InstanceInfo")
+        assert await read_registry(kv) == [info]
+        await kv.delete(subjects.registry_key("decode", "d-1"))
+        await kv.purge(subjects.registry_key("decode", "junk"))
+        assert await read_registry(kv) == []
+        await nc.close()
+
+    with EmbeddedNats(tmp_path) as server:
+        run(body(server.url))
 
 
 def test_services_run_on_uvloop_unless_switched_off(nats_server, monkeypatch):

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyValueError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
 from llmbus.bus import subjects
+from llmbus.protocol import InstanceInfo, ProtocolError, decode
 from llmbus.protocol.messages import LANES
 
 
@@ -120,3 +121,20 @@ async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = No
         return await js.key_value(subjects.REGISTRY_BUCKET)
     except Exception:  # BucketNotFoundError; create it (idempotent if a peer won the race)
         return await js.create_key_value(bucket=subjects.REGISTRY_BUCKET, ttl=limits.registry_ttl_s, history=1)
+
+
+async def read_registry(kv: KeyValue) -> list[InstanceInfo]:
+    """Every live instance in the registry bucket; empty when none is (nats-py raises on an empty
+    bucket). A key that expires between listing and reading, or holds a record this version cannot
+    decode, is skipped."""
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    out: list[InstanceInfo] = []
+    for key in keys:
+        try:
+            out.append(decode(InstanceInfo, (await kv.get(key)).value))
+        except (KeyValueError, ProtocolError):
+            continue
+    return out

@@ -20,6 +20,7 @@ import msgpack
 
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
+from llmbus.bus.streams import read_registry
 from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker
 from llmbus.protocol import GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, decode, encode
@@ -108,19 +109,6 @@ class Router:
     async def _watch_registry(self) -> None:
         """Refresh the live-instance snapshot once per heartbeat period."""
         while True:
-            self.instances = await _read_registry(self.ctx.registry)
+            self.instances = await read_registry(self.ctx.registry)
             self.ctx.report(queue_depth=0)
             await asyncio.sleep(self.ctx.options.heartbeat_s)
-
-
-async def _read_registry(kv) -> list[InstanceInfo]:
-    out: list[InstanceInfo] = []
-    try:
-        keys = await kv.keys()
-    except Exception:  # NoKeysError on an empty bucket
-        return out
-    for key in keys:
-        with contextlib.suppress(Exception):  # a key that expired between keys() and get()
-            entry = await kv.get(key)
-            out.append(decode(InstanceInfo, entry.value))
-    return out

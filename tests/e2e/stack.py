@@ -16,7 +16,8 @@ from pathlib import Path
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.kvclient import KVPoolClient
-from llmbus.protocol import InstanceInfo, decode
+from llmbus.bus.streams import read_registry
+from llmbus.protocol import InstanceInfo
 
 
 class Stack:
@@ -66,11 +67,7 @@ class Stack:
         async def read():
             nc = await connect(self.nats_url)
             try:
-                kv = await nc.jetstream().key_value(subjects.REGISTRY_BUCKET)
-                out = []
-                for key in await kv.keys():
-                    out.append(decode(InstanceInfo, (await kv.get(key)).value))
-                return out
+                return await read_registry(await nc.jetstream().key_value(subjects.REGISTRY_BUCKET))
             finally:
                 await nc.close()
 
