@@ -20,8 +20,16 @@ class _PagedBackend:
     def __init__(self, kv_format: str | KVFormat = "model") -> None:
         self.kv_format = kv_format if isinstance(kv_format, KVFormat) else parse_kv_format(kv_format)
 
-    def allocate_cache(self, layout: KVLayout, num_blocks: int, device) -> list[kv_cache.PagedKVCache]:
-        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device) for _ in range(layout.num_layers)]
+    def allocate_cache(self, layout: KVLayout, num_blocks: int, device,
+                       tail_rows: int = 0) -> list[kv_cache.PagedKVCache]:
+        """One cache per layer; ``tail_rows``: exact key tail rows, for formats that keep them."""
+        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device, tail_rows)
+                for _ in range(layout.num_layers)]
+
+    @staticmethod
+    def fill_key_tail(cache: kv_cache.PagedKVCache, block: int, row: int) -> None:
+        """Start tail row ``row`` from filling block ``block`` (written before the row was given)."""
+        reference.fill_key_tail(cache, block, row)
 
     read_blocks = staticmethod(kv_cache.read_blocks)
     write_blocks = staticmethod(kv_cache.write_blocks)
@@ -29,7 +37,7 @@ class _PagedBackend:
     def forward(self, q, k, v, cache: kv_cache.PagedKVCache, meta, scale: float) -> torch.Tensor:
         """Write this step's K/V, then decodes (the first ``meta.num_decodes`` sequences) and
         prefill chunks attend over the cache."""
-        self._write(k, v, cache, meta.slot_mapping)
+        self._write(k, v, cache, meta.slot_mapping, meta.tail_slots)
         nd = meta.num_decodes
         out = torch.empty_like(q)
         if nd:
@@ -77,10 +85,10 @@ class TritonAttentionBackend(_PagedBackend):
     name = "triton"
 
     @staticmethod
-    def _write(k, v, cache, slot_mapping):
+    def _write(k, v, cache, slot_mapping, tail_slots=None):
         from kernels.write_kv import write_kv
 
-        write_kv(k.contiguous(), v.contiguous(), cache, slot_mapping.to(torch.int64))
+        write_kv(k.contiguous(), v.contiguous(), cache, slot_mapping.to(torch.int64), tail_slots)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale):

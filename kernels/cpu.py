@@ -189,7 +189,9 @@ class CpuAttentionBackend:
             cpu_native.available()  # NOTE: builds (or loads) the kernel now, not inside the first step
         self._local = threading.local()  # NOTE: one gather workspace per thread (micro-batches run in parallel)
 
-    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device,
+                       tail_rows: int = 0) -> list[torch.Tensor]:
+        """``tail_rows``: exact key tail rows, which the model dtype does not need (ignored)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         dtype = torch_dtype(layout.dtype)

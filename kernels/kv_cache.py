@@ -2,7 +2,8 @@
 
 A ``PagedKVCache`` is the opaque per-layer cache object the attention backends hand the model.
 ``read_blocks`` / ``write_blocks`` move whole blocks as bytes (``uint8 [n, layer_block_bytes]``),
-the format-independent unit of the KV handoff between workers and tiers.
+the format-independent unit of the KV handoff between workers and tiers. An INT4 cache may also
+hold exact key tail rows (``llmbus.kv.formats``), which are the writer's state and never move.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ class PagedKVCache:
     scale: torch.Tensor | None = None  # int8: [2, N, bs, H] fp16/fp32
     k_meta: torch.Tensor | None = None  # int4: int16 [N, H, key_meta_slots]
     v_meta: torch.Tensor | None = None  # int4: fp16 [N, bs, H, D/value_group, 2]
+    k_tail: torch.Tensor | None = None  # int4: model dtype [rows * bs, H, D], exact keys of filling blocks
+
+    @property
+    def num_tail_rows(self) -> int:
+        return 0 if self.k_tail is None else self.k_tail.shape[0] // self.layout.block_size
 
     @property
     def num_blocks(self) -> int:
@@ -44,11 +50,15 @@ class PagedKVCache:
         return out
 
 
-def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: torch.device | str) -> PagedKVCache:
-    """Zeroed cache of ``num_blocks`` blocks for one layer."""
+def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                   tail_rows: int = 0) -> PagedKVCache:
+    """Zeroed cache of ``num_blocks`` blocks for one layer; an INT4 one with ``tail_rows`` exact
+    key tail rows (other formats need none and ignore it)."""
     fmt.check(layout)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    if tail_rows < 0:
+        raise ValueError(f"tail_rows must be >= 0, got {tail_rows}")
     n, bs, h, d = num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
     if fmt.name == "model":
         return PagedKVCache(fmt, layout, torch.zeros(2, n, bs, h, d, dtype=_DTYPES[layout.dtype], device=device))
@@ -59,7 +69,8 @@ def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: tor
     data = torch.zeros(2, n, bs, h, d // 2, dtype=torch.uint8, device=device)
     k_meta = torch.zeros(n, h, KVFormat.key_meta_slots(d, bs), dtype=torch.int16, device=device)
     v_meta = torch.zeros(n, bs, h, d // KVFormat.value_group(d), 2, dtype=torch.float16, device=device)
-    return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta)
+    tail = torch.zeros(tail_rows * bs, h, d, dtype=_DTYPES[layout.dtype], device=device) if tail_rows else None
+    return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta, k_tail=tail)
 
 
 def _block_ids(cache: PagedKVCache, block_ids) -> torch.Tensor:

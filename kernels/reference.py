@@ -122,10 +122,14 @@ def write_kv_cache(
     value: torch.Tensor,  # [T, Hkv, D]
     cache: "PagedKVCache",
     slot_mapping: torch.Tensor,  # [T] int64
+    tail_slots: torch.Tensor | None = None,  # [T] int64: row * bs + offset in cache.k_tail, or -1
 ) -> None:
     """``write_kv`` for every format: quantizes on the way for int8/int4 (see llmbus.kv.formats).
     An INT4 block whose last slot is written in this call is re-quantized per channel, from this
-    call's keys where they are given and from the stored per-token encoding otherwise."""
+    call's keys where they are given and, for the rest, from the exact key tail row of the token
+    sealing it (``tail_slots``) or else from the stored per-token encoding. The keys of blocks left
+    filling are also copied exactly into their tokens' tail rows; a call must not seal a block from
+    a row it also writes (the Triton kernel's programs would race: see ``KeyTailRows``)."""
     if cache.fmt.name == "model":
         write_kv(key, value, cache.data, slot_mapping)
         return
@@ -139,6 +143,7 @@ def write_kv_cache(
             flat[i].index_copy_(0, slots, q)
             sflat[i].index_copy_(0, slots, s)
         return
+    tails = check_tail_slots(cache, slots, tail_slots)
     d = key.shape[-1]
     gv, gk = KVFormat.value_group(d), KVFormat.key_group(d, bs)
     q, s, mn = qr.int4_group_quantize(value, gv)
@@ -159,7 +164,9 @@ def write_kv_cache(
         heads = torch.arange(key.shape[1], device=key.device)
         cache.k_meta[blk[:, None, None], heads[None, :, None], cols[:, None, :]] = meta
     for b in sealed:
-        x = _int4_tail_keys(cache, b)  # [bs, H, D] fp32 from the per-token encoding
+        base = tails[row_of[b * bs + bs - 1]] - (bs - 1) if tails is not None else -1
+        # [bs, H, D] fp32; NOTE: a copy, since the fresh keys below must not reach the row
+        x = cache.k_tail[base : base + bs].to(torch.float32, copy=True) if base >= 0 else _int4_tail_keys(cache, b)
         for o in range(bs):
             if b * bs + o in row_of:
                 x[o] = key[row_of[b * bs + o]].float()
@@ -168,6 +175,32 @@ def write_kv_cache(
         cache.k_meta[b, :, :d] = codes
         cache.k_meta[b, :, d] = lo.view(torch.int16)
         cache.k_meta[b, :, d + 1] = hi.view(torch.int16)
+    if tail and tails is not None:  # NOTE: after sealing, which reads rows earlier calls wrote
+        keep = [i for i in tail if tails[i] >= 0]
+        rows = torch.tensor([tails[i] for i in keep], dtype=torch.long, device=key.device)
+        cache.k_tail.index_copy_(0, rows, key[keep].to(cache.k_tail.dtype))
+
+
+def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: torch.Tensor | None) -> list[int] | None:
+    """``tail_slots`` as a list, checked against the cache and the slots; None when unused."""
+    if tail_slots is None or cache.fmt.name != "int4":
+        return None
+    if tail_slots.shape != slots.shape:
+        raise ValueError(f"tail_slots must be [{slots.numel()}] like slot_mapping, got {list(tail_slots.shape)}")
+    tails = tail_slots.tolist()
+    bs, limit = cache.layout.block_size, cache.num_tail_rows * cache.layout.block_size
+    for ts, sl in zip(tails, slots.tolist()):
+        if ts >= 0 and (ts >= limit or ts % bs != sl % bs):
+            raise ValueError(f"tail slot {ts} for cache slot {sl}: expected a row of the cache's "
+                             f"{cache.num_tail_rows} tail rows at the slot's block offset {sl % bs}")
+    return tails
+
+
+def fill_key_tail(cache: "PagedKVCache", block: int, row: int) -> None:
+    """Give tail row ``row`` the keys of filling block ``block`` as their per-token codes decode:
+    for a sequence whose filling block was written before it had a row (a handoff)."""
+    bs = cache.layout.block_size
+    cache.k_tail[row * bs : (row + 1) * bs] = _int4_tail_keys(cache, block).to(cache.k_tail.dtype)
 
 
 def _int4_tail_keys(cache: "PagedKVCache", blocks) -> torch.Tensor:

@@ -3,8 +3,10 @@
 One program per (token, KV head). INT4 keys follow ``llmbus.kv.formats``: a token whose slot is
 not its block's last is stored per token (the partial-block encoding); the program of the token
 that writes a block's last slot re-quantizes the whole block per channel, taking this launch's keys
-from the input and earlier ones from the partial encoding. Programs of other tokens of a block
-sealed in this launch leave the keys alone, so no two programs write the same bytes.
+from the input and earlier ones from the sealing token's exact key tail row (or, without one, from
+the partial encoding); a token of a block left filling also copies its key into its tail row.
+Programs of other tokens of a block sealed in this launch leave the keys alone, so no two programs
+write the same bytes.
 """
 
 from __future__ import annotations
@@ -76,13 +78,17 @@ def write_kv_kernel(
     scale_ptr,  # int8: [2, N, BS, H] fp16/fp32 (else unused)
     kmeta_ptr,  # int4: int16 [N, H, KS] (else unused)
     vmeta_ptr,  # int4: fp16 [N, BS, H, D/GV, 2] (else unused)
+    tail_ptr,  # int4 with HAS_TAIL: model dtype [rows * BS, H, D] exact key tail rows
+    tail_slot_ptr,  # int4 with HAS_TAIL: [T] int64, row * BS + block offset, or -1
     T,
     s_kt, s_kh, s_vt, s_vh,
     s_dc, s_dn, s_db, s_dh,
     s_sc, s_sn, s_sb, s_sh,
     s_kmn, s_kmh,
     s_vmn, s_vmb, s_vmh,
+    s_tt, s_th,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,15 +113,24 @@ def write_kv_kernel(
         km = kmeta_ptr + blk * s_kmn + h * s_kmh
         t_fill = t + (BS - 1 - off)
         fill_slot = tl.load(slot_ptr + t_fill, mask=t_fill < T, other=-1)
+        ts = tl.full([], -1, tl.int64)
+        if HAS_TAIL:
+            ts = tl.load(tail_slot_ptr + t).to(tl.int64)
+        tp = tail_ptr + h * s_th
         if off == BS - 1:
-            _seal_block(kp, slot_ptr, data_ptr + blk * s_dn + h * s_dh, km, t, slot, s_kt, s_db, D, BS, GK)
+            _seal_block(kp, slot_ptr, data_ptr + blk * s_dn + h * s_dh, km, tp, t, slot, ts,
+                        s_kt, s_db, s_tt, D, BS, GK)
         elif fill_slot != slot + (BS - 1 - off):
             _int4_row(kp, data_ptr + row, km + off * (NGK * 2), 2, D, GK)
+            if ts >= 0:
+                tl.store(tp + ts * s_tt + c, tl.load(kp + c).to(tail_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _seal_block(kp, slot_ptr, blk_ptr, km, t, slot, s_kt, s_db, D: tl.constexpr, BS: tl.constexpr, GK: tl.constexpr):
-    """Re-quantize the keys of a full block per channel (see llmbus.kv.formats)."""
+def _seal_block(kp, slot_ptr, blk_ptr, km, tp, t, slot, ts, s_kt, s_db, s_tt,
+                D: tl.constexpr, BS: tl.constexpr, GK: tl.constexpr):
+    """Re-quantize the keys of a full block per channel (see llmbus.kv.formats): this launch's
+    keys from the input, earlier ones from tail row ``ts // BS`` if ``ts >= 0``, else decoded."""
     NGK: tl.constexpr = D // GK
     o = tl.arange(0, BS)[:, None]  # [BS, 1] offset in block
     j = tl.arange(0, D // 2)[None, :]  # [1, D/2] channel pair
@@ -130,8 +145,13 @@ def _seal_block(kp, slot_ptr, blk_ptr, km, t, slot, s_kt, s_db, D: tl.constexpr,
     mslot = (o * NGK + (2 * j) // GK) * 2
     sc = tl.load(km + mslot).to(tl.float16, bitcast=True).to(tl.float32)
     mn = tl.load(km + mslot + 1).to(tl.float16, bitcast=True).to(tl.float32)
-    xe = tl.where(fresh, xe_in, mn + (byte & 15).to(tl.float32) * sc)
-    xo = tl.where(fresh, xo_in, mn + ((byte >> 4) & 15).to(tl.float32) * sc)
+    trow_id = ts - back  # [BS, 1] tail slot of each offset: >= 0 iff the block has a tail row
+    exact = (src_slot != slot - back) & (trow_id >= 0)
+    trow = tp + trow_id.to(tl.int64) * s_tt
+    xe_t = tl.load(trow + 2 * j, mask=exact, other=0.0).to(tl.float32)
+    xo_t = tl.load(trow + 2 * j + 1, mask=exact, other=0.0).to(tl.float32)
+    xe = tl.where(fresh, xe_in, tl.where(exact, xe_t, mn + (byte & 15).to(tl.float32) * sc))
+    xo = tl.where(fresh, xo_in, tl.where(exact, xo_t, mn + ((byte >> 4) & 15).to(tl.float32) * sc))
     lo = tl.minimum(tl.min(tl.min(xe, axis=1), axis=0), tl.min(tl.min(xo, axis=1), axis=0))
     hi = tl.maximum(tl.max(tl.max(xe, axis=1), axis=0), tl.max(tl.max(xo, axis=1), axis=0))
     lo16 = (lo - tl.abs(lo) * 0.001953125).to(tl.float16)  # RANGE_PAD = 2**-9
@@ -147,7 +167,7 @@ def _seal_block(kp, slot_ptr, blk_ptr, km, t, slot, s_kt, s_db, D: tl.constexpr,
     tl.store(km + D + 1, hi16.to(tl.int16, bitcast=True))
 
 
-def write_kv(key, value, cache: PagedKVCache, slot_mapping) -> None:
+def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> None:
     """Launch ``write_kv_kernel``: the Triton twin of ``reference.write_kv_cache``."""
     t, h, d = key.shape
     lay = cache.layout
@@ -159,6 +179,11 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping) -> None:
         raise ValueError("key and value must be contiguous in the head dimension")
     if d & (d - 1) or lay.block_size & (lay.block_size - 1):
         raise ValueError(f"Triton KV kernels need power-of-two head_dim and block_size, got {d} and {lay.block_size}")
+    has_tail = tail_slots is not None and cache.fmt.name == "int4"
+    if has_tail and (tail_slots.shape != (t,) or tail_slots.dtype != torch.int64):
+        raise ValueError(f"tail_slots must be int64 [{t}], got {tail_slots.dtype} {list(tail_slots.shape)}")
+    if has_tail and cache.k_tail is None:
+        raise ValueError("tail_slots given but the cache has no key tail rows")
     if t == 0:
         return
     fmt = cache.fmt.name
@@ -169,11 +194,12 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping) -> None:
     s_scale = scale.stride()[:4] if cache.scale is not None else (0, 0, 0, 0)
     s_km = km.stride()[:2] if cache.k_meta is not None else (0, 0)
     s_vm = vm.stride()[:3] if cache.v_meta is not None else (0, 0, 0)
+    tail = cache.k_tail if has_tail else key
     write_kv_kernel[(t, h)](
-        key, value, slot_mapping, data, scale, km, vm, t,
+        key, value, slot_mapping, data, scale, km, vm, tail, tail_slots if has_tail else slot_mapping, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *data.stride()[:4], *s_scale, *s_km, *s_vm,
+        *data.stride()[:4], *s_scale, *s_km, *s_vm, tail.stride(0), tail.stride(1),
         FMT=FMT_IDS[fmt], D=d, BS=lay.block_size,
-        GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, lay.block_size),
+        GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, lay.block_size), HAS_TAIL=has_tail,
     )
 

@@ -6,6 +6,8 @@ import torch
 from kernels import quant_reference as qr
 from kernels import reference as ref
 from kernels.kv_cache import allocate_cache, read_blocks, write_blocks
+from llmbus.engine.attention import build_attention_metadata
+from llmbus.engine.runner import KeyTailRows
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
 
@@ -106,3 +108,85 @@ def test_decode_written_cache_matches_prefill_written_within_bound(name):
     assert (b - kv).abs().max() < (0.05 if name == "int8" else 1.2)
     if name == "int8":
         assert torch.equal(a, b)
+
+
+def _write_in_steps(cache, lay, k, v, table, steps, tails: bool):
+    """Write ``k``/``v`` [L, H, D] in chunks of ``steps`` tokens, as the engine does: slots and tail
+    slots from ``build_attention_metadata``, two tail rows held through ``KeyTailRows`` (or none)."""
+    rows = KeyTailRows(cache.num_tail_rows) if tails else None
+    start = 0
+    for n in steps:
+        pair = [rows.rows_for("seq", start, n, lay.block_size)[:2]] if tails else None
+        meta, _ = build_attention_metadata([(table, start, n)], lay.block_size, "cpu", pair)
+        ref.write_kv_cache(k[start : start + n], v[start : start + n], cache, meta.slot_mapping, meta.tail_slots)
+        start += n
+    return rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_key_tails_seal_blocks_exactly_as_a_prefill_does(dtype):
+    """With a key tail row, blocks filled over several steps seal from exact keys: byte for byte what
+    one bulk write stores. Without one they seal from per-token codes (keys rounded twice)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    torch.manual_seed(0)
+    k = (torch.randn(53, 2, 64) * torch.linspace(0.2, 4, 64)).to(getattr(torch, dtype))  # channel spread
+    v = torch.randn(53, 2, 64).to(getattr(torch, dtype))
+    table = [3, 0, 2, 1]
+    fmt = KVFormat("int4")
+    bulk, tailed, untailed = (allocate_cache(fmt, lay, 4, "cpu", tail_rows=2) for _ in range(3))
+    ref.write_kv_cache(k, v, bulk, torch.tensor(lay.slot_mapping(table, 0, 53)))
+    steps = [5, 20, 1, 1, 9, 1] + [1] * 16  # chunks sealing in-launch and across launches
+    rows = _write_in_steps(tailed, lay, k, v, table, steps, tails=True)
+    _write_in_steps(untailed, lay, k, v, table, steps, tails=False)
+    full = [3, 0, 2]
+    assert torch.equal(read_blocks(tailed, full), read_blocks(bulk, full))
+    assert not torch.equal(read_blocks(untailed, full), read_blocks(bulk, full))
+    # the filling block: same per-token codes either way, its exact keys in the row
+    assert torch.equal(read_blocks(tailed, [1]), read_blocks(untailed, [1]))
+    current = rows.rows_for("seq", 53, 1, 16)[0]
+    assert torch.equal(tailed.k_tail[current * 16 : current * 16 + 5], k[48:53])
+    # the row's error against bulk-sealed keys: exact sealing is what a prefill gets
+    ids, is_full = torch.tensor(full), torch.tensor([True] * 3)
+    exact = ref.dequantize_blocks(bulk, ids, is_full)[0]
+    twice = ref.dequantize_blocks(untailed, ids, is_full)[0]
+    kk = k[:48].float().view(3, 16, 2, 64)
+    assert (exact - kk).abs().mean() < (twice - kk).abs().mean()
+
+
+def test_int4_fill_key_tail_starts_a_row_from_per_token_codes():
+    """A sequence handed over mid-block gets a row holding its filling block's keys as decoded."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    torch.manual_seed(1)
+    k, v = torch.randn(22, 2, 64), torch.randn(22, 2, 64)
+    cache = allocate_cache(KVFormat("int4"), lay, 2, "cpu", tail_rows=1)
+    ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping([1, 0], 0, 22)))  # no row: block 0 fills
+    ref.fill_key_tail(cache, 0, 0)
+    decoded = ref.dequantize_blocks(cache, torch.tensor([0]), torch.tensor([False]))[0, 0, :6]
+    assert torch.equal(cache.k_tail[:6], decoded)
+    assert (decoded - k[16:22]).abs().max() < 0.6  # per-token codes: within a step of the keys
+
+
+def test_tail_slots_are_checked():
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16)
+    cache = allocate_cache(KVFormat("int4"), lay, 2, "cpu", tail_rows=1)
+    k = torch.randn(2, 1, 16)
+    sm = torch.tensor([16, 17])
+    with pytest.raises(ValueError, match="at the slot's block offset 0"):
+        ref.write_kv_cache(k, k, cache, sm, torch.tensor([1, 2]))  # offsets one off
+    with pytest.raises(ValueError, match="cache's 1 tail rows"):
+        ref.write_kv_cache(k, k, cache, sm, torch.tensor([16, 17]))  # row 1 of one
+    with pytest.raises(ValueError, match="like slot_mapping"):
+        ref.write_kv_cache(k, k, cache, sm, torch.tensor([0]))
+    with pytest.raises(ValueError, match="tail_rows must be >= 0"):
+        allocate_cache(KVFormat("int4"), lay, 2, "cpu", tail_rows=-1)
+    ref.write_kv_cache(k, k, cache, sm, torch.tensor([-1, 1]))  # -1: that token has no row
+    assert torch.equal(cache.k_tail[1], k[1])
+
+
+def test_key_tail_row_bytes():
+    lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    assert KVFormat("int4").key_tail_row_bytes(lay) == 3 * 16 * 2 * 64 * 2
+    assert KVFormat("int8").key_tail_row_bytes(lay) == KVFormat("model").key_tail_row_bytes(lay) == 0
+    cache = allocate_cache(KVFormat("int4"), KVLayout(1, 2, 64, 16, "bfloat16"), 2, "cpu", tail_rows=5)
+    assert cache.num_tail_rows == 5 and cache.k_tail.numel() * 2 * 3 == 5 * KVFormat("int4").key_tail_row_bytes(lay)
+    assert allocate_cache(KVFormat("int8"), lay, 2, "cpu", tail_rows=5).k_tail is None

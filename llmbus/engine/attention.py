@@ -25,6 +25,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length after this step's write
     query_start_loc: torch.Tensor  # [B+1] int32: cumulative query lengths
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
+    # [T] int64: each new token's slot in its sequence's exact key tail row (row * block_size +
+    # offset in block, -1 without a row); None when the KV format keeps no tails (llmbus.kv.formats)
+    tail_slots: torch.Tensor | None = None
     # NOTE: per-step data a backend derives from the fields above at the first layer and reuses in
     # every other layer (keyed by backend name). The fields above must not change within a step.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
@@ -38,14 +41,20 @@ def build_attention_metadata(
     entries: Sequence[tuple[Sequence[int], int, int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    tail_rows: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """``entries``: per sequence ``(block_table, num_computed, num_new)``, decodes (``num_new == 1``)
-    first. Returns the metadata and the ``[T]`` int64 positions of the step's tokens.
+    first; ``tail_rows``: per sequence the exact key tail rows (-1: none) of the block its first new
+    token falls in and of its later blocks (None: no tails; see ``KeyTailRows`` for why two).
+    Returns the metadata and the ``[T]`` int64 positions of the step's tokens.
 
     A block table must cover ``num_computed + num_new`` tokens."""
     if not entries:
         raise ValueError("a step needs at least one sequence")
+    if tail_rows is not None and len(tail_rows) != len(entries):
+        raise ValueError(f"tail_rows has {len(tail_rows)} entries for {len(entries)} sequences")
     slots: list[int] = []
+    tails: list[int] = []
     positions: list[int] = []
     seq_lens: list[int] = []
     qsl = [0]
@@ -63,6 +72,12 @@ def build_attention_metadata(
             seen_prefill = True
         positions.extend(range(start, end))
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if tail_rows is not None:
+            rows = (tail_rows[i][0], tail_rows[i][1])
+            first = start // block_size
+            for p in range(start, end):
+                row = rows[p // block_size != first]
+                tails.append(row * block_size + p % block_size if row >= 0 else -1)
         seq_lens.append(end)
         qsl.append(qsl[-1] + n)
     width = max(len(t) for t, _, _ in entries)
@@ -73,6 +88,7 @@ def build_attention_metadata(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         num_decodes=num_decodes,
+        tail_slots=torch.tensor(tails, dtype=torch.int64, device=device) if tail_rows is not None else None,
     )
     return meta, torch.tensor(positions, dtype=torch.int64, device=device)
 
@@ -80,7 +96,8 @@ def build_attention_metadata(
 class AttentionBackend(Protocol):
     name: str
 
-    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device) -> list[object]: ...
+    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device,
+                       tail_rows: int = 0) -> list[object]: ...
 
     def forward(
         self,
@@ -105,7 +122,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device,
+                       tail_rows: int = 0) -> list[torch.Tensor]:
+        """``tail_rows``: exact key tail rows, which the model dtype does not need (ignored)."""
         dtype = torch_dtype(layout.dtype)
         return [torch.zeros(layout.cache_shape(num_blocks), dtype=dtype, device=device) for _ in range(layout.num_layers)]
 

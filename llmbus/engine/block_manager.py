@@ -57,6 +57,9 @@ class BlockManager:
         # evicted, before anything overwrites it (a write-back to a lower tier). Blocks that came
         # from import_cached (a lower tier already has them) are not reported.
         self.on_evict = None
+        # Set to a callable(seq) to hear of every ``free`` (finish, abort, preemption, handoff):
+        # state kept per sequence beside its blocks goes with them.
+        self.on_free = None
 
     # --- counters -----------------------------------------------------------------------------
 
@@ -285,3 +288,5 @@ class BlockManager:
                     self._free.append(block)
         seq.block_table = []
         seq.block_hashes = []
+        if self.on_free is not None:
+            self.on_free(seq)

@@ -11,6 +11,7 @@ attention-heavy fp32 multi-head model (1.2x), whose KV traffic dwarfs its weight
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,8 +33,50 @@ class _Batch:
     sample_seqs: list[Sequence]
 
 
+class KeyTailRows:
+    """Which sequence holds which exact key tail rows of the cache (``llmbus.kv.formats``).
+
+    A sequence takes two rows when first scheduled and gives them back when its blocks are freed
+    (finish, abort, preemption, handoff: ``BlockManager.on_free``). Its filling block's keys live in
+    its *current* row. Two, because one step may both seal that block (reading the row) and start
+    the next (writing keys): then the new keys go to the other row, which becomes current; the
+    kernel's programs run in parallel, so sharing one row would race. With no rows left a sequence
+    gets -1 and its blocks seal from their per-token codes, as before tails existed."""
+
+    def __init__(self, num_rows: int) -> None:
+        self._free: deque[int] = deque(range(num_rows - num_rows % 2))
+        self._held: dict[str, list[int]] = {}  # request id -> [current row, other row]
+
+    def rows_for(self, request_id: str, start: int, num_new: int, block_size: int) -> tuple[int, int, bool]:
+        """``(row of the first new token's block, row of later blocks, newly taken)`` for a step
+        computing tokens ``[start, start + num_new)``; ``(-1, -1, False)`` when no rows are left."""
+        pair = self._held.get(request_id)
+        new = pair is None
+        if new:
+            if not self._free:
+                return -1, -1, False
+            pair = self._held[request_id] = [self._free.popleft(), self._free.popleft()]
+        end = start + num_new
+        if start % block_size and end // block_size > start // block_size and end % block_size:
+            pair.reverse()  # NOTE: seals the current row's block and starts another: switch rows
+            return pair[1], pair[0], new
+        return pair[0], pair[0], new
+
+    def release(self, seq: Sequence) -> None:
+        """Give back ``seq``'s rows, if it holds them; idempotent."""
+        pair = self._held.pop(seq.request_id, None)
+        if pair is not None:
+            self._free.extend(pair)
+
+    @property
+    def num_held(self) -> int:
+        """Rows held by sequences."""
+        return 2 * len(self._held)
+
+
 class ModelRunner:
-    """Owns the paged KV cache (one opaque object per layer) and runs the model over it."""
+    """Owns the paged KV cache (one opaque object per layer) and runs the model over it.
+    ``tail_rows > 0``: the cache keeps that many exact key tail rows, two per running sequence."""
 
     def __init__(
         self,
@@ -43,6 +86,7 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         micro_batches: int = 1,
+        tail_rows: int = 0,
     ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -51,7 +95,8 @@ class ModelRunner:
         self.backend = backend
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = backend.allocate_cache(layout, num_blocks, device)
+        self.kv_caches = backend.allocate_cache(layout, num_blocks, device, tail_rows)
+        self.key_tails = KeyTailRows(tail_rows) if tail_rows else None
         self.sampler = Sampler()
         self.micro_batches = micro_batches if device.type == "cpu" else 1
         self._pool = (ThreadPoolExecutor(self.micro_batches - 1, thread_name_prefix="microbatch")
@@ -111,10 +156,13 @@ class ModelRunner:
         spans: list[tuple[list[int], int, int]] = []  # (block table, num computed, num new)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        tail_rows: list[tuple[int, int]] | None = [] if self.key_tails is not None else None
         rows = 0
         for entry in entries:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
+            if tail_rows is not None:
+                tail_rows.append(self._tail_rows(seq, start, n))
             if n == 1:
                 input_ids.append(_token_at(seq, start))
             else:
@@ -124,9 +172,19 @@ class ModelRunner:
             if entry.sample:
                 sample_rows.append(rows - 1)
                 sample_seqs.append(seq)
-        meta, positions = build_attention_metadata(spans, self.layout.block_size, self.device)
+        meta, positions = build_attention_metadata(spans, self.layout.block_size, self.device, tail_rows)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         return _Batch(ids, positions, meta, sample_rows, sample_seqs)
+
+    def _tail_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
+        """``seq``'s key tail rows for this step; newly taken ones start from the keys its filling
+        block already holds (written elsewhere: a handoff)."""
+        bs = self.layout.block_size
+        first, later, new = self.key_tails.rows_for(seq.request_id, start, n, bs)
+        if new and start % bs:
+            for cache in self.kv_caches:
+                self.backend.fill_key_tail(cache, seq.block_table[start // bs], first)
+        return first, later
 
 
 def _cost(entry: ScheduledSeq) -> float:

@@ -21,7 +21,15 @@ Three formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N``
 
 NOTE: whether an INT4 block is full is not stored: a reader knows it from the sequence length
 (block ``j`` of a sequence of ``L`` tokens is full iff ``(j + 1) * bs <= L``), and the writer
-re-quantizes a block per channel in the step that writes its last slot. This module is torch-free.
+re-quantizes a block per channel in the step that writes its last slot.
+
+Exact key tails (INT4, KIVI's residual): re-quantizing a sealing block from its per-token codes
+would round its keys twice. So the writer may also keep each filling block's keys exact in a
+*tail row* (``bs`` keys of ``H x D`` in the model dtype, outside the paged blocks: a writer's
+working state, never part of a block's bytes) and seal from it. The engine gives each running
+sequence two rows, used in turn (one step may seal a block from one row while starting the next
+block in the other). A sequence without rows (none left) seals from its per-token codes; one handed
+over mid-block from another worker starts its row from them. This module is torch-free.
 """
 
 from __future__ import annotations
@@ -91,6 +99,12 @@ class KVFormat:
     def bytes_per_block(self, layout: KVLayout) -> int:
         """Bytes one block occupies across all layers."""
         return self.layer_block_bytes(layout) * layout.num_layers
+
+    def key_tail_row_bytes(self, layout: KVLayout) -> int:
+        """Bytes of one exact key tail row across all layers (0 for formats that need none)."""
+        if self.name != "int4":
+            return 0
+        return layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
 
     def bytes_per_token(self, layout: KVLayout) -> float:
         """Average bytes per token across all layers (a block's bytes over its tokens)."""

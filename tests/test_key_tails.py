@@ -1,0 +1,139 @@
+"""Exact INT4 key tail rows in the engine (llmbus.kv.formats): which rows a step reads and writes,
+that running sequences hold them and give them back, and that a handed-over sequence starts its
+row from the block it received."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from llmbus.engine.attention import build_attention_metadata
+from llmbus.engine.llm import LLM
+from llmbus.engine.runner import KeyTailRows
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.kv.formats import KVFormat
+from llmbus.model.demo import make_demo_model
+
+BS = 16
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+def test_rows_switch_only_when_a_step_seals_from_its_row_and_starts_a_block():
+    rows = KeyTailRows(5)  # an odd count: the spare row is never handed out
+    assert rows.rows_for("a", 0, 20, BS) == (0, 0, True)  # no earlier keys to read: one row
+    assert rows.rows_for("a", 20, 1, BS) == (0, 0, False)
+    assert rows.rows_for("a", 21, 30, BS) == (0, 1, False)  # seals block 1 from row 0, starts block 3
+    assert rows.rows_for("a", 51, 13, BS) == (1, 1, False)  # seals, starts nothing: no switch
+    assert rows.rows_for("b", 0, 1, BS)[:2] == (2, 2)
+    assert rows.rows_for("c", 0, 1, BS) == (-1, -1, False)  # none left
+    assert rows.num_held == 4
+    seq = type("Seq", (), {"request_id": "a"})()
+    rows.release(seq)
+    rows.release(seq)  # idempotent
+    assert rows.num_held == 2
+    first, later, new = rows.rows_for("c", 0, 1, BS)
+    assert new and first == later and first in (0, 1)  # a's rows, handed on
+
+
+def test_no_step_writes_the_row_it_seals_from():
+    """Random chunkings: a sealing token's row holds its block's earlier keys (written by earlier
+    steps, in that row), and no token of the same step writes that row (the kernel would race)."""
+    rnd = random.Random(0)
+    for trial in range(200):
+        rows = KeyTailRows(2)
+        table = list(range(40))
+        written: dict[int, int] = {}  # position -> row its key went to
+        done = 0
+        while done < 300:
+            n = rnd.choice([1, 1, 1, rnd.randint(2, 40)])
+            first, later, _ = rows.rows_for("s", done, n, BS)
+            meta, pos = build_attention_metadata([(table, done, n)], BS, "cpu", [(first, later)])
+            tails, slots = meta.tail_slots.tolist(), meta.slot_mapping.tolist()
+            end = done + n
+            sealed = {p // BS for p in range(done, end) if p % BS == BS - 1}
+            writes = {tails[i] // BS for i, p in enumerate(range(done, end)) if p // BS not in sealed}
+            for i, p in enumerate(range(done, end)):
+                assert tails[i] % BS == slots[i] % BS
+                if p % BS == BS - 1 and p // BS * BS < done:  # seals a block holding earlier keys
+                    row = tails[i] // BS
+                    assert all(written[q] == row for q in range(p // BS * BS, done)), trial
+                    assert row not in writes, trial
+            for i, p in enumerate(range(done, end)):
+                if p // BS not in sealed:
+                    written[p] = tails[i] // BS
+            done = end
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_demo_model(tmp_path_factory.mktemp("tails") / "demo-small", "small")
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(10, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_running_sequences_hold_rows_that_hold_their_exact_keys(model_dir):
+    """Layer 0's keys depend only on the tokens, so the int4 engine's row must equal the keys a
+    model-dtype engine caches for the same prompt, bit for bit."""
+    exact = LLM(model_dir, dtype="float32", device="cpu").engine
+    quant = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4", max_num_seqs=4).engine
+    prompt = _prompt(37)
+    for e in (exact, quant):
+        e.add_request("r", prompt, GREEDY)
+        e.step()  # the prompt, in one chunk: blocks 0 and 1 sealed, 5 keys in the filling block
+    assert quant.leak_check()["key_tail_rows"] == 2
+    row = quant.runner.key_tails.rows_for("r", 37, 1, BS)[0]
+    block = exact._seqs["r"].block_table[2]
+    want = exact.runner.kv_caches[0][0, block, :5]
+    assert torch.equal(quant.runner.kv_caches[0].k_tail[row * BS : row * BS + 5], want)
+    quant.abort("r")
+    assert quant.leak_check()["key_tail_rows"] == 0
+
+
+def test_rows_come_back_after_finish_abort_and_preemption(model_dir):
+    # NOTE: 12 blocks for 4 sequences growing to 50 tokens (4 blocks each) forces preemptions
+    llm = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4", num_blocks=12, max_num_seqs=4)
+    engine = llm.engine
+    outs = llm.generate([_prompt(30, s) for s in range(4)], GREEDY)
+    assert engine.num_preemptions > 0
+    assert all(len(o.token_ids) == 20 for o in outs)
+    engine.add_request("x", _prompt(9), GREEDY)
+    engine.step()
+    assert engine.leak_check()["key_tail_rows"] == 2
+    engine.abort("x")
+    leaks = engine.leak_check()
+    assert leaks["key_tail_rows"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
+def test_handed_over_sequence_starts_its_row_from_the_received_block(model_dir):
+    prefill = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
+    decode = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
+    prefill.add_request("h", _prompt(21), GREEDY, prefill_only=True)
+    prefill.step()
+    exact_keys = [c.k_tail.clone() for c in prefill.runner.kv_caches]  # rows of the one sequence
+    state, kv = prefill.export_sequence("h")
+    assert prefill.leak_check()["key_tail_rows"] == 0
+    decode.import_sequence(state, kv, GREEDY)
+    decode.step()  # computes token 21 into block 1 (offset 5), starting the row from offsets 0..4
+    row = decode.runner.key_tails.rows_for("h", 22, 1, BS)[0]
+    block = decode._seqs["h"].block_table[1]
+    for layer, cache in enumerate(decode.runner.kv_caches):
+        got = cache.k_tail[row * BS : row * BS + 5]
+        decoded = ref.dequantize_blocks(cache, torch.tensor([block]), torch.tensor([False]))[0, 0, :5]
+        assert torch.equal(got, decoded)
+        assert torch.allclose(got, exact_keys[layer][:5], atol=0.5)  # per-token codes of those keys
+    decode.abort("h")
+    assert decode.leak_check()["key_tail_rows"] == 0
+
+
+def test_budget_pays_for_the_rows(model_dir):
+    engine = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4", kv_cache_bytes=1 << 22,
+                 max_num_seqs=8).engine
+    fmt = KVFormat("int4")
+    rows = 16 * fmt.key_tail_row_bytes(engine.layout)
+    assert engine.runner.num_blocks == ((1 << 22) - rows) // fmt.bytes_per_block(engine.layout)
+    assert engine.runner.kv_caches[0].num_tail_rows == 16
