@@ -39,12 +39,15 @@ class _PagedBackend:
         prefill chunks attend over the cache."""
         self._write(k, v, cache, meta.slot_mapping, meta.tail_slots)
         nd = meta.num_decodes
+        rows = meta.tail_rows
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+            out[:nd] = self._decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                    None if rows is None else rows[:nd])
         if nd < meta.seq_lens.shape[0]:
             qsl = (meta.query_start_loc[nd:] - meta.query_start_loc[nd]).to(torch.int32)
-            out[nd:] = self._prefill(q[nd:], cache, meta.block_tables[nd:], meta.seq_lens[nd:], qsl, scale)
+            out[nd:] = self._prefill(q[nd:], cache, meta.block_tables[nd:], meta.seq_lens[nd:], qsl, scale,
+                                     None if rows is None else rows[nd:])
         return out
 
 
@@ -67,15 +70,16 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     name = "cpu-paged"
 
     @staticmethod
-    def _decode(q, cache, block_tables, seq_lens, scale):
+    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None):
         lay = cache.layout
         if (cache.fmt.name == "model" or q.shape[0] == 0 or not cpu_native.available()
                 or not cpu_native.supports(torch.float32, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size)):
-            return reference.paged_decode_attention_cache(q, cache, block_tables, seq_lens, scale)
+            return reference.paged_decode_attention_cache(q, cache, block_tables, seq_lens, scale, tail_rows)
         if cache.fmt.name == "int8" and q.dtype in (torch.float32, torch.bfloat16):
             # NOTE: int8 dequantizes inside the kernel, reading half the bytes of a bf16 cache
             return cpu_native.paged_decode(q, cache.data, block_tables, seq_lens, scale, scales=cache.scale)
-        kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False)
+        kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
+                                                   tail_rows=tail_rows)
         return cpu_native.paged_decode(q.float(), kv, tables, seq_lens, scale).to(q.dtype)
 
 
@@ -91,16 +95,18 @@ class TritonAttentionBackend(_PagedBackend):
         write_kv(k.contiguous(), v.contiguous(), cache, slot_mapping.to(torch.int64), tail_slots)
 
     @staticmethod
-    def _decode(q, cache, block_tables, seq_lens, scale):
+    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None):
         from kernels.paged_decode import paged_decode_attention
 
-        return paged_decode_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), scale)
+        return paged_decode_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), scale,
+                                      tail_rows=tail_rows)
 
     @staticmethod
-    def _prefill(q, cache, block_tables, seq_lens, qsl, scale):
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None):
         from kernels.paged_prefill import paged_prefill_attention
 
-        return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale)
+        return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale,
+                                       tail_rows=tail_rows)
 
 
 def make_attention_backend(device: str | torch.device, kv_format: str = "model") -> _PagedBackend:

@@ -19,9 +19,13 @@ def load_kv_tile(
     seq_len,  # tokens of context: positions >= seq_len read as zero
     h,  # KV head
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    tail_ptr,  # int4: model dtype [rows * BS, H, D] exact key tail rows
+    trow,  # int4: the tail row holding this sequence's partial last block's keys; -1: none
+    s_tt, s_th,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
 ):
-    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise."""
+    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise. INT4 keys of a
+    partial block come from tail row ``trow`` when it is >= 0, else from their per-token codes."""
     valid = pos < seq_len
     bidx = pos // BS
     # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big caches.
@@ -61,16 +65,22 @@ def load_kv_tile(
         tslot = kb + (off[:, None] * (D // GK) + c // GK) * 2
         tsc = tl.load(kmeta_ptr + tslot, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
         tmn = tl.load(kmeta_ptr + tslot + 1, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        k = tl.where(full, cmin + kq * cscale, tmn + kq * tsc)
+        # partial block with a tail row: its exact keys (tpos < 0 iff trow is -1)
+        tpos = (trow * BS + off).to(tl.int64)
+        exact = vm2 & (~full) & (tpos >= 0)[:, None]
+        tk = tl.load(tail_ptr + tpos[:, None] * s_tt + h * s_th + c, mask=exact, other=0.0).to(tl.float32)
+        k = tl.where(full, cmin + kq * cscale, tl.where(exact, tk, tmn + kq * tsc))
     return k, v
 
 
 FMT_IDS = {"model": 0, "int8": 1, "int4": 2}
 
 
-def tile_args(cache) -> tuple[tuple, tuple, dict]:
-    """``(pointers, strides, constexprs)`` of a ``PagedKVCache`` in ``load_kv_tile``'s order.
-    Unused pointers alias ``data`` and unused strides are 0."""
+def tile_args(cache, tail_rows: torch.Tensor | None = None) -> tuple[tuple, tuple, dict]:
+    """``(pointers, strides, constexprs)`` of a ``PagedKVCache`` for the attention kernels:
+    pointers ``data, scale, k_meta, v_meta, k_tail, tail_rows``; strides in ``load_kv_tile``'s
+    order, the tail's last; ``HAS_TAIL`` when ``tail_rows`` ([B] int32 per sequence, -1: none) is
+    given for an INT4 cache with tail rows. Unused pointers alias ``data`` and unused strides are 0."""
     from llmbus.kv.formats import KVFormat
 
     lay, data = cache.layout, cache.data
@@ -81,14 +91,21 @@ def tile_args(cache) -> tuple[tuple, tuple, dict]:
         raise ValueError("the KV cache must be contiguous in its last dimension")
     scale, km = cache.scale, cache.k_meta
     vm = cache.v_meta.view(torch.int16) if cache.v_meta is not None else None
-    ptrs = (data, scale if scale is not None else data, km if km is not None else data, vm if vm is not None else data)
+    has_tail = tail_rows is not None and cache.k_tail is not None
+    if has_tail and tail_rows.dtype != torch.int32:
+        raise ValueError(f"tail_rows must be int32, got {tail_rows.dtype}")
+    tail = cache.k_tail if has_tail else data
+    ptrs = (data, scale if scale is not None else data, km if km is not None else data, vm if vm is not None else data,
+            tail, tail_rows if has_tail else data)
     strides = (
         *data.stride()[:4],
         *(scale.stride()[:4] if scale is not None else (0, 0, 0, 0)),
         *(km.stride()[:2] if km is not None else (0, 0)),
         *(vm.stride()[:3] if vm is not None else (0, 0, 0)),
+        *(tail.stride()[:2] if has_tail else (0, 0)),
     )
-    consts = dict(FMT=FMT_IDS[cache.fmt.name], D=d, BS=bs, GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, bs))
+    consts = dict(FMT=FMT_IDS[cache.fmt.name], D=d, BS=bs, GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, bs),
+                  HAS_TAIL=has_tail)
     return ptrs, strides, consts
 
 

@@ -27,20 +27,24 @@ def paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     out_ptr,  # [B, Hq, D] (not SPLIT) or fp32 [B, Hq, S, D] partial accumulators (SPLIT)
     ml_ptr,  # fp32 [B, Hq, S, 2]: running max (log2 units) and denominator (SPLIT)
-    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr,  # the cache (see kv_tile.load_kv_tile)
+    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, tail_ptr,  # the cache (see kv_tile.load_kv_tile)
+    trows_ptr,  # [B] int32 (HAS_TAIL): each sequence's key tail row, -1: none
     table_ptr,  # [B, M] int32
     seq_lens_ptr,  # [B] int32
     sm_scale,
     split_len,  # tokens per split, a multiple of TILE
     s_qb, s_qh, s_ob, s_oh, s_os, s_tb,
-    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, s_tt, s_th,
     G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr,
-    FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
+    FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sid = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    trow = tl.full([], -1, tl.int32)
+    if HAS_TAIL:
+        trow = tl.load(trows_ptr + b)
     g = tl.arange(0, GP)
     c = tl.arange(0, D)
     heads = h * G + g
@@ -61,7 +65,7 @@ def paged_decode_kernel(
             k, v = load_kv_tile(
                 data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                 s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                FMT, D, BS, GV, GK,
+                tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
     elif FMT == 1:
@@ -88,7 +92,7 @@ def paged_decode_kernel(
                 k, v = load_kv_tile(
                     data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                    FMT, D, BS, GV, GK,
+                    tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
                 )
             m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
         if (full_end < end) & (full_end >= start):
@@ -96,7 +100,7 @@ def paged_decode_kernel(
             k, v = load_kv_tile(
                 data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                 s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                FMT, D, BS, GV, GK,
+                tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
     if not SPLIT:
@@ -132,12 +136,13 @@ def paged_decode_attention(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 key tail row per sequence, -1: none
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
     from the device size; ``max_seq_len`` (else read from ``seq_lens``) bounds the split length.
     ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps`` and ``num_stages``
     override the per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere)."""
-    ptrs, strides, consts = tile_args(cache)
+    ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
     if d != cache.layout.head_dim or hq % hkv:

@@ -18,15 +18,16 @@ from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 def paged_prefill_kernel(
     q_ptr,  # [T, Hq, D]
     out_ptr,  # [T, Hq, D]
-    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr,  # the cache (see kv_tile.load_kv_tile)
+    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, tail_ptr,  # the cache (see kv_tile.load_kv_tile)
+    trows_ptr,  # [B] int32 (HAS_TAIL): each sequence's key tail row, -1: none
     table_ptr,  # [B, M] int32
     seq_lens_ptr,  # [B] int32: context length including this chunk
     qsl_ptr,  # [B+1] int32: query_start_loc
     sm_scale,
     s_qt, s_qh, s_ot, s_oh, s_tb,
-    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, s_tt, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
+    FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
 ):
     mt = tl.program_id(0)
     b = tl.program_id(1)
@@ -35,6 +36,9 @@ def paged_prefill_kernel(
     q0 = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q0
     seq_len = tl.load(seq_lens_ptr + b)
+    trow = tl.full([], -1, tl.int32)
+    if HAS_TAIL:
+        trow = tl.load(trows_ptr + b)
     rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < q_len
     qpos = seq_len - q_len + rows  # [BLOCK_M]
@@ -53,7 +57,7 @@ def paged_prefill_kernel(
         k, v = load_kv_tile(
             data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
             s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-            FMT, D, BS, GV, GK,
+            tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
         )
         scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [BLOCK_M, TILE]
         allowed = (pos[None, :] <= qpos[:, None]) & (pos < seq_len)[None, :]
@@ -77,9 +81,10 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     block_m: int | None = None,
+    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 key tail row per sequence, -1: none
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton twin of ``reference.paged_prefill_attention_cache``."""
-    ptrs, strides, consts = tile_args(cache)
+    ptrs, strides, consts = tile_args(cache, tail_rows)
     t, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
     b = seq_lens.shape[0]

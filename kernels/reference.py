@@ -187,13 +187,14 @@ def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: tor
         return None
     if tail_slots.shape != slots.shape:
         raise ValueError(f"tail_slots must be [{slots.numel()}] like slot_mapping, got {list(tail_slots.shape)}")
-    tails = tail_slots.tolist()
+    ts = tail_slots.to(slots.device).long()
     bs, limit = cache.layout.block_size, cache.num_tail_rows * cache.layout.block_size
-    for ts, sl in zip(tails, slots.tolist()):
-        if ts >= 0 and (ts >= limit or ts % bs != sl % bs):
-            raise ValueError(f"tail slot {ts} for cache slot {sl}: expected a row of the cache's "
-                             f"{cache.num_tail_rows} tail rows at the slot's block offset {sl % bs}")
-    return tails
+    bad = ((ts >= limit) | (ts % bs != slots % bs)) & (ts >= 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"tail slot {int(ts[i])} for cache slot {int(slots[i])}: expected a row of the cache's "
+                         f"{cache.num_tail_rows} tail rows at the slot's block offset {int(slots[i]) % bs}")
+    return ts.tolist()
 
 
 def fill_key_tail(cache: "PagedKVCache", block: int, row: int) -> None:
@@ -237,15 +238,24 @@ def dequantize_blocks(
 
 
 def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        zero_past_end: bool = True):
+                        zero_past_end: bool = True, tail_rows: torch.Tensor | None = None):
     """The blocks the batch reads, dequantized to fp32, with a block table into them.
     ``zero_past_end=False`` leaves slots past each sequence's end as they decode (for a consumer
-    that never reads them, such as the fused CPU kernel)."""
+    that never reads them, such as the fused CPU kernel). ``tail_rows`` ([B], -1: none): the INT4
+    key tail row holding each sequence's partial last block, whose exact keys are read instead of
+    its per-token codes."""
     b, bs = block_tables.shape[0], cache.data.shape[2]
     nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
     ids = block_tables[:, :nblk].long()
     full = (torch.arange(ids.shape[1], device=ids.device) + 1) * bs <= seq_lens[:, None].to(ids.device)
     kv = dequantize_blocks(cache, ids.reshape(-1), full.reshape(-1))
+    if tail_rows is not None and cache.k_tail is not None:
+        lens = seq_lens.to(ids.device).long()
+        rows = tail_rows.to(ids.device).long()
+        seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
+        if seqs.numel():
+            tails = cache.k_tail.view(-1, bs, *cache.k_tail.shape[1:])
+            kv[0, seqs * nblk + lens[seqs] // bs] = tails[rows[seqs]].float()
     table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
     if not zero_past_end:
         return kv, table
@@ -257,21 +267,25 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
     return kv, table
 
 
-def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, scale: float) -> torch.Tensor:
-    """``paged_decode_attention`` over a cache of any format."""
+def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, scale: float,
+                                 tail_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_decode_attention`` over a cache of any format; ``tail_rows`` as in
+    ``dequantized_context``."""
     if cache.fmt.name == "model":
         return paged_decode_attention(query, cache.data, block_tables, seq_lens, scale)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    kv, tables = dequantized_context(cache, block_tables, seq_lens)
+    kv, tables = dequantized_context(cache, block_tables, seq_lens, tail_rows=tail_rows)
     return paged_decode_attention(query, kv, tables, seq_lens, scale)
 
 
-def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, query_start_loc, scale: float) -> torch.Tensor:
-    """``paged_prefill_attention`` over a cache of any format."""
+def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, query_start_loc, scale: float,
+                                  tail_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_prefill_attention`` over a cache of any format; ``tail_rows`` as in
+    ``dequantized_context``."""
     if cache.fmt.name == "model":
         return paged_prefill_attention(query, cache.data, block_tables, seq_lens, query_start_loc, scale)
     if block_tables.shape[0] == 0:
         return torch.empty_like(query)
-    kv, tables = dequantized_context(cache, block_tables, seq_lens)
+    kv, tables = dequantized_context(cache, block_tables, seq_lens, tail_rows=tail_rows)
     return paged_prefill_attention(query, kv, tables, seq_lens, query_start_loc, scale)

@@ -4,7 +4,8 @@
 for ``--kv-format int8|int4`` the torch path is the references). ``--compare gemm``: bf16 weights
 in oneDNN's packed layout (``LLMBUS_CPU_GEMM=onednn``) against our blocked kernel's (the default).
 ``--compare layers``: a decode-only step's layers run module by module (``LLMBUS_CPU_FUSED_LAYERS=0``)
-against all of them in one C call (``cpu_native.decode_layers``, the default).
+against all of them in one C call (``cpu_native.decode_layers``, the default). ``--compare tails``
+(with ``--kv-format int4``): no exact key tail rows (``LLMBUS_KV_KEY_TAILS=0``) against them.
 
 Each run starts two fresh processes in turn (the baseline, then the variant), which add
 ``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and
@@ -12,7 +13,7 @@ Each run starts two fresh processes in turn (the baseline, then the variant), wh
 Alternating the two run by run keeps a noisy shared machine's drift out of the ratio.
 
     python scripts/bench_cpu_decode.py [--model-dir DIR | --demo large] [--batch 32] [--runs 3] [--temperature 0]
-        [--kv-format model|int8|int4] [--compare native|gemm|layers] [--threads N]
+        [--kv-format model|int8|int4] [--compare native|gemm|layers|tails] [--threads N]
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ VARIANTS = {
     "native": (("torch", {"LLMBUS_CPU_NATIVE": "0"}), ("fused", {"LLMBUS_CPU_NATIVE": "1"})),
     "gemm": (("onednn", {"LLMBUS_CPU_GEMM": "onednn"}), ("blocked", {"LLMBUS_CPU_GEMM": "blocked"})),
     "layers": (("modules", {"LLMBUS_CPU_FUSED_LAYERS": "0"}), ("fused", {"LLMBUS_CPU_FUSED_LAYERS": "1"})),
+    "tails": (("no-tails", {"LLMBUS_KV_KEY_TAILS": "0"}), ("tails", {"LLMBUS_KV_KEY_TAILS": "1"})),
 }
 
 

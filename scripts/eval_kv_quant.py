@@ -1,13 +1,13 @@
 """Accuracy of quantized KV: teacher-forced top-1 agreement and mean KL of int8/int4 vs model-dtype KV.
 
 The model runs token by token (the decode path), so from the second token on every attention
-reads the quantized cache, full INT4 blocks per channel and the partial tail per token; each INT4
-block is quantized per channel when its last token arrives, from its exact keys kept in the
-sequence's key tail row, which is how the engine stores generated tokens. ``--path prefill``
-feeds each sequence in one prefill pass instead, as a prompt is (full INT4 blocks quantized per
-channel from the exact keys in the same pass). The same
-token sequences are fed under each format: seeded random ids (``--text random``, the default), or
-(``--text stdlib``) windows of the held-out part of the corpus ``scripts/train_demo_model.py``
+reads the quantized cache, as the engine does for generated tokens: full INT4 blocks per channel,
+the filling block's values per token and its keys exactly from the sequence's key tail row; each
+INT4 block is quantized per channel from those exact keys when its last token arrives.
+``--path prefill`` feeds each sequence in one prefill pass instead, as a prompt is (full INT4
+blocks quantized per channel from the exact keys in the same pass). The same token sequences are
+fed under each format: seeded random ids (``--text random``, the default), or (``--text stdlib``)
+windows of the held-out part of the corpus ``scripts/train_demo_model.py``
 trains on, which is what a trained demo model should be measured on.
 
 Peaky logits: a random demo model's next-token distribution is almost flat. For the KL, every

@@ -7,7 +7,8 @@ import torch
 from kernels import cpu_native  # noqa: E402
 from kernels.backends import (  # noqa: E402
     CpuPagedAttentionBackend, TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend)
-from llmbus.engine.attention import AttentionMetadata  # noqa: E402
+from llmbus.engine.attention import AttentionMetadata, build_attention_metadata  # noqa: E402
+from llmbus.engine.runner import KeyTailRows  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,10 +26,14 @@ def _meta(lay, tables, ctx, qlens, num_decodes):
     )
 
 
-def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5, device: str = DEV):
-    """Both backends through the same three steps on their own caches; returns the caches."""
+def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5, device: str = DEV,
+                      tails: bool = False):
+    """Both backends through the same three steps on their own caches; returns the caches.
+    ``tails``: with key tail rows, given out as the engine does."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
-    ca, cb = first.allocate_cache(lay, 8, device)[0], second.allocate_cache(lay, 8, device)[0]
+    n = 4 if tails else 0
+    ca, cb = first.allocate_cache(lay, 8, device, n)[0], second.allocate_cache(lay, 8, device, n)[0]
+    rows = KeyTailRows(n) if tails else None
     tables = [[3, 5, 0], [6, 1]]
     g = torch.Generator().manual_seed(3)
     # step 1: two prefill chunks; step 2: seq 0 decodes while seq 1 prefills more; step 3: both decode
@@ -39,6 +44,10 @@ def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5,
         k = torch.randn(t, 2, 32, generator=g).to(device, getattr(torch, dtype))
         v = torch.randn(t, 2, 32, generator=g).to(device, getattr(torch, dtype))
         meta = _meta(lay, tables, ctx, qlens, nd)
+        if tails:
+            pairs = [rows.rows_for(str(i), c - ql, ql, 16)[:2] for i, (c, ql) in enumerate(zip(ctx, qlens))]
+            entries = [(t, c - ql, ql) for t, c, ql in zip(tables, ctx, qlens)]
+            meta = build_attention_metadata(entries, 16, device, pairs)[0]
         a = first.forward(q, k, v, ca, meta, 0.2)
         b = second.forward(q, k, v, cb, meta, 0.2)
         torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=1e-3)
@@ -64,6 +73,19 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
     ours, ref = CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
     ca, cb = _agree_over_steps(ours, ref, dtype, atol=2e-2 if dtype == "bfloat16" else 2e-5, device="cpu")
     assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_backends_agree_with_int4_key_tail_rows(dtype):
+    """Triton, the references and the CPU backend, each writing and reading the rows itself."""
+    tol = 2e-2 if dtype == "bfloat16" else 1e-3
+    tri, tor, cpu = TritonAttentionBackend("int4"), TorchPagedAttentionBackend("int4"), CpuPagedAttentionBackend("int4")
+    ca, cb = _agree_over_steps(tri, tor, dtype, atol=tol, tails=True)
+    assert torch.equal(ca.k_tail, cb.k_tail) and ca.k_tail.abs().sum() > 0
+    cc, cd = _agree_over_steps(cpu, tor, dtype, atol=tol, device="cpu", tails=True)
+    assert torch.equal(cc.k_tail, cd.k_tail)
+    plain, _ = _agree_over_steps(tor, tor, dtype, device="cpu")
+    assert not torch.equal(plain.data, cd.data)  # sealed from exact keys: other bytes
 
 
 def test_make_attention_backend_choices_and_errors():

@@ -79,3 +79,27 @@ def test_prefill_bad_input_is_a_value_error():
     sl = torch.tensor([2], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="query_start_loc must be int32"):
         paged_prefill_attention(q, cache, tables, sl, torch.tensor([0, 2], device=DEV), 1.0)
+
+
+def test_prefill_reads_partial_int4_blocks_from_key_tail_rows():
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+    ctx, qlens = [45, 19, 32, 8], [21, 19, 4, 3]
+    cache = allocate_cache(KVFormat("int4"), lay, 12, DEV, tail_rows=4)
+    g = torch.Generator().manual_seed(5)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 0], [7, 0, 0]], dtype=torch.int32, device=DEV)
+    for i, n in enumerate(ctx):
+        kv = torch.randn(2, n, 2, 32, generator=g).to(DEV)
+        blocks = tables[i, : lay.num_blocks_for(n)].tolist()
+        ref.write_kv_cache(kv[0], kv[1], cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
+    # NOTE: rows holding keys the codes do not, so which one a kernel reads shows in its output
+    cache.k_tail.copy_(torch.randn(cache.k_tail.shape, generator=g).to(DEV) * 2)
+    rows = torch.tensor([3, -1, 1, 0], dtype=torch.int32, device=DEV)  # seq 1 has none, seq 2 is full
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(int(qsl[-1]), 4, 32, generator=g).to(DEV)
+    sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.25, rows)
+    got = paged_prefill_attention(q, cache, tables, sl, qsl, 0.25, tail_rows=rows)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    plain = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.25)
+    moved = [bool((want[a:b] - plain[a:b]).abs().max() > 1e-2) for a, b in zip(qsl[:-1].tolist(), qsl[1:].tolist())]
+    assert moved == [True, False, False, True]

@@ -137,3 +137,11 @@ def test_budget_pays_for_the_rows(model_dir):
     rows = 16 * fmt.key_tail_row_bytes(engine.layout)
     assert engine.runner.num_blocks == ((1 << 22) - rows) // fmt.bytes_per_block(engine.layout)
     assert engine.runner.kv_caches[0].num_tail_rows == 16
+
+
+def test_rows_can_be_switched_off_for_comparison(model_dir, monkeypatch):
+    monkeypatch.setenv("LLMBUS_KV_KEY_TAILS", "0")
+    engine = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
+    assert engine.runner.key_tails is None and engine.runner.kv_caches[0].k_tail is None
+    out = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").generate([_prompt(20)], GREEDY)[0]
+    assert len(out.token_ids) == 20

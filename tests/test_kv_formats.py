@@ -190,3 +190,23 @@ def test_key_tail_row_bytes():
     cache = allocate_cache(KVFormat("int4"), KVLayout(1, 2, 64, 16, "bfloat16"), 2, "cpu", tail_rows=5)
     assert cache.num_tail_rows == 5 and cache.k_tail.numel() * 2 * 3 == 5 * KVFormat("int4").key_tail_row_bytes(lay)
     assert allocate_cache(KVFormat("int8"), lay, 2, "cpu", tail_rows=5).k_tail is None
+
+
+def test_int4_attention_reads_a_partial_block_exactly_from_its_tail_row():
+    """Decode attention with tail rows: full blocks per channel, the filling block's keys exact."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    torch.manual_seed(3)
+    k, v = torch.randn(37, 2, 64) * 2, torch.randn(37, 2, 64)
+    table = [2, 0, 1]
+    cache = allocate_cache(KVFormat("int4"), lay, 3, "cpu", tail_rows=2)
+    rows = _write_in_steps(cache, lay, k, v, table, [20] + [1] * 17, tails=True)
+    row = rows.rows_for("seq", 37, 1, 16)[0]
+    q = torch.randn(1, 4, 64)
+    lens, tables = torch.tensor([37], dtype=torch.int32), torch.tensor([table], dtype=torch.int32)
+    got = ref.paged_decode_attention_cache(q, cache, tables, lens, 0.125, torch.tensor([row], dtype=torch.int32))
+    kv = ref.dequantize_blocks(cache, torch.tensor(table), torch.tensor([True, True, False])).flatten(1, 2)[:, :37]
+    keys = torch.cat((kv[0, :32], k[32:]))  # the filling block exact
+    want = ref._attend(q[:, :, None], keys.transpose(0, 1)[None], kv[1].transpose(0, 1)[None], None, 0.125)[:, :, 0]
+    torch.testing.assert_close(got, want)
+    codes = ref.paged_decode_attention_cache(q, cache, tables, lens, 0.125)  # without: per-token codes
+    assert (codes - want).abs().max() > 1e-3

@@ -28,6 +28,9 @@ class AttentionMetadata:
     # [T] int64: each new token's slot in its sequence's exact key tail row (row * block_size +
     # offset in block, -1 without a row); None when the KV format keeps no tails (llmbus.kv.formats)
     tail_slots: torch.Tensor | None = None
+    # [B] int32: the tail row holding each sequence's last block after this step's write (-1: none);
+    # attention reads a partial last block's keys from it. None with tail_slots.
+    tail_rows: torch.Tensor | None = None
     # NOTE: per-step data a backend derives from the fields above at the first layer and reuses in
     # every other layer (keyed by backend name). The fields above must not change within a step.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
@@ -55,6 +58,7 @@ def build_attention_metadata(
         raise ValueError(f"tail_rows has {len(tail_rows)} entries for {len(entries)} sequences")
     slots: list[int] = []
     tails: list[int] = []
+    last_rows: list[int] = []
     positions: list[int] = []
     seq_lens: list[int] = []
     qsl = [0]
@@ -78,6 +82,7 @@ def build_attention_metadata(
             for p in range(start, end):
                 row = rows[p // block_size != first]
                 tails.append(row * block_size + p % block_size if row >= 0 else -1)
+            last_rows.append(row)
         seq_lens.append(end)
         qsl.append(qsl[-1] + n)
     width = max(len(t) for t, _, _ in entries)
@@ -89,6 +94,7 @@ def build_attention_metadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         num_decodes=num_decodes,
         tail_slots=torch.tensor(tails, dtype=torch.int64, device=device) if tail_rows is not None else None,
+        tail_rows=torch.tensor(last_rows, dtype=torch.int32, device=device) if tail_rows is not None else None,
     )
     return meta, torch.tensor(positions, dtype=torch.int64, device=device)
 

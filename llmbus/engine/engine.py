@@ -6,6 +6,7 @@ synchronous and single-threaded: the services call `step()` from one executor th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +121,10 @@ class Engine:
         return cls(loaded, config)
 
     def _key_tail_rows(self) -> int:
-        """Exact key tail rows the KV format keeps: two per sequence that may run at once."""
+        """Exact key tail rows the KV format keeps: two per sequence that may run at once
+        (``LLMBUS_KV_KEY_TAILS=0``: none, blocks seal from their per-token codes; for comparison)."""
         keeps = parse_kv_format(self.config.kv_format).key_tail_row_bytes(self.layout) > 0
+        keeps = keeps and os.environ.get("LLMBUS_KV_KEY_TAILS", "1") != "0"
         return 2 * self.config.max_num_seqs if keeps else 0
 
     def _blocks_for_budget(self) -> int:
