@@ -164,7 +164,7 @@ def write_kv_cache(
         heads = torch.arange(key.shape[1], device=key.device)
         cache.k_meta[blk[:, None, None], heads[None, :, None], cols[:, None, :]] = meta
     for b in sealed:
-        base = tails[row_of[b * bs + bs - 1]] - (bs - 1) if tails is not None else -1
+        base = int(tails[row_of[b * bs + bs - 1]]) - (bs - 1) if tails is not None else -1
         # [bs, H, D] fp32; NOTE: a copy, since the fresh keys below must not reach the row
         x = cache.k_tail[base : base + bs].to(torch.float32, copy=True) if base >= 0 else _int4_tail_keys(cache, b)
         for o in range(bs):
@@ -176,13 +176,16 @@ def write_kv_cache(
         cache.k_meta[b, :, d] = lo.view(torch.int16)
         cache.k_meta[b, :, d + 1] = hi.view(torch.int16)
     if tail and tails is not None:  # NOTE: after sealing, which reads rows earlier calls wrote
-        keep = [i for i in tail if tails[i] >= 0]
-        rows = torch.tensor([tails[i] for i in keep], dtype=torch.long, device=key.device)
-        cache.k_tail.index_copy_(0, rows, key[keep].to(cache.k_tail.dtype))
+        rows, src = tails[idx], key[idx]
+        keep = rows >= 0
+        if not bool(keep.all()):
+            rows, src = rows[keep], src[keep]
+        cache.k_tail.index_copy_(0, rows, src.to(cache.k_tail.dtype))
 
 
-def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: torch.Tensor | None) -> list[int] | None:
-    """``tail_slots`` as a list, checked against the cache and the slots; None when unused."""
+def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: torch.Tensor | None) -> torch.Tensor | None:
+    """``tail_slots`` as int64 on the slots' device, checked against the cache and the slots; None
+    when unused."""
     if tail_slots is None or cache.fmt.name != "int4":
         return None
     if tail_slots.shape != slots.shape:
@@ -194,7 +197,7 @@ def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: tor
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"tail slot {int(ts[i])} for cache slot {int(slots[i])}: expected a row of the cache's "
                          f"{cache.num_tail_rows} tail rows at the slot's block offset {int(slots[i]) % bs}")
-    return ts.tolist()
+    return ts
 
 
 def fill_key_tail(cache: "PagedKVCache", block: int, row: int) -> None:
@@ -248,14 +251,16 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
     nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
     ids = block_tables[:, :nblk].long()
     full = (torch.arange(ids.shape[1], device=ids.device) + 1) * bs <= seq_lens[:, None].to(ids.device)
-    kv = dequantize_blocks(cache, ids.reshape(-1), full.reshape(-1))
+    seqs = None
     if tail_rows is not None and cache.k_tail is not None:
         lens = seq_lens.to(ids.device).long()
         rows = tail_rows.to(ids.device).long()
         seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
-        if seqs.numel():
-            tails = cache.k_tail.view(-1, bs, *cache.k_tail.shape[1:])
-            kv[0, seqs * nblk + lens[seqs] // bs] = tails[rows[seqs]].float()
+        full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip the codes
+    kv = dequantize_blocks(cache, ids.reshape(-1), full.reshape(-1))
+    if seqs is not None and seqs.numel():
+        tails = cache.k_tail.view(-1, bs, *cache.k_tail.shape[1:])
+        kv[0, seqs * nblk + lens[seqs] // bs] = tails[rows[seqs]].float()
     table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
     if not zero_past_end:
         return kv, table

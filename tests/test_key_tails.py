@@ -5,6 +5,7 @@ row from the block it received."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +146,25 @@ def test_rows_can_be_switched_off_for_comparison(model_dir, monkeypatch):
     assert engine.runner.key_tails is None and engine.runner.kv_caches[0].k_tail is None
     out = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").generate([_prompt(20)], GREEDY)[0]
     assert len(out.token_ids) == 20
+
+
+def test_bench_cpu_decode_compares_tails_in_one_process(model_dir, tmp_path):
+    """The harness behind docs/benchmarks.md's step-time figure, on the small model."""
+    import json
+    import subprocess
+    import sys
+
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "bench_cpu_decode.py")
+    out = tmp_path / "tails.json"
+    proc = subprocess.run(
+        [sys.executable, script, "--model-dir", str(model_dir), "--batch", "2",
+         "--prompt-len", "8", "--warm-steps", "1", "--runs", "2", "--kv-format", "int4", "--compare", "tails",
+         "--interleave", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 2 and all(r["tails"] > 0 and r["no-tails"] > 0 for r in runs)
+    bad = subprocess.run([sys.executable, script, "--model-dir", str(model_dir),
+                          "--compare", "layers", "--interleave"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--interleave works with --compare tails only" in bad.stderr
