@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels import cpu_native  # noqa: E402
+from kernels import reference  # noqa: E402
 from kernels.backends import (  # noqa: E402
     CpuPagedAttentionBackend, TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend)
 from llmbus.engine.attention import AttentionMetadata, build_attention_metadata  # noqa: E402
@@ -100,3 +101,42 @@ def test_make_attention_backend_choices_and_errors():
             make_attention_backend("cuda", "int8")
     else:
         assert isinstance(make_attention_backend("cuda", "int8"), TritonAttentionBackend)
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttentionBackend, CpuPagedAttentionBackend, TritonAttentionBackend])
+def test_backends_attend_to_a_filling_blocks_exact_keys_through_the_metadata(backend):
+    """Engine-shaped steps (KeyTailRows + build_attention_metadata), one of which seals a block from
+    a row and starts the next in the other: every query's output equals attention over the full
+    blocks as stored and the filling block's exact keys (its values as stored)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+    be = backend("int4")
+    cache = be.allocate_cache(lay, 8, "cpu", 4)[0]
+    rows = KeyTailRows(4)
+    tables = [[3, 5, 0], [6, 1, 2]]
+    g = torch.Generator().manual_seed(7)
+    keys = [torch.randn(40, 2, 32, generator=g) * 2 for _ in tables]
+    values = [torch.randn(40, 2, 32, generator=g) for _ in tables]
+    done = [0, 0]
+    # (seq, new tokens) per step, decodes first; step 2's chunk of seq 0 seals block 0 from its
+    # row and starts block 1 in the other
+    for step in ([(0, 5), (1, 20)], [(1, 1), (0, 20)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]):
+        pairs = [rows.rows_for(str(i), done[i], n, 16)[:2] for i, n in step]
+        meta, _ = build_attention_metadata([(tables[i], done[i], n) for i, n in step], 16, "cpu", pairs)
+        k = torch.cat([keys[i][done[i] : done[i] + n] for i, n in step])
+        v = torch.cat([values[i][done[i] : done[i] + n] for i, n in step])
+        q = torch.randn(k.shape[0], 4, 32, generator=g)
+        out = be.forward(q, k, v, cache, meta, 0.2)
+        row = 0
+        for i, n in step:
+            end = done[i] + n
+            nblk = -(-end // 16)
+            full = torch.tensor([(j + 1) * 16 <= end for j in range(nblk)])
+            kv = reference.dequantize_blocks(cache, torch.tensor(tables[i][:nblk]), full).flatten(1, 2)[:, :end]
+            kk = torch.cat((kv[0, : end // 16 * 16], keys[i][end // 16 * 16 : end]))  # the filling block exact
+            mask = (torch.arange(end)[None, :] <= torch.arange(done[i], end)[:, None])[None, None]
+            want = reference._attend(q[row : row + n].transpose(0, 1)[None], kk.transpose(0, 1)[None],
+                               kv[1].transpose(0, 1)[None], mask, 0.2)[0].transpose(0, 1)
+            torch.testing.assert_close(out[row : row + n], want, atol=2e-5, rtol=1e-4)
+            row += n
+            done[i] = end
+    assert pairs[0] != pairs[1]  # the sequences hold their own rows

@@ -68,6 +68,14 @@ def test_no_step_writes_the_row_it_seals_from():
             done = end
 
 
+def test_metadata_refuses_one_row_for_a_seal_and_a_new_block():
+    with pytest.raises(ValueError, match="need two different rows"):
+        build_attention_metadata([(list(range(4)), 5, 20)], BS, "cpu", [(3, 3)])
+    meta, _ = build_attention_metadata([(list(range(4)), 5, 20)], BS, "cpu", [(3, 1)])
+    assert meta.tail_slots.tolist()[:11] == list(range(3 * BS + 5, 4 * BS))  # block 0 seals from row 3
+    assert meta.tail_slots.tolist()[11:] == list(range(BS, BS + 9)) and meta.tail_rows.tolist() == [1]
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_demo_model(tmp_path_factory.mktemp("tails") / "demo-small", "small")

@@ -79,6 +79,11 @@ def build_attention_metadata(
         if tail_rows is not None:
             rows = (tail_rows[i][0], tail_rows[i][1])
             first = start // block_size
+            if start % block_size and end // block_size > first and end % block_size and rows[0] == rows[1] >= 0:
+                # NOTE: the sealing program reads row 0 while this step's new block writes row 1:
+                # one row for both would race in the Triton write kernel (see KeyTailRows)
+                raise ValueError(f"sequence {i}: tokens [{start}, {end}) seal a block from tail row {rows[0]} "
+                                 "and start another: they need two different rows")
             for p in range(start, end):
                 row = rows[p // block_size != first]
                 tails.append(row * block_size + p % block_size if row >= 0 else -1)

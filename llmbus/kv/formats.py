@@ -28,9 +28,10 @@ would round its keys twice. So the writer may also keep each filling block's key
 *tail row* (``bs`` keys of ``H x D`` in the model dtype, outside the paged blocks: a worker's
 state, never part of a block's bytes) and seal from it; attention then reads a partial block's
 keys from its row instead of their per-token codes (its values stay per token). The engine gives
-each running sequence two rows, used in turn (one step may seal a block from one row while
-starting the next block in the other). A sequence without rows (none left) uses its per-token
-codes; one handed over mid-block from another worker starts its row from them. This module is torch-free.
+each running sequence two rows and switches to the other only when one step both seals a block
+from its current row and starts the next block. A sequence without rows (none left) uses its
+per-token codes; one handed over mid-block from another worker starts its row from them (those
+keys stay rounded twice). This module is torch-free.
 """
 
 from __future__ import annotations
