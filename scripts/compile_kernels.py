@@ -1,0 +1,137 @@
+"""Compile every Triton kernel for an NVIDIA GPU without one (default target sm_90, the H200).
+
+Each launch wrapper (``write_kv``, ``paged_decode_attention``, ``paged_prefill_attention`` and the
+split-K reduction) runs as it would on CUDA: its tensors report ``is_cuda`` (so the wrapper picks
+the CUDA launch configuration, tile sizes and dot dtypes), and a stand-in driver compiles each
+launch to a cubin (ptxas included) instead of running it. That catches what fails to compile
+natively, which the interpreter (``TRITON_INTERPRET=1``, where the kernel tests run) accepts; it
+says nothing of results, which only a GPU shows (``scripts/gpu_check.sh``). The Triton here may be
+newer than a lent GPU machine's.
+
+    python scripts/compile_kernels.py [--arch 90]
+
+Prints one line per kernel variant and exits 1 if any failed to compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # NOTE: before triton.jit decorates our kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+class CudaLike(torch.Tensor):
+    """A CPU tensor the wrappers take for a CUDA one (their launch choices read ``is_cuda``)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+class CompileOnlyDriver:
+    """The active-driver surface a compile-only launch touches."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def compile_only(arch: int) -> list[str]:
+    """From now on every ``kernel[grid](...)`` compiles for ``sm_<arch>`` (``warmup``) instead of
+    launching. Returns the list the compiled kernels' names are appended to."""
+    driver.set_active(CompileOnlyDriver(arch))
+    compiled: list[str] = []
+    launch = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        if "cubin" not in kernel.asm:
+            raise RuntimeError(f"{self.fn.__name__}: no cubin")
+        compiled.append(self.fn.__name__)
+        return kernel
+
+    JITFunction.run = run
+    return compiled
+
+
+def variants():
+    """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
+    INT4 also at 16 (its generic-tile path), with and without key tail rows; split-K on and off."""
+    from kernels.kv_cache import allocate_cache
+    from kernels.paged_decode import paged_decode_attention
+    from kernels.paged_prefill import paged_prefill_attention
+    from kernels.write_kv import write_kv
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    def cuda(t):
+        return t.as_subclass(CudaLike)
+
+    cases = [("model", 128, False), ("int8", 128, False), ("int4", 128, False), ("int4", 128, True),
+             ("int4", 16, False), ("int4", 16, True)]
+    for fmt, d, tails in cases:
+        lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
+        cache = allocate_cache(KVFormat(fmt), lay, 8, "cpu", tail_rows=4 if tails else 0)
+        for field in ("data", "scale", "k_meta", "v_meta", "k_tail"):
+            if getattr(cache, field) is not None:
+                setattr(cache, field, cuda(getattr(cache, field)))
+        kv = cuda(torch.randn(5, 2, d).to(torch.bfloat16))
+        slots = cuda(torch.arange(5))
+        tail_slots = cuda(torch.arange(5)) if tails else None
+        q = cuda(torch.randn(2, 8, d).to(torch.bfloat16))
+        tables = cuda(torch.zeros(2, 4, dtype=torch.int32))
+        lens = cuda(torch.tensor([40, 5], dtype=torch.int32))
+        rows = cuda(torch.tensor([0, -1], dtype=torch.int32)) if tails else None
+        qsl = cuda(torch.tensor([0, 1, 2], dtype=torch.int32))
+        tag = f"{fmt} D={d}{' tails' if tails else ''}"
+        yield f"write {tag}", lambda: write_kv(kv, kv, cache, slots, tail_slots)
+        for splits in (1, 2):
+            yield (f"decode {tag} splits={splits}",
+                   lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
+        yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    args = ap.parse_args(argv)
+    compiled = compile_only(args.arch)
+    failed = 0
+    for name, thunk in variants():
+        compiled.clear()
+        try:
+            thunk()
+            print(f"ok      {name}: {', '.join(compiled)}", flush=True)
+        except Exception:  # NOTE: report every variant, then fail
+            failed += 1
+            print(f"FAILED  {name}\n{traceback.format_exc(limit=4)}", flush=True)
+    print(f"{failed} of the variants failed to compile for sm_{args.arch}" if failed else f"all compiled for sm_{args.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
