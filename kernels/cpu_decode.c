@@ -293,6 +293,63 @@ DEFINE_DECODE_INT8(paged_decode_int8_f32_f32, float, float, task_i8_f32_f)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f16, uint16_t, uint16_t, task_i8_bf16_h)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)
 
+/* int4 caches (llmbus.kv.formats): blocks ids[0..n) to fp32 out [2, n, bs, Hkv, D], as
+   kernels.reference.dequantize_blocks computes them (same operations in the same order): a block
+   with full[i] has its keys per channel (codes m | M << 8 and the head's (lo, hi) in k_meta), else
+   per token in groups of gk ((scale, min) pairs in k_meta); values per token in groups of gv
+   (v_meta: fp16 [N, bs, Hkv, D/gv, 2]). data: uint8 [2, N, bs, Hkv, D/2], low nibble the even
+   channel. One pass, no temporaries: the torch version's unpack, stack and broadcast passes cost
+   more than the attention that reads the result. Returns 1 if an id lies outside the cache. */
+int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_meta, const int64_t *ids,
+                 const uint8_t *full, int64_t n, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t d,
+                 int64_t key_slots, int64_t gk, int64_t gv, float *out, int threads) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_blocks) return 1;
+    if (d > MAX_D || d % 2 || d % gk || d % gv || gv % 2) return 2;
+    const int64_t half = d / 2, row = hkv * half; /* packed bytes of one token, all heads */
+    const uint8_t *vdata = data + num_blocks * bs * row;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t b = ids[i];
+        float *ko = out + i * bs * hkv * d, *vo = out + (n + i) * bs * hkv * d;
+        float cmin[MAX_D], cscale[MAX_D], vmin[MAX_D], vscale[MAX_D];
+        for (int64_t h = 0; h < hkv; h++) {
+            const uint16_t *km = k_meta + (b * hkv + h) * key_slots;
+            if (full[i]) {
+                const float lo = f16_load(km[d]), hi = f16_load(km[d + 1]), step = (hi - lo) / 255.0f;
+                for (int64_t c = 0; c < d; c++) {
+                    const float m = (float)(km[c] & 0xffu), big = (float)(km[c] >> 8);
+                    cmin[c] = lo + m * step;
+                    cscale[c] = (big - m) * step / 15.0f;
+                }
+            }
+            for (int64_t o = 0; o < bs; o++) {
+                if (!full[i]) {
+                    for (int64_t c = 0; c < d; c++) {
+                        const uint16_t *g = km + 2 * (o * (d / gk) + c / gk);
+                        cscale[c] = f16_load(g[0]);
+                        cmin[c] = f16_load(g[1]);
+                    }
+                }
+                const uint16_t *vm = v_meta + ((b * bs + o) * hkv + h) * (d / gv) * 2;
+                for (int64_t c = 0; c < d; c++) {
+                    vscale[c] = f16_load(vm[2 * (c / gv)]);
+                    vmin[c] = f16_load(vm[2 * (c / gv) + 1]);
+                }
+                const uint8_t *kp = data + (b * bs + o) * row + h * half, *vp = vdata + (b * bs + o) * row + h * half;
+                float *kr = ko + (o * hkv + h) * d, *vr = vo + (o * hkv + h) * d;
+                for (int64_t j = 0; j < half; j++) {
+                    kr[2 * j] = cmin[2 * j] + (float)(kp[j] & 15u) * cscale[2 * j];
+                    kr[2 * j + 1] = cmin[2 * j + 1] + (float)(kp[j] >> 4) * cscale[2 * j + 1];
+                    vr[2 * j] = vmin[2 * j] + (float)(vp[j] & 15u) * vscale[2 * j];
+                    vr[2 * j + 1] = vmin[2 * j + 1] + (float)(vp[j] >> 4) * vscale[2 * j + 1];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 /* ---- Element-wise fusions the CPU model runs around its GEMMs (bf16 only) -------------------
    torch runs each as 3-6 passes over the activations (widen, square, mean, scale, narrow, scale;
    silu, then multiply), each a parallel region; here one pass, rounding where torch rounds. */

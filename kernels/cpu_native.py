@@ -127,6 +127,8 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, fn)
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.dequant_int4.restype = ctypes.c_int
+        lib.dequant_int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
         lib.prefill_attn_bf16.restype = lib.have_bf16_dot.restype = lib.linear_bf16.restype = ctypes.c_int
         lib.prefill_attn_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip
@@ -227,6 +229,37 @@ def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, sca
         raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
                          f"scales {scales.dtype} {list(scales.shape)}")
     _run(entry, out, q, data, scales, tables, lens, scale)
+
+
+def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``reference.dequantize_blocks`` of an INT4 ``PagedKVCache`` in one C pass: fp32 ``[2, n, bs,
+    Hkv, D]`` (equal to the reference's up to fused multiply-adds). Falls back to the reference
+    where the library did not build."""
+    from kernels import reference
+    from llmbus.kv.formats import KVFormat
+
+    lib = _load()
+    lay = cache.layout
+    if lib is None or cache.fmt.name != "int4" or cache.data.device.type != "cpu":
+        return reference.dequantize_blocks(cache, block_ids, full)
+    ids = block_ids.to(torch.int64).contiguous()
+    flags = full.to(torch.uint8).contiguous()
+    if ids.dim() != 1 or flags.shape != ids.shape:
+        raise ValueError(f"block ids {list(ids.shape)} and full flags {list(flags.shape)} must be matching vectors")
+    bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
+    for t in (cache.data, cache.k_meta, cache.v_meta):
+        if not t.is_contiguous():
+            raise ValueError("dequantize_int4_blocks takes a contiguous cache")
+    out = torch.empty(2, ids.numel(), bs, hkv, d, dtype=torch.float32)
+    rc = lib.dequant_int4(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(), ids.data_ptr(),
+                          flags.data_ptr(), ids.numel(), cache.num_blocks, bs, hkv, d, cache.k_meta.shape[-1],
+                          KVFormat.key_group(d, bs), KVFormat.value_group(d), out.data_ptr(),
+                          torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"block ids must lie in [0, {cache.num_blocks}), got {ids.tolist()}")
+    if rc != 0:
+        return reference.dequantize_blocks(cache, block_ids, full)  # a head_dim the C pass does not take
+    return out
 
 
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -241,12 +241,13 @@ def dequantize_blocks(
 
 
 def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        zero_past_end: bool = True, tail_rows: torch.Tensor | None = None):
+                        zero_past_end: bool = True, tail_rows: torch.Tensor | None = None,
+                        dequantize=None):
     """The blocks the batch reads, dequantized to fp32, with a block table into them.
     ``zero_past_end=False`` leaves slots past each sequence's end as they decode (for a consumer
     that never reads them, such as the fused CPU kernel). ``tail_rows`` ([B], -1: none): the INT4
     key tail row holding each sequence's partial last block, whose exact keys are read instead of
-    its per-token codes."""
+    its per-token codes. ``dequantize``: ``dequantize_blocks`` (the default) or a twin of it."""
     b, bs = block_tables.shape[0], cache.data.shape[2]
     nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
     ids = block_tables[:, :nblk].long()
@@ -257,7 +258,7 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
         rows = tail_rows.to(ids.device).long()
         seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
         full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip the codes
-    kv = dequantize_blocks(cache, ids.reshape(-1), full.reshape(-1))
+    kv = (dequantize or dequantize_blocks)(cache, ids.reshape(-1), full.reshape(-1))
     if seqs is not None and seqs.numel():
         tails = cache.k_tail.view(-1, bs, *cache.k_tail.shape[1:])
         kv[0, seqs * nblk + lens[seqs] // bs] = tails[rows[seqs]].float()

@@ -155,6 +155,32 @@ def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
         cpu_native.decode_int8_into(out, q, cache.data.float(), cache.scale, tables, lens_t, 0.125)
 
 
+@needs_kernel
+@pytest.mark.parametrize("d,bs,hkv", [(64, 16, 4), (128, 32, 2), (16, 8, 1), (96, 16, 2)])
+def test_int4_blocks_dequantize_as_the_reference(d, bs, hkv, threads):
+    """The C pass over INT4 blocks: full blocks per channel, partial ones per token, values per
+    token, repeated and shuffled ids; equal to the reference up to fused multiply-adds."""
+    from kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype="bfloat16")
+    cache = kv_cache.allocate_cache(KVFormat("int4"), lay, 12, "cpu")
+    g = torch.Generator().manual_seed(d)
+    n = 9 * bs + 3
+    table = torch.randperm(12, generator=g)[:10]
+    k = (torch.randn(n, hkv, d, generator=g) * torch.linspace(0.1, 6, d)).bfloat16()
+    v = torch.randn(n, hkv, d, generator=g).bfloat16()
+    reference.write_kv_cache(k, v, cache, torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(n)]))
+    ids = torch.cat((table, table.flip(0)))
+    full = torch.cat((torch.arange(10) < 9, torch.arange(10) > 0))
+    got = cpu_native.dequantize_int4_blocks(cache, ids, full)
+    want = reference.dequantize_blocks(cache, ids, full)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        cpu_native.dequantize_int4_blocks(cache, torch.tensor([12]), torch.tensor([True]))
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 
