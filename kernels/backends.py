@@ -22,14 +22,14 @@ class _PagedBackend:
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int, device,
                        tail_rows: int = 0) -> list[kv_cache.PagedKVCache]:
-        """One cache per layer; ``tail_rows``: exact key tail rows, for formats that keep them."""
+        """One cache per layer; ``tail_rows``: exact tail rows, for formats that keep them."""
         return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device, tail_rows)
                 for _ in range(layout.num_layers)]
 
     @staticmethod
-    def fill_key_tail(cache: kv_cache.PagedKVCache, block: int, row: int) -> None:
+    def fill_tail(cache: kv_cache.PagedKVCache, block: int, row: int) -> None:
         """Start tail row ``row`` from filling block ``block`` (written before the row was given)."""
-        reference.fill_key_tail(cache, block, row)
+        reference.fill_tail(cache, block, row)
 
     read_blocks = staticmethod(kv_cache.read_blocks)
     write_blocks = staticmethod(kv_cache.write_blocks)

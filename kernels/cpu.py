@@ -191,7 +191,7 @@ class CpuAttentionBackend:
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device,
                        tail_rows: int = 0) -> list[torch.Tensor]:
-        """``tail_rows``: exact key tail rows, which the model dtype does not need (ignored)."""
+        """``tail_rows``: exact tail rows, which the model dtype does not need (ignored)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         dtype = torch_dtype(layout.dtype)

@@ -3,7 +3,7 @@
 A ``PagedKVCache`` is the opaque per-layer cache object the attention backends hand the model.
 ``read_blocks`` / ``write_blocks`` move whole blocks as bytes (``uint8 [n, layer_block_bytes]``),
 the format-independent unit of the KV handoff between workers and tiers. An INT4 cache may also
-hold exact key tail rows (``llmbus.kv.formats``), which are the writer's state and never move.
+hold exact tail rows (``llmbus.kv.formats``), which are the worker's state and never move.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class PagedKVCache:
     k_meta: torch.Tensor | None = None  # int4: int16 [N, H, key_meta_slots]
     v_meta: torch.Tensor | None = None  # int4: fp16 [N, bs, H, D/value_group, 2]
     k_tail: torch.Tensor | None = None  # int4: model dtype [rows * bs, H, D], exact keys of filling blocks
+    v_tail: torch.Tensor | None = None  # int4: as k_tail, their exact values
 
     @property
     def num_tail_rows(self) -> int:
@@ -53,7 +54,7 @@ class PagedKVCache:
 def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: torch.device | str,
                    tail_rows: int = 0) -> PagedKVCache:
     """Zeroed cache of ``num_blocks`` blocks for one layer; an INT4 one with ``tail_rows`` exact
-    key tail rows (other formats need none and ignore it)."""
+    tail rows (other formats need none and ignore it)."""
     fmt.check(layout)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -69,8 +70,9 @@ def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: tor
     data = torch.zeros(2, n, bs, h, d // 2, dtype=torch.uint8, device=device)
     k_meta = torch.zeros(n, h, KVFormat.key_meta_slots(d, bs), dtype=torch.int16, device=device)
     v_meta = torch.zeros(n, bs, h, d // KVFormat.value_group(d), 2, dtype=torch.float16, device=device)
-    tail = torch.zeros(tail_rows * bs, h, d, dtype=_DTYPES[layout.dtype], device=device) if tail_rows else None
-    return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta, k_tail=tail)
+    tails = [torch.zeros(tail_rows * bs, h, d, dtype=_DTYPES[layout.dtype], device=device) if tail_rows else None
+             for _ in range(2)]
+    return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta, k_tail=tails[0], v_tail=tails[1])
 
 
 def _block_ids(cache: PagedKVCache, block_ids) -> torch.Tensor:

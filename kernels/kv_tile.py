@@ -19,13 +19,14 @@ def load_kv_tile(
     seq_len,  # tokens of context: positions >= seq_len read as zero
     h,  # KV head
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-    tail_ptr,  # int4: model dtype [rows * BS, H, D] exact key tail rows
-    trow,  # int4: the tail row holding this sequence's partial last block's keys; -1: none
+    tail_ptr,  # int4: model dtype [rows * BS, H, D] exact keys of the tail rows
+    vtail_ptr,  # int4: their exact values, same shape and strides
+    trow,  # int4: the tail row holding this sequence's partial last block; -1: none
     s_tt, s_th,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
 ):
-    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise. INT4 keys of a
-    partial block come from tail row ``trow`` when it is >= 0, else from their per-token codes."""
+    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise. INT4 keys and
+    values of a partial block come from tail row ``trow`` when it is >= 0, else from their codes."""
     valid = pos < seq_len
     bidx = pos // BS
     # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big caches.
@@ -68,8 +69,11 @@ def load_kv_tile(
         # partial block with a tail row: its exact keys (tpos < 0 iff trow is -1)
         tpos = (trow * BS + off).to(tl.int64)
         exact = vm2 & (~full) & (tpos >= 0)[:, None]
-        tk = tl.load(tail_ptr + tpos[:, None] * s_tt + h * s_th + c, mask=exact, other=0.0).to(tl.float32)
+        trow_off = tpos[:, None] * s_tt + h * s_th + c
+        tk = tl.load(tail_ptr + trow_off, mask=exact, other=0.0).to(tl.float32)
+        tv = tl.load(vtail_ptr + trow_off, mask=exact, other=0.0).to(tl.float32)
         k = tl.where(full, cmin + kq * cscale, tl.where(exact, tk, tmn + kq * tsc))
+        v = tl.where(exact, tv, v)
     return k, v
 
 
@@ -78,7 +82,7 @@ FMT_IDS = {"model": 0, "int8": 1, "int4": 2}
 
 def tile_args(cache, tail_rows: torch.Tensor | None = None) -> tuple[tuple, tuple, dict]:
     """``(pointers, strides, constexprs)`` of a ``PagedKVCache`` for the attention kernels:
-    pointers ``data, scale, k_meta, v_meta, k_tail, tail_rows``; strides in ``load_kv_tile``'s
+    pointers ``data, scale, k_meta, v_meta, k_tail, v_tail, tail_rows``; strides in ``load_kv_tile``'s
     order, the tail's last; ``HAS_TAIL`` when ``tail_rows`` ([B] int32 per sequence, -1: none) is
     given for an INT4 cache with tail rows. Unused pointers alias ``data`` and unused strides are 0."""
     from llmbus.kv.formats import KVFormat
@@ -94,9 +98,11 @@ def tile_args(cache, tail_rows: torch.Tensor | None = None) -> tuple[tuple, tupl
     has_tail = tail_rows is not None and cache.k_tail is not None
     if has_tail and tail_rows.dtype != torch.int32:
         raise ValueError(f"tail_rows must be int32, got {tail_rows.dtype}")
-    tail = cache.k_tail if has_tail else data
+    tail, vtail = (cache.k_tail, cache.v_tail) if has_tail else (data, data)
+    if tail.stride() != vtail.stride():
+        raise ValueError("the key and value tail rows must share a layout")
     ptrs = (data, scale if scale is not None else data, km if km is not None else data, vm if vm is not None else data,
-            tail, tail_rows if has_tail else data)
+            tail, vtail, tail_rows if has_tail else data)
     strides = (
         *data.stride()[:4],
         *(scale.stride()[:4] if scale is not None else (0, 0, 0, 0)),

@@ -27,8 +27,8 @@ def paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     out_ptr,  # [B, Hq, D] (not SPLIT) or fp32 [B, Hq, S, D] partial accumulators (SPLIT)
     ml_ptr,  # fp32 [B, Hq, S, 2]: running max (log2 units) and denominator (SPLIT)
-    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, tail_ptr,  # the cache (see kv_tile.load_kv_tile)
-    trows_ptr,  # [B] int32 (HAS_TAIL): each sequence's key tail row, -1: none
+    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, tail_ptr, vtail_ptr,  # the cache (see kv_tile.load_kv_tile)
+    trows_ptr,  # [B] int32 (HAS_TAIL): each sequence's tail row, -1: none
     table_ptr,  # [B, M] int32
     seq_lens_ptr,  # [B] int32
     sm_scale,
@@ -65,7 +65,7 @@ def paged_decode_kernel(
             k, v = load_kv_tile(
                 data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                 s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
+                tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
     elif FMT == 1:
@@ -92,7 +92,7 @@ def paged_decode_kernel(
                 k, v = load_kv_tile(
                     data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                    tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
+                    tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
                 )
             m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
         if (full_end < end) & (full_end >= start):
@@ -100,7 +100,7 @@ def paged_decode_kernel(
             k, v = load_kv_tile(
                 data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                 s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
+                tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
     if not SPLIT:
@@ -136,7 +136,7 @@ def paged_decode_attention(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 key tail row per sequence, -1: none
+    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
     from the device size; ``max_seq_len`` (else read from ``seq_lens``) bounds the split length.

@@ -18,8 +18,8 @@ from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 def paged_prefill_kernel(
     q_ptr,  # [T, Hq, D]
     out_ptr,  # [T, Hq, D]
-    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, tail_ptr,  # the cache (see kv_tile.load_kv_tile)
-    trows_ptr,  # [B] int32 (HAS_TAIL): each sequence's key tail row, -1: none
+    data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, tail_ptr, vtail_ptr,  # the cache (see kv_tile.load_kv_tile)
+    trows_ptr,  # [B] int32 (HAS_TAIL): each sequence's tail row, -1: none
     table_ptr,  # [B, M] int32
     seq_lens_ptr,  # [B] int32: context length including this chunk
     qsl_ptr,  # [B+1] int32: query_start_loc
@@ -57,7 +57,7 @@ def paged_prefill_kernel(
         k, v = load_kv_tile(
             data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
             s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-            tail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
+            tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
         )
         scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [BLOCK_M, TILE]
         allowed = (pos[None, :] <= qpos[:, None]) & (pos < seq_len)[None, :]
@@ -81,7 +81,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     block_m: int | None = None,
-    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 key tail row per sequence, -1: none
+    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton twin of ``reference.paged_prefill_attention_cache``."""
     ptrs, strides, consts = tile_args(cache, tail_rows)

@@ -126,10 +126,10 @@ def write_kv_cache(
 ) -> None:
     """``write_kv`` for every format: quantizes on the way for int8/int4 (see llmbus.kv.formats).
     An INT4 block whose last slot is written in this call is re-quantized per channel, from this
-    call's keys where they are given and, for the rest, from the exact key tail row of the token
-    sealing it (``tail_slots``) or else from the stored per-token encoding. The keys of blocks left
-    filling are also copied exactly into their tokens' tail rows; a call must not seal a block from
-    a row it also writes (the Triton kernel's programs would race: see ``KeyTailRows``)."""
+    call's keys where they are given and, for the rest, from the exact tail row of the token
+    sealing it (``tail_slots``) or else from the stored per-token encoding. The keys and values of
+    blocks left filling are also copied exactly into their tokens' tail rows; a call must not seal
+    a block from a row it also writes (the Triton kernel's programs would race: see ``TailRows``)."""
     if cache.fmt.name == "model":
         write_kv(key, value, cache.data, slot_mapping)
         return
@@ -176,11 +176,12 @@ def write_kv_cache(
         cache.k_meta[b, :, d] = lo.view(torch.int16)
         cache.k_meta[b, :, d + 1] = hi.view(torch.int16)
     if tail and tails is not None:  # NOTE: after sealing, which reads rows earlier calls wrote
-        rows, src = tails[idx], key[idx]
+        rows, ks, vs = tails[idx], key[idx], value[idx]
         keep = rows >= 0
         if not bool(keep.all()):
-            rows, src = rows[keep], src[keep]
-        cache.k_tail.index_copy_(0, rows, src.to(cache.k_tail.dtype))
+            rows, ks, vs = rows[keep], ks[keep], vs[keep]
+        cache.k_tail.index_copy_(0, rows, ks.to(cache.k_tail.dtype))
+        cache.v_tail.index_copy_(0, rows, vs.to(cache.v_tail.dtype))
 
 
 def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: torch.Tensor | None) -> torch.Tensor | None:
@@ -200,11 +201,13 @@ def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: tor
     return ts
 
 
-def fill_key_tail(cache: "PagedKVCache", block: int, row: int) -> None:
-    """Give tail row ``row`` the keys of filling block ``block`` as their per-token codes decode:
-    for a sequence whose filling block was written before it had a row (a handoff)."""
+def fill_tail(cache: "PagedKVCache", block: int, row: int) -> None:
+    """Give tail row ``row`` the keys and values of filling block ``block`` as their per-token codes
+    decode: for a sequence whose filling block was written before it had a row (a handoff)."""
     bs = cache.layout.block_size
-    cache.k_tail[row * bs : (row + 1) * bs] = _int4_tail_keys(cache, block).to(cache.k_tail.dtype)
+    kv = dequantize_blocks(cache, torch.tensor([block], device=cache.data.device), torch.tensor([False]))
+    cache.k_tail[row * bs : (row + 1) * bs] = kv[0, 0].to(cache.k_tail.dtype)
+    cache.v_tail[row * bs : (row + 1) * bs] = kv[1, 0].to(cache.v_tail.dtype)
 
 
 def _int4_tail_keys(cache: "PagedKVCache", blocks) -> torch.Tensor:
@@ -246,8 +249,8 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
     """The blocks the batch reads, dequantized to fp32, with a block table into them.
     ``zero_past_end=False`` leaves slots past each sequence's end as they decode (for a consumer
     that never reads them, such as the fused CPU kernel). ``tail_rows`` ([B], -1: none): the INT4
-    key tail row holding each sequence's partial last block, whose exact keys are read instead of
-    its per-token codes. ``dequantize``: ``dequantize_blocks`` (the default) or a twin of it."""
+    tail row holding each sequence's partial last block, whose exact keys and values are read
+    instead of its codes. ``dequantize``: ``dequantize_blocks`` (the default) or a twin of it."""
     b, bs = block_tables.shape[0], cache.data.shape[2]
     nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
     ids = block_tables[:, :nblk].long()
@@ -257,11 +260,12 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
         lens = seq_lens.to(ids.device).long()
         rows = tail_rows.to(ids.device).long()
         seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
-        full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip the codes
+        full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip per-token codes
     kv = (dequantize or dequantize_blocks)(cache, ids.reshape(-1), full.reshape(-1))
     if seqs is not None and seqs.numel():
-        tails = cache.k_tail.view(-1, bs, *cache.k_tail.shape[1:])
-        kv[0, seqs * nblk + lens[seqs] // bs] = tails[rows[seqs]].float()
+        at = seqs * nblk + lens[seqs] // bs
+        for i, tail in enumerate((cache.k_tail, cache.v_tail)):
+            kv[i, at] = tail.view(-1, bs, *tail.shape[1:])[rows[seqs]].float()
     table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
     if not zero_past_end:
         return kv, table

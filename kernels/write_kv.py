@@ -3,8 +3,9 @@
 One program per (token, KV head). INT4 keys follow ``llmbus.kv.formats``: a token whose slot is
 not its block's last is stored per token (the partial-block encoding); the program of the token
 that writes a block's last slot re-quantizes the whole block per channel, taking this launch's keys
-from the input and earlier ones from the sealing token's exact key tail row (or, without one, from
-the partial encoding); a token of a block left filling also copies its key into its tail row.
+from the input and earlier ones from the sealing token's exact tail row (or, without one, from
+the partial encoding); a token of a block left filling also copies its key and value into its tail
+row.
 Programs of other tokens of a block sealed in this launch leave the keys alone, so no two programs
 write the same bytes.
 """
@@ -78,7 +79,8 @@ def write_kv_kernel(
     scale_ptr,  # int8: [2, N, BS, H] fp16/fp32 (else unused)
     kmeta_ptr,  # int4: int16 [N, H, KS] (else unused)
     vmeta_ptr,  # int4: fp16 [N, BS, H, D/GV, 2] (else unused)
-    tail_ptr,  # int4 with HAS_TAIL: model dtype [rows * BS, H, D] exact key tail rows
+    tail_ptr,  # int4 with HAS_TAIL: model dtype [rows * BS, H, D] exact keys of the tail rows
+    vtail_ptr,  # int4 with HAS_TAIL: their exact values, same shape and strides
     tail_slot_ptr,  # int4 with HAS_TAIL: [T] int64, row * BS + block offset, or -1
     T,
     s_kt, s_kh, s_vt, s_vh,
@@ -124,6 +126,7 @@ def write_kv_kernel(
             _int4_row(kp, data_ptr + row, km + off * (NGK * 2), 2, D, GK)
             if ts >= 0:
                 tl.store(tp + ts * s_tt + c, tl.load(kp + c).to(tail_ptr.dtype.element_ty))
+                tl.store(vtail_ptr + h * s_th + ts * s_tt + c, tl.load(vp + c).to(vtail_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -183,7 +186,7 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> 
     if has_tail and (tail_slots.shape != (t,) or tail_slots.dtype != torch.int64):
         raise ValueError(f"tail_slots must be int64 [{t}], got {tail_slots.dtype} {list(tail_slots.shape)}")
     if has_tail and cache.k_tail is None:
-        raise ValueError("tail_slots given but the cache has no key tail rows")
+        raise ValueError("tail_slots given but the cache has no tail rows")
     if t == 0:
         return
     fmt = cache.fmt.name
@@ -194,9 +197,11 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> 
     s_scale = scale.stride()[:4] if cache.scale is not None else (0, 0, 0, 0)
     s_km = km.stride()[:2] if cache.k_meta is not None else (0, 0)
     s_vm = vm.stride()[:3] if cache.v_meta is not None else (0, 0, 0)
-    tail = cache.k_tail if has_tail else key
+    tail, vtail = (cache.k_tail, cache.v_tail) if has_tail else (key, value)
+    if tail.stride() != vtail.stride():
+        raise ValueError("the key and value tail rows must share a layout")
     write_kv_kernel[(t, h)](
-        key, value, slot_mapping, data, scale, km, vm, tail, tail_slots if has_tail else slot_mapping, t,
+        key, value, slot_mapping, data, scale, km, vm, tail, vtail, tail_slots if has_tail else slot_mapping, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *data.stride()[:4], *s_scale, *s_km, *s_vm, tail.stride(0), tail.stride(1),
         FMT=FMT_IDS[fmt], D=d, BS=lay.block_size,

@@ -5,7 +5,7 @@ for ``--kv-format int8|int4`` the torch path is the references). ``--compare gem
 in oneDNN's packed layout (``LLMBUS_CPU_GEMM=onednn``) against our blocked kernel's (the default).
 ``--compare layers``: a decode-only step's layers run module by module (``LLMBUS_CPU_FUSED_LAYERS=0``)
 against all of them in one C call (``cpu_native.decode_layers``, the default). ``--compare tails``
-(with ``--kv-format int4``): no exact key tail rows (``LLMBUS_KV_KEY_TAILS=0``) against them.
+(with ``--kv-format int4``): no exact tail rows (``LLMBUS_KV_TAILS=0``) against them.
 
 Each run starts two fresh processes in turn (the baseline, then the variant), which add
 ``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and
@@ -85,7 +85,7 @@ VARIANTS = {
     "native": (("torch", {"LLMBUS_CPU_NATIVE": "0"}), ("fused", {"LLMBUS_CPU_NATIVE": "1"})),
     "gemm": (("onednn", {"LLMBUS_CPU_GEMM": "onednn"}), ("blocked", {"LLMBUS_CPU_GEMM": "blocked"})),
     "layers": (("modules", {"LLMBUS_CPU_FUSED_LAYERS": "0"}), ("fused", {"LLMBUS_CPU_FUSED_LAYERS": "1"})),
-    "tails": (("no-tails", {"LLMBUS_KV_KEY_TAILS": "0"}), ("tails", {"LLMBUS_KV_KEY_TAILS": "1"})),
+    "tails": (("no-tails", {"LLMBUS_KV_TAILS": "0"}), ("tails", {"LLMBUS_KV_TAILS": "1"})),
 }
 INTERLEAVABLE = ("tails",)  # read when an engine is built, so two can live in one process
 

@@ -80,7 +80,7 @@ def compile_only(arch: int) -> list[str]:
 
 def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
-    INT4 also at 16 (its generic-tile path), with and without key tail rows; split-K on and off."""
+    INT4 also at 16 (its generic-tile path), with and without tail rows; split-K on and off."""
     from kernels.kv_cache import allocate_cache
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
@@ -96,7 +96,7 @@ def variants():
     for fmt, d, tails in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
         cache = allocate_cache(KVFormat(fmt), lay, 8, "cpu", tail_rows=4 if tails else 0)
-        for field in ("data", "scale", "k_meta", "v_meta", "k_tail"):
+        for field in ("data", "scale", "k_meta", "v_meta", "k_tail", "v_tail"):
             if getattr(cache, field) is not None:
                 setattr(cache, field, cuda(getattr(cache, field)))
         kv = cuda(torch.randn(5, 2, d).to(torch.bfloat16))

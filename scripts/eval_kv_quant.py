@@ -2,7 +2,7 @@
 
 The model runs token by token (the decode path), so from the second token on every attention
 reads the quantized cache, as the engine does for generated tokens: full INT4 blocks per channel,
-the filling block's values per token and its keys exactly from the sequence's key tail row; each
+the filling block's keys and values exactly from the sequence's tail row; each
 INT4 block is quantized per channel from those exact keys when its last token arrives.
 ``--path prefill`` feeds each sequence in one prefill pass instead, as a prompt is (full INT4
 blocks quantized per channel from the exact keys in the same pass). The same token sequences are
@@ -22,7 +22,8 @@ Controls (``--controls``): the reference becomes the model in fp32 with fp32 KV,
 how much a perturbation far smaller than quantization moves the metric: the same fp32 model with
 its KV rounded to bf16, and the model run in bf16 throughout. If those disagree a lot, the model
 amplifies tiny perturbations and top-1 agreement says little about the KV format. A third row,
-INT4 without key tail rows, shows what sealing blocks from their per-token codes costs.
+INT4 without tail rows, shows what they bring (blocks sealed from their per-token codes, the
+filling block read from them).
 
     python scripts/eval_kv_quant.py [--model-dir DIR | --demo large] [--seqs 2] [--tokens 160] [--controls]
                                     [--text random|stdlib]
@@ -46,20 +47,20 @@ from llmbus.kv.layout import KVLayout  # noqa: E402
 
 
 def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, block_size: int = 16,
-               kv_dtype: str | None = None, path: str = "decode", key_tails: bool = True) -> torch.Tensor:
+               kv_dtype: str | None = None, path: str = "decode", tails: bool = True) -> torch.Tensor:
     """Teacher-forced logits ``[S, L, vocab]`` fp32: one decode step per position (``path``
     "decode", how generated tokens are cached), or one prefill pass per sequence ("prefill", how a
     prompt is; its K/V are written first, so it also attends over the quantized cache). ``kv_dtype``
-    (default: the model's) is the cache dtype of the ``model`` format. ``key_tails=False``: no exact
-    key tail rows (INT4 blocks then seal from their per-token codes)."""
+    (default: the model's) is the cache dtype of the ``model`` format. ``tails=False``: no exact
+    tail rows (INT4 blocks then seal from their per-token codes)."""
     s, n = tokens.shape
     model.backend = make_attention_backend(device, kv_format)
     dtype = kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
     lay = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
     per_seq = lay.num_blocks_for(n)
     # NOTE: one tail row per sequence is enough here: no step both seals a block and starts the next
-    rows = [(i, i) for i in range(s)] if key_tails else None
-    caches = model.backend.allocate_cache(lay, s * per_seq, device, tail_rows=s if key_tails else 0)
+    rows = [(i, i) for i in range(s)] if tails else None
+    caches = model.backend.allocate_cache(lay, s * per_seq, device, tail_rows=s if tails else 0)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(s)]
     out = []
     with torch.inference_mode():
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                   raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
     rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, path=args.path) for fmt in ("int8", "int4")}
     if args.controls:
-        rows["control: int4, no key tails"] = run_logits(model, cfg, "int4", tokens, args.device, path=args.path,
-                                                         key_tails=False)
+        rows["control: int4, no tail rows"] = run_logits(model, cfg, "int4", tokens, args.device, path=args.path,
+                                                         tails=False)
         rows["control: bf16 KV"] = run_logits(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16",
                                                   path=args.path)
         del model

@@ -149,7 +149,7 @@ def test_abort_frees_blocks_at_once(model_dir, prompts):
     assert not engine.abort("r0")  # idempotent
     assert not engine.has_unfinished()
     assert engine.leak_check() == {"requests": 0, "handoffs": 0, "free_blocks": total, "total_blocks": total,
-                                    "key_tail_rows": 0}
+                                    "tail_rows": 0}
 
 
 def test_prefill_handoff_then_import_continues_identically(model_dir, prompts, hf_outputs):

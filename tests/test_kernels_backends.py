@@ -9,7 +9,7 @@ from kernels import reference  # noqa: E402
 from kernels.backends import (  # noqa: E402
     CpuPagedAttentionBackend, TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend)
 from llmbus.engine.attention import AttentionMetadata, build_attention_metadata  # noqa: E402
-from llmbus.engine.runner import KeyTailRows  # noqa: E402
+from llmbus.engine.runner import TailRows  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,11 +30,11 @@ def _meta(lay, tables, ctx, qlens, num_decodes):
 def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5, device: str = DEV,
                       tails: bool = False):
     """Both backends through the same three steps on their own caches; returns the caches.
-    ``tails``: with key tail rows, given out as the engine does."""
+    ``tails``: with tail rows, given out as the engine does."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
     n = 4 if tails else 0
     ca, cb = first.allocate_cache(lay, 8, device, n)[0], second.allocate_cache(lay, 8, device, n)[0]
-    rows = KeyTailRows(n) if tails else None
+    rows = TailRows(n) if tails else None
     tables = [[3, 5, 0], [6, 1]]
     g = torch.Generator().manual_seed(3)
     # step 1: two prefill chunks; step 2: seq 0 decodes while seq 1 prefills more; step 3: both decode
@@ -77,14 +77,15 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_backends_agree_with_int4_key_tail_rows(dtype):
+def test_backends_agree_with_int4_tail_rows(dtype):
     """Triton, the references and the CPU backend, each writing and reading the rows itself."""
     tol = 2e-2 if dtype == "bfloat16" else 1e-3
     tri, tor, cpu = TritonAttentionBackend("int4"), TorchPagedAttentionBackend("int4"), CpuPagedAttentionBackend("int4")
     ca, cb = _agree_over_steps(tri, tor, dtype, atol=tol, tails=True)
     assert torch.equal(ca.k_tail, cb.k_tail) and ca.k_tail.abs().sum() > 0
+    assert torch.equal(ca.v_tail, cb.v_tail) and ca.v_tail.abs().sum() > 0
     cc, cd = _agree_over_steps(cpu, tor, dtype, atol=tol, device="cpu", tails=True)
-    assert torch.equal(cc.k_tail, cd.k_tail)
+    assert torch.equal(cc.k_tail, cd.k_tail) and torch.equal(cc.v_tail, cd.v_tail)
     plain, _ = _agree_over_steps(tor, tor, dtype, device="cpu")
     assert not torch.equal(plain.data, cd.data)  # sealed from exact keys: other bytes
 
@@ -104,14 +105,14 @@ def test_make_attention_backend_choices_and_errors():
 
 
 @pytest.mark.parametrize("backend", [TorchPagedAttentionBackend, CpuPagedAttentionBackend, TritonAttentionBackend])
-def test_backends_attend_to_a_filling_blocks_exact_keys_through_the_metadata(backend):
-    """Engine-shaped steps (KeyTailRows + build_attention_metadata), one of which seals a block from
+def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backend):
+    """Engine-shaped steps (TailRows + build_attention_metadata), one of which seals a block from
     a row and starts the next in the other: every query's output equals attention over the full
-    blocks as stored and the filling block's exact keys (its values as stored)."""
+    blocks as stored and the filling block's exact keys and values."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
     be = backend("int4")
     cache = be.allocate_cache(lay, 8, "cpu", 4)[0]
-    rows = KeyTailRows(4)
+    rows = TailRows(4)
     tables = [[3, 5, 0], [6, 1, 2]]
     g = torch.Generator().manual_seed(7)
     keys = [torch.randn(40, 2, 32, generator=g) * 2 for _ in tables]
@@ -132,10 +133,11 @@ def test_backends_attend_to_a_filling_blocks_exact_keys_through_the_metadata(bac
             nblk = -(-end // 16)
             full = torch.tensor([(j + 1) * 16 <= end for j in range(nblk)])
             kv = reference.dequantize_blocks(cache, torch.tensor(tables[i][:nblk]), full).flatten(1, 2)[:, :end]
-            kk = torch.cat((kv[0, : end // 16 * 16], keys[i][end // 16 * 16 : end]))  # the filling block exact
+            cut = end // 16 * 16  # the filling block exact
+            kk, vv = torch.cat((kv[0, :cut], keys[i][cut:end])), torch.cat((kv[1, :cut], values[i][cut:end]))
             mask = (torch.arange(end)[None, :] <= torch.arange(done[i], end)[:, None])[None, None]
             want = reference._attend(q[row : row + n].transpose(0, 1)[None], kk.transpose(0, 1)[None],
-                               kv[1].transpose(0, 1)[None], mask, 0.2)[0].transpose(0, 1)
+                                     vv.transpose(0, 1)[None], mask, 0.2)[0].transpose(0, 1)
             torch.testing.assert_close(out[row : row + n], want, atol=2e-5, rtol=1e-4)
             row += n
             done[i] = end

@@ -119,7 +119,7 @@ def test_decode_bad_input_is_a_value_error():
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_reads_partial_int4_blocks_from_key_tail_rows(dtype, splits):
+def test_decode_reads_partial_int4_blocks_from_tail_rows(dtype, splits):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
     lens = [37, 5, 16, 50, 0]
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
@@ -127,7 +127,8 @@ def test_decode_reads_partial_int4_blocks_from_key_tail_rows(dtype, splits):
     tables = _fill(cache, lay, lens, nblocks, seed=3)
     g = torch.Generator().manual_seed(4)
     # NOTE: rows holding keys the codes do not, so which one a kernel reads shows in its output
-    cache.k_tail.copy_(torch.randn(cache.k_tail.shape, generator=g).to(DEV, cache.model_dtype) * 2)
+    for tail in (cache.k_tail, cache.v_tail):
+        tail.copy_(torch.randn(tail.shape, generator=g).to(DEV, cache.model_dtype) * 2)
     rows = torch.tensor([4, 0, 2, -1, 1], dtype=torch.int32, device=DEV)  # seq 2 is full, seq 3 has none
     q = torch.randn(len(lens), 4, 32, generator=g).to(DEV, cache.model_dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)

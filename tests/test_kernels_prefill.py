@@ -81,7 +81,7 @@ def test_prefill_bad_input_is_a_value_error():
         paged_prefill_attention(q, cache, tables, sl, torch.tensor([0, 2], device=DEV), 1.0)
 
 
-def test_prefill_reads_partial_int4_blocks_from_key_tail_rows():
+def test_prefill_reads_partial_int4_blocks_from_num_tail_rows():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
     ctx, qlens = [45, 19, 32, 8], [21, 19, 4, 3]
     cache = allocate_cache(KVFormat("int4"), lay, 12, DEV, tail_rows=4)
@@ -92,7 +92,8 @@ def test_prefill_reads_partial_int4_blocks_from_key_tail_rows():
         blocks = tables[i, : lay.num_blocks_for(n)].tolist()
         ref.write_kv_cache(kv[0], kv[1], cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
     # NOTE: rows holding keys the codes do not, so which one a kernel reads shows in its output
-    cache.k_tail.copy_(torch.randn(cache.k_tail.shape, generator=g).to(DEV) * 2)
+    for tail in (cache.k_tail, cache.v_tail):
+        tail.copy_(torch.randn(tail.shape, generator=g).to(DEV) * 2)
     rows = torch.tensor([3, -1, 1, 0], dtype=torch.int32, device=DEV)  # seq 1 has none, seq 2 is full
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     q = torch.randn(int(qsl[-1]), 4, 32, generator=g).to(DEV)

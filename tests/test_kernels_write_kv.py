@@ -7,7 +7,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks  # noqa: E402
 from kernels.write_kv import write_kv  # noqa: E402
 from llmbus.engine.attention import build_attention_metadata  # noqa: E402
-from llmbus.engine.runner import KeyTailRows  # noqa: E402
+from llmbus.engine.runner import TailRows  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -83,8 +83,8 @@ def test_write_high_block_ids_do_not_overflow_int32():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_key_tails_match_reference(dtype):
-    """Exact key tail rows through the engine's row rule (``KeyTailRows``): the kernel seals from
+def test_int4_tail_rows_match_reference(dtype):
+    """Exact tail rows through the engine's row rule (``TailRows``): the kernel seals from
     them and fills them as the reference does, with a rowless sequence in the same launches."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
     torch.manual_seed(2)
@@ -94,7 +94,7 @@ def test_int4_key_tails_match_reference(dtype):
     lens = [53, 40]
     k = [(torch.randn(n, 2, 32, device=DEV) * 3 + 1).to(mine.model_dtype) for n in lens]
     v = [torch.randn(n, 2, 32, device=DEV).to(mine.model_dtype) for n in lens]
-    rows = KeyTailRows(2)  # NOTE: rows for seq 0 only; seq 1 gets -1 and seals from its codes
+    rows = TailRows(2)  # NOTE: rows for seq 0 only; seq 1 gets -1 and seals from its codes
     steps = [[5, 9], [20, 20]] + [[1, 1]] * 8 + [[20, 3]]  # the last seals from one row, starts the other
     done = [0, 0]
     for chunk in steps:
@@ -108,8 +108,9 @@ def test_int4_key_tails_match_reference(dtype):
         write_kv(kk, vv, mine, meta.slot_mapping, meta.tail_slots)
         done = [done[i] + chunk[i] for i in range(2)]
     assert pairs[1] == (-1, -1) and done == [53, 40]
-    assert torch.equal(mine.k_tail, theirs.k_tail)
-    assert torch.equal(mine.k_tail[pairs[0][1] * 16 : pairs[0][1] * 16 + 5], k[0][48:53])  # the later-blocks row
+    assert torch.equal(mine.k_tail, theirs.k_tail) and torch.equal(mine.v_tail, theirs.v_tail)
+    at = pairs[0][1] * 16  # the later-blocks row
+    assert torch.equal(mine.k_tail[at : at + 5], k[0][48:53]) and torch.equal(mine.v_tail[at : at + 5], v[0][48:53])
     ids = torch.tensor([5, 2, 7, 1, 3, 0, 4], device=DEV)
     full = torch.tensor([True] * 5 + [False] * 2, device=DEV)
     da, db = ref.dequantize_blocks(mine, ids, full), ref.dequantize_blocks(theirs, ids, full)
@@ -121,7 +122,7 @@ def test_write_rejects_bad_tail_slots():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16)
     k = torch.randn(2, 2, 32, device=DEV)
     sm = torch.tensor([0, 1], device=DEV)
-    with pytest.raises(ValueError, match="no key tail rows"):
+    with pytest.raises(ValueError, match="no tail rows"):
         write_kv(k, k, allocate_cache(KVFormat("int4"), lay, 2, DEV), sm, torch.tensor([0, 1], device=DEV))
     with pytest.raises(ValueError, match="tail_slots must be int64"):
         write_kv(k, k, allocate_cache(KVFormat("int4"), lay, 2, DEV, tail_rows=1), sm,

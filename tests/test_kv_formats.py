@@ -7,7 +7,7 @@ from kernels import quant_reference as qr
 from kernels import reference as ref
 from kernels.kv_cache import allocate_cache, read_blocks, write_blocks
 from llmbus.engine.attention import build_attention_metadata
-from llmbus.engine.runner import KeyTailRows
+from llmbus.engine.runner import TailRows
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
 
@@ -112,8 +112,8 @@ def test_decode_written_cache_matches_prefill_written_within_bound(name):
 
 def _write_in_steps(cache, lay, k, v, table, steps, tails: bool):
     """Write ``k``/``v`` [L, H, D] in chunks of ``steps`` tokens, as the engine does: slots and tail
-    slots from ``build_attention_metadata``, two tail rows held through ``KeyTailRows`` (or none)."""
-    rows = KeyTailRows(cache.num_tail_rows) if tails else None
+    slots from ``build_attention_metadata``, two tail rows held through ``TailRows`` (or none)."""
+    rows = TailRows(cache.num_tail_rows) if tails else None
     start = 0
     for n in steps:
         pair = [rows.rows_for("seq", start, n, lay.block_size)[:2]] if tails else None
@@ -124,8 +124,8 @@ def _write_in_steps(cache, lay, k, v, table, steps, tails: bool):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_key_tails_seal_blocks_exactly_as_a_prefill_does(dtype):
-    """With a key tail row, blocks filled over several steps seal from exact keys: byte for byte what
+def test_int4_tail_rows_seal_blocks_exactly_as_a_prefill_does(dtype):
+    """With a tail row, blocks filled over several steps seal from exact keys: byte for byte what
     one bulk write stores. Without one they seal from per-token codes (keys rounded twice)."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
     torch.manual_seed(0)
@@ -145,6 +145,7 @@ def test_int4_key_tails_seal_blocks_exactly_as_a_prefill_does(dtype):
     assert torch.equal(read_blocks(tailed, [1]), read_blocks(untailed, [1]))
     current = rows.rows_for("seq", 53, 1, 16)[0]
     assert torch.equal(tailed.k_tail[current * 16 : current * 16 + 5], k[48:53])
+    assert torch.equal(tailed.v_tail[current * 16 : current * 16 + 5], v[48:53])
     # the row's error against bulk-sealed keys: exact sealing is what a prefill gets
     ids, is_full = torch.tensor(full), torch.tensor([True] * 3)
     exact = ref.dequantize_blocks(bulk, ids, is_full)[0]
@@ -153,17 +154,19 @@ def test_int4_key_tails_seal_blocks_exactly_as_a_prefill_does(dtype):
     assert (exact - kk).abs().mean() < (twice - kk).abs().mean()
 
 
-def test_int4_fill_key_tail_starts_a_row_from_per_token_codes():
-    """A sequence handed over mid-block gets a row holding its filling block's keys as decoded."""
+def test_int4_fill_tail_starts_a_row_from_per_token_codes():
+    """A sequence handed over mid-block gets a row holding its filling block's keys and values as
+    their per-token codes decode."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     torch.manual_seed(1)
     k, v = torch.randn(22, 2, 64), torch.randn(22, 2, 64)
     cache = allocate_cache(KVFormat("int4"), lay, 2, "cpu", tail_rows=1)
     ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping([1, 0], 0, 22)))  # no row: block 0 fills
-    ref.fill_key_tail(cache, 0, 0)
-    decoded = ref.dequantize_blocks(cache, torch.tensor([0]), torch.tensor([False]))[0, 0, :6]
-    assert torch.equal(cache.k_tail[:6], decoded)
-    assert (decoded - k[16:22]).abs().max() < 0.6  # per-token codes: within a step of the keys
+    ref.fill_tail(cache, 0, 0)
+    decoded = ref.dequantize_blocks(cache, torch.tensor([0]), torch.tensor([False]))[:, 0, :6]
+    assert torch.equal(cache.k_tail[:6], decoded[0]) and torch.equal(cache.v_tail[:6], decoded[1])
+    assert (decoded[0] - k[16:22]).abs().max() < 0.6  # per-token codes: within a step of the keys
+    assert (decoded[1] - v[16:22]).abs().max() < 0.6
 
 
 def test_tail_slots_are_checked():
@@ -180,20 +183,21 @@ def test_tail_slots_are_checked():
     with pytest.raises(ValueError, match="tail_rows must be >= 0"):
         allocate_cache(KVFormat("int4"), lay, 2, "cpu", tail_rows=-1)
     ref.write_kv_cache(k, k, cache, sm, torch.tensor([-1, 1]))  # -1: that token has no row
-    assert torch.equal(cache.k_tail[1], k[1])
+    assert torch.equal(cache.k_tail[1], k[1]) and torch.equal(cache.v_tail[1], k[1])
 
 
-def test_key_tail_row_bytes():
+def test_tail_row_bytes():
     lay = KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
-    assert KVFormat("int4").key_tail_row_bytes(lay) == 3 * 16 * 2 * 64 * 2
-    assert KVFormat("int8").key_tail_row_bytes(lay) == KVFormat("model").key_tail_row_bytes(lay) == 0
+    assert KVFormat("int4").tail_row_bytes(lay) == 2 * 3 * 16 * 2 * 64 * 2  # keys and values, 3 layers
+    assert KVFormat("int8").tail_row_bytes(lay) == KVFormat("model").tail_row_bytes(lay) == 0
     cache = allocate_cache(KVFormat("int4"), KVLayout(1, 2, 64, 16, "bfloat16"), 2, "cpu", tail_rows=5)
-    assert cache.num_tail_rows == 5 and cache.k_tail.numel() * 2 * 3 == 5 * KVFormat("int4").key_tail_row_bytes(lay)
-    assert allocate_cache(KVFormat("int8"), lay, 2, "cpu", tail_rows=5).k_tail is None
+    one_layer = (cache.k_tail.numel() + cache.v_tail.numel()) * 2
+    assert cache.num_tail_rows == 5 and one_layer * 3 == 5 * KVFormat("int4").tail_row_bytes(lay)
+    assert allocate_cache(KVFormat("int8"), lay, 2, "cpu", tail_rows=5).v_tail is None
 
 
 def test_int4_attention_reads_a_partial_block_exactly_from_its_tail_row():
-    """Decode attention with tail rows: full blocks per channel, the filling block's keys exact."""
+    """Decode attention with tail rows: full blocks as stored, the filling block's keys and values exact."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     torch.manual_seed(3)
     k, v = torch.randn(37, 2, 64) * 2, torch.randn(37, 2, 64)
@@ -205,8 +209,8 @@ def test_int4_attention_reads_a_partial_block_exactly_from_its_tail_row():
     lens, tables = torch.tensor([37], dtype=torch.int32), torch.tensor([table], dtype=torch.int32)
     got = ref.paged_decode_attention_cache(q, cache, tables, lens, 0.125, torch.tensor([row], dtype=torch.int32))
     kv = ref.dequantize_blocks(cache, torch.tensor(table), torch.tensor([True, True, False])).flatten(1, 2)[:, :37]
-    keys = torch.cat((kv[0, :32], k[32:]))  # the filling block exact
-    want = ref._attend(q[:, :, None], keys.transpose(0, 1)[None], kv[1].transpose(0, 1)[None], None, 0.125)[:, :, 0]
+    keys, values = torch.cat((kv[0, :32], k[32:])), torch.cat((kv[1, :32], v[32:]))  # the filling block exact
+    want = ref._attend(q[:, :, None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], None, 0.125)[:, :, 0]
     torch.testing.assert_close(got, want)
     codes = ref.paged_decode_attention_cache(q, cache, tables, lens, 0.125)  # without: per-token codes
     assert (codes - want).abs().max() > 1e-3

@@ -25,11 +25,11 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length after this step's write
     query_start_loc: torch.Tensor  # [B+1] int32: cumulative query lengths
     num_decodes: int  # sequences [0, num_decodes) have exactly one query token
-    # [T] int64: each new token's slot in its sequence's exact key tail row (row * block_size +
+    # [T] int64: each new token's slot in its sequence's exact tail row (row * block_size +
     # offset in block, -1 without a row); None when the KV format keeps no tails (llmbus.kv.formats)
     tail_slots: torch.Tensor | None = None
     # [B] int32: the tail row holding each sequence's last block after this step's write (-1: none);
-    # attention reads a partial last block's keys from it. None with tail_slots.
+    # attention reads a partial last block's keys and values from it. None with tail_slots.
     tail_rows: torch.Tensor | None = None
     # NOTE: per-step data a backend derives from the fields above at the first layer and reuses in
     # every other layer (keyed by backend name). The fields above must not change within a step.
@@ -47,8 +47,8 @@ def build_attention_metadata(
     tail_rows: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor]:
     """``entries``: per sequence ``(block_table, num_computed, num_new)``, decodes (``num_new == 1``)
-    first; ``tail_rows``: per sequence the exact key tail rows (-1: none) of the block its first new
-    token falls in and of its later blocks (None: no tails; see ``KeyTailRows`` for why two).
+    first; ``tail_rows``: per sequence the exact tail rows (-1: none) of the block its first new
+    token falls in and of its later blocks (None: no tails; see ``TailRows`` for why two).
     Returns the metadata and the ``[T]`` int64 positions of the step's tokens.
 
     A block table must cover ``num_computed + num_new`` tokens."""
@@ -81,7 +81,7 @@ def build_attention_metadata(
             first = start // block_size
             if start % block_size and end // block_size > first and end % block_size and rows[0] == rows[1] >= 0:
                 # NOTE: the sealing program reads row 0 while this step's new block writes row 1:
-                # one row for both would race in the Triton write kernel (see KeyTailRows)
+                # one row for both would race in the Triton write kernel (see TailRows)
                 raise ValueError(f"sequence {i}: tokens [{start}, {end}) seal a block from tail row {rows[0]} "
                                  "and start another: they need two different rows")
             for p in range(start, end):
@@ -135,7 +135,7 @@ class TorchAttentionBackend:
 
     def allocate_cache(self, layout: KVLayout, num_blocks: int, device: torch.device,
                        tail_rows: int = 0) -> list[torch.Tensor]:
-        """``tail_rows``: exact key tail rows, which the model dtype does not need (ignored)."""
+        """``tail_rows``: exact tail rows, which the model dtype does not need (ignored)."""
         dtype = torch_dtype(layout.dtype)
         return [torch.zeros(layout.cache_shape(num_blocks), dtype=dtype, device=device) for _ in range(layout.num_layers)]
 

@@ -98,9 +98,9 @@ class Engine:
         self.backend = make_backend(self.device, config.kv_format)
         self.model.backend = self.backend  # caches come from this backend, so attention must too
         self.runner = ModelRunner(self.model, self.layout, self.backend, num_blocks, self.device,
-                                  micro_batches=config.cpu_micro_batches, tail_rows=self._key_tail_rows())
-        if self.runner.key_tails is not None:
-            self.block_manager.on_free = self.runner.key_tails.release
+                                  micro_batches=config.cpu_micro_batches, tail_rows=self._num_tail_rows())
+        if self.runner.tails is not None:
+            self.block_manager.on_free = self.runner.tails.release
         self._seqs: dict[str, Sequence] = {}
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
@@ -120,17 +120,17 @@ class Engine:
             loaded.model.pack_cpu_weights()
         return cls(loaded, config)
 
-    def _key_tail_rows(self) -> int:
-        """Exact key tail rows the KV format keeps: two per sequence that may run at once
-        (``LLMBUS_KV_KEY_TAILS=0``: none, blocks seal from their per-token codes; for comparison)."""
-        keeps = parse_kv_format(self.config.kv_format).key_tail_row_bytes(self.layout) > 0
-        keeps = keeps and os.environ.get("LLMBUS_KV_KEY_TAILS", "1") != "0"
+    def _num_tail_rows(self) -> int:
+        """Exact tail rows the KV format keeps: two per sequence that may run at once
+        (``LLMBUS_KV_TAILS=0``: none, blocks seal from their per-token codes; for comparison)."""
+        keeps = parse_kv_format(self.config.kv_format).tail_row_bytes(self.layout) > 0
+        keeps = keeps and os.environ.get("LLMBUS_KV_TAILS", "1") != "0"
         return 2 * self.config.max_num_seqs if keeps else 0
 
     def _blocks_for_budget(self) -> int:
-        """Blocks that fit ``kv_cache_bytes`` once the key tail rows are paid for."""
+        """Blocks that fit ``kv_cache_bytes`` once the tail rows are paid for."""
         per_block = kv_block_bytes(self.layout, self.config.kv_format)
-        tails = self._key_tail_rows() * parse_kv_format(self.config.kv_format).key_tail_row_bytes(self.layout)
+        tails = self._num_tail_rows() * parse_kv_format(self.config.kv_format).tail_row_bytes(self.layout)
         wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
         return max(2, min(max(0, self.config.kv_cache_bytes - tails) // per_block, wanted))
 
@@ -376,5 +376,5 @@ class Engine:
             "handoffs": len(self._handoffs),
             "free_blocks": self.block_manager.num_free_blocks,
             "total_blocks": self.runner.num_blocks,
-            "key_tail_rows": self.runner.key_tails.num_held if self.runner.key_tails is not None else 0,
+            "tail_rows": self.runner.tails.num_held if self.runner.tails is not None else 0,
         }

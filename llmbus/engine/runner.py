@@ -33,15 +33,15 @@ class _Batch:
     sample_seqs: list[Sequence]
 
 
-class KeyTailRows:
-    """Which sequence holds which exact key tail rows of the cache (``llmbus.kv.formats``).
+class TailRows:
+    """Which sequence holds which exact tail rows of the cache (``llmbus.kv.formats``).
 
     A sequence takes two rows when first scheduled and gives them back when its blocks are freed
-    (finish, abort, preemption, handoff: ``BlockManager.on_free``). Its filling block's keys live in
-    its *current* row. Two, because one step may both seal that block (reading the row) and start
-    the next (writing keys): then the new keys go to the other row, which becomes current; the
-    kernel's programs run in parallel, so sharing one row would race. With no rows left a sequence
-    gets -1 and its blocks seal from their per-token codes, as before tails existed."""
+    (finish, abort, preemption, handoff: ``BlockManager.on_free``). Its filling block's keys and
+    values live in its *current* row. Two, because one step may both seal that block (reading the
+    row) and start the next (writing its first tokens): then those go to the other row, which
+    becomes current; the kernel's programs run in parallel, so sharing one row would race. With no
+    rows left a sequence gets -1 and reads and seals its blocks from their per-token codes."""
 
     def __init__(self, num_rows: int) -> None:
         self._free: deque[int] = deque(range(num_rows - num_rows % 2))
@@ -76,7 +76,7 @@ class KeyTailRows:
 
 class ModelRunner:
     """Owns the paged KV cache (one opaque object per layer) and runs the model over it.
-    ``tail_rows > 0``: the cache keeps that many exact key tail rows, two per running sequence."""
+    ``tail_rows > 0``: the cache keeps that many exact tail rows, two per running sequence."""
 
     def __init__(
         self,
@@ -96,7 +96,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         self.kv_caches = backend.allocate_cache(layout, num_blocks, device, tail_rows)
-        self.key_tails = KeyTailRows(tail_rows) if tail_rows else None
+        self.tails = TailRows(tail_rows) if tail_rows else None
         self.sampler = Sampler()
         self.micro_batches = micro_batches if device.type == "cpu" else 1
         self._pool = (ThreadPoolExecutor(self.micro_batches - 1, thread_name_prefix="microbatch")
@@ -156,7 +156,7 @@ class ModelRunner:
         spans: list[tuple[list[int], int, int]] = []  # (block table, num computed, num new)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        tail_rows: list[tuple[int, int]] | None = [] if self.key_tails is not None else None
+        tail_rows: list[tuple[int, int]] | None = [] if self.tails is not None else None
         rows = 0
         for entry in entries:
             seq, n = entry.seq, entry.num_new_tokens
@@ -177,13 +177,13 @@ class ModelRunner:
         return _Batch(ids, positions, meta, sample_rows, sample_seqs)
 
     def _tail_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
-        """``seq``'s key tail rows for this step; newly taken ones start from the keys its filling
+        """``seq``'s tail rows for this step; newly taken ones start from what its filling
         block already holds (written elsewhere: a handoff)."""
         bs = self.layout.block_size
-        first, later, new = self.key_tails.rows_for(seq.request_id, start, n, bs)
+        first, later, new = self.tails.rows_for(seq.request_id, start, n, bs)
         if new and start % bs:
             for cache in self.kv_caches:
-                self.backend.fill_key_tail(cache, seq.block_table[start // bs], first)
+                self.backend.fill_tail(cache, seq.block_table[start // bs], first)
         return first, later
 
 

@@ -23,15 +23,15 @@ NOTE: whether an INT4 block is full is not stored: a reader knows it from the se
 (block ``j`` of a sequence of ``L`` tokens is full iff ``(j + 1) * bs <= L``), and the writer
 re-quantizes a block per channel in the step that writes its last slot.
 
-Exact key tails (INT4, KIVI's residual): re-quantizing a sealing block from its per-token codes
-would round its keys twice. So the writer may also keep each filling block's keys exact in a
-*tail row* (``bs`` keys of ``H x D`` in the model dtype, outside the paged blocks: a worker's
-state, never part of a block's bytes) and seal from it; attention then reads a partial block's
-keys from its row instead of their per-token codes (its values stay per token). The engine gives
-each running sequence two rows and switches to the other only when one step both seals a block
-from its current row and starts the next block. A sequence without rows (none left) uses its
-per-token codes; one handed over mid-block from another worker starts its row from them (those
-keys stay rounded twice). This module is torch-free.
+Exact tail rows (INT4, KIVI's full-precision residual): re-quantizing a sealing block from its
+per-token codes would round its keys twice. So the writer may also keep each filling block's keys
+and values exact in a *tail row* (``bs`` tokens of ``H x D`` keys and values in the model dtype,
+outside the paged blocks: a worker's state, never part of a block's bytes) and seal from it;
+attention then reads a partial block's keys and values from its row instead of their per-token
+codes. The engine gives each running sequence two rows and switches to the other only when one
+step both seals a block from its current row and starts the next block. A sequence without rows
+(none left) uses its per-token codes; one handed over mid-block from another worker starts its row
+from them (those keys stay rounded twice). This module is torch-free.
 """
 
 from __future__ import annotations
@@ -102,11 +102,11 @@ class KVFormat:
         """Bytes one block occupies across all layers."""
         return self.layer_block_bytes(layout) * layout.num_layers
 
-    def key_tail_row_bytes(self, layout: KVLayout) -> int:
-        """Bytes of one exact key tail row across all layers (0 for formats that need none)."""
+    def tail_row_bytes(self, layout: KVLayout) -> int:
+        """Bytes of one exact tail row (keys and values) across all layers (0 for formats that need none)."""
         if self.name != "int4":
             return 0
-        return layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
+        return 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
 
     def bytes_per_token(self, layout: KVLayout) -> float:
         """Average bytes per token across all layers (a block's bytes over its tokens)."""

@@ -1,4 +1,4 @@
-"""Exact INT4 key tail rows in the engine (llmbus.kv.formats): which rows a step reads and writes,
+"""Exact INT4 tail rows in the engine (llmbus.kv.formats): which rows a step reads and writes,
 that running sequences hold them and give them back, and that a handed-over sequence starts its
 row from the block it received."""
 
@@ -13,7 +13,7 @@ import torch
 from kernels import reference as ref
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.engine.llm import LLM
-from llmbus.engine.runner import KeyTailRows
+from llmbus.engine.runner import TailRows
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.kv.formats import KVFormat
 from llmbus.model.demo import make_demo_model
@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
 def test_rows_switch_only_when_a_step_seals_from_its_row_and_starts_a_block():
-    rows = KeyTailRows(5)  # an odd count: the spare row is never handed out
+    rows = TailRows(5)  # an odd count: the spare row is never handed out
     assert rows.rows_for("a", 0, 20, BS) == (0, 0, True)  # no earlier keys to read: one row
     assert rows.rows_for("a", 20, 1, BS) == (0, 0, False)
     assert rows.rows_for("a", 21, 30, BS) == (0, 1, False)  # seals block 1 from row 0, starts block 3
@@ -44,7 +44,7 @@ def test_no_step_writes_the_row_it_seals_from():
     steps, in that row), and no token of the same step writes that row (the kernel would race)."""
     rnd = random.Random(0)
     for trial in range(200):
-        rows = KeyTailRows(2)
+        rows = TailRows(2)
         table = list(range(40))
         written: dict[int, int] = {}  # position -> row its key went to
         done = 0
@@ -85,22 +85,24 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(10, 2000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_running_sequences_hold_rows_that_hold_their_exact_keys(model_dir):
-    """Layer 0's keys depend only on the tokens, so the int4 engine's row must equal the keys a
-    model-dtype engine caches for the same prompt, bit for bit."""
+def test_running_sequences_hold_rows_that_hold_their_exact_kv(model_dir):
+    """Layer 0's keys and values depend only on the tokens, so the int4 engine's row must equal what
+    a model-dtype engine caches for the same prompt, bit for bit."""
     exact = LLM(model_dir, dtype="float32", device="cpu").engine
     quant = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4", max_num_seqs=4).engine
     prompt = _prompt(37)
     for e in (exact, quant):
         e.add_request("r", prompt, GREEDY)
         e.step()  # the prompt, in one chunk: blocks 0 and 1 sealed, 5 keys in the filling block
-    assert quant.leak_check()["key_tail_rows"] == 2
-    row = quant.runner.key_tails.rows_for("r", 37, 1, BS)[0]
+    assert quant.leak_check()["tail_rows"] == 2
+    row = quant.runner.tails.rows_for("r", 37, 1, BS)[0]
     block = exact._seqs["r"].block_table[2]
-    want = exact.runner.kv_caches[0][0, block, :5]
-    assert torch.equal(quant.runner.kv_caches[0].k_tail[row * BS : row * BS + 5], want)
+    want = exact.runner.kv_caches[0][:, block, :5]
+    cache = quant.runner.kv_caches[0]
+    assert torch.equal(cache.k_tail[row * BS : row * BS + 5], want[0])
+    assert torch.equal(cache.v_tail[row * BS : row * BS + 5], want[1])
     quant.abort("r")
-    assert quant.leak_check()["key_tail_rows"] == 0
+    assert quant.leak_check()["tail_rows"] == 0
 
 
 def test_rows_come_back_after_finish_abort_and_preemption(model_dir):
@@ -112,10 +114,10 @@ def test_rows_come_back_after_finish_abort_and_preemption(model_dir):
     assert all(len(o.token_ids) == 20 for o in outs)
     engine.add_request("x", _prompt(9), GREEDY)
     engine.step()
-    assert engine.leak_check()["key_tail_rows"] == 2
+    assert engine.leak_check()["tail_rows"] == 2
     engine.abort("x")
     leaks = engine.leak_check()
-    assert leaks["key_tail_rows"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+    assert leaks["tail_rows"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 
 
 def test_handed_over_sequence_starts_its_row_from_the_received_block(model_dir):
@@ -123,35 +125,36 @@ def test_handed_over_sequence_starts_its_row_from_the_received_block(model_dir):
     decode = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
     prefill.add_request("h", _prompt(21), GREEDY, prefill_only=True)
     prefill.step()
-    exact_keys = [c.k_tail.clone() for c in prefill.runner.kv_caches]  # rows of the one sequence
+    exact = [(c.k_tail.clone(), c.v_tail.clone()) for c in prefill.runner.kv_caches]  # the one sequence's rows
     state, kv = prefill.export_sequence("h")
-    assert prefill.leak_check()["key_tail_rows"] == 0
+    assert prefill.leak_check()["tail_rows"] == 0
     decode.import_sequence(state, kv, GREEDY)
     decode.step()  # computes token 21 into block 1 (offset 5), starting the row from offsets 0..4
-    row = decode.runner.key_tails.rows_for("h", 22, 1, BS)[0]
+    row = decode.runner.tails.rows_for("h", 22, 1, BS)[0]
     block = decode._seqs["h"].block_table[1]
     for layer, cache in enumerate(decode.runner.kv_caches):
-        got = cache.k_tail[row * BS : row * BS + 5]
-        decoded = ref.dequantize_blocks(cache, torch.tensor([block]), torch.tensor([False]))[0, 0, :5]
-        assert torch.equal(got, decoded)
-        assert torch.allclose(got, exact_keys[layer][:5], atol=0.5)  # per-token codes of those keys
+        got = (cache.k_tail[row * BS : row * BS + 5], cache.v_tail[row * BS : row * BS + 5])
+        decoded = ref.dequantize_blocks(cache, torch.tensor([block]), torch.tensor([False]))[:, 0, :5]
+        for i in range(2):
+            assert torch.equal(got[i], decoded[i])
+            assert torch.allclose(got[i], exact[layer][i][:5], atol=0.5)  # per-token codes of those
     decode.abort("h")
-    assert decode.leak_check()["key_tail_rows"] == 0
+    assert decode.leak_check()["tail_rows"] == 0
 
 
 def test_budget_pays_for_the_rows(model_dir):
     engine = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4", kv_cache_bytes=1 << 22,
                  max_num_seqs=8).engine
     fmt = KVFormat("int4")
-    rows = 16 * fmt.key_tail_row_bytes(engine.layout)
+    rows = 16 * fmt.tail_row_bytes(engine.layout)
     assert engine.runner.num_blocks == ((1 << 22) - rows) // fmt.bytes_per_block(engine.layout)
     assert engine.runner.kv_caches[0].num_tail_rows == 16
 
 
 def test_rows_can_be_switched_off_for_comparison(model_dir, monkeypatch):
-    monkeypatch.setenv("LLMBUS_KV_KEY_TAILS", "0")
+    monkeypatch.setenv("LLMBUS_KV_TAILS", "0")
     engine = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
-    assert engine.runner.key_tails is None and engine.runner.kv_caches[0].k_tail is None
+    assert engine.runner.tails is None and engine.runner.kv_caches[0].k_tail is None
     out = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").generate([_prompt(20)], GREEDY)[0]
     assert len(out.token_ids) == 20
 
