@@ -66,7 +66,7 @@ def load_kv_tile(
         tslot = kb + (off[:, None] * (D // GK) + c // GK) * 2
         tsc = tl.load(kmeta_ptr + tslot, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
         tmn = tl.load(kmeta_ptr + tslot + 1, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        # partial block with a tail row: its exact keys (tpos < 0 iff trow is -1)
+        # partial block with a tail row: its exact keys and values (tpos < 0 iff trow is -1)
         tpos = (trow * BS + off).to(tl.int64)
         exact = vm2 & (~full) & (tpos >= 0)[:, None]
         trow_off = tpos[:, None] * s_tt + h * s_th + c

@@ -198,7 +198,7 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> 
     s_km = km.stride()[:2] if cache.k_meta is not None else (0, 0)
     s_vm = vm.stride()[:3] if cache.v_meta is not None else (0, 0, 0)
     tail, vtail = (cache.k_tail, cache.v_tail) if has_tail else (key, value)
-    if tail.stride() != vtail.stride():
+    if has_tail and tail.stride() != vtail.stride():
         raise ValueError("the key and value tail rows must share a layout")
     write_kv_kernel[(t, h)](
         key, value, slot_mapping, data, scale, km, vm, tail, vtail, tail_slots if has_tail else slot_mapping, t,

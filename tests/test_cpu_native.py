@@ -156,7 +156,7 @@ def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
 
 
 @needs_kernel
-@pytest.mark.parametrize("d,bs,hkv", [(64, 16, 4), (128, 32, 2), (16, 8, 1), (96, 16, 2)])
+@pytest.mark.parametrize("d,bs,hkv", [(64, 16, 4), (128, 32, 2), (16, 8, 1), (96, 16, 2), (256, 64, 1)])
 def test_int4_blocks_dequantize_as_the_reference(d, bs, hkv, threads):
     """The C pass over INT4 blocks: full blocks per channel, partial ones per token, values per
     token, repeated and shuffled ids; equal to the reference up to fused multiply-adds."""

@@ -81,7 +81,7 @@ def test_prefill_bad_input_is_a_value_error():
         paged_prefill_attention(q, cache, tables, sl, torch.tensor([0, 2], device=DEV), 1.0)
 
 
-def test_prefill_reads_partial_int4_blocks_from_num_tail_rows():
+def test_prefill_reads_partial_int4_blocks_from_tail_rows():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
     ctx, qlens = [45, 19, 32, 8], [21, 19, 4, 3]
     cache = allocate_cache(KVFormat("int4"), lay, 12, DEV, tail_rows=4)

@@ -31,7 +31,7 @@ attention then reads a partial block's keys and values from its row instead of t
 codes. The engine gives each running sequence two rows and switches to the other only when one
 step both seals a block from its current row and starts the next block. A sequence without rows
 (none left) uses its per-token codes; one handed over mid-block from another worker starts its row
-from them (those keys stay rounded twice). This module is torch-free.
+from them (so those tokens' keys end up rounded twice). This module is torch-free.
 """
 
 from __future__ import annotations
