@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+from kernels import reference
+from llmbus.kv.formats import KVFormat
+
 log = logging.getLogger("llmbus.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
@@ -235,9 +238,6 @@ def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -
     """``reference.dequantize_blocks`` of an INT4 ``PagedKVCache`` in one C pass: fp32 ``[2, n, bs,
     Hkv, D]`` (equal to the reference's up to fused multiply-adds). Falls back to the reference
     where the library did not build."""
-    from kernels import reference
-    from llmbus.kv.formats import KVFormat
-
     lib = _load()
     lay = cache.layout
     if lib is None or cache.fmt.name != "int4" or cache.data.device.type != "cpu":

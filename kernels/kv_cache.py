@@ -29,6 +29,13 @@ class PagedKVCache:
     k_tail: torch.Tensor | None = None  # int4: model dtype [rows * bs, H, D], exact keys of filling blocks
     v_tail: torch.Tensor | None = None  # int4: as k_tail, their exact values
 
+    def __post_init__(self) -> None:
+        # NOTE: the kernels address both tails with one set of strides
+        if (self.k_tail is None) != (self.v_tail is None) or (
+                self.k_tail is not None and (self.k_tail.shape != self.v_tail.shape
+                                             or self.k_tail.stride() != self.v_tail.stride())):
+            raise ValueError("k_tail and v_tail must both be given, with one shape and layout, or neither")
+
     @property
     def num_tail_rows(self) -> int:
         return 0 if self.k_tail is None else self.k_tail.shape[0] // self.layout.block_size

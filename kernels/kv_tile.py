@@ -99,8 +99,6 @@ def tile_args(cache, tail_rows: torch.Tensor | None = None) -> tuple[tuple, tupl
     if has_tail and tail_rows.dtype != torch.int32:
         raise ValueError(f"tail_rows must be int32, got {tail_rows.dtype}")
     tail, vtail = (cache.k_tail, cache.v_tail) if has_tail else (data, data)
-    if tail.stride() != vtail.stride():
-        raise ValueError("the key and value tail rows must share a layout")
     ptrs = (data, scale if scale is not None else data, km if km is not None else data, vm if vm is not None else data,
             tail, vtail, tail_rows if has_tail else data)
     strides = (

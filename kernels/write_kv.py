@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from kernels.kv_cache import PagedKVCache
+from kernels.kv_tile import FMT_IDS
 from llmbus.kv.formats import KVFormat
-
-FMT_IDS = {"model": 0, "int8": 1, "int4": 2}
 
 
 @triton.jit
@@ -119,6 +118,7 @@ def write_kv_kernel(
         if HAS_TAIL:
             ts = tl.load(tail_slot_ptr + t).to(tl.int64)
         tp = tail_ptr + h * s_th
+        vtp = vtail_ptr + h * s_th
         if off == BS - 1:
             _seal_block(kp, slot_ptr, data_ptr + blk * s_dn + h * s_dh, km, tp, t, slot, ts,
                         s_kt, s_db, s_tt, D, BS, GK)
@@ -126,7 +126,7 @@ def write_kv_kernel(
             _int4_row(kp, data_ptr + row, km + off * (NGK * 2), 2, D, GK)
             if ts >= 0:
                 tl.store(tp + ts * s_tt + c, tl.load(kp + c).to(tail_ptr.dtype.element_ty))
-                tl.store(vtail_ptr + h * s_th + ts * s_tt + c, tl.load(vp + c).to(vtail_ptr.dtype.element_ty))
+                tl.store(vtp + ts * s_tt + c, tl.load(vp + c).to(vtail_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -198,8 +198,6 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> 
     s_km = km.stride()[:2] if cache.k_meta is not None else (0, 0)
     s_vm = vm.stride()[:3] if cache.v_meta is not None else (0, 0, 0)
     tail, vtail = (cache.k_tail, cache.v_tail) if has_tail else (key, value)
-    if has_tail and tail.stride() != vtail.stride():
-        raise ValueError("the key and value tail rows must share a layout")
     write_kv_kernel[(t, h)](
         key, value, slot_mapping, data, scale, km, vm, tail, vtail, tail_slots if has_tail else slot_mapping, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

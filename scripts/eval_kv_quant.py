@@ -66,8 +66,8 @@ def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, bl
     with torch.inference_mode():
         if path == "prefill":
             for i, table in enumerate(tables):
-                tails = None if rows is None else [rows[i]]
-                meta, pos = build_attention_metadata([(table, 0, n)], block_size, device, tails)
+                row = None if rows is None else [rows[i]]
+                meta, pos = build_attention_metadata([(table, 0, n)], block_size, device, row)
                 out.append(model.compute_logits(model(tokens[i].to(device), pos, caches, meta)).float().cpu())
             return torch.stack(out)
         for t in range(n):

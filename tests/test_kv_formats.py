@@ -5,7 +5,7 @@ import torch
 
 from kernels import quant_reference as qr
 from kernels import reference as ref
-from kernels.kv_cache import allocate_cache, read_blocks, write_blocks
+from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks, write_blocks
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.engine.runner import TailRows
 from llmbus.kv.formats import KVFormat, parse_kv_format
@@ -194,6 +194,11 @@ def test_tail_row_bytes():
     one_layer = (cache.k_tail.numel() + cache.v_tail.numel()) * 2
     assert cache.num_tail_rows == 5 and one_layer * 3 == 5 * KVFormat("int4").tail_row_bytes(lay)
     assert allocate_cache(KVFormat("int8"), lay, 2, "cpu", tail_rows=5).v_tail is None
+    parts = dict(data=cache.data, k_meta=cache.k_meta, v_meta=cache.v_meta)
+    with pytest.raises(ValueError, match="k_tail and v_tail must both be given"):
+        PagedKVCache(cache.fmt, cache.layout, **parts, k_tail=cache.k_tail)
+    with pytest.raises(ValueError, match="one shape and layout"):
+        PagedKVCache(cache.fmt, cache.layout, **parts, k_tail=cache.k_tail, v_tail=cache.v_tail.transpose(1, 2))
 
 
 def test_int4_attention_reads_a_partial_block_exactly_from_its_tail_row():

@@ -40,6 +40,13 @@ class AttentionMetadata:
         return self.num_decodes
 
 
+def seals_and_starts(start: int, end: int, block_size: int) -> bool:
+    """Whether computing tokens ``[start, end)`` seals a block that earlier steps began (so its
+    sealing reads that block's tail row) and also leaves a new block filling (whose tokens write
+    a tail row): the step then needs two rows (see ``TailRows``)."""
+    return bool(start % block_size) and end // block_size > start // block_size and bool(end % block_size)
+
+
 def build_attention_metadata(
     entries: Sequence[tuple[Sequence[int], int, int]],
     block_size: int,
@@ -79,7 +86,7 @@ def build_attention_metadata(
         if tail_rows is not None:
             rows = (tail_rows[i][0], tail_rows[i][1])
             first = start // block_size
-            if start % block_size and end // block_size > first and end % block_size and rows[0] == rows[1] >= 0:
+            if rows[0] == rows[1] >= 0 and seals_and_starts(start, end, block_size):
                 # NOTE: the sealing program reads row 0 while this step's new block writes row 1:
                 # one row for both would race in the Triton write kernel (see TailRows)
                 raise ValueError(f"sequence {i}: tokens [{start}, {end}) seal a block from tail row {rows[0]} "

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmbus.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata
+from llmbus.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, seals_and_starts
 from llmbus.engine.sampler import Sampler
 from llmbus.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
@@ -56,8 +56,7 @@ class TailRows:
             if not self._free:
                 return -1, -1, False
             pair = self._held[request_id] = [self._free.popleft(), self._free.popleft()]
-        end = start + num_new
-        if start % block_size and end // block_size > start // block_size and end % block_size:
+        if seals_and_starts(start, start + num_new, block_size):
             pair.reverse()  # NOTE: seals the current row's block and starts another: switch rows
             return pair[1], pair[0], new
         return pair[0], pair[0], new
