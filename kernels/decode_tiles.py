@@ -6,7 +6,11 @@ capped INT8 decode near a quarter of peak bandwidth): ``codes_f16`` builds the f
 code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for codes below 1024).
 
 - INT8 feeds its codes (exact in fp16) straight into the dot and applies the per-token scales to
-  the ``[G, TILE]`` scores and probabilities instead of the ``[TILE, D]`` tiles.
+  the ``[G, TILE]`` scores and probabilities instead of the ``[TILE, D]`` tiles. From 64 channels
+  up it reads each token row as 32-bit words (four codes each) and splits the channels into the four
+  classes ``c % 4``, one word byte each: four dots of ``D/4`` channels replace one of ``D`` (a dot
+  sums over channels in any order), so no byte is gathered on its own. Compiled for sm_90 this
+  halves the registers and cuts the loop's instructions by a third (``scripts/kernel_cost.py``).
 - INT4 full blocks load the packed bytes as ``[.., D/2]`` tiles (even channel in the low nibble,
   ``tl.interleave`` restores channel order), the per-channel key ranges once per block and the
   per-token value pairs once per group. The partial tail block takes the generic
@@ -46,6 +50,96 @@ def attend_tile(q, k, v, valid, ks, vs, m_i, l_i, acc, qk_scale,
 def codes_f16(x):
     """Integer codes in 0..1023 (any integer dtype) -> the same values as fp16, without a conversion."""
     return ((x.to(tl.int16) & 1023) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+def _s8_pair_ptx(byte: int) -> tl.constexpr:
+    """PTX turning byte ``byte`` of two words ($1, $2) of signed int8 codes into one fp16 pair ($0):
+    ``prmt`` puts the two bytes in the pair's low bytes (selector nibbles 0 and 2), ``lop3`` keeps
+    them, flips their sign bits (+128) and sets 0x64 above each, ``sub.f16x2`` takes 1152 off."""
+    return tl.constexpr(
+        "{ .reg .b32 t, c; mov.b32 c, 0x64806480; "
+        f"prmt.b32 t, $1, $2, {byte | (4 + byte) << 8:#06x}; "
+        "lop3.b32 t, t, 0x00ff00ff, c, 0x6a; sub.f16x2 $0, t, c; }"
+    )
+
+
+S8_PAIR_0, S8_PAIR_1, S8_PAIR_2, S8_PAIR_3 = (_s8_pair_ptx(b) for b in range(4))
+
+
+@triton.jit
+def word_codes(w, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """Signed int8 codes at bit ``SHIFT`` of int32 words -> their values as fp16, without a conversion:
+    the byte offset by 128 goes into the mantissa of 1024.0, then 1024 + 128 comes off. With ASM
+    (CUDA only: the interpreter runs no PTX) two words make one fp16 pair in three instructions."""
+    if ASM:
+        if SHIFT == 0:
+            x = tl.inline_asm_elementwise(S8_PAIR_0, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+        elif SHIFT == 8:
+            x = tl.inline_asm_elementwise(S8_PAIR_1, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+        elif SHIFT == 16:
+            x = tl.inline_asm_elementwise(S8_PAIR_2, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            x = tl.inline_asm_elementwise(S8_PAIR_3, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        u = ((w >> SHIFT) & 0xFF) ^ 0x6480  # 0x64 above, the byte + 128 (mod 256) below
+        x = u.to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    return x
+
+
+@triton.jit
+def int8_words_loop(
+    q_ptr, s_qh, heads, gmask,  # q_ptr: this sequence's query row; query heads [GP] and their mask
+    data_ptr, scale_ptr, table, h, start, end,
+    m_i, l_i, qk_scale,
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh,
+    GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """INT8 decode over positions ``[start, end)`` by channel class (module docstring); returns
+    ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
+    j = tl.arange(0, D // 4)
+    qrow = q_ptr + heads[:, None] * s_qh + 4 * j[None, :]
+    q0 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(DOT)
+    q1 = tl.load(qrow + 1, mask=gmask[:, None], other=0.0).to(DOT)
+    q2 = tl.load(qrow + 2, mask=gmask[:, None], other=0.0).to(DOT)
+    q3 = tl.load(qrow + 3, mask=gmask[:, None], other=0.0).to(DOT)
+    a0 = tl.zeros([GP, D // 4], tl.float32)
+    a1 = tl.zeros([GP, D // 4], tl.float32)
+    a2 = tl.zeros([GP, D // 4], tl.float32)
+    a3 = tl.zeros([GP, D // 4], tl.float32)
+    words = data_ptr.to(tl.pointer_type(tl.int32))
+    for s in range(start, end, TILE):
+        t = tl.arange(0, TILE)
+        valid = s + t < end
+        # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big
+        # caches. s is a multiple of TILE, so of BS: block and offset come from t alone.
+        blk = tl.load(table + s // BS + t // BS, mask=valid, other=0).to(tl.int64)
+        off = t % BS
+        row = blk * s_dn + off * s_db + h * s_dh
+        wrow = (row // 4)[:, None] + j[None, :]
+        kw = tl.load(words + wrow, mask=valid[:, None], other=0)
+        vw = tl.load(words + s_dc // 4 + wrow, mask=valid[:, None], other=0)
+        srow = blk * s_sn + off * s_sb + h * s_sh
+        ks = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
+        vs = tl.load(scale_ptr + s_sc + srow, mask=valid, other=0.0).to(tl.float32)
+        scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM).to(DOT)), input_precision=PREC)
+        scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM).to(DOT)), scores, input_precision=PREC)
+        scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
+        scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM).to(DOT)), scores, input_precision=PREC)
+        scores = tl.where(valid[None, :], scores * (ks * qk_scale)[None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = (p * vs[None, :]).to(DOT)
+        a0 = a0 * alpha[:, None] + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
+        a1 = a1 * alpha[:, None] + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)
+        a2 = a2 * alpha[:, None] + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
+        a3 = a3 * alpha[:, None] + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
+        m_i = m_new
+    # channel 4 * j + r is class r's column j
+    acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [GP, D])
+    return m_i, l_i, acc
 
 
 @triton.jit

@@ -8,18 +8,23 @@ combines. Scores use base-2 exponentials throughout (``m`` is in log2 units).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import attend_tile, int4_full_tile, int8_tile
+from kernels.decode_tiles import attend_tile, int4_full_tile, int8_tile, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
 LOG2E = 1.4426950408889634
-# (tile, num_warps, num_stages) on CUDA: the best of scripts/bench_gpu.py --sweep on an H200
-# (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128 channels, 16-token blocks).
-CUDA_LAUNCH = {"model": (64, 4, 3), "int8": (32, 4, 4), "int4": (64, 4, 3)}
+# NOTE: LLMBUS_TRITON_ASM=0 swaps the inline-PTX code conversions for their plain Triton twins.
+ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
+# (tile, num_warps, num_stages) on CUDA. model and int4: the best of scripts/bench_gpu.py --sweep on
+# an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128 channels, 16-token blocks). int8:
+# chosen by scripts/kernel_cost.py for its word-wise loop (not yet measured on a GPU).
+CUDA_LAUNCH = {"model": (64, 4, 3), "int8": (64, 4, 3), "int4": (64, 4, 3)}
 
 
 @triton.jit
@@ -37,6 +42,8 @@ def paged_decode_kernel(
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, s_tt, s_th,
     G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
+    WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
+    ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -68,6 +75,11 @@ def paged_decode_kernel(
                 tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+    elif WORDS:
+        m_i, l_i, acc = int8_words_loop(
+            q_ptr + b.to(tl.int64) * s_qb, s_qh, heads, gmask, data_ptr, scale_ptr, table, h, start, end,
+            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, GP, TILE, D, BS, DOT, PREC, ASM,
+        )
     elif FMT == 1:
         for s in range(start, end, TILE):
             pos = s + tl.arange(0, TILE)
@@ -113,6 +125,14 @@ def paged_decode_kernel(
         ml = ((b.to(tl.int64) * (s_ob // D) + heads * (s_oh // D) + sid) * 2)
         tl.store(ml_ptr + ml, m_i, mask=gmask)
         tl.store(ml_ptr + ml + 1, l_i, mask=gmask)
+
+
+def int8_words(cache) -> bool:
+    """Whether INT8 decode reads the cache as 32-bit words: from 64 channels (each class's dots
+    need 16), on a word-aligned cache."""
+    data = cache.data
+    return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and data.data_ptr() % 4 == 0
+            and all(st % 4 == 0 for st in data.stride()[:4]))
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device) -> int:
@@ -174,7 +194,7 @@ def paged_decode_attention(
     split_len = -(-max(1, -(-max_len // splits)) // tile) * tile
     grp = hq // hkv
     meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
-                **dot_args(query), DQ=tl.float32, **consts)
+                **dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), ASM=query.is_cuda and ASM, **consts)
     if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
         # NOTE: quantized codes become fp16 exactly (decode_tiles.codes_f16), so the dots run in
         # fp16 whatever the model dtype: no per-element conversion to bf16.

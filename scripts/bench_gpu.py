@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import reference as ref  # noqa: E402
+from kernels import paged_decode  # noqa: E402
 from kernels.kv_cache import allocate_cache  # noqa: E402
 from kernels.paged_decode import paged_decode_attention  # noqa: E402
 from kernels.paged_prefill import paged_prefill_attention  # noqa: E402
@@ -47,7 +48,7 @@ def peak_for(name: str) -> float | None:
 # (tile, num_warps, num_stages) tried by --sweep; the first of each is the launch default
 SWEEP = {
     "model": [(64, 4, 3)],
-    "int8": [(32, 4, 4), (64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 4), (32, 8, 4)],
+    "int8": [(64, 4, 3), (32, 4, 4), (64, 2, 3), (32, 2, 4), (128, 4, 3), (128, 8, 4)],
     "int4": [(64, 4, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (64, 4, 4), (128, 8, 3)],
 }
 
@@ -173,14 +174,20 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
     for fmt, launches in SWEEP.items():
         cache = _random_cache(fmt, lay, nblocks)
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
-        for tile, warps, stages in launches:
+        # NOTE: the default launch once more with the plain-Triton code conversions, for comparison
+        for (tile, warps, stages), asm in [(lc, True) for lc in launches] + [(launches[0], False)] * (fmt == "int8"):
             launch = dict(tile=tile, num_warps=warps, num_stages=stages)
-            ms = _time_decode(cache, perm, batch, context, launch)
+            paged_decode.ASM = asm
+            try:
+                ms = _time_decode(cache, perm, batch, context, launch)
+            finally:
+                paged_decode.ASM = True
             gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
-            rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, ms=ms, gbps=gbps,
+            rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, asm=asm, ms=ms, gbps=gbps,
                              pct_peak=(100 * gbps / peak) if peak else None))
-            print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages} {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
-            if fmt not in best or gbps > best[fmt][1]:
+            print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages}{'' if asm else ' no-asm'} "
+                  f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
+            if asm and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = (launch, gbps)
         del cache
         torch.cuda.empty_cache()

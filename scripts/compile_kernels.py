@@ -60,18 +60,18 @@ class CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def compile_only(arch: int) -> list[str]:
+def compile_only(arch: int) -> list[tuple[str, object]]:
     """From now on every ``kernel[grid](...)`` compiles for ``sm_<arch>`` (``warmup``) instead of
-    launching. Returns the list the compiled kernels' names are appended to."""
+    launching. Returns the list each compiled kernel is appended to, as ``(name, CompiledKernel)``."""
     driver.set_active(CompileOnlyDriver(arch))
-    compiled: list[str] = []
+    compiled: list[tuple[str, object]] = []
     launch = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         if "cubin" not in kernel.asm:
             raise RuntimeError(f"{self.fn.__name__}: no cubin")
-        compiled.append(self.fn.__name__)
+        compiled.append((self.fn.__name__, kernel))
         return kernel
 
     JITFunction.run = run
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         compiled.clear()
         try:
             thunk()
-            print(f"ok      {name}: {', '.join(compiled)}", flush=True)
+            print(f"ok      {name}: {', '.join(n for n, _ in compiled)}", flush=True)
         except Exception:  # NOTE: report every variant, then fail
             failed += 1
             print(f"FAILED  {name}\n{traceback.format_exc(limit=4)}", flush=True)

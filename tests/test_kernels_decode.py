@@ -5,7 +5,7 @@ import torch
 
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
-from kernels.paged_decode import paged_decode_attention  # noqa: E402
+from kernels.paged_decode import int8_words, paged_decode_attention  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -70,6 +70,73 @@ def test_decode_multi_block_tiles(name, tile, splits):
     """Tiles of several blocks (the CUDA default): INT4's per-block key ranges broadcast per block,
     tiles that straddle the last full block, the partial tail in the split that holds it."""
     _check(name, "bfloat16", hkv=2, group=4, head_dim=32, bs=16, lens=[100, 64, 17, 5], splits=splits, tile=tile)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_int8_words_gqa_ratios_and_split_k(group, splits):
+    """From 64 channels INT8 decode reads 32-bit words split into four channel classes."""
+    _check("int8", "bfloat16", hkv=2, group=group, head_dim=64, bs=16, lens=[53, 7, 0, 1, 32], splits=splits, seed=group)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_int8_words_dtypes_and_wide_tiles(dtype):
+    _check("int8", dtype, hkv=1, group=4, head_dim=128, bs=32, lens=[100, 64, 17], splits=2, tile=64)
+
+
+def test_decode_int8_words_need_a_word_aligned_cache():
+    """A cache whose bytes start off a 4-byte boundary takes the byte-wise path, with the same result."""
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
+    aligned = allocate_cache(KVFormat("int8"), lay, 4, DEV)
+    tables = _fill(aligned, lay, [37], 4, seed=5)
+    raw = torch.empty(aligned.data.numel() + 1, dtype=torch.int8, device=DEV)
+    shifted = PagedKVCache(KVFormat("int8"), lay, raw[1:].view(aligned.data.shape), scale=aligned.scale)
+    shifted.data.copy_(aligned.data)
+    assert int8_words(aligned) and not int8_words(shifted)
+    q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(6)).half().to(DEV)
+    sl = torch.tensor([37], dtype=torch.int32, device=DEV)
+    want = ref.paged_decode_attention_cache(q, aligned, tables, sl, 0.125)
+    for cache in (aligned, shifted):
+        torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.125), want, atol=3e-3, rtol=3e-3)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode): result byte i is byte ``sel`` nibble i of the pair {b, a}."""
+    pool = (b << 32 | a).to_bytes(8, "little")
+    return int.from_bytes(bytes(pool[(sel >> 4 * i) & 7] for i in range(4)), "little")
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    """PTX ``lop3.b32``: bit by bit, the ``lut`` entry indexed by (a, b, c) as in 0xF0 / 0xCC / 0xAA."""
+    return sum(((lut >> ((a >> k & 1) << 2 | (b >> k & 1) << 1 | (c >> k & 1))) & 1) << k for k in range(32))
+
+
+def test_int8_pair_ptx_reads_the_right_bytes_and_values():
+    """What the GPU-only conversion (decode_tiles.S8_PAIR_*) computes, instruction by instruction as
+    the PTX ISA defines them, for every code in every byte of two words. It runs natively in the kernel
+    tests on a GPU (scripts/gpu_check.sh); here the selector and truth table are checked."""
+    import re
+
+    import numpy as np
+
+    from kernels import decode_tiles
+
+    codes = np.arange(-127, 128, dtype=np.int8)
+    for byte, ptx in enumerate((decode_tiles.S8_PAIR_0, decode_tiles.S8_PAIR_1, decode_tiles.S8_PAIR_2,
+                                decode_tiles.S8_PAIR_3)):
+        ops = dict(re.findall(r"(\w+)\.\w+ ([^;]+);", ptx.value))
+        sel = int(ops["prmt"].split(",")[-1], 16)
+        *_, mask, bias_reg, lut = [x.strip() for x in ops["lop3"].split(",")]
+        bias = int(ops["mov"].split(",")[-1], 16)
+        assert bias_reg == "c" and ops["sub"].replace(" ", "") == "$0,t,c"
+        for lo_code, hi_code in zip(codes, codes[::-1]):
+            # the other bytes hold other codes, which must not leak in
+            b1, b2 = np.array([90, -17, 3, -128], np.int8), np.array([-90, 17, -3, 127], np.int8)
+            b1[byte], b2[byte] = lo_code, hi_code
+            w1, w2 = (int.from_bytes(b.tobytes(), "little") for b in (b1, b2))
+            t = _lop3(_prmt(w1, w2, sel), int(mask, 16), bias, int(lut, 16))
+            pair = np.frombuffer(t.to_bytes(4, "little"), np.float16) - np.frombuffer(bias.to_bytes(4, "little"), np.float16)
+            assert pair.tolist() == [float(lo_code), float(hi_code)], (byte, lo_code, hi_code)
 
 
 def test_decode_bad_tile_is_a_value_error():

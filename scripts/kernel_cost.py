@@ -1,0 +1,171 @@
+"""Static cost of paged decode attention's main loop on an NVIDIA GPU, computed without one.
+
+Compiles the decode kernel for ``sm_<arch>`` (through ``scripts/compile_kernels.py``'s compile-only
+driver) on the layer ``scripts/bench_gpu.py`` measures (Llama-3-8B-shaped: 32 query heads, 8 KV
+heads, head_dim 128, 16-token blocks, bf16 queries), per KV format and launch; disassembles the cubin
+with the ``nvdisasm`` Triton ships; finds the main loop (the longest backward branch) and counts its
+instructions per execution pipe. Each pipe's count, at Hopper's issue rate for it, bounds the bytes
+per clock the loop can consume; the report gives that bound as a % of the H200's peak (4,800 GB/s
+over 132 SMs at 1.98 GHz: 18.4 bytes per SM per clock) and names the pipe that binds.
+
+It is a bound from the instruction mix alone, not a measurement: memory latency, occupancy, and
+stalls come on top. On the H200 (2026-11-29, Triton 3.6) the measured bandwidth was 0.54 of this
+bound for INT8 and 0.38 for INT4; the model dtype, far above its bound's 100%, measured 92%. Use it
+to compare formulations of a kernel between GPU sessions, and confirm on a GPU (``bench_gpu.py``).
+
+    python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES] [--ops] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+os.environ.pop("TRITON_INTERPRET", None)  # NOTE: before triton.jit decorates our kernels
+sys.path.insert(0, str(SCRIPTS.parent))
+sys.path.insert(0, str(SCRIPTS))
+
+# warp instructions per SM per clock on sm_90 (CUDA programming guide's throughput table / 32)
+PIPE_RATE = {"issue": 4.0, "fp": 4.0, "imad": 2.0, "alu": 2.0, "xu": 0.5, "lsu": 1.0, "tensor": 0.5}
+PIPES = {
+    "tensor": ("HMMA", "IMMA", "HGMMA"),
+    "fp": ("FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "HMUL2"),
+    "imad": ("IMAD",),
+    "xu": ("MUFU", "I2F", "F2I", "F2F", "FRND"),
+    "lsu": ("LDS", "LDSM", "STS", "STSM", "LDG", "LDGSTS", "STG", "SHFL", "LD", "ST", "ATOMS", "RED", "LDC"),
+}
+# control, uniform-datapath and barrier instructions take an issue slot but no vector pipe
+NO_PIPE = re.compile(r"^(BRA|BAR|NOP|DEPBAR|LDGDEPBAR|EXIT|WARPSYNC|BSSY|BSYNC|CALL|RET|YIELD|S2R|S2UR|CS2R|R2UR|U[A-Z0-9]+)$")
+PEAK_BYTES_PER_CLOCK = 4800e9 / 132 / 1.98e9  # H200
+REGS_PER_SM, MAX_WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
+
+
+def pipe_of(op: str) -> str | None:
+    base = op.split(".")[0]
+    for pipe, ops in PIPES.items():
+        if base in ops:
+            return pipe
+    return None if NO_PIPE.match(base) else "alu"
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes of the longest loop (a branch back to an earlier label) in nvdisasm output."""
+    ops, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"^\s*\.?(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if ins:
+            ops.append(re.sub(r"^@!?U?P\w+\s+", "", ins.group(1)))
+    loops = []
+    for i, text in enumerate(ops):
+        target = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            loops.append(ops[labels[target.group(1)]: i + 1])
+    if not loops:
+        raise RuntimeError("no loop found in the disassembly")
+    return [text.split()[0] for text in max(loops, key=len)]
+
+
+def occupancy(regs: int, warps: int, smem: int) -> int:
+    """Resident warps per SM: registers are allocated per warp in units of 8 per thread."""
+    per_warp = -(-regs // 8) * 8 * 32
+    blocks = min(REGS_PER_SM // (per_warp * warps), MAX_WARPS_PER_SM // warps, SMEM_PER_SM // (smem + 1024))
+    return blocks * warps
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_only(arch: int) -> list:
+    from compile_kernels import compile_only
+
+    return compile_only(arch)
+
+
+def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90) -> dict:
+    """Compile one decode launch and cost its main loop (see the module docstring)."""
+    import torch
+    import triton
+
+    from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
+    from compile_kernels import CudaLike
+    from kernels.kv_cache import allocate_cache
+    from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    tile, warps, stages = launch or CUDA_LAUNCH[fmt]
+    lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
+    cache = allocate_cache(KVFormat(fmt), lay, 8, "cpu")
+    for field in ("data", "scale", "k_meta", "v_meta"):
+        if getattr(cache, field) is not None:
+            setattr(cache, field, getattr(cache, field).as_subclass(CudaLike))
+    q = torch.randn(2, HQ, D).to(torch.bfloat16).as_subclass(CudaLike)
+    tables = torch.zeros(2, 4, dtype=torch.int32).as_subclass(CudaLike)
+    lens = torch.tensor([40, 5], dtype=torch.int32).as_subclass(CudaLike)
+    compiled = _compile_only(arch)
+    compiled.clear()
+    paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps, num_stages=stages)
+    kernel = compiled[0][1]
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs, spills = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    loop = main_loop(sass)
+    ops = collections.Counter(loop)
+    per_pipe = collections.Counter({"issue": len(loop)})
+    for op, n in ops.items():
+        if pipe_of(op):
+            per_pipe[pipe_of(op)] += n
+    bytes_per_iter = read_bytes_per_token(fmt, lay) / HKV * tile
+    # % of peak each pipe allows: bytes per iteration over its clocks per iteration (warps x count / rate)
+    bound = {p: 100 * bytes_per_iter / (n * warps / PIPE_RATE[p]) / PEAK_BYTES_PER_CLOCK for p, n in per_pipe.items()}
+    binding = min(bound, key=bound.get)
+    return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages, regs=regs,
+                spills=spills, smem=kernel.metadata.shared, warps_per_sm=occupancy(regs, warps, kernel.metadata.shared),
+                loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter,
+                instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,
+                ops=dict(ops.most_common()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="model,int8,int4")
+    ap.add_argument("--launch", default=None, help="TILE,WARPS,STAGES (default: the CUDA launch defaults)")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--ops", action="store_true", help="also print the loop's opcode counts")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else None
+    rows = []
+    print("| KV format | tile, warps, stages | regs | warps/SM | loop instr | warp instr / KV byte | bound (% of H200 peak) | binding pipe |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for fmt in args.formats.split(","):
+        r = analyse(fmt, launch, args.arch)
+        rows.append(r)
+        print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']} | {r['regs']} | {r['warps_per_sm']} | "
+              f"{r['loop_instructions']} | {r['instructions_per_byte']:.3f} | {r['bound_pct'][r['binding']]:.0f}% | "
+              f"{r['binding']} |", flush=True)
+        if args.ops:
+            print("    " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
