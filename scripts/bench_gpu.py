@@ -175,19 +175,22 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         cache = _random_cache(fmt, lay, nblocks)
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         # NOTE: the default launch once more with the plain-Triton code conversions, for comparison
-        for (tile, warps, stages), asm in [(lc, True) for lc in launches] + [(launches[0], False)] * (fmt == "int8"):
+        # (unless LLMBUS_TRITON_ASM=0 asked for them throughout)
+        default_asm = paged_decode.ASM
+        extra = [(launches[0], False)] if fmt == "int8" and default_asm else []
+        for (tile, warps, stages), asm in [(lc, default_asm) for lc in launches] + extra:
             launch = dict(tile=tile, num_warps=warps, num_stages=stages)
             paged_decode.ASM = asm
             try:
                 ms = _time_decode(cache, perm, batch, context, launch)
             finally:
-                paged_decode.ASM = True
+                paged_decode.ASM = default_asm
             gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
             rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, asm=asm, ms=ms, gbps=gbps,
                              pct_peak=(100 * gbps / peak) if peak else None))
             print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages}{'' if asm else ' no-asm'} "
                   f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
-            if asm and (fmt not in best or gbps > best[fmt][1]):
+            if asm == default_asm and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = (launch, gbps)
         del cache
         torch.cuda.empty_cache()

@@ -102,6 +102,7 @@ def test_decode_int8_words_need_a_word_aligned_cache():
 
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX ``prmt.b32`` (default mode): result byte i is byte ``sel`` nibble i of the pair {b, a}."""
+    assert all((sel >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicate selectors are not emulated"
     pool = (b << 32 | a).to_bytes(8, "little")
     return int.from_bytes(bytes(pool[(sel >> 4 * i) & 7] for i in range(4)), "little")
 
