@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.kv_tile import softmax_step
+
 
 @triton.jit
 def attend_tile(q, k, v, valid, ks, vs, m_i, l_i, acc, qk_scale,
@@ -35,11 +37,7 @@ def attend_tile(q, k, v, valid, ks, vs, m_i, l_i, acc, qk_scale,
         scores = scores * (ks * qk_scale)[None, :]
     else:
         scores = scores * qk_scale
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = softmax_step(tl.where(valid[None, :], scores, float("-inf")), m_i, l_i)
     if SCALED:
         p = p * vs[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
@@ -127,10 +125,7 @@ def int8_words_loop(
         scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
         scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM).to(DOT)), scores, input_precision=PREC)
         scores = tl.where(valid[None, :], scores * (ks * qk_scale)[None, :], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
         p = (p * vs[None, :]).to(DOT)
         a0 = a0 * alpha[:, None] + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
         a1 = a1 * alpha[:, None] + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)

@@ -1,5 +1,6 @@
-"""Triton helper shared by the attention kernels: load a tile of a sequence's keys and values from
-its paged cache, dequantizing int8/int4 on the fly (encodings in ``llmbus.kv.formats``)."""
+"""Triton helpers shared by the attention kernels: load a tile of a sequence's keys and values from
+its paged cache, dequantizing int8/int4 on the fly (encodings in ``llmbus.kv.formats``), and the
+online-softmax step."""
 
 from __future__ import annotations
 
@@ -75,6 +76,16 @@ def load_kv_tile(
         k = tl.where(full, cmin + kq * cscale, tl.where(exact, tk, tmn + kq * tsc))
         v = tl.where(exact, tv, v)
     return k, v
+
+
+@triton.jit
+def softmax_step(scores, m_i, l_i):
+    """The online-softmax step over ``[rows, TILE]`` scores (log2 units, -inf where masked): the new
+    running max, the factor rescaling what was accumulated, the tile's weights, the new denominator."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
 FMT_IDS = {"model": 0, "int8": 1, "int4": 2}

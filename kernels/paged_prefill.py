@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_tile import dot_args, load_kv_tile, tile_args
+from kernels.kv_tile import dot_args, load_kv_tile, softmax_step, tile_args
 
 
 @triton.jit
@@ -61,11 +61,7 @@ def paged_prefill_kernel(
         )
         scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [BLOCK_M, TILE]
         allowed = (pos[None, :] <= qpos[:, None]) & (pos < seq_len)[None, :]
-        scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = softmax_step(tl.where(allowed, scores, float("-inf")), m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
         m_i = m_new
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
