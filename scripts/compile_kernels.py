@@ -78,14 +78,24 @@ def compile_only(arch: int) -> list[tuple[str, object]]:
     return compiled
 
 
+def cuda_cache(fmt: str, layout, tail_rows: int = 0):
+    """An 8-block ``PagedKVCache`` whose tensors the launch wrappers take for CUDA ones."""
+    from kernels.kv_cache import allocate_cache
+    from llmbus.kv.formats import KVFormat
+
+    cache = allocate_cache(KVFormat(fmt), layout, 8, "cpu", tail_rows=tail_rows)
+    for field in ("data", "scale", "k_meta", "v_meta", "k_tail", "v_tail"):
+        if getattr(cache, field) is not None:
+            setattr(cache, field, getattr(cache, field).as_subclass(CudaLike))
+    return cache
+
+
 def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
     INT4 also at 16 (its generic-tile path), with and without tail rows; split-K on and off."""
-    from kernels.kv_cache import allocate_cache
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
-    from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
     def cuda(t):
@@ -95,10 +105,7 @@ def variants():
              ("int4", 16, False), ("int4", 16, True)]
     for fmt, d, tails in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
-        cache = allocate_cache(KVFormat(fmt), lay, 8, "cpu", tail_rows=4 if tails else 0)
-        for field in ("data", "scale", "k_meta", "v_meta", "k_tail", "v_tail"):
-            if getattr(cache, field) is not None:
-                setattr(cache, field, cuda(getattr(cache, field)))
+        cache = cuda_cache(fmt, lay, tail_rows=4 if tails else 0)
         kv = cuda(torch.randn(5, 2, d).to(torch.bfloat16))
         slots = cuda(torch.arange(5))
         tail_slots = cuda(torch.arange(5)) if tails else None

@@ -98,18 +98,13 @@ def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90
     import triton
 
     from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
-    from compile_kernels import CudaLike
-    from kernels.kv_cache import allocate_cache
+    from compile_kernels import CudaLike, cuda_cache
     from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention
-    from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
     tile, warps, stages = launch or CUDA_LAUNCH[fmt]
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
-    cache = allocate_cache(KVFormat(fmt), lay, 8, "cpu")
-    for field in ("data", "scale", "k_meta", "v_meta"):
-        if getattr(cache, field) is not None:
-            setattr(cache, field, getattr(cache, field).as_subclass(CudaLike))
+    cache = cuda_cache(fmt, lay)
     q = torch.randn(2, HQ, D).to(torch.bfloat16).as_subclass(CudaLike)
     tables = torch.zeros(2, 4, dtype=torch.int32).as_subclass(CudaLike)
     lens = torch.tensor([40, 5], dtype=torch.int32).as_subclass(CudaLike)
@@ -129,8 +124,8 @@ def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90
     ops = collections.Counter(loop)
     per_pipe = collections.Counter({"issue": len(loop)})
     for op, n in ops.items():
-        if pipe_of(op):
-            per_pipe[pipe_of(op)] += n
+        if (pipe := pipe_of(op)) is not None:
+            per_pipe[pipe] += n
     bytes_per_iter = read_bytes_per_token(fmt, lay) / HKV * tile
     # % of peak each pipe allows: bytes per iteration over its clocks per iteration (warps x count / rate)
     bound = {p: 100 * bytes_per_iter / (n * warps / PIPE_RATE[p]) / PEAK_BYTES_PER_CLOCK for p, n in per_pipe.items()}
