@@ -106,6 +106,24 @@ def test_a_short_prompt_is_handed_off_before_a_long_one_prefilled_with_it(nats_s
     share (the engine thread, kvpool)."""
     model = "order"
     engine = _engine(tmp_path, enable_prefix_caching=False)
+    # NOTE: the order under test is within one step, so the engine idles until both are in (on a
+    # loaded machine the short one's admission could otherwise miss the long one's step)
+    added: set[str] = set()
+    step, add_request = engine.step, engine.add_request
+    deadline = time.monotonic() + 60
+
+    def add_and_note(rid, *args, **kwargs):
+        out = add_request(rid, *args, **kwargs)
+        added.add(rid)
+        return out
+
+    def step_once_both_are_in():
+        if len(added) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            return []
+        return step()
+
+    engine.step, engine.add_request = step_once_both_are_in, add_and_note
     kvpool = subprocess.Popen(
         [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes",
          str(kv_block_bytes(engine.layout, "model")), "--capacity-blocks", "64", "--log-level", "WARNING"],
@@ -118,7 +136,7 @@ def test_a_short_prompt_is_handed_off_before_a_long_one_prefilled_with_it(nats_s
         js = nc.jetstream()
         await ensure_streams(js, models=(model,))
         handoffs = await js.pull_subscribe_bind(await ensure_decode_consumer(js, model), stream=subjects.DECODE_STREAM)
-        # long first: both wait in the lane before the worker starts, so one step prefills them
+        # long first: both wait in the lane before the worker starts
         await _submit(js, model, "long", [3 + i % 1500 for i in range(600)], 4)
         await _submit(js, model, "short", list(range(3, 11)), 4)
         msgs = []
