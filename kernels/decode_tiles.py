@@ -11,10 +11,13 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   classes ``c % 4``, one word byte each: four dots of ``D/4`` channels replace one of ``D`` (a dot
   sums over channels in any order), so no byte is gathered on its own. Compiled for sm_90 this
   halves the registers and cuts the loop's instructions by a third (``scripts/kernel_cost.py``).
-- INT4 full blocks load the packed bytes as ``[.., D/2]`` tiles (even channel in the low nibble,
-  ``tl.interleave`` restores channel order), the per-channel key ranges once per block and the
-  per-token value pairs once per group. The partial tail block takes the generic
-  ``kv_tile.load_kv_tile`` path, once per sequence.
+- INT4 full blocks go by channel parity the same way: the packed bytes hold channel 2j in the low
+  nibble and 2j + 1 in the high one, so ``[TILE, D/2]`` byte tiles feed two dots of ``D/2``
+  channels (even, odd) and nothing is interleaved. Each block's per-channel key ranges are worked
+  out once per channel (``compact``) and broadcast over the block's tokens, each token's value
+  (scale, min) pairs over its group. On CUDA an inline-PTX twin of ``nibble_codes`` turns four
+  bytes into two fp16 pairs of each nibble in ten instructions. The partial tail block takes the
+  generic ``kv_tile.load_kv_tile`` path, once per sequence.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
 """
@@ -62,6 +65,42 @@ def _s8_pair_ptx(byte: int) -> tl.constexpr:
 
 
 S8_PAIR_0, S8_PAIR_1, S8_PAIR_2, S8_PAIR_3 = (_s8_pair_ptx(b) for b in range(4))
+
+
+# Four bytes ($4) -> their low nibbles ($0, $1) and high nibbles ($2, $3) as two fp16 pairs each: prmt
+# spreads bytes 0, 1 (then 2, 3) into the two halves of a word, lop3 keeps one nibble and sets 0x64
+# above it: the fp16 1024 + n for a low nibble, 1024 + 16 n for a high one, which sub.f16x2 and
+# fma.rn.f16x2 (x / 16 - 64) turn into n exactly.
+U4_QUAD = tl.constexpr(
+    "{ .reg .b32 a, b, c, z, s, m; mov.b32 c, 0x64006400; mov.b32 z, 0; mov.b32 s, 0x2c002c00; "
+    "mov.b32 m, 0xd400d400; prmt.b32 a, $4, z, 0x4140; prmt.b32 b, $4, z, 0x4342; "
+    "lop3.b32 $0, a, 0x000f000f, c, 0xea; lop3.b32 $1, b, 0x000f000f, c, 0xea; "
+    "lop3.b32 $2, a, 0x00f000f0, c, 0xea; lop3.b32 $3, b, 0x00f000f0, c, 0xea; "
+    "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; fma.rn.f16x2 $2, $2, s, m; fma.rn.f16x2 $3, $3, s, m; }"
+)
+
+
+@triton.jit
+def nibble_codes(x, ASM: tl.constexpr):
+    """Bytes (uint8) -> their ``(low, high)`` nibbles as fp16, without a conversion. With ASM (CUDA
+    only) four bytes make two fp16 pairs of each in ten instructions."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(U4_QUAD, "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
+    else:
+        lo = codes_f16(x & 15)
+        hi = codes_f16(x >> 4)
+    return lo, hi
+
+
+@triton.jit
+def compact(x):
+    """``x`` (2-D), unchanged. NOTE: a layout hint for Triton, which otherwise computes what feeds a
+    ``tl.dot`` operand in that operand's layout, where a value broadcast over the tile's tokens is
+    computed once per copy: behind a reduction it is computed once per element and then moved
+    through shared memory (for INT4 key ranges, about a third of the loop's instructions:
+    scripts/kernel_cost.py)."""
+    return tl.sum(tl.join(x, tl.zeros_like(x)), axis=2)
 
 
 @triton.jit
@@ -163,51 +202,70 @@ def int8_tile(
 
 
 @triton.jit
-def int4_full_tile(
-    data_ptr,  # uint8 [2, N, BS, H, D/2]
-    kmeta_ptr,  # int16 [N, H, KS]: per-channel codes, then lo, hi (fp16 bits)
-    vmeta_ptr,  # int16 view of fp16 [N, BS, H, D/GV, 2]: (scale, min) per token and group
-    table_ptr,  # [M] int32: this sequence's block table
-    s0,  # first position of the tile, a multiple of BS
-    lim,  # positions >= lim are masked; a multiple of BS (every block below it is full)
-    h,
+def int4_halves_loop(
+    q_ptr, s_qh, heads, gmask,  # q_ptr: this sequence's query row; query heads [GP] and their mask
+    data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,  # end: a multiple of BS (full blocks only)
+    m_i, l_i, qk_scale,
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-    TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, DQ: tl.constexpr,
+    GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Dequantized ``(k, v)``, each ``[TILE, D]`` in DQ (fp16 on GPUs), of ``TILE / BS`` full INT4 blocks."""
+    """INT4 decode over the full blocks in ``[start, end)`` by channel parity (module docstring);
+    returns ``(m_i, l_i, acc [GP, D])``. ``k_meta`` is word-aligned (``paged_decode.int4_halves``)."""
     NB: tl.constexpr = TILE // BS
     NG: tl.constexpr = D // GV
-    # keys, as [NB, BS, D] so each block's per-channel range broadcasts over its tokens
-    bi = s0 // BS + tl.arange(0, NB)
-    bval = bi * BS < lim
-    blk = tl.load(table_ptr + bi, mask=bval, other=0).to(tl.int64)  # [NB]
-    off = tl.arange(0, BS)
-    krow = blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh  # [NB, BS]
     j = tl.arange(0, D // 2)
-    kp = tl.load(data_ptr + krow[:, :, None] + j[None, None, :], mask=bval[:, None, None], other=0).to(tl.int16)
-    kq = tl.interleave(codes_f16(kp & 15), codes_f16((kp >> 4) & 15)).to(DQ)  # [NB, BS, D]
-    kb = blk * s_kmn + h * s_kmh
-    code = tl.load(kmeta_ptr + kb[:, None] + tl.arange(0, D)[None, :], mask=bval[:, None], other=0).to(tl.int32)
-    code = code & 0xFFFF
-    lo = tl.load(kmeta_ptr + kb + D, mask=bval, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = tl.load(kmeta_ptr + kb + D + 1, mask=bval, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    step = ((hi - lo) / 255.0)[:, None]
-    m = (code & 255).to(tl.float32)
-    cmin = lo[:, None] + m * step  # [NB, D]
-    cscale = (((code >> 8) & 255).to(tl.float32) - m) * step / 15.0
-    k = tl.reshape(cmin.to(DQ)[:, None, :] + kq * cscale.to(DQ)[:, None, :], [TILE, D])
-    # values, as [TILE, NG, GV] so each token's (scale, min) pair broadcasts over its group
-    pos = s0 + tl.arange(0, TILE)
-    pval = pos < lim
-    blkt = tl.load(table_ptr + pos // BS, mask=pval, other=0).to(tl.int64)
-    offt = pos % BS
-    g = tl.arange(0, NG)
-    vrow = (blkt * s_dn + offt * s_db + h * s_dh)[:, None, None] + (g * (GV // 2))[None, :, None]
-    jg = tl.arange(0, GV // 2)
-    vp = tl.load(data_ptr + s_dc + vrow + jg[None, None, :], mask=pval[:, None, None], other=0).to(tl.int16)
-    vq = tl.interleave(codes_f16(vp & 15), codes_f16((vp >> 4) & 15)).to(DQ)  # [TILE, NG, GV]
-    vm = (blkt * s_vmn + offt * s_vmb + h * s_vmh)[:, None] + g[None, :] * 2  # [TILE, NG]
-    vsc = tl.load(vmeta_ptr + vm, mask=pval[:, None], other=0).to(tl.float16, bitcast=True).to(DQ)
-    vmn = tl.load(vmeta_ptr + vm + 1, mask=pval[:, None], other=0).to(tl.float16, bitcast=True).to(DQ)
-    v = tl.reshape(vmn[:, :, None] + vq * vsc[:, :, None], [TILE, D])
-    return k, v
+    qrow = q_ptr + heads[:, None] * s_qh + 2 * j[None, :]
+    qe = tl.load(qrow, mask=gmask[:, None], other=0.0).to(DOT)
+    qo = tl.load(qrow + 1, mask=gmask[:, None], other=0.0).to(DOT)
+    ae = tl.zeros([GP, D // 2], tl.float32)
+    ao = tl.zeros([GP, D // 2], tl.float32)
+    kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
+    for s in range(start, end, TILE):
+        # keys, as [NB, BS, D/2] so each block's per-channel ranges broadcast over its tokens
+        bi = s // BS + tl.arange(0, NB)
+        bval = bi * BS < end
+        blk = tl.load(table + bi, mask=bval, other=0).to(tl.int64)  # [NB]
+        off = tl.arange(0, BS)
+        krow = blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh  # [NB, BS]
+        kp = tl.load(data_ptr + krow[:, :, None] + j[None, None, :], mask=bval[:, None, None], other=0)
+        klo, khi = nibble_codes(kp, ASM)
+        kb = blk * s_kmn + h * s_kmh
+        # the range codes of channels 2j and 2j + 1 are one 32-bit word
+        kw = tl.load(kwords + (kb // 2)[:, None] + j[None, :], mask=bval[:, None], other=0)  # [NB, D/2]
+        lo = tl.load(kmeta_ptr + kb + D, mask=bval, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = tl.load(kmeta_ptr + kb + D + 1, mask=bval, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        step = ((hi - lo) / 255.0)[:, None]
+        me = (kw & 255).to(tl.float32)
+        mo = ((kw >> 16) & 255).to(tl.float32)
+        cmin_e = compact((lo[:, None] + me * step).to(DQ))
+        cmin_o = compact((lo[:, None] + mo * step).to(DQ))
+        csc_e = compact(((((kw >> 8) & 255).to(tl.float32) - me) * step / 15.0).to(DQ))
+        csc_o = compact(((((kw >> 24) & 255).to(tl.float32) - mo) * step / 15.0).to(DQ))
+        ke = tl.reshape(cmin_e[:, None, :] + klo.to(DQ) * csc_e[:, None, :], [TILE, D // 2])
+        ko = tl.reshape(cmin_o[:, None, :] + khi.to(DQ) * csc_o[:, None, :], [TILE, D // 2])
+        scores = tl.dot(qe, tl.trans(ke.to(DOT)), input_precision=PREC)
+        scores = tl.dot(qo, tl.trans(ko.to(DOT)), scores, input_precision=PREC)
+        t = tl.arange(0, TILE)
+        valid = s + t < end
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
+        p = p.to(DOT)
+        # values, as [TILE, NG, GV/2] so each token's (scale, min) pair broadcasts over its group
+        blkt = tl.load(table + s // BS + t // BS, mask=valid, other=0).to(tl.int64)
+        offt = t % BS
+        g = tl.arange(0, NG)
+        jg = tl.arange(0, GV // 2)
+        vrow = (blkt * s_dn + offt * s_db + h * s_dh)[:, None, None] + (g * (GV // 2))[None, :, None]
+        vp = tl.load(data_ptr + s_dc + vrow + jg[None, None, :], mask=valid[:, None, None], other=0)
+        vlo, vhi = nibble_codes(vp, ASM)
+        vm = (blkt * s_vmn + offt * s_vmb + h * s_vmh)[:, None] + g[None, :] * 2  # [TILE, NG]
+        vsc = tl.load(vmeta_ptr + vm, mask=valid[:, None], other=0).to(tl.float16, bitcast=True).to(DQ)[:, :, None]
+        vmn = tl.load(vmeta_ptr + vm + 1, mask=valid[:, None], other=0).to(tl.float16, bitcast=True).to(DQ)[:, :, None]
+        ve = tl.reshape(vmn + vlo.to(DQ) * vsc, [TILE, D // 2])
+        vo = tl.reshape(vmn + vhi.to(DQ) * vsc, [TILE, D // 2])
+        ae = ae * alpha[:, None] + tl.dot(p, ve.to(DOT), input_precision=PREC)
+        ao = ao * alpha[:, None] + tl.dot(p, vo.to(DOT), input_precision=PREC)
+        m_i = m_new
+    # channel 2j + r is parity r's column j
+    return m_i, l_i, tl.reshape(tl.join(ae, ao), [GP, D])

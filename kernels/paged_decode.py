@@ -14,17 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import attend_tile, int4_full_tile, int8_tile, int8_words_loop
+from kernels.decode_tiles import attend_tile, int4_halves_loop, int8_tile, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
 LOG2E = 1.4426950408889634
 # NOTE: LLMBUS_TRITON_ASM=0 swaps the inline-PTX code conversions for their plain Triton twins.
 ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
-# (tile, num_warps, num_stages) on CUDA. model and int4: the best of scripts/bench_gpu.py --sweep on
-# an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128 channels, 16-token blocks). int8:
-# chosen by scripts/kernel_cost.py for its word-wise loop (not yet measured on a GPU).
-CUDA_LAUNCH = {"model": (64, 4, 3), "int8": (64, 4, 3), "int4": (64, 4, 3)}
+# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. model and int4's
+# (64, 4, 3): the best of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192
+# tokens, 8 KV heads of 128 channels, 16-token blocks), int4's before its parity loop. int8's, and
+# int4's register cap: chosen by scripts/kernel_cost.py, not yet measured on a GPU. The cap (for the
+# parity loop only: register_cap) doubles the warps an SM holds (8 -> 16) for about the same loop
+# (+2% instructions under Triton 3.6, -2% under 3.9), with no spill stores in it.
+CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 4, 3, 0), "int4": (64, 4, 3, 128)}
 
 
 @triton.jit
@@ -44,6 +47,7 @@ def paged_decode_kernel(
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
     WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
+    HALVES: tl.constexpr,  # INT4 full blocks by channel parity (decode_tiles.int4_halves_loop)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,21 +96,25 @@ def paged_decode_kernel(
         # lies in exactly one split, which handles it after its full blocks.
         full_end = (seq_len // BS) * BS
         lim = tl.minimum(end, full_end)
-        for s in range(start, lim, TILE):
-            pos = s + tl.arange(0, TILE)
-            if D >= 32:
-                k, v = int4_full_tile(data_ptr, kmeta_ptr, vmeta_ptr, table, s, lim, h,
-                                      s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, TILE, D, BS, GV, DQ)
-            else:
-                # NOTE: below 32 channels the packed [.., D/2] tiles are narrower than 16 and
-                # int4_full_tile gave wrong results natively on the H200 (triton 3.6; right under the
-                # interpreter); the generic load (the prefill kernel's, right natively at D=16) serves.
+        if HALVES:
+            m_i, l_i, acc = int4_halves_loop(
+                q_ptr + b.to(tl.int64) * s_qb, s_qh, heads, gmask, data_ptr, kmeta_ptr, vmeta_ptr, table, h, start,
+                lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                GP, TILE, D, BS, GV, DOT, PREC, DQ, ASM,
+            )
+        else:
+            # NOTE: below 32 channels (or with unaligned k_meta) the generic load serves: parity tiles
+            # would be narrower than a dot takes (16), and packed [.., D/2] tiles that narrow gave
+            # wrong results natively on the H200 (triton 3.6; right under the interpreter), where
+            # the generic load (the prefill kernel's) is right at D=16.
+            for s in range(start, lim, TILE):
+                pos = s + tl.arange(0, TILE)
                 k, v = load_kv_tile(
                     data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
                     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
                     tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
                 )
-            m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+                m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
         if (full_end < end) & (full_end >= start):
             pos = full_end + tl.arange(0, TAIL)
             k, v = load_kv_tile(
@@ -135,6 +143,24 @@ def int8_words(cache) -> bool:
             and all(st % 4 == 0 for st in data.stride()[:4]))
 
 
+def int4_halves(cache) -> bool:
+    """Whether INT4 decode reads full blocks by channel parity: from 32 channels (each parity's dots
+    need 16), with ``k_meta`` word-aligned (two channels' range codes are read as one word)."""
+    km = cache.k_meta
+    return (cache.fmt.name == "int4" and cache.layout.head_dim >= 32 and km.data_ptr() % 4 == 0
+            and all(st % 2 == 0 for st in km.stride()[:2]))
+
+
+def register_cap(cache, max_registers: int | None = None) -> int:
+    """The CUDA launch's registers per thread (0: no cap): ``max_registers``, else the format's
+    default where its fast loop runs. INT4's cap is for its parity loop: on the generic one (head_dim
+    16) it raised the registers used, from 72 to 114."""
+    if max_registers is not None:
+        return max_registers
+    fast = cache.fmt.name != "int4" or int4_halves(cache)
+    return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device) -> int:
     """Enough splits that ``batch * kv_heads * splits`` fills the device about twice over."""
     chunks = max(1, -(-max_len // tile))
@@ -156,12 +182,14 @@ def paged_decode_attention(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
     tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
     from the device size; ``max_seq_len`` (else read from ``seq_lens``) bounds the split length.
-    ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps`` and ``num_stages``
-    override the per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere)."""
+    ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps``, ``num_stages`` and
+    ``max_registers`` (per thread, 0: no cap) override the per-format launch defaults (``CUDA_LAUNCH``
+    on CUDA, one block elsewhere)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -179,7 +207,7 @@ def paged_decode_attention(
     if b == 0:
         return out.to(out_dtype)
     bs = cache.layout.block_size
-    cuda_tile, cuda_warps, cuda_stages = CUDA_LAUNCH[cache.fmt.name]
+    cuda_tile, cuda_warps, cuda_stages, _ = CUDA_LAUNCH[cache.fmt.name]
     if query.is_cuda:
         num_warps, num_stages = num_warps or cuda_warps, num_stages or cuda_stages
     tile = tile or max(bs, cuda_tile if query.is_cuda else bs)
@@ -194,12 +222,14 @@ def paged_decode_attention(
     split_len = -(-max(1, -(-max_len // splits)) // tile) * tile
     grp = hq // hkv
     meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
-                **dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), ASM=query.is_cuda and ASM, **consts)
+                **dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), HALVES=int4_halves(cache), ASM=query.is_cuda and ASM, **consts)
     if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
         # NOTE: quantized codes become fp16 exactly (decode_tiles.codes_f16), so the dots run in
         # fp16 whatever the model dtype: no per-element conversion to bf16.
         meta.update(DOT=tl.float16, DQ=tl.float16)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
+    if query.is_cuda and (regs := register_cap(cache, max_registers)):
+        meta["maxnreg"] = regs
     if splits == 1:
         paged_decode_kernel[(b, hkv, 1)](
             query, out, out, *ptrs, block_tables, seq_lens, scale, split_len,

@@ -45,11 +45,12 @@ def peak_for(name: str) -> float | None:
     return None
 
 
-# (tile, num_warps, num_stages) tried by --sweep; the first of each is the launch default
+# (tile, num_warps, num_stages, max registers per thread, 0: no cap) tried by --sweep; the first of
+# each is the launch default (kernels.paged_decode.CUDA_LAUNCH)
 SWEEP = {
-    "model": [(64, 4, 3)],
-    "int8": [(64, 4, 3), (32, 4, 4), (64, 2, 3), (32, 2, 4), (128, 4, 3), (128, 8, 4)],
-    "int4": [(64, 4, 3), (32, 4, 3), (64, 8, 3), (32, 4, 4), (64, 4, 4), (128, 8, 3)],
+    "model": [(64, 4, 3, 0)],
+    "int8": [(64, 4, 3, 0), (32, 4, 4, 0), (64, 2, 3, 0), (32, 2, 4, 0), (128, 4, 3, 0), (128, 8, 4, 0)],
+    "int4": [(64, 4, 3, 128), (64, 4, 3, 0), (64, 4, 2, 128), (128, 4, 3, 128), (32, 4, 3, 128), (128, 8, 2, 0)],
 }
 
 
@@ -113,7 +114,8 @@ def check_kernels() -> list[dict]:
         _measure(rows, "write_kv", fmt, {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt], write_err)
         q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
-        launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st)) for t, w, st in SWEEP[fmt][1:]]
+        launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
+                                   for t, w, st, r in SWEEP[fmt][1:]]
         for splits, launch in launches + [(1, {})]:
             name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
@@ -177,9 +179,9 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         # NOTE: the default launch once more with the plain-Triton code conversions, for comparison
         # (unless LLMBUS_TRITON_ASM=0 asked for them throughout)
         default_asm = paged_decode.ASM
-        extra = [(launches[0], False)] if fmt == "int8" and default_asm else []
-        for (tile, warps, stages), asm in [(lc, default_asm) for lc in launches] + extra:
-            launch = dict(tile=tile, num_warps=warps, num_stages=stages)
+        extra = [(launches[0], False)] if fmt != "model" and default_asm else []
+        for (tile, warps, stages, regs), asm in [(lc, default_asm) for lc in launches] + extra:
+            launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs)
             paged_decode.ASM = asm
             try:
                 ms = _time_decode(cache, perm, batch, context, launch)
@@ -188,7 +190,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
             gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
             rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, asm=asm, ms=ms, gbps=gbps,
                              pct_peak=(100 * gbps / peak) if peak else None))
-            print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages}{'' if asm else ' no-asm'} "
+            print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}{'' if asm else ' no-asm'} "
                   f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = (launch, gbps)

@@ -9,9 +9,9 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
         tests/test_kernels_write_kv.py tests/test_kernels_backends.py 2>&1 | tail -5 | tee "$OUT/kernel-tests.txt"
-    timeout 150 python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 | tail -60 | tee "$OUT/gpu-kernels.txt"
+    timeout 180 python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 | tail -60 | tee "$OUT/gpu-kernels.txt"
     timeout 200 python3 scripts/bench_gpu_engine.py --batches 1,32,128 --out "$OUT/gpu-engine.json" 2>&1 | tail -25 | tee "$OUT/gpu-engine.txt"
 fi
 # TRAINED_EVAL=1 runs this instead of the checks above (a device call of its own, up to ~10

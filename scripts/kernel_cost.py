@@ -12,8 +12,10 @@ It is a bound from the instruction mix alone, not a measurement: memory latency,
 stalls come on top. On the H200 (2026-11-29, Triton 3.6) the measured bandwidth was 0.54 of this
 bound for INT8 and 0.38 for INT4; the model dtype, far above its bound's 100%, measured 92%. Use it
 to compare formulations of a kernel between GPU sessions, and confirm on a GPU (``bench_gpu.py``).
+``spills`` is the stack frame's bytes (where ptxas puts registers that do not fit a cap); the
+loop's own ``LDL``/``STL`` count in ``ops``.
 
-    python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES] [--ops] [--json F]
+    python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES[,MAXREGS]] [--ops] [--json F]
 """
 
 from __future__ import annotations
@@ -92,17 +94,18 @@ def _compile_only(arch: int) -> list:
     return compile_only(arch)
 
 
-def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90) -> dict:
+def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90) -> dict:
     """Compile one decode launch and cost its main loop (see the module docstring)."""
     import torch
     import triton
 
     from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
     from compile_kernels import CudaLike, cuda_cache
-    from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention
+    from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention, register_cap
     from llmbus.kv.layout import KVLayout
 
-    tile, warps, stages = launch or CUDA_LAUNCH[fmt]
+    tile, warps, stages = (launch or CUDA_LAUNCH[fmt])[:3]
+    regs_cap = launch[3] if launch and len(launch) > 3 else None  # None: the wrapper's default
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     cache = cuda_cache(fmt, lay)
     q = torch.randn(2, HQ, D).to(torch.bfloat16).as_subclass(CudaLike)
@@ -110,7 +113,8 @@ def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90
     lens = torch.tensor([40, 5], dtype=torch.int32).as_subclass(CudaLike)
     compiled = _compile_only(arch)
     compiled.clear()
-    paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps, num_stages=stages)
+    paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps, num_stages=stages,
+                           max_registers=regs_cap)
     kernel = compiled[0][1]
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -119,7 +123,7 @@ def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90
         sass = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
-    regs, spills = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    regs, spills = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     loop = main_loop(sass)
     ops = collections.Counter(loop)
     per_pipe = collections.Counter({"issue": len(loop)})
@@ -130,7 +134,8 @@ def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90
     # % of peak each pipe allows: bytes per iteration over its clocks per iteration (warps x count / rate)
     bound = {p: 100 * bytes_per_iter / (n * warps / PIPE_RATE[p]) / PEAK_BYTES_PER_CLOCK for p, n in per_pipe.items()}
     binding = min(bound, key=bound.get)
-    return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages, regs=regs,
+    return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages,
+                max_registers=register_cap(cache, regs_cap), regs=regs,
                 spills=spills, smem=kernel.metadata.shared, warps_per_sm=occupancy(regs, warps, kernel.metadata.shared),
                 loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter,
                 instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,
@@ -140,19 +145,20 @@ def analyse(fmt: str, launch: tuple[int, int, int] | None = None, arch: int = 90
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="model,int8,int4")
-    ap.add_argument("--launch", default=None, help="TILE,WARPS,STAGES (default: the CUDA launch defaults)")
+    ap.add_argument("--launch", default=None, help="TILE,WARPS,STAGES[,MAXREGS] (default: the CUDA launch defaults; MAXREGS 0: no cap)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--ops", action="store_true", help="also print the loop's opcode counts")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else None
     rows = []
-    print("| KV format | tile, warps, stages | regs | warps/SM | loop instr | warp instr / KV byte | bound (% of H200 peak) | binding pipe |")
+    print("| KV format | tile, warps, stages, reg cap | regs | warps/SM | loop instr | warp instr / KV byte | bound (% of H200 peak) | binding pipe |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
         r = analyse(fmt, launch, args.arch)
         rows.append(r)
-        print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']} | {r['regs']} | {r['warps_per_sm']} | "
+        spilled = f" ({r['spills']} B spilled)" if r["spills"] else ""
+        print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']}, {r['max_registers'] or '-'} | {r['regs']}{spilled} | {r['warps_per_sm']} | "
               f"{r['loop_instructions']} | {r['instructions_per_byte']:.3f} | {r['bound_pct'][r['binding']]:.0f}% | "
               f"{r['binding']} |", flush=True)
         if args.ops:

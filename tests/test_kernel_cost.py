@@ -40,10 +40,10 @@ def test_the_longest_loop_is_found_and_its_instructions_go_to_pipes():
     assert cost.occupancy(regs=80, warps=4, smem=13440) == 24 and cost.occupancy(regs=243, warps=4, smem=30992) == 8
 
 
-def _int8_cost(tmp_path: Path, asm: bool) -> dict:
+def _cost(tmp_path: Path, fmt: str, asm: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"LLMBUS_TRITON_ASM": "1" if asm else "0"}
-    out = tmp_path / f"int8-{asm}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--formats", "int8", "--json", str(out)], env=env,
+    out = tmp_path / f"{fmt}-{asm}.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--formats", fmt, "--json", str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (row,) = json.loads(out.read_text())
@@ -54,10 +54,27 @@ def test_int8_decode_reads_words_and_converts_pairs_in_ptx(tmp_path):
     """The INT8 loop gathers no single bytes from shared memory (it reads 32-bit words by channel
     class), and the inline-PTX pair conversion leaves fewer instructions per KV byte than its
     plain-Triton twin. Compiled for sm_90 and counted; nothing here runs on a GPU."""
-    asm, plain = _int8_cost(tmp_path, True), _int8_cost(tmp_path, False)
+    asm, plain = _cost(tmp_path, "int8", True), _cost(tmp_path, "int8", False)
     for row in (asm, plain):
         assert any(op.startswith("HMMA") for op in row["ops"])
         assert not [op for op in row["ops"] if op.startswith(("LDS.U8", "LDS.S8"))], row["ops"]
         assert row["spills"] == 0
     assert asm["instructions_per_byte"] < plain["instructions_per_byte"]
     assert asm["bound_pct"][asm["binding"]] > plain["bound_pct"][plain["binding"]]
+
+
+def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(tmp_path):
+    """The INT4 loop works out key ranges once per channel (a handful of int-to-float conversions;
+    computed in the dot operand's layout they were 128 per thread and iteration), its inline-PTX
+    nibble conversion beats the plain-Triton twin, and under the launch's register cap (16 warps an
+    SM instead of 8) the loop stores no spilled register and reloads few (under 2% of its
+    instructions: what spills lives mostly outside it)."""
+    asm, plain = _cost(tmp_path, "int4", True), _cost(tmp_path, "int4", False)
+    for row in (asm, plain):
+        assert any(op.startswith("HMMA") for op in row["ops"])
+        assert sum(n for op, n in row["ops"].items() if op.startswith(("I2F", "I2FP"))) <= 8, row["ops"]
+        assert row["max_registers"] and row["regs"] <= row["max_registers"]
+    spill_ops = {op: n for op, n in asm["ops"].items() if op.startswith(("LDL", "STL"))}
+    assert not [op for op in spill_ops if op.startswith("STL")], spill_ops
+    assert sum(spill_ops.values()) < 0.02 * asm["loop_instructions"], spill_ops
+    assert asm["instructions_per_byte"] < plain["instructions_per_byte"]

@@ -1,11 +1,13 @@
 """Triton paged decode attention vs reference.paged_decode_attention_cache (TRITON_INTERPRET=1 on CPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
-from kernels.paged_decode import int8_words, paged_decode_attention  # noqa: E402
+from kernels.paged_decode import int4_halves, int8_words, paged_decode_attention  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -84,20 +86,37 @@ def test_decode_int8_words_dtypes_and_wide_tiles(dtype):
     _check("int8", dtype, hkv=1, group=4, head_dim=128, bs=32, lens=[100, 64, 17], splits=2, tile=64)
 
 
-def test_decode_int8_words_need_a_word_aligned_cache():
-    """A cache whose bytes start off a 4-byte boundary takes the byte-wise path, with the same result."""
+def _shifted(cache, field: str) -> PagedKVCache:
+    """A copy of ``cache`` whose ``field`` tensor starts one element past a 4-byte boundary."""
+    t = getattr(cache, field)
+    raw = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    moved = raw[1:].view(t.shape)
+    moved.copy_(t)
+    return dataclasses.replace(cache, **{field: moved})
+
+
+@pytest.mark.parametrize("name,field,uses_fast_path", [("int8", "data", int8_words), ("int4", "k_meta", int4_halves)])
+def test_decode_fast_paths_need_word_aligned_caches(name, field, uses_fast_path):
+    """INT8 codes (read as words) or INT4 key metadata (two channels' range codes per word) that
+    start off a 4-byte boundary take the generic path, with the same result."""
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
-    aligned = allocate_cache(KVFormat("int8"), lay, 4, DEV)
-    tables = _fill(aligned, lay, [37], 4, seed=5)
-    raw = torch.empty(aligned.data.numel() + 1, dtype=torch.int8, device=DEV)
-    shifted = PagedKVCache(KVFormat("int8"), lay, raw[1:].view(aligned.data.shape), scale=aligned.scale)
-    shifted.data.copy_(aligned.data)
-    assert int8_words(aligned) and not int8_words(shifted)
+    aligned = allocate_cache(KVFormat(name), lay, 4, DEV)
+    tables = _fill(aligned, lay, [53], 4, seed=5)
+    shifted = _shifted(aligned, field)
+    assert uses_fast_path(aligned) and not uses_fast_path(shifted)
     q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(6)).half().to(DEV)
-    sl = torch.tensor([37], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([53], dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, aligned, tables, sl, 0.125)
     for cache in (aligned, shifted):
         torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.125), want, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 2)])
+def test_decode_int4_parity_halves_at_head_dim_128(group, splits):
+    """INT4 full blocks by channel parity at the real models' head_dim, with multi-block tiles, the
+    partial tail block after them, and empty and one-token sequences."""
+    _check("int4", "bfloat16", hkv=2, group=group, head_dim=128, bs=16, lens=[150, 48, 0, 1, 33], splits=splits,
+           seed=group, tile=64)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -138,6 +157,50 @@ def test_int8_pair_ptx_reads_the_right_bytes_and_values():
             t = _lop3(_prmt(w1, w2, sel), int(mask, 16), bias, int(lut, 16))
             pair = np.frombuffer(t.to_bytes(4, "little"), np.float16) - np.frombuffer(bias.to_bytes(4, "little"), np.float16)
             assert pair.tolist() == [float(lo_code), float(hi_code)], (byte, lo_code, hi_code)
+
+
+def _f16x2(word: int) -> list[float]:
+    import numpy as np
+
+    return np.frombuffer(word.to_bytes(4, "little"), np.float16).astype(float).tolist()
+
+
+def test_int4_quad_ptx_reads_the_right_nibbles_and_values():
+    """What the GPU-only conversion (decode_tiles.U4_QUAD) computes, instruction by instruction as the
+    PTX ISA defines them, for every byte value in every position of a word with other bytes around
+    it: outputs $0, $1 hold the low nibbles of bytes (0, 1) and (2, 3), $2, $3 their high nibbles."""
+    import re
+
+    import numpy as np
+
+    from kernels import decode_tiles
+
+    text = decode_tiles.U4_QUAD.value
+    statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
+    interpreted = ("mov.b32", "prmt.b32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2")
+    assert statements[0].startswith(".reg ") and all(x.startswith(interpreted) for x in statements[1:]), statements
+    consts = {r: int(v, 16) for r, v in re.findall(r"mov\.b32 (\w+), (0x[0-9a-f]+);", text)}
+    consts |= {r: int(v) for r, v in re.findall(r"mov\.b32 (\w+), (\d+);", text)}
+    for byte in range(256):
+        for pos in range(4):
+            word = [0x5A, 0xC3, 0x0F, 0xF0]
+            word[pos] = byte
+            regs = dict(consts, **{"$4": int.from_bytes(bytes(word), "little")})
+            for op, args in re.findall(r"(prmt\.b32|lop3\.b32|sub\.f16x2|fma\.rn\.f16x2) ([^;]+);", text):
+                d, *src = [a.strip() for a in args.split(",")]
+                val = [regs[a] if a in regs else int(a, 16) for a in src]
+                if op == "prmt.b32":
+                    regs[d] = _prmt(*val)
+                elif op == "lop3.b32":
+                    regs[d] = _lop3(*val)
+                else:  # the f16x2 arithmetic, each half rounded once to fp16 (exact here)
+                    halves = [_f16x2(v) for v in val]
+                    out = [a - b for a, b in zip(*halves)] if op == "sub.f16x2" else [
+                        a * b + c for a, b, c in zip(*halves)]
+                    regs[d] = int.from_bytes(np.array(out, np.float16).tobytes(), "little")
+            lo = _f16x2(regs["$0"]) + _f16x2(regs["$1"])
+            hi = _f16x2(regs["$2"]) + _f16x2(regs["$3"])
+            assert lo == [float(b & 15) for b in word] and hi == [float(b >> 4) for b in word], (byte, pos)
 
 
 def test_decode_bad_tile_is_a_value_error():
