@@ -95,12 +95,12 @@ def nibble_codes(x, ASM: tl.constexpr):
 
 @triton.jit
 def compact(x):
-    """``x`` (2-D), unchanged. NOTE: a layout hint for Triton, which otherwise computes what feeds a
+    """``x`` (1-D or 2-D), unchanged. NOTE: a layout hint for Triton, which otherwise computes what feeds a
     ``tl.dot`` operand in that operand's layout, where a value broadcast over the tile's tokens is
     computed once per copy: behind a reduction it is computed once per element and then moved
     through shared memory (for INT4 key ranges, about a third of the loop's instructions:
     scripts/kernel_cost.py)."""
-    return tl.sum(tl.join(x, tl.zeros_like(x)), axis=2)
+    return tl.sum(tl.join(x, tl.zeros_like(x)), axis=len(x.shape))
 
 
 @triton.jit
@@ -121,6 +121,20 @@ def word_codes(w, SHIFT: tl.constexpr, ASM: tl.constexpr):
         u = ((w >> SHIFT) & 0xFF) ^ 0x6480  # 0x64 above, the byte + 128 (mod 256) below
         x = u.to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
     return x
+
+
+@triton.jit
+def scale_at(scale_ptr, idx, valid):
+    """``scale_ptr[idx]`` as fp32 (0 where not ``valid``). NOTE: an fp16 scale comes out of the
+    32-bit word that holds it and a neighbour (the scales must be word-aligned): Triton pipelines no
+    load narrower than 4 bytes (cp.async), and a 16-bit one left in the loop waits out global
+    memory's latency every iteration."""
+    if scale_ptr.dtype.element_ty == tl.float16:
+        w = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + (idx >> 1), mask=valid, other=0)
+        x = (w >> ((idx & 1).to(tl.int32) << 4)).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        x = tl.load(scale_ptr + idx, mask=valid, other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -157,8 +171,8 @@ def int8_words_loop(
         kw = tl.load(words + wrow, mask=valid[:, None], other=0)
         vw = tl.load(words + s_dc // 4 + wrow, mask=valid[:, None], other=0)
         srow = blk * s_sn + off * s_sb + h * s_sh
-        ks = tl.load(scale_ptr + srow, mask=valid, other=0.0).to(tl.float32)
-        vs = tl.load(scale_ptr + s_sc + srow, mask=valid, other=0.0).to(tl.float32)
+        ks = compact(scale_at(scale_ptr, srow, valid))
+        vs = compact(scale_at(scale_ptr, s_sc + srow, valid))
         scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM).to(DOT)), input_precision=PREC)
         scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM).to(DOT)), scores, input_precision=PREC)
         scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
@@ -221,6 +235,7 @@ def int4_halves_loop(
     ae = tl.zeros([GP, D // 2], tl.float32)
     ao = tl.zeros([GP, D // 2], tl.float32)
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
+    vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
     for s in range(start, end, TILE):
         # keys, as [NB, BS, D/2] so each block's per-channel ranges broadcast over its tokens
         bi = s // BS + tl.arange(0, NB)
@@ -233,8 +248,11 @@ def int4_halves_loop(
         kb = blk * s_kmn + h * s_kmh
         # the range codes of channels 2j and 2j + 1 are one 32-bit word
         kw = tl.load(kwords + (kb // 2)[:, None] + j[None, :], mask=bval[:, None], other=0)  # [NB, D/2]
-        lo = tl.load(kmeta_ptr + kb + D, mask=bval, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = tl.load(kmeta_ptr + kb + D + 1, mask=bval, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        # NOTE: metadata goes in 32-bit words throughout: Triton pipelines no load narrower than 4
+        # bytes (cp.async), and a 16-bit one left in the loop waits out global memory's latency
+        lohi = tl.load(kwords + kb // 2 + D // 2, mask=bval, other=0)  # (lo, hi)
+        lo = (lohi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (lohi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         step = ((hi - lo) / 255.0)[:, None]
         me = (kw & 255).to(tl.float32)
         mo = ((kw >> 16) & 255).to(tl.float32)
@@ -259,9 +277,10 @@ def int4_halves_loop(
         vrow = (blkt * s_dn + offt * s_db + h * s_dh)[:, None, None] + (g * (GV // 2))[None, :, None]
         vp = tl.load(data_ptr + s_dc + vrow + jg[None, None, :], mask=valid[:, None, None], other=0)
         vlo, vhi = nibble_codes(vp, ASM)
-        vm = (blkt * s_vmn + offt * s_vmb + h * s_vmh)[:, None] + g[None, :] * 2  # [TILE, NG]
-        vsc = tl.load(vmeta_ptr + vm, mask=valid[:, None], other=0).to(tl.float16, bitcast=True).to(DQ)[:, :, None]
-        vmn = tl.load(vmeta_ptr + vm + 1, mask=valid[:, None], other=0).to(tl.float16, bitcast=True).to(DQ)[:, :, None]
+        vm = ((blkt * s_vmn + offt * s_vmb + h * s_vmh) // 2)[:, None] + g[None, :]  # [TILE, NG]
+        vw = tl.load(vwords + vm, mask=valid[:, None], other=0)  # (scale, min)
+        vsc = compact((vw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
+        vmn = compact((vw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
         ve = tl.reshape(vmn + vlo.to(DQ) * vsc, [TILE, D // 2])
         vo = tl.reshape(vmn + vhi.to(DQ) * vsc, [TILE, D // 2])
         ae = ae * alpha[:, None] + tl.dot(p, ve.to(DOT), input_precision=PREC)

@@ -137,18 +137,22 @@ def paged_decode_kernel(
 
 def int8_words(cache) -> bool:
     """Whether INT8 decode reads the cache as 32-bit words: from 64 channels (each class's dots
-    need 16), on a word-aligned cache."""
-    data = cache.data
+    need 16), on a word-aligned cache whose fp16 scales are word-aligned and contiguous too (they
+    are read in pairs: decode_tiles.scale_at)."""
+    data, scale = cache.data, cache.scale
     return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and data.data_ptr() % 4 == 0
-            and all(st % 4 == 0 for st in data.stride()[:4]))
+            and all(st % 4 == 0 for st in data.stride()[:4])
+            and (scale.dtype != torch.float16 or (scale.data_ptr() % 4 == 0 and scale.is_contiguous())))
 
 
 def int4_halves(cache) -> bool:
     """Whether INT4 decode reads full blocks by channel parity: from 32 channels (each parity's dots
-    need 16), with ``k_meta`` word-aligned (two channels' range codes are read as one word)."""
-    km = cache.k_meta
-    return (cache.fmt.name == "int4" and cache.layout.head_dim >= 32 and km.data_ptr() % 4 == 0
-            and all(st % 2 == 0 for st in km.stride()[:2]))
+    need 16), with ``k_meta`` and ``v_meta`` word-aligned (their 16-bit fields are read in pairs)."""
+    if cache.fmt.name != "int4" or cache.layout.head_dim < 32:
+        return False
+    km, vm = cache.k_meta, cache.v_meta.view(torch.int16)
+    return (km.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in km.stride()[:2])
+            and vm.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in vm.stride()[:4]) and vm.stride(4) == 1)
 
 
 def register_cap(cache, max_registers: int | None = None) -> int:

@@ -32,10 +32,10 @@ def _fill(cache, lay, lens, num_blocks, seed):
     return tables.to(DEV)
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None):
+def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16"):
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
-    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV)
+    cache = allocate_cache(KVFormat(name, scale_dtype=scale_dtype), lay, nblocks, DEV)
     tables = _fill(cache, lay, lens, nblocks, seed)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(DEV, cache.model_dtype)
@@ -86,6 +86,13 @@ def test_decode_int8_words_dtypes_and_wide_tiles(dtype):
     _check("int8", dtype, hkv=1, group=4, head_dim=128, bs=32, lens=[100, 64, 17], splits=2, tile=64)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_int8_fp32_scales(head_dim):
+    """INT8 with fp32 scales, byte-wise (32 channels) and word-wise (64): scales load as they are."""
+    _check("int8", "bfloat16", hkv=2, group=4, head_dim=head_dim, bs=16, lens=[70, 1, 33], splits=2, seed=9,
+           scale_dtype="float32")
+
+
 def _shifted(cache, field: str) -> PagedKVCache:
     """A copy of ``cache`` whose ``field`` tensor starts one element past a 4-byte boundary."""
     t = getattr(cache, field)
@@ -95,9 +102,10 @@ def _shifted(cache, field: str) -> PagedKVCache:
     return dataclasses.replace(cache, **{field: moved})
 
 
-@pytest.mark.parametrize("name,field,uses_fast_path", [("int8", "data", int8_words), ("int4", "k_meta", int4_halves)])
+@pytest.mark.parametrize("name,field,uses_fast_path", [("int8", "data", int8_words), ("int8", "scale", int8_words),
+                                                       ("int4", "k_meta", int4_halves), ("int4", "v_meta", int4_halves)])
 def test_decode_fast_paths_need_word_aligned_caches(name, field, uses_fast_path):
-    """INT8 codes (read as words) or INT4 key metadata (two channels' range codes per word) that
+    """INT8 codes (read as words) or 16-bit metadata (INT8 scales, INT4 ranges: read in pairs) that
     start off a 4-byte boundary take the generic path, with the same result."""
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
     aligned = allocate_cache(KVFormat(name), lay, 4, DEV)
