@@ -62,9 +62,9 @@ class TorchPagedAttentionBackend(_PagedBackend):
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     """The CPU engine's backend for int8/int4 caches, decodes through the fused C kernel
-    (``kernels.cpu_native``): int8 dequantized inside it; int4 dequantized first for the blocks its
-    batch reads (``reference.dequantized_context`` with the C pass ``dequantize_int4_blocks``), then
-    attended in fp32. Either replaces the
+    (``kernels.cpu_native``): int8 and int4 dequantized inside it (int4, where the kernel does not
+    take the query's dtype, dequantized first for the blocks its batch reads with the C pass
+    ``dequantize_int4_blocks``, then attended in fp32). Either replaces the
     reference's padded, head-repeated einsums (a large-demo-model step at batch 32 spent ~400 ms
     there). Prefill chunks, and machines where the kernel did not build, use the references."""
 
@@ -79,6 +79,11 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if cache.fmt.name == "int8" and q.dtype in (torch.float32, torch.bfloat16):
             # NOTE: int8 dequantizes inside the kernel, reading half the bytes of a bf16 cache
             return cpu_native.paged_decode(q, cache.data, block_tables, seq_lens, scale, scales=cache.scale)
+        if cache.fmt.name == "int4":
+            # NOTE: int4 widens its blocks inside the kernel; the dequantized copy below is the fallback
+            out = cpu_native.paged_decode_int4(q, cache, block_tables, seq_lens, scale, tail_rows)
+            if out is not None:
+                return out
         dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name == "int4" else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)

@@ -125,35 +125,127 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
         for (int64_t i = 0; i < d; i++) acc[i] += w[t] * rows[t][i];
 }
 
+/* int4 caches (llmbus.kv.formats), as kernels.reference.dequantize_blocks reads them (same
+   operations in the same order). data: uint8 [2, N, bs, Hkv, D/2], low nibble the even channel;
+   k_meta [N, Hkv, key_slots]: for a full block, per channel codes m | M << 8 and the head's (lo, hi)
+   at slots D, D + 1; for a partial one, per token (scale, min) pairs in groups of gk channels;
+   v_meta fp16 [N, bs, Hkv, D/gv, 2]: per token (scale, min) in groups of gv. An INT4 sequence's
+   partial last block may instead sit exact in a tail row (k_tail, v_tail: the model dtype,
+   [rows * bs, Hkv, D]; row[b] per sequence, -1: none). */
+typedef struct {
+    const uint8_t *data;
+    const uint16_t *k_meta, *v_meta;
+    const void *k_tail, *v_tail;
+    const int32_t *rows;
+    int64_t num_blocks, bs, hkv, d, key_slots, gk, gv;
+} int4_src;
+
+/* Where channel i goes in a widened row: its own place, or (parity) the even channels first, then
+   the odd ones: the packed bytes' two nibbles then widen into two contiguous runs. */
+static inline int64_t i4_col(int64_t i, int64_t half, int parity) { return parity ? (i & 1) * half + (i >> 1) : i; }
+
+/* One (scale, min) pair per group of g channels (g even: both nibbles of a byte share a group), at
+   src[0], src[1], src[2], ... as fp16, spread over the row's columns. */
+static inline __attribute__((always_inline)) void int4_groups(const uint16_t *src, int64_t d, int64_t g, int parity,
+                                                              float *scale, float *min) {
+    for (int64_t k = 0; k < d / g; k++) {
+        const float sc = f16_load(src[2 * k]), mn = f16_load(src[2 * k + 1]);
+        if (parity)
+            for (int64_t j = k * g / 2; j < (k + 1) * g / 2; j++) {
+                scale[j] = scale[d / 2 + j] = sc;
+                min[j] = min[d / 2 + j] = mn;
+            }
+        else
+            for (int64_t i = k * g; i < (k + 1) * g; i++) {
+                scale[i] = sc;
+                min[i] = mn;
+            }
+    }
+}
+
+/* Row o of a block: codes (D/2 packed bytes) to fp32, min + code * scale per column. */
+static inline __attribute__((always_inline)) void int4_row(const uint8_t *p, int64_t half, int parity, const float *min,
+                                                           const float *scale, float *r) {
+    if (parity)
+        for (int64_t j = 0; j < half; j++) {
+            r[j] = min[j] + (float)(p[j] & 15u) * scale[j];
+            r[half + j] = min[half + j] + (float)(p[j] >> 4) * scale[half + j];
+        }
+    else
+        for (int64_t j = 0; j < half; j++) {
+            r[2 * j] = min[2 * j] + (float)(p[j] & 15u) * scale[2 * j];
+            r[2 * j + 1] = min[2 * j + 1] + (float)(p[j] >> 4) * scale[2 * j + 1];
+        }
+}
+
+/* Keys of tokens [0, n) of block b, KV head h, widened to fp32 rows out + t * stride (columns in
+   channel order, or by parity: i4_col). */
+static inline __attribute__((always_inline)) void int4_keys(const int4_src *c, int64_t b, int64_t h, int full,
+                                                            int64_t n, float *out, int64_t stride, int parity) {
+    const int64_t d = c->d, half = d / 2, row = c->hkv * half;
+    const uint16_t *km = c->k_meta + (b * c->hkv + h) * c->key_slots;
+    float cmin[MAX_D], cscale[MAX_D];
+    if (full) {
+        const float lo = f16_load(km[d]), hi = f16_load(km[d + 1]), step = (hi - lo) / 255.0f;
+        for (int64_t i = 0; i < d; i++) {
+            const float m = (float)(km[i] & 0xffu), big = (float)(km[i] >> 8);
+            cmin[i4_col(i, half, parity)] = lo + m * step;
+            cscale[i4_col(i, half, parity)] = (big - m) * step / 15.0f;
+        }
+    }
+    for (int64_t o = 0; o < n; o++) {
+        if (!full) int4_groups(km + 2 * o * (d / c->gk), d, c->gk, parity, cscale, cmin);
+        int4_row(c->data + (b * c->bs + o) * row + h * half, half, parity, cmin, cscale, out + o * stride);
+    }
+}
+
+/* Values of tokens [0, n) of block b, KV head h, as int4_keys. */
+static inline __attribute__((always_inline)) void int4_values(const int4_src *c, int64_t b, int64_t h, int64_t n,
+                                                              float *out, int64_t stride, int parity) {
+    const int64_t d = c->d, half = d / 2, row = c->hkv * half;
+    const uint8_t *vdata = c->data + c->num_blocks * c->bs * row;
+    float vmin[MAX_D], vscale[MAX_D];
+    for (int64_t o = 0; o < n; o++) {
+        int4_groups(c->v_meta + ((b * c->bs + o) * c->hkv + h) * (d / c->gv) * 2, d, c->gv, parity, vscale, vmin);
+        int4_row(vdata + (b * c->bs + o) * row + h * half, half, parity, vmin, vscale, out + o * stride);
+    }
+}
+
 /* One task: a sequence's KV heads [h0, h1), block by block, every head of a block before the next
    block (the block's rows are contiguous across heads, so each cache line fetched is used at once).
    Inlined into callers with a constant head dim (64, 128) so the loops over it unroll and a query
    row's accumulator stays in registers across a block's tokens; a block's keys and values are
    widened to fp32 once per head, into a buffer that stays in L1. QT: the queries' and output's
    element type; KT: the cache's; SCALED: int8 entries times a per (token, head) scale of type ST
-   (``kernels/kv_cache.py``'s int8 format: scales [2, N, bs, Hkv] beside the data). */
-#define DEFINE_TASK(NAME, QT, LOADQ, STOREQ, KT, LOADK, ST, LOADS, SCALED, RAW_DOT, USE_RAW)            \
+   (``kernels/kv_cache.py``'s int8 format: scales [2, N, bs, Hkv] beside the data). I4: int4 blocks
+   (``i4``; KT uint8_t, D/2 bytes a head's row), widened by int4_keys / int4_values, or from the
+   sequence's tail row ``trow`` (-1: none) for its partial last block; with the channels by parity
+   (i4_col) in the query rows, the buffer and the accumulator alike (a dot and a weighted sum take
+   any order), unshuffled at the end. */
+#define DEFINE_TASK(NAME, QT, LOADQ, STOREQ, KT, LOADK, ST, LOADS, SCALED, RAW_DOT, USE_RAW, I4)        \
     static inline __attribute__((always_inline)) void NAME(                                             \
         const KT *kc, const KT *vc, const ST *ksc, const ST *vsc, const QT *q, QT *out,                 \
         const int32_t *table, int64_t len, int64_t h0, int64_t h1, int64_t hkv, int64_t g_rows,         \
-        const int64_t d, int64_t bs, int64_t num_blocks, float scale, int64_t *bad) {                   \
+        const int64_t d, int64_t bs, int64_t num_blocks, float scale, int64_t *bad,                     \
+        const int4_src *i4, int64_t trow) {                                                             \
         float qf[MAX_ROWS][MAX_D] __attribute__((aligned(64)));                                         \
         float acc[MAX_ROWS][MAX_D] __attribute__((aligned(64)));                                        \
         float buf[MAX_BS][MAX_D] __attribute__((aligned(64)));                                          \
         float s[MAX_ROWS][MAX_BS], m[MAX_ROWS], l[MAX_ROWS];                                            \
-        const int64_t tok = hkv * d; /* elements from one token to the next within a block */        \
+        const int64_t drow = I4 ? d / 2 : d; /* elements of one head's row in the cache */             \
+        const int64_t tok = hkv * drow; /* elements from one token to the next within a block */     \
         const int64_t rows = (h1 - h0) * g_rows;                                                        \
         const QT *q0 = q + h0 * g_rows * d;                                                             \
         for (int64_t r = 0; r < rows; r++) {                                                            \
             for (int64_t i = 0; i < d; i++) {                                                           \
-                qf[r][i] = LOADQ(q0[r * d + i]) * scale;                                                \
+                qf[r][i4_col(i, d / 2, I4)] = LOADQ(q0[r * d + i]) * scale;                             \
                 acc[r][i] = 0.0f;                                                                       \
             }                                                                                           \
             m[r] = 0.0f;                                                                                \
             l[r] = 0.0f;                                                                                \
         }                                                                                               \
         const int64_t nblk = (len + bs - 1) / bs;                                                       \
-        const int64_t span = (h1 - h0) * d * (int64_t)sizeof(KT); /* bytes of one token's heads */      \
+        const int64_t span = (h1 - h0) * drow * (int64_t)sizeof(KT); /* bytes of one token's heads */   \
         for (int64_t j = 0; j < nblk; j++) {                                                            \
             const int64_t blk = table[j];                                                               \
             if (blk < 0 || blk >= num_blocks) {                                                         \
@@ -169,8 +261,9 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
                32, cold caches, 11.0-11.2 -> 8.9-9.1 ms (scripts/bench_cpu_attention.py). */        \
             const int64_t nxt = j + 1 < nblk ? table[j + 1] : -1;                                       \
             const int ahead = nxt >= 0 && nxt < num_blocks;                                             \
-            const char *kn = ahead ? (const char *)(kc + (nxt * bs * hkv + h0) * d) : 0;                \
-            const char *vn = ahead ? (const char *)(vc + (nxt * bs * hkv + h0) * d) : 0;                \
+            const char *kn = ahead ? (const char *)(kc + (nxt * bs * hkv + h0) * drow) : 0;             \
+            const char *vn = ahead ? (const char *)(vc + (nxt * bs * hkv + h0) * drow) : 0;             \
+            const int tail = I4 && (j + 1) * bs > len && trow >= 0; /* partial block, exact in a row */ \
             const int64_t share = (bs + (h1 - h0) - 1) / (h1 - h0);                                     \
             for (int64_t h = h0; h < h1; h++) {                                                         \
                 const int64_t p0 = (h - h0) * share, p1 = p0 + share < bs ? p0 + share : bs;            \
@@ -179,12 +272,19 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
                         for (int64_t o = 0; o < span; o += 64)                                          \
                             __builtin_prefetch(kn + t * tok * (int64_t)sizeof(KT) + o, 0, 2);          \
                 const int64_t r0 = (h - h0) * g_rows;                                                   \
-                const KT *kb = kc + (blk * bs * hkv + h) * d;                                           \
-                const KT *vb = vc + (blk * bs * hkv + h) * d;                                           \
+                const KT *kb = kc + (blk * bs * hkv + h) * drow;                                        \
+                const KT *vb = vc + (blk * bs * hkv + h) * drow;                                        \
+                const QT *kt = tail ? (const QT *)i4->k_tail + (trow * bs * hkv + h) * d : 0;           \
+                const QT *vt = tail ? (const QT *)i4->v_tail + (trow * bs * hkv + h) * d : 0;           \
                 const ST *kst = SCALED ? ksc + blk * bs * hkv + h : 0; /* token t: kst[t * hkv] */    \
                 const ST *vst = SCALED ? vsc + blk * bs * hkv + h : 0;                                  \
                 const int raw = USE_RAW && d % 32 == 0;                                                 \
-                if (!raw)                                                                               \
+                if (tail)                                                                               \
+                    for (int64_t t = 0; t < n; t++)                                                     \
+                        for (int64_t i = 0; i < d; i++) buf[t][i4_col(i, d / 2, 1)] = LOADQ(kt[t * hkv * d + i]); \
+                else if (I4)                                                                            \
+                    int4_keys(i4, blk, h, (j + 1) * bs <= len, n, buf[0], MAX_D, 1);                    \
+                else if (!raw)                                                                          \
                     for (int64_t t = 0; t < n; t++)                                                     \
                         for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(kb[t * tok + i]);             \
                 for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
@@ -214,8 +314,12 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
                     if (ahead && p0 + t < p1)                                                           \
                         for (int64_t o = 0; o < span; o += 64)                                          \
                             __builtin_prefetch(vn + (p0 + t) * tok * (int64_t)sizeof(KT) + o, 0, 2);   \
-                    for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(vb[t * tok + i]);                 \
+                    if (tail)                                                                           \
+                        for (int64_t i = 0; i < d; i++) buf[t][i4_col(i, d / 2, 1)] = LOADQ(vt[t * hkv * d + i]); \
+                    else if (!I4)                                                                       \
+                        for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(vb[t * tok + i]);             \
                 }                                                                                       \
+                if (I4 && !tail) int4_values(i4, blk, h, n, buf[0], MAX_D, 1);                          \
                 for (int64_t r = r0; r < r0 + g_rows; r++) {                                            \
                     if (SCALED)                                                                         \
                         for (int64_t t = 0; t < n; t++) s[r][t] *= LOADS(vst[t * hkv]);                \
@@ -226,12 +330,12 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
         QT *o0 = out + h0 * g_rows * d;                                                                 \
         for (int64_t r = 0; r < rows; r++) {                                                            \
             const float inv = len > 0 ? 1.0f / l[r] : 0.0f;                                             \
-            for (int64_t i = 0; i < d; i++) o0[r * d + i] = STOREQ(acc[r][i] * inv);                    \
+            for (int64_t i = 0; i < d; i++) o0[r * d + i] = STOREQ(acc[r][i4_col(i, d / 2, I4)] * inv); \
         }                                                                                               \
     }
 
 /* The parallel loop over tasks, shared by every entry point. */
-#define RUN_TASKS(TASK, QT, KC, VC, KS, VS)                                                             \
+#define RUN_TASKS(TASK, QT, KC, VC, KS, VS, I4SRC)                                                      \
     if (hq < 1 || hkv < 1 || d < 1 || bs < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D            \
         || bs > MAX_BS)                                                                                 \
         return -1;                                                                                      \
@@ -242,6 +346,7 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
     per = per > hkv ? hkv : per;                                                                        \
     const int64_t groups = (hkv + per - 1) / per;                                                       \
     int64_t bad = 0;                                                                                    \
+    const int4_src *const i4s = (I4SRC);                                                                \
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(| : bad)")          \
     for (int64_t task = 0; task < batch * groups; task++) {                                             \
         const int64_t b = task / groups, h0 = task % groups * per;                                      \
@@ -249,12 +354,13 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
         const QT *qb = q + b * hq * d;                                                                  \
         QT *ob = out + b * hq * d;                                                                      \
         const int32_t *tb = tables + b * table_stride;                                                  \
+        const int64_t trow = i4s && i4s->rows ? i4s->rows[b] : -1;                                      \
         if (d == 64)                                                                                    \
-            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 64, bs, num_blocks, scale, &bad);  \
+            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 64, bs, num_blocks, scale, &bad, i4s, trow);  \
         else if (d == 128)                                                                              \
-            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 128, bs, num_blocks, scale, &bad); \
+            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, 128, bs, num_blocks, scale, &bad, i4s, trow); \
         else                                                                                            \
-            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, d, bs, num_blocks, scale, &bad);   \
+            TASK(KC, VC, KS, VS, qb, ob, tb, lens[b], h0, h1, hkv, g_rows, d, bs, num_blocks, scale, &bad, i4s, trow);   \
     }                                                                                                   \
     return bad ? 1 : 0;
 
@@ -266,7 +372,7 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
              const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs,        \
              int64_t num_blocks, float scale, int threads) {                                            \
         const float *none = 0;                                                                          \
-        RUN_TASKS(TASK, T, cache, cache + num_blocks * bs * hkv * d, none, none)                        \
+        RUN_TASKS(TASK, T, cache, cache + num_blocks * bs * hkv * d, none, none, (const int4_src *)0)  \
     }
 
 /* int8 caches: data int8 [2, N, bs, Hkv, D], scales [2, N, bs, Hkv] of type ST; q, out as above. */
@@ -274,18 +380,21 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
     int NAME(const int8_t *cache, const ST *scales, const QT *q, QT *out, const int32_t *tables,      \
              int64_t table_stride, const int32_t *lens, int64_t batch, int64_t hq, int64_t hkv,         \
              int64_t d, int64_t bs, int64_t num_blocks, float scale, int threads) {                     \
-        RUN_TASKS(TASK, QT, cache, cache + num_blocks * bs * hkv * d, scales, scales + num_blocks * bs * hkv) \
+        RUN_TASKS(TASK, QT, cache, cache + num_blocks * bs * hkv * d, scales, scales + num_blocks * bs * hkv, \
+                  (const int4_src *)0)                                                                  \
     }
 
 #define NO_RAW_DOT(a, b, d) ((void)(a), (void)(b), (void)(d), 0.0f)
 static inline float i8_load(int8_t x) { return (float)x; }
 
-DEFINE_TASK(task_f32, float, f32_load, f32_store, float, f32_load, float, f32_load, 0, NO_RAW_DOT, 0)
-DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, uint16_t, bf16_load, float, f32_load, 0, dot_raw_bf16, HAVE_DPBF16)
-DEFINE_TASK(task_i8_f32_h, float, f32_load, f32_store, int8_t, i8_load, uint16_t, f16_load, 1, NO_RAW_DOT, 0)
-DEFINE_TASK(task_i8_f32_f, float, f32_load, f32_store, int8_t, i8_load, float, f32_load, 1, NO_RAW_DOT, 0)
-DEFINE_TASK(task_i8_bf16_h, uint16_t, bf16_load, bf16_store, int8_t, i8_load, uint16_t, f16_load, 1, NO_RAW_DOT, 0)
-DEFINE_TASK(task_i8_bf16_f, uint16_t, bf16_load, bf16_store, int8_t, i8_load, float, f32_load, 1, NO_RAW_DOT, 0)
+DEFINE_TASK(task_f32, float, f32_load, f32_store, float, f32_load, float, f32_load, 0, NO_RAW_DOT, 0, 0)
+DEFINE_TASK(task_bf16, uint16_t, bf16_load, bf16_store, uint16_t, bf16_load, float, f32_load, 0, dot_raw_bf16, HAVE_DPBF16, 0)
+DEFINE_TASK(task_i8_f32_h, float, f32_load, f32_store, int8_t, i8_load, uint16_t, f16_load, 1, NO_RAW_DOT, 0, 0)
+DEFINE_TASK(task_i8_f32_f, float, f32_load, f32_store, int8_t, i8_load, float, f32_load, 1, NO_RAW_DOT, 0, 0)
+DEFINE_TASK(task_i8_bf16_h, uint16_t, bf16_load, bf16_store, int8_t, i8_load, uint16_t, f16_load, 1, NO_RAW_DOT, 0, 0)
+DEFINE_TASK(task_i8_bf16_f, uint16_t, bf16_load, bf16_store, int8_t, i8_load, float, f32_load, 1, NO_RAW_DOT, 0, 0)
+DEFINE_TASK(task_i4_f32, float, f32_load, f32_store, uint8_t, i8_load, float, f32_load, 0, NO_RAW_DOT, 0, 1)
+DEFINE_TASK(task_i4_bf16, uint16_t, bf16_load, bf16_store, uint8_t, i8_load, float, f32_load, 0, NO_RAW_DOT, 0, 1)
 DEFINE_DECODE(paged_decode_f32, float, task_f32)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, task_bf16)
 DEFINE_DECODE_INT8(paged_decode_int8_f32_f16, float, uint16_t, task_i8_f32_h)
@@ -293,60 +402,43 @@ DEFINE_DECODE_INT8(paged_decode_int8_f32_f32, float, float, task_i8_f32_f)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f16, uint16_t, uint16_t, task_i8_bf16_h)
 DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)
 
-/* int4 caches (llmbus.kv.formats): blocks ids[0..n) to fp32 out [2, n, bs, Hkv, D], as
-   kernels.reference.dequantize_blocks computes them (same operations in the same order): a block
-   with full[i] has its keys per channel (codes m | M << 8 and the head's (lo, hi) in k_meta), else
-   per token in groups of gk ((scale, min) pairs in k_meta); values per token in groups of gv
-   (v_meta: fp16 [N, bs, Hkv, D/gv, 2]). data: uint8 [2, N, bs, Hkv, D/2], low nibble the even
-   channel. One pass, no temporaries: the torch version's unpack, stack and broadcast passes cost
-   more than the attention that reads the result. Returns 1 if an id lies outside the cache. */
+/* int4 caches (int4_src): data uint8 [2, N, bs, Hkv, D/2] with k_meta, v_meta; k_tail, v_tail of
+   q's type [rows * bs, Hkv, D] and tail_rows [B] (or all null: no tail rows). The blocks are
+   widened in the task, head by head, into the buffer that stays in L1: no fp32 copy of the context
+   goes through memory. */
+#define DEFINE_DECODE_INT4(NAME, QT, TASK)                                                              \
+    int NAME(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_meta, const QT *k_tail,    \
+             const QT *v_tail, const int32_t *tail_rows, int64_t key_slots, int64_t gk, int64_t gv,     \
+             const QT *q, QT *out, const int32_t *tables, int64_t table_stride, const int32_t *lens,    \
+             int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks,         \
+             float scale, int threads) {                                                                \
+        if (d % 2 || gk < 1 || gv < 2 || d % gk || d % gv || gv % 2) return -1;                        \
+        const int4_src src = {data, k_meta, v_meta, k_tail, v_tail, tail_rows, num_blocks, bs, hkv, d,  \
+                              key_slots, gk, gv};                                                       \
+        const float *none = 0;                                                                          \
+        RUN_TASKS(TASK, QT, data, data + num_blocks * bs * hkv * (d / 2), none, none, &src)             \
+    }
+
+DEFINE_DECODE_INT4(paged_decode_int4_f32, float, task_i4_f32)
+DEFINE_DECODE_INT4(paged_decode_int4_bf16, uint16_t, task_i4_bf16)
+
+/* int4 blocks ids[0..n) to fp32 out [2, n, bs, Hkv, D] (int4_keys, int4_values): a block with
+   full[i] has its keys per channel, else per token. One pass, no temporaries: the torch version's
+   unpack, stack and broadcast passes cost more than the attention that reads the result. Returns 1
+   if an id lies outside the cache. */
 int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_meta, const int64_t *ids,
                  const uint8_t *full, int64_t n, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t d,
                  int64_t key_slots, int64_t gk, int64_t gv, float *out, int threads) {
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= num_blocks) return 1;
     if (d > MAX_D || d % 2 || d % gk || d % gv || gv % 2) return 2;
-    const int64_t half = d / 2, row = hkv * half; /* packed bytes of one token, all heads */
-    const uint8_t *vdata = data + num_blocks * bs * row;
+    const int4_src c = {data, k_meta, v_meta, 0, 0, 0, num_blocks, bs, hkv, d, key_slots, gk, gv};
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t b = ids[i];
-        float *ko = out + i * bs * hkv * d, *vo = out + (n + i) * bs * hkv * d;
-        float cmin[MAX_D], cscale[MAX_D], vmin[MAX_D], vscale[MAX_D];
+    for (int64_t i = 0; i < n; i++)
         for (int64_t h = 0; h < hkv; h++) {
-            const uint16_t *km = k_meta + (b * hkv + h) * key_slots;
-            if (full[i]) {
-                const float lo = f16_load(km[d]), hi = f16_load(km[d + 1]), step = (hi - lo) / 255.0f;
-                for (int64_t c = 0; c < d; c++) {
-                    const float m = (float)(km[c] & 0xffu), big = (float)(km[c] >> 8);
-                    cmin[c] = lo + m * step;
-                    cscale[c] = (big - m) * step / 15.0f;
-                }
-            }
-            for (int64_t o = 0; o < bs; o++) {
-                if (!full[i]) {
-                    for (int64_t c = 0; c < d; c++) {
-                        const uint16_t *g = km + 2 * (o * (d / gk) + c / gk);
-                        cscale[c] = f16_load(g[0]);
-                        cmin[c] = f16_load(g[1]);
-                    }
-                }
-                const uint16_t *vm = v_meta + ((b * bs + o) * hkv + h) * (d / gv) * 2;
-                for (int64_t c = 0; c < d; c++) {
-                    vscale[c] = f16_load(vm[2 * (c / gv)]);
-                    vmin[c] = f16_load(vm[2 * (c / gv) + 1]);
-                }
-                const uint8_t *kp = data + (b * bs + o) * row + h * half, *vp = vdata + (b * bs + o) * row + h * half;
-                float *kr = ko + (o * hkv + h) * d, *vr = vo + (o * hkv + h) * d;
-                for (int64_t j = 0; j < half; j++) {
-                    kr[2 * j] = cmin[2 * j] + (float)(kp[j] & 15u) * cscale[2 * j];
-                    kr[2 * j + 1] = cmin[2 * j + 1] + (float)(kp[j] >> 4) * cscale[2 * j + 1];
-                    vr[2 * j] = vmin[2 * j] + (float)(vp[j] & 15u) * vscale[2 * j];
-                    vr[2 * j + 1] = vmin[2 * j + 1] + (float)(vp[j] >> 4) * vscale[2 * j + 1];
-                }
-            }
+            int4_keys(&c, ids[i], h, full[i], bs, out + (i * bs * hkv + h) * d, hkv * d, 0);
+            int4_values(&c, ids[i], h, bs, out + ((n + i) * bs * hkv + h) * d, hkv * d, 0);
         }
-    }
     return 0;
 }
 

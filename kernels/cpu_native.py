@@ -55,6 +55,8 @@ _INT8 = {(torch.float32, torch.float16): "paged_decode_int8_f32_f16", (torch.flo
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+# NOTE: LLMBUS_CPU_INT4_FUSED=0 dequantizes int4 blocks before the kernel instead of inside it (for comparison)
+INT4_FUSED = os.environ.get("LLMBUS_CPU_INT4_FUSED", "1") != "0"
 
 
 def _cpu_flags() -> str:
@@ -130,6 +132,10 @@ def _load() -> ctypes.CDLL | None:
             fn = getattr(lib, fn)
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        for fn in (lib.paged_decode_int4_f32, lib.paged_decode_int4_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
+                           i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.dequant_int4.restype = ctypes.c_int
         lib.dequant_int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
         lib.prefill_attn_bf16.restype = lib.have_bf16_dot.restype = lib.linear_bf16.restype = ctypes.c_int
@@ -260,6 +266,40 @@ def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -
     if rc != 0:
         return reference.dequantize_blocks(cache, block_ids, full)  # a head_dim the C pass does not take
     return out
+
+
+def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                      tail_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``reference.paged_decode_attention_cache`` over an INT4 ``PagedKVCache`` in one call, its
+    blocks widened inside the kernel (equal to the reference up to fused multiply-adds and summation
+    order); ``tail_rows`` ([B], -1: none) as there. None where it does not apply (q not float32 or
+    bfloat16 or not the cache's model dtype, a shape the kernel does not take, no library): the
+    caller's path serves."""
+    lay = cache.layout
+    b, hq, d = q.shape if q.dim() == 3 else (0, 0, 0)
+    if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or q.dim() != 3 or d != lay.head_dim or q.dtype != cache.model_dtype
+            or not supports(q.dtype, hq, lay.num_kv_heads, d, lay.block_size) or cache.data.device.type != "cpu"):
+        return None
+    if not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta)):
+        return None
+    tails = tail_rows is not None and cache.k_tail is not None
+    if tails and not (cache.k_tail.is_contiguous() and cache.v_tail.is_contiguous() and cache.k_tail.dtype == q.dtype):
+        return None
+    tables, lens = prepare_tables(block_tables, seq_lens, lay.block_size)
+    rows = tail_rows.to(torch.int32).contiguous() if tails else None
+    if rows is not None and (rows.shape != (b,) or (rows.numel() and int(rows.max()) >= cache.num_tail_rows)):
+        raise ValueError(f"tail_rows must be [{b}] rows below {cache.num_tail_rows}, got {rows.tolist()}")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    fn = _lib.paged_decode_int4_bf16 if q.dtype == torch.bfloat16 else _lib.paged_decode_int4_f32
+    rc = fn(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
+            cache.k_tail.data_ptr() if tails else None, cache.v_tail.data_ptr() if tails else None,
+            rows.data_ptr() if tails else None, cache.k_meta.shape[-1], KVFormat.key_group(d, lay.block_size),
+            KVFormat.value_group(d), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            b, hq, lay.num_kv_heads, d, lay.block_size, cache.num_blocks, float(scale), torch.get_num_threads())  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"a block table names a block outside the cache's {cache.num_blocks}")
+    return out if rc == 0 else None
 
 
 def paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

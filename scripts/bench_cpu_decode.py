@@ -5,7 +5,9 @@ for ``--kv-format int8|int4`` the torch path is the references). ``--compare gem
 in oneDNN's packed layout (``LLMBUS_CPU_GEMM=onednn``) against our blocked kernel's (the default).
 ``--compare layers``: a decode-only step's layers run module by module (``LLMBUS_CPU_FUSED_LAYERS=0``)
 against all of them in one C call (``cpu_native.decode_layers``, the default). ``--compare tails``
-(with ``--kv-format int4``): no exact tail rows (``LLMBUS_KV_TAILS=0``) against them.
+(with ``--kv-format int4``): no exact tail rows (``LLMBUS_KV_TAILS=0``) against them. ``--compare
+int4`` (with ``--kv-format int4``): int4 blocks dequantized before the kernel
+(``LLMBUS_CPU_INT4_FUSED=0``) against inside it.
 
 Each run starts two fresh processes in turn (the baseline, then the variant), which add
 ``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and
@@ -16,7 +18,7 @@ in one process and times them in alternating windows of 10 steps, ``--runs`` win
 tighter comparison where separate processes land on different machine states.
 
     python scripts/bench_cpu_decode.py [--model-dir DIR | --demo large] [--batch 32] [--runs 3] [--temperature 0]
-        [--kv-format model|int8|int4] [--compare native|gemm|layers|tails] [--interleave] [--threads N]
+        [--kv-format model|int8|int4] [--compare native|gemm|layers|tails|int4] [--interleave] [--threads N]
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ VARIANTS = {
     "gemm": (("onednn", {"LLMBUS_CPU_GEMM": "onednn"}), ("blocked", {"LLMBUS_CPU_GEMM": "blocked"})),
     "layers": (("modules", {"LLMBUS_CPU_FUSED_LAYERS": "0"}), ("fused", {"LLMBUS_CPU_FUSED_LAYERS": "1"})),
     "tails": (("no-tails", {"LLMBUS_KV_TAILS": "0"}), ("tails", {"LLMBUS_KV_TAILS": "1"})),
+    "int4": (("dequantized", {"LLMBUS_CPU_INT4_FUSED": "0"}), ("fused", {"LLMBUS_CPU_INT4_FUSED": "1"})),
 }
 INTERLEAVABLE = ("tails",)  # read when an engine is built, so two can live in one process
 

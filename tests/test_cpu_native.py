@@ -181,6 +181,44 @@ def test_int4_blocks_dequantize_as_the_reference(d, bs, hkv, threads):
         cpu_native.dequantize_int4_blocks(cache, torch.tensor([12]), torch.tensor([True]))
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,bs,hq,hkv", [(64, 16, 8, 2), (128, 32, 4, 4), (32, 8, 16, 2)])
+@pytest.mark.parametrize("tails", [False, True], ids=["codes", "tail-rows"])
+def test_int4_cache_decodes_inside_the_kernel(dtype, d, bs, hq, hkv, tails, threads):
+    """INT4 blocks widened inside the kernel: full blocks per channel, a partial last block per
+    token or from its sequence's exact tail row; equal to the reference up to fused multiply-adds."""
+    from kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=str(dtype).removeprefix("torch."))
+    lens = [0, 1, bs - 1, bs, bs + 1, 3 * bs + 5, 130]
+    _, _, tables, lens_t = _case(lens, hq, hkv, d, bs, dtype)
+    cache = kv_cache.allocate_cache(KVFormat("int4"), lay, int(tables.max()) + 1, "cpu", tail_rows=8 if tails else 0)
+    g = torch.Generator().manual_seed(d + bs)
+    slots = torch.tensor([lay.slot(tables[b].tolist(), t) for b, n in enumerate(lens) for t in range(n)])
+    k = (torch.randn(len(slots), hkv, d, generator=g) * torch.linspace(0.2, 4, d)).to(dtype)
+    v = torch.randn(len(slots), hkv, d, generator=g).to(dtype)
+    reference.write_kv_cache(k, v, cache, slots)
+    rows = None
+    if tails:  # NOTE: rows unlike the codes, so reading the wrong one shows
+        for tail in (cache.k_tail, cache.v_tail):
+            tail.copy_(torch.randn(tail.shape, generator=g).to(dtype) * 2)
+        rows = torch.tensor([-1, 3, 0, 5, -1, 7, 2], dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    got = cpu_native.paged_decode_int4(q, cache, tables, lens_t, d**-0.5, rows)
+    want = reference.paged_decode_attention_cache(q, cache, tables, lens_t, d**-0.5, rows)
+    assert got is not None and got.dtype == dtype and torch.count_nonzero(got[0]) == 0
+    err = (got.float() - want.float()).abs().max().item()
+    assert err < TOL[dtype], f"max abs diff {err:.3g}"
+    if tails:
+        plain = reference.paged_decode_attention_cache(q, cache, tables, lens_t, d**-0.5)
+        assert ((want - plain).float().abs().amax(dim=(1, 2)) > 1e-2).tolist() == [
+            False, True, True, False, False, True, True]
+    assert cpu_native.paged_decode_int4(q.half(), cache, tables, lens_t, d**-0.5, rows) is None  # not its dtype
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 

@@ -69,7 +69,7 @@ def test_triton_and_torch_backends_agree_over_steps(fmt):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
-    """The CPU engine's backend for int8/int4 (dequantize, then the fused kernel) against the
+    """The CPU engine's backend for int8/int4 (dequantized inside the fused kernel) against the
     reference, with identical cache bytes after every step."""
     ours, ref = CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
     ca, cb = _agree_over_steps(ours, ref, dtype, atol=2e-2 if dtype == "bfloat16" else 2e-5, device="cpu")
