@@ -144,38 +144,33 @@ typedef struct {
    the odd ones: the packed bytes' two nibbles then widen into two contiguous runs. */
 static inline int64_t i4_col(int64_t i, int64_t half, int parity) { return parity ? (i & 1) * half + (i >> 1) : i; }
 
-/* One (scale, min) pair per group of g channels (g even: both nibbles of a byte share a group), at
-   src[0], src[1], src[2], ... as fp16, spread over the row's columns. */
-static inline __attribute__((always_inline)) void int4_groups(const uint16_t *src, int64_t d, int64_t g, int parity,
-                                                              float *scale, float *min) {
-    for (int64_t k = 0; k < d / g; k++) {
-        const float sc = f16_load(src[2 * k]), mn = f16_load(src[2 * k + 1]);
-        if (parity)
-            for (int64_t j = k * g / 2; j < (k + 1) * g / 2; j++) {
-                scale[j] = scale[d / 2 + j] = sc;
-                min[j] = min[d / 2 + j] = mn;
-            }
-        else
-            for (int64_t i = k * g; i < (k + 1) * g; i++) {
-                scale[i] = sc;
-                min[i] = mn;
-            }
-    }
-}
+/* Bytes [j0, j1) of a row (channels 2 j0 ... 2 j1 - 1) to fp32 in r, min + code * scale: per column
+   (MIN, SCALE index arrays by column) or one pair for all (MIN, SCALE scalars). */
+#define INT4_BYTES(p, j0, j1, half, parity, r, MIN, SCALE)                                              \
+    if (parity) {                                                                                       \
+        _Pragma("omp simd")                                                                             \
+        for (int64_t j = j0; j < j1; j++) {                                                             \
+            r[j] = MIN(j) + (float)(p[j] & 15u) * SCALE(j);                                             \
+            r[half + j] = MIN(half + j) + (float)(p[j] >> 4) * SCALE(half + j);                         \
+        }                                                                                               \
+    } else                                                                                              \
+        for (int64_t j = j0; j < j1; j++) {                                                             \
+            r[2 * j] = MIN(2 * j) + (float)(p[j] & 15u) * SCALE(2 * j);                                 \
+            r[2 * j + 1] = MIN(2 * j + 1) + (float)(p[j] >> 4) * SCALE(2 * j + 1);                      \
+        }
 
-/* Row o of a block: codes (D/2 packed bytes) to fp32, min + code * scale per column. */
-static inline __attribute__((always_inline)) void int4_row(const uint8_t *p, int64_t half, int parity, const float *min,
-                                                           const float *scale, float *r) {
-    if (parity)
-        for (int64_t j = 0; j < half; j++) {
-            r[j] = min[j] + (float)(p[j] & 15u) * scale[j];
-            r[half + j] = min[half + j] + (float)(p[j] >> 4) * scale[half + j];
-        }
-    else
-        for (int64_t j = 0; j < half; j++) {
-            r[2 * j] = min[2 * j] + (float)(p[j] & 15u) * scale[2 * j];
-            r[2 * j + 1] = min[2 * j + 1] + (float)(p[j] >> 4) * scale[2 * j + 1];
-        }
+/* A row whose (scale, min) pairs come per group of g channels (g even: a byte's two nibbles share
+   a group), as fp16 pairs at src[0], src[1], src[2], ... */
+static inline __attribute__((always_inline)) void int4_row_groups(const uint8_t *restrict p, int64_t half, int parity,
+                                                                  const uint16_t *src, int64_t g, float *restrict r) {
+    for (int64_t k = 0; k < 2 * half / g; k++) {
+        const float sc = f16_load(src[2 * k]), mn = f16_load(src[2 * k + 1]);
+#define PAIR_MIN(i) mn
+#define PAIR_SCALE(i) sc
+        INT4_BYTES(p, k * g / 2, (k + 1) * g / 2, half, parity, r, PAIR_MIN, PAIR_SCALE)
+#undef PAIR_MIN
+#undef PAIR_SCALE
+    }
 }
 
 /* Keys of tokens [0, n) of block b, KV head h, widened to fp32 rows out + t * stride (columns in
@@ -184,19 +179,28 @@ static inline __attribute__((always_inline)) void int4_keys(const int4_src *c, i
                                                             int64_t n, float *out, int64_t stride, int parity) {
     const int64_t d = c->d, half = d / 2, row = c->hkv * half;
     const uint16_t *km = c->k_meta + (b * c->hkv + h) * c->key_slots;
+    if (!full) {
+        for (int64_t o = 0; o < n; o++)
+            int4_row_groups(c->data + (b * c->bs + o) * row + h * half, half, parity, km + 2 * o * (d / c->gk), c->gk,
+                            out + o * stride);
+        return;
+    }
     float cmin[MAX_D], cscale[MAX_D];
-    if (full) {
-        const float lo = f16_load(km[d]), hi = f16_load(km[d + 1]), step = (hi - lo) / 255.0f;
-        for (int64_t i = 0; i < d; i++) {
-            const float m = (float)(km[i] & 0xffu), big = (float)(km[i] >> 8);
-            cmin[i4_col(i, half, parity)] = lo + m * step;
-            cscale[i4_col(i, half, parity)] = (big - m) * step / 15.0f;
-        }
+    const float lo = f16_load(km[d]), hi = f16_load(km[d + 1]), step = (hi - lo) / 255.0f;
+    for (int64_t i = 0; i < d; i++) {
+        const float m = (float)(km[i] & 0xffu), big = (float)(km[i] >> 8);
+        cmin[i4_col(i, half, parity)] = lo + m * step;
+        cscale[i4_col(i, half, parity)] = (big - m) * step / 15.0f;
     }
+#define COL_MIN(i) cmin[i]
+#define COL_SCALE(i) cscale[i]
     for (int64_t o = 0; o < n; o++) {
-        if (!full) int4_groups(km + 2 * o * (d / c->gk), d, c->gk, parity, cscale, cmin);
-        int4_row(c->data + (b * c->bs + o) * row + h * half, half, parity, cmin, cscale, out + o * stride);
+        const uint8_t *restrict p = c->data + (b * c->bs + o) * row + h * half;
+        float *restrict r = out + o * stride;
+        INT4_BYTES(p, 0, half, half, parity, r, COL_MIN, COL_SCALE)
     }
+#undef COL_MIN
+#undef COL_SCALE
 }
 
 /* Values of tokens [0, n) of block b, KV head h, as int4_keys. */
@@ -204,11 +208,9 @@ static inline __attribute__((always_inline)) void int4_values(const int4_src *c,
                                                               float *out, int64_t stride, int parity) {
     const int64_t d = c->d, half = d / 2, row = c->hkv * half;
     const uint8_t *vdata = c->data + c->num_blocks * c->bs * row;
-    float vmin[MAX_D], vscale[MAX_D];
-    for (int64_t o = 0; o < n; o++) {
-        int4_groups(c->v_meta + ((b * c->bs + o) * c->hkv + h) * (d / c->gv) * 2, d, c->gv, parity, vscale, vmin);
-        int4_row(vdata + (b * c->bs + o) * row + h * half, half, parity, vmin, vscale, out + o * stride);
-    }
+    for (int64_t o = 0; o < n; o++)
+        int4_row_groups(vdata + (b * c->bs + o) * row + h * half, half, parity,
+                        c->v_meta + ((b * c->bs + o) * c->hkv + h) * (d / c->gv) * 2, c->gv, out + o * stride);
 }
 
 /* One task: a sequence's KV heads [h0, h1), block by block, every head of a block before the next
@@ -412,7 +414,9 @@ DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)
              const QT *q, QT *out, const int32_t *tables, int64_t table_stride, const int32_t *lens,    \
              int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks,         \
              float scale, int threads) {                                                                \
-        if (d % 2 || gk < 1 || gv < 2 || d % gk || d % gv || gv % 2) return -1;                        \
+        if (d % 2 || gk < 2 || gv < 2 || d % gk || d % gv || gk % 2 || gv % 2                         \
+            || key_slots < d + 2 || key_slots < 2 * bs * (d / gk))                                      \
+            return -1;                                                                                  \
         const int4_src src = {data, k_meta, v_meta, k_tail, v_tail, tail_rows, num_blocks, bs, hkv, d,  \
                               key_slots, gk, gv};                                                       \
         const float *none = 0;                                                                          \

@@ -191,6 +191,19 @@ def _check_lens(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> No
                          f"blocks of {block_size}, got {lens.tolist()}")
 
 
+def _check_batch(q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """What every decode entry trusts its caller for: one table row and one length per query, int32,
+    and contiguous CPU tensors."""
+    if tables.dim() != 2 or tables.shape[0] != q.shape[0] or lens.shape != (q.shape[0],):
+        raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match "
+                         f"{q.shape[0]} queries")
+    if tables.dtype != torch.int32 or lens.dtype != torch.int32:
+        raise ValueError("block tables and sequence lengths must be int32")
+    for t in (q, tables, lens, *tensors):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("the fused CPU decode kernel takes contiguous CPU tensors only")
+
+
 def _run(entry: str, out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None,
          tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
     """One kernel call, after checking what the C side trusts: shapes that agree, int32 tables,
@@ -200,14 +213,7 @@ def _run(entry: str, out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, sca
         raise RuntimeError("the fused CPU decode kernel is not available")
     if data.dim() != 5 or data.shape[0] != 2 or q.dim() != 3 or q.shape[2] != data.shape[4] or out.shape != q.shape:
         raise ValueError(f"q {list(q.shape)}, out {list(out.shape)} and cache {list(data.shape)} do not agree")
-    if tables.dim() != 2 or tables.shape[0] != q.shape[0] or lens.shape != (q.shape[0],):
-        raise ValueError(f"block_tables {list(tables.shape)} and seq_lens {list(lens.shape)} do not match "
-                         f"{q.shape[0]} queries")
-    if tables.dtype != torch.int32 or lens.dtype != torch.int32:
-        raise ValueError("block tables and sequence lengths must be int32")
-    for t in (out, q, data, tables, lens) + ((scales,) if scales is not None else ()):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("the fused CPU decode kernel takes contiguous CPU tensors only")
+    _check_batch(q, tables, lens, out, data, *((scales,) if scales is not None else ()))
     b, hq, d = q.shape
     _, n_blocks, bs, hkv, _ = data.shape
     ptrs = [data.data_ptr()] + ([scales.data_ptr()] if scales is not None else [])
@@ -283,14 +289,18 @@ def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_le
     if not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta)):
         return None
     tails = tail_rows is not None and cache.k_tail is not None
-    if tails and not (cache.k_tail.is_contiguous() and cache.v_tail.is_contiguous() and cache.k_tail.dtype == q.dtype):
+    if tails and not (cache.k_tail.is_contiguous() and cache.v_tail.is_contiguous()
+                      and cache.k_tail.dtype == cache.v_tail.dtype == q.dtype):
         return None
+    if cache.data.dtype != torch.uint8 or cache.k_meta.dtype != torch.int16 or cache.v_meta.dtype != torch.float16:
+        raise ValueError(f"not an INT4 cache's tensors: {cache.data.dtype}, {cache.k_meta.dtype}, {cache.v_meta.dtype}")
     tables, lens = prepare_tables(block_tables, seq_lens, lay.block_size)
     rows = tail_rows.to(torch.int32).contiguous() if tails else None
     if rows is not None and (rows.shape != (b,) or (rows.numel() and int(rows.max()) >= cache.num_tail_rows)):
         raise ValueError(f"tail_rows must be [{b}] rows below {cache.num_tail_rows}, got {rows.tolist()}")
     q = q.contiguous()
     out = torch.empty_like(q)
+    _check_batch(q, tables, lens, out, *((rows,) if tails else ()))
     fn = _lib.paged_decode_int4_bf16 if q.dtype == torch.bfloat16 else _lib.paged_decode_int4_f32
     rc = fn(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
             cache.k_tail.data_ptr() if tails else None, cache.v_tail.data_ptr() if tails else None,

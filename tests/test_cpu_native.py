@@ -219,6 +219,42 @@ def test_int4_cache_decodes_inside_the_kernel(dtype, d, bs, hq, hkv, tails, thre
     assert cpu_native.paged_decode_int4(q.half(), cache, tables, lens_t, d**-0.5, rows) is None  # not its dtype
 
 
+@needs_kernel
+def test_int4_backend_decodes_in_the_kernel_and_bad_input_is_refused(monkeypatch):
+    """The CPU backend's INT4 decode goes through the fused kernel (the dequantize-first pass is not
+    called); ``LLMBUS_CPU_INT4_FUSED=0`` leaves it to that pass; tables, lengths and tail rows that
+    do not fit raise clear errors, never a read past their ends."""
+    from kernels import kv_cache
+    from kernels.backends import CpuPagedAttentionBackend
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    lens = [20, 33]
+    _, _, tables, lens_t = _case(lens, 4, 2, 64, 16, torch.float32)
+    cache = kv_cache.allocate_cache(KVFormat("int4"), lay, int(tables.max()) + 1, "cpu", tail_rows=2)
+    g = torch.Generator().manual_seed(11)
+    slots = torch.tensor([lay.slot(tables[b].tolist(), t) for b, n in enumerate(lens) for t in range(n)])
+    reference.write_kv_cache(*(torch.randn(len(slots), 2, 64, generator=g) for _ in range(2)), cache, slots)
+    q = torch.randn(2, 4, 64, generator=g)
+    want = reference.paged_decode_attention_cache(q, cache, tables, lens_t, 0.125)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dequantize-first pass ran")
+
+    monkeypatch.setattr(cpu_native, "dequantize_int4_blocks", refuse)
+    got = CpuPagedAttentionBackend("int4")._decode(q, cache, tables, lens_t, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="do not match 2 queries"):
+        cpu_native.paged_decode_int4(q, cache, tables[:1], lens_t[:1], 0.125)
+    with pytest.raises(ValueError, match="tail_rows must be"):
+        cpu_native.paged_decode_int4(q, cache, tables, lens_t, 0.125, torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside the cache"):
+        cpu_native.paged_decode_int4(q, cache, tables + cache.num_blocks, lens_t, 0.125)
+    monkeypatch.setattr(cpu_native, "INT4_FUSED", False)
+    assert cpu_native.paged_decode_int4(q, cache, tables, lens_t, 0.125) is None
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 
