@@ -446,6 +446,181 @@ int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_
     return 0;
 }
 
+/* ---- The INT4 KV write (kernels.reference.write_kv_cache, bit for bit) -------------------------
+   kernels.quant_reference defines the encoding in fp32 torch ops, each rounded on its own: the
+   code below does the same operations in the same order, with contraction into fused
+   multiply-adds off (torch runs a * b + c as two ops), fp16 rounded to nearest even as .half()
+   does, and floor(x + 0.5) for rounding. The torch version spent ~1 ms a layer and step on
+   dispatching some hundred small ops for a batch's 32 tokens. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* fp32 -> fp16 bits, round to nearest even (overflow to inf, subnormals kept). */
+static inline uint16_t f16_store(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u); /* inf, NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;                                   /* >= 65520: inf */
+    if (a < 0x38800000u) {                                                          /* below 2^-14 */
+        float v;
+        memcpy(&v, &a, 4);
+        return sign | (uint16_t)nearbyintf(v * 16777216.0f); /* units of 2^-24, exact scaling */
+    }
+    const uint32_t r = a - 0x38000000u; /* rebias 127 -> 15 */
+    return sign | (uint16_t)((r + 0xfffu + ((r >> 13) & 1u)) >> 13);
+}
+
+static inline float safe_div(float x, float s) { return s > 0.0f ? x / s : 0.0f; }
+static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+/* quant_reference.int4_group_quantize of one row x[0:d]: codes packed into p[0:d/2], (scale, min)
+   fp16 bits per group of g at meta[0], meta[1], meta[2], ... */
+static void int4_quantize_row(const float *x, int64_t d, int64_t g, uint8_t *p, uint16_t *meta) {
+    for (int64_t k = 0; k < d / g; k++) {
+        const float *xg = x + k * g;
+        float lo = xg[0], hi = xg[0];
+        for (int64_t i = 1; i < g; i++) {
+            lo = xg[i] < lo ? xg[i] : lo;
+            hi = xg[i] > hi ? xg[i] : hi;
+        }
+        const uint16_t mn16 = f16_store(lo);
+        const float mn = f16_load(mn16);
+        const uint16_t sc16 = f16_store((hi - mn) / 15.0f);
+        const float sc = f16_load(sc16);
+        meta[2 * k] = sc16;
+        meta[2 * k + 1] = mn16;
+        for (int64_t i = 0; i < g; i += 2) {
+            const uint8_t q0 = (uint8_t)clampf(floorf(safe_div(xg[i] - mn, sc) + 0.5f), 0.0f, 15.0f);
+            const uint8_t q1 = (uint8_t)clampf(floorf(safe_div(xg[i + 1] - mn, sc) + 0.5f), 0.0f, 15.0f);
+            p[(k * g + i) / 2] = (uint8_t)(q0 | q1 << 4);
+        }
+    }
+}
+
+/* quant_reference.int4_key_block_quantize of one full block's keys x [bs, hkv, d]: codes packed into
+   p [bs, hkv, d/2], per head k_meta rows km [hkv, key_slots] (codes m | M << 8, then lo, hi). */
+static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int64_t d, uint8_t *p, uint16_t *km,
+                                    int64_t key_slots) {
+    const float pad = 1.0f / 512.0f; /* quant_reference.RANGE_PAD */
+    for (int64_t h = 0; h < hkv; h++) {
+        float lo = x[h * d], hi = x[h * d];
+        for (int64_t t = 0; t < bs; t++)
+            for (int64_t i = 0; i < d; i++) {
+                const float v = x[(t * hkv + h) * d + i];
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+        const uint16_t lo16 = f16_store(lo - fabsf(lo) * pad), hi16 = f16_store(hi + fabsf(hi) * pad);
+        const float lo_f = f16_load(lo16), step = (f16_load(hi16) - lo_f) / 255.0f;
+        uint16_t *row = km + h * key_slots;
+        for (int64_t i = 0; i < d; i++) {
+            float cmn = x[h * d + i], cmx = cmn;
+            for (int64_t t = 1; t < bs; t++) {
+                const float v = x[(t * hkv + h) * d + i];
+                cmn = v < cmn ? v : cmn;
+                cmx = v > cmx ? v : cmx;
+            }
+            const float m = clampf(floorf(safe_div(cmn - lo_f, step)), 0.0f, 255.0f);
+            const float big = clampf(ceilf(safe_div(cmx - lo_f, step)), 0.0f, 255.0f);
+            const float cmin = lo_f + m * step, cscale = (big - m) * step / 15.0f;
+            row[i] = (uint16_t)((int32_t)m | (int32_t)big << 8);
+            for (int64_t t = 0; t < bs; t++) {
+                const float q = clampf(floorf(safe_div(x[(t * hkv + h) * d + i] - cmin, cscale) + 0.5f), 0.0f, 15.0f);
+                uint8_t *b = p + (t * hkv + h) * (d / 2) + i / 2;
+                *b = (uint8_t)(i % 2 ? (*b & 0x0fu) | (uint8_t)q << 4 : (*b & 0xf0u) | (uint8_t)q);
+            }
+        }
+        row[d] = lo16;
+        row[d + 1] = hi16;
+    }
+}
+
+/* The INT4 write of T tokens (reference.write_kv_cache): key, value [T, hkv, d] of type QT; slots
+   [T] into the cache's N * bs slots; tail_slots [T] (row * bs + offset in k_tail / v_tail, -1:
+   none) or null. Values, then the keys of blocks left filling (per token), then every block sealed
+   by this call (per channel, from this call's keys and, for its other tokens, the sealing token's
+   tail row or else their per-token codes), then the filling blocks' tail rows. Returns 1 for a slot
+   outside the cache (nothing written), 2 for a shape it does not take, 3 if out of memory. */
+#define DEFINE_WRITE_INT4(NAME, QT, LOADQ)                                                              \
+    int NAME(const QT *key, const QT *value, int64_t t_count, const int64_t *slots, const int64_t *tail_slots, \
+             uint8_t *data, uint16_t *k_meta, uint16_t *v_meta, QT *k_tail, QT *v_tail, int64_t num_blocks, \
+             int64_t bs, int64_t hkv, int64_t d, int64_t key_slots, int64_t gk, int64_t gv) {           \
+        if (d > MAX_D || bs > MAX_BS || d % 2 || gk < 2 || gv < 2 || d % gk || d % gv || gk % 2 || gv % 2 \
+            || key_slots < d + 2 || key_slots < 2 * bs * (d / gk))                                      \
+            return 2;                                                                                   \
+        for (int64_t i = 0; i < t_count; i++)                                                           \
+            if (slots[i] < 0 || slots[i] >= num_blocks * bs) return 1;                                  \
+        const int64_t half = d / 2, row = hkv * half;                                                   \
+        uint8_t *vdata = data + num_blocks * bs * row;                                                  \
+        float x[MAX_D];                                                                                 \
+        for (int64_t i = 0; i < t_count; i++)                                                           \
+            for (int64_t h = 0; h < hkv; h++) {                                                         \
+                for (int64_t c = 0; c < d; c++) x[c] = LOADQ(value[(i * hkv + h) * d + c]);             \
+                int4_quantize_row(x, d, gv, vdata + slots[i] * row + h * half,                          \
+                                  v_meta + (slots[i] * hkv + h) * (d / gv) * 2);                        \
+            }                                                                                           \
+        /* a block is sealed when this call writes its last slot: sealed[b] 1, then 2 once done */      \
+        uint8_t *sealed = calloc((size_t)num_blocks, 1);                                                \
+        float *blk = malloc((size_t)(bs * hkv * d) * sizeof(float));                                    \
+        if (!sealed || !blk) {                                                                          \
+            free(sealed);                                                                               \
+            free(blk);                                                                                  \
+            return 3;                                                                                   \
+        }                                                                                               \
+        for (int64_t i = 0; i < t_count; i++)                                                           \
+            if (slots[i] % bs == bs - 1) sealed[slots[i] / bs] = 1;                                     \
+        for (int64_t i = 0; i < t_count; i++) {                                                         \
+            const int64_t b = slots[i] / bs;                                                            \
+            if (sealed[b]) continue;                                                                    \
+            for (int64_t h = 0; h < hkv; h++) {                                                         \
+                for (int64_t c = 0; c < d; c++) x[c] = LOADQ(key[(i * hkv + h) * d + c]);               \
+                int4_quantize_row(x, d, gk, data + slots[i] * row + h * half,                           \
+                                  k_meta + (b * hkv + h) * key_slots + slots[i] % bs * 2 * (d / gk));   \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t i = 0; i < t_count; i++) {                                                         \
+            const int64_t b = slots[i] / bs;                                                            \
+            if (slots[i] % bs != bs - 1 || sealed[b] != 1) continue;                                    \
+            sealed[b] = 2;                                                                              \
+            int64_t last = i; /* the token sealing it: the last write of its last slot */               \
+            for (int64_t j = i + 1; j < t_count; j++) last = slots[j] == slots[i] ? j : last;           \
+            const int64_t base = tail_slots ? tail_slots[last] - (bs - 1) : -1;                         \
+            for (int64_t o = 0; o < bs; o++)                                                            \
+                for (int64_t h = 0; h < hkv; h++) {                                                     \
+                    float *xr = blk + (o * hkv + h) * d;                                                \
+                    if (base >= 0) {                                                                    \
+                        for (int64_t c = 0; c < d; c++) xr[c] = LOADQ(k_tail[((base + o) * hkv + h) * d + c]); \
+                        continue;                                                                       \
+                    }                                                                                   \
+                    const uint8_t *pk = data + (b * bs + o) * row + h * half;                           \
+                    const uint16_t *g = k_meta + (b * hkv + h) * key_slots + o * 2 * (d / gk);          \
+                    for (int64_t c = 0; c < d; c++) {                                                   \
+                        const float q = (float)(c % 2 ? pk[c / 2] >> 4 : pk[c / 2] & 15u);              \
+                        xr[c] = f16_load(g[2 * (c / gk) + 1]) + q * f16_load(g[2 * (c / gk)]);          \
+                    }                                                                                   \
+                }                                                                                       \
+            for (int64_t j = 0; j < t_count; j++) /* this call's keys, the last write of a slot */      \
+                if (slots[j] / bs == b)                                                                 \
+                    for (int64_t c = 0; c < hkv * d; c++) blk[slots[j] % bs * hkv * d + c] = LOADQ(key[j * hkv * d + c]); \
+            int4_quantize_key_block(blk, bs, hkv, d, data + b * bs * row, k_meta + b * hkv * key_slots, key_slots); \
+        }                                                                                               \
+        if (tail_slots)                                                                                 \
+            for (int64_t i = 0; i < t_count; i++) {                                                     \
+                if (sealed[slots[i] / bs] || tail_slots[i] < 0) continue;                               \
+                memcpy(k_tail + tail_slots[i] * hkv * d, key + i * hkv * d, (size_t)(hkv * d) * sizeof(QT)); \
+                memcpy(v_tail + tail_slots[i] * hkv * d, value + i * hkv * d, (size_t)(hkv * d) * sizeof(QT)); \
+            }                                                                                           \
+        free(sealed);                                                                                   \
+        free(blk);                                                                                      \
+        return 0;                                                                                       \
+    }
+
+DEFINE_WRITE_INT4(write_int4_f32, float, f32_load)
+DEFINE_WRITE_INT4(write_int4_bf16, uint16_t, bf16_load)
+#pragma GCC pop_options
+
 /* ---- Element-wise fusions the CPU model runs around its GEMMs (bf16 only) -------------------
    torch runs each as 3-6 passes over the activations (widen, square, mean, scale, narrow, scale;
    silu, then multiply), each a parallel region; here one pass, rounding where torch rounds. */

@@ -55,7 +55,8 @@ _INT8 = {(torch.float32, torch.float16): "paged_decode_int8_f32_f16", (torch.flo
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-# NOTE: LLMBUS_CPU_INT4_FUSED=0 dequantizes int4 blocks before the kernel instead of inside it (for comparison)
+# NOTE: LLMBUS_CPU_INT4_FUSED=0: int4 blocks dequantized before the kernel, not inside it, and written by
+# the torch reference instead of write_int4 (for comparison)
 INT4_FUSED = os.environ.get("LLMBUS_CPU_INT4_FUSED", "1") != "0"
 
 
@@ -136,6 +137,9 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
                            i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
+        for fn in (lib.write_int4_f32, lib.write_int4_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
         lib.dequant_int4.restype = ctypes.c_int
         lib.dequant_int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
         lib.prefill_attn_bf16.restype = lib.have_bf16_dot.restype = lib.linear_bf16.restype = ctypes.c_int
@@ -244,6 +248,41 @@ def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, sca
         raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
                          f"scales {scales.dtype} {list(scales.shape)}")
     _run(entry, out, q, data, scales, tables, lens, scale)
+
+
+def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor,
+               tail_slots: torch.Tensor | None = None) -> bool:
+    """``reference.write_kv_cache`` into an INT4 ``PagedKVCache`` in one C call, with the same bytes
+    as a result. False (nothing written) where it does not apply: keys not float32 or bfloat16 or
+    not the cache's model dtype, non-contiguous tensors, no library; the caller's path serves."""
+    lay = cache.layout
+    if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or key.dtype != cache.model_dtype
+            or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
+            or key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
+        return False
+    if not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta)):
+        return False
+    if cache.k_tail is not None and not (cache.k_tail.is_contiguous() and cache.v_tail.is_contiguous()
+                                         and cache.k_tail.dtype == cache.v_tail.dtype == key.dtype):
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {list(slots.shape)}")
+    tails = reference.check_tail_slots(cache, slots, tail_slots)
+    tails = tails.contiguous() if tails is not None else None
+    key, value = key.contiguous(), value.contiguous()
+    d, bs = lay.head_dim, lay.block_size
+    fn = getattr(_lib, f"write_int4_{_SUFFIX[key.dtype]}")
+    rc = fn(key.data_ptr(), value.data_ptr(), key.shape[0], slots.data_ptr(), tails.data_ptr() if tails is not None else None,
+            cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
+            cache.k_tail.data_ptr() if cache.k_tail is not None else None,
+            cache.v_tail.data_ptr() if cache.v_tail is not None else None, cache.num_blocks, bs, lay.num_kv_heads, d,
+            cache.k_meta.shape[-1], KVFormat.key_group(d, bs), KVFormat.value_group(d))  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"slots must lie in [0, {cache.num_blocks * bs}), got {slots.tolist()}")
+    if rc == 3:
+        raise MemoryError("the INT4 write could not allocate its workspace")
+    return rc == 0
 
 
 def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ in oneDNN's packed layout (``LLMBUS_CPU_GEMM=onednn``) against our blocked kerne
 against all of them in one C call (``cpu_native.decode_layers``, the default). ``--compare tails``
 (with ``--kv-format int4``): no exact tail rows (``LLMBUS_KV_TAILS=0``) against them. ``--compare
 int4`` (with ``--kv-format int4``): int4 blocks dequantized before the kernel
-(``LLMBUS_CPU_INT4_FUSED=0``) against inside it.
+(``LLMBUS_CPU_INT4_FUSED=0``, which also writes them through the torch reference) against inside it.
 
 Each run starts two fresh processes in turn (the baseline, then the variant), which add
 ``--batch`` random prompts of ``--prompt-len`` tokens, step until every prompt is prefilled and

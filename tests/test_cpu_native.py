@@ -255,6 +255,59 @@ def test_int4_backend_decodes_in_the_kernel_and_bad_input_is_refused(monkeypatch
     assert cpu_native.paged_decode_int4(q, cache, tables, lens_t, 0.125) is None
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,bs,hkv", [(64, 16, 2), (128, 32, 1), (32, 8, 4)])
+def test_int4_write_gives_the_references_bytes(dtype, d, bs, hkv):
+    """The C INT4 write against reference.write_kv_cache, byte for byte: a prefill chunk that seals
+    blocks and leaves one filling, then decode steps one token a sequence, sealing blocks from their
+    tail rows (sequence 0), from their per-token codes (sequence 1, no row) and from a row some
+    tokens of which this call overwrites (a chunk of 3 in sequence 2); values whose ranges vary a
+    lot per channel and token, with ties and constant rows."""
+    from kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=str(dtype).removeprefix("torch."))
+    caches = [kv_cache.allocate_cache(KVFormat("int4"), lay, 12, "cpu", tail_rows=3) for _ in range(2)]
+    g = torch.Generator().manual_seed(d * bs)
+    tables = [[3, 7, 1, 9], [0, 5, 11, 2], [4, 6, 8, 10]]
+    lens = [bs + 3, 2 * bs - 2, 5]
+
+    def rows(n, scale=1.0):
+        x = torch.randn(n, hkv, d, generator=g) * torch.logspace(-2, 1, d) * scale
+        x[:, :, 1] = 0.5  # a constant channel
+        x[0, 0] = torch.round(x[0, 0] * 4) / 4  # exact ties
+        return x.to(dtype)
+
+    def step(seqs, counts, with_tails=(True, False, True)):
+        slots, tails = [], []
+        for s, n in zip(seqs, counts):
+            for _ in range(n):
+                slots.append(lay.slot(tables[s], lens[s]))
+                tails.append(s * bs + lens[s] % bs if with_tails[s] else -1)
+                lens[s] += 1
+        k, v = rows(len(slots)), rows(len(slots), 3.0)
+        slots, tails = torch.tensor(slots), torch.tensor(tails)
+        assert cpu_native.write_int4(k, v, caches[0], slots, tails)
+        reference.write_kv_cache(k, v, caches[1], slots, tails)
+        for field in ("data", "k_meta", "v_meta", "k_tail", "v_tail"):
+            assert torch.equal(getattr(caches[0], field), getattr(caches[1], field)), field
+
+    prefill = list(lens)
+    lens[:] = [0, 0, 0]
+    step([0, 1, 2], prefill)
+    for _ in range(bs + 2):
+        step([0, 1], [1, 1])
+    step([2], [3])
+    for _ in range(bs):
+        step([2], [1])
+    with pytest.raises(ValueError, match="slots must lie in"):
+        cpu_native.write_int4(*(rows(1) for _ in range(2)), caches[0], torch.tensor([12 * bs]))
+    with pytest.raises(ValueError, match="tail slot"):
+        cpu_native.write_int4(*(rows(1) for _ in range(2)), caches[0], torch.tensor([0]), torch.tensor([3 * bs]))
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 
