@@ -72,9 +72,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
     @staticmethod
     def _write(k, v, cache, slot_mapping, tail_slots=None):
-        # NOTE: the INT4 write in one C call, the same bytes as the reference's ~100 torch ops
-        if cache.fmt.name != "int4" or not cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
-            reference.write_kv_cache(k, v, cache, slot_mapping, tail_slots)
+        # NOTE: the quantizing writes in one C call, the same bytes as the reference's torch ops
+        if cache.fmt.name == "int4" and cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
+            return
+        if cache.fmt.name == "int8" and cpu_native.write_int8(k, v, cache, slot_mapping):
+            return
+        reference.write_kv_cache(k, v, cache, slot_mapping, tail_slots)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None):

@@ -446,7 +446,7 @@ int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_
     return 0;
 }
 
-/* ---- The INT4 KV write (kernels.reference.write_kv_cache, bit for bit) -------------------------
+/* ---- The quantizing KV writes (kernels.reference.write_kv_cache, bit for bit) --------------------
    kernels.quant_reference defines the encoding in fp32 torch ops, each rounded on its own: the
    code below does the same operations in the same order, with contraction into fused
    multiply-adds off (torch runs a * b + c as two ops), fp16 rounded to nearest even as .half()
@@ -617,6 +617,37 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
         return 0;                                                                                       \
     }
 
+/* The int8 write of T tokens (quant_reference.int8_quantize per token and head): key, value
+   [T, hkv, d] of type QT into data int8 [2, N, bs, hkv, d] and scales [2, N, bs, hkv] of type ST.
+   Returns 1 for a slot outside the cache (nothing written). */
+#define DEFINE_WRITE_INT8(NAME, QT, LOADQ, ST, STORES, LOADS)                                            \
+    int NAME(const QT *key, const QT *value, int64_t t_count, const int64_t *slots, int8_t *data, ST *scales, \
+             int64_t num_blocks, int64_t bs, int64_t hkv, int64_t d) {                                  \
+        for (int64_t i = 0; i < t_count; i++)                                                           \
+            if (slots[i] < 0 || slots[i] >= num_blocks * bs) return 1;                                  \
+        for (int64_t kv = 0; kv < 2; kv++)                                                              \
+            for (int64_t i = 0; i < t_count; i++)                                                       \
+                for (int64_t h = 0; h < hkv; h++) {                                                     \
+                    const QT *x = (kv ? value : key) + (i * hkv + h) * d;                               \
+                    float absmax = 0.0f;                                                                \
+                    for (int64_t c = 0; c < d; c++) {                                                   \
+                        const float a = fabsf(LOADQ(x[c]));                                             \
+                        absmax = a > absmax ? a : absmax;                                               \
+                    }                                                                                   \
+                    const int64_t at = kv * num_blocks * bs * hkv + slots[i] * hkv + h;                 \
+                    scales[at] = STORES(absmax / 127.0f);                                               \
+                    const float sc = LOADS(scales[at]);                                                 \
+                    int8_t *q = data + at * d;                                                          \
+                    for (int64_t c = 0; c < d; c++)                                                     \
+                        q[c] = (int8_t)clampf(floorf(safe_div(LOADQ(x[c]), sc) + 0.5f), -127.0f, 127.0f); \
+                }                                                                                       \
+        return 0;                                                                                       \
+    }
+
+DEFINE_WRITE_INT8(write_int8_f32_f16, float, f32_load, uint16_t, f16_store, f16_load)
+DEFINE_WRITE_INT8(write_int8_f32_f32, float, f32_load, float, f32_store, f32_load)
+DEFINE_WRITE_INT8(write_int8_bf16_f16, uint16_t, bf16_load, uint16_t, f16_store, f16_load)
+DEFINE_WRITE_INT8(write_int8_bf16_f32, uint16_t, bf16_load, float, f32_store, f32_load)
 DEFINE_WRITE_INT4(write_int4_f32, float, f32_load)
 DEFINE_WRITE_INT4(write_int4_bf16, uint16_t, bf16_load)
 #pragma GCC pop_options

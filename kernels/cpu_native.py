@@ -48,6 +48,8 @@ MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
 STALE_BUILD_S = 7 * 24 * 3600  # builds of other source versions older than this are removed
 
 # int8 caches: entry point per (query dtype, scale dtype)
+_WRITE_INT8 = {(q, sc): f"write_int8_{qn}_{sn}" for q, qn in ((torch.float32, "f32"), (torch.bfloat16, "bf16"))
+               for sc, sn in ((torch.float16, "f16"), (torch.float32, "f32"))}
 _INT8 = {(torch.float32, torch.float16): "paged_decode_int8_f32_f16", (torch.float32, torch.float32): "paged_decode_int8_f32_f32",
          (torch.bfloat16, torch.float16): "paged_decode_int8_bf16_f16",
          (torch.bfloat16, torch.float32): "paged_decode_int8_bf16_f32"}  # fmt: skip
@@ -137,6 +139,10 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
                            i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
+        for fn in _WRITE_INT8.values():
+            fn = getattr(lib, fn)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         for fn in (lib.write_int4_f32, lib.write_int4_bf16):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
@@ -248,6 +254,28 @@ def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, sca
         raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
                          f"scales {scales.dtype} {list(scales.shape)}")
     _run(entry, out, q, data, scales, tables, lens, scale)
+
+
+def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor) -> bool:
+    """``reference.write_kv_cache`` into an INT8 ``PagedKVCache`` in one C call, with the same bytes
+    as a result; False (nothing written) where it does not apply, as ``write_int4``."""
+    lay = cache.layout
+    entry = _WRITE_INT8.get((key.dtype, cache.scale.dtype if cache.scale is not None else None))
+    if (entry is None or _load() is None or cache.fmt.name != "int8" or value.dtype != key.dtype
+            or key.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
+            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)
+            or not (cache.data.is_contiguous() and cache.scale.is_contiguous())):
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {list(slots.shape)}")
+    key, value = key.contiguous(), value.contiguous()
+    rc = getattr(_lib, entry)(key.data_ptr(), value.data_ptr(), key.shape[0], slots.data_ptr(), cache.data.data_ptr(),
+                              cache.scale.data_ptr(), cache.num_blocks, lay.block_size, lay.num_kv_heads,
+                              lay.head_dim)  # fmt: skip
+    if rc == 1:
+        raise ValueError(f"slots must lie in [0, {cache.num_blocks * lay.block_size}), got {slots.tolist()}")
+    return True
 
 
 def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor,

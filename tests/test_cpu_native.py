@@ -308,6 +308,33 @@ def test_int4_write_gives_the_references_bytes(dtype, d, bs, hkv):
         cpu_native.write_int4(*(rows(1) for _ in range(2)), caches[0], torch.tensor([0]), torch.tensor([3 * bs]))
 
 
+@needs_kernel
+@pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_write_gives_the_references_bytes(dtype, scale_dtype):
+    """The C INT8 write against reference.write_kv_cache, byte for byte: rows of very different
+    ranges, an all-zero row, exact ties, a scale that overflows fp16."""
+    from kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=str(dtype).removeprefix("torch."))
+    caches = [kv_cache.allocate_cache(KVFormat("int8", scale_dtype), lay, 6, "cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(40, 2, 64, generator=g) * torch.logspace(-3, 2, 40)[:, None, None]
+    v = torch.randn(40, 2, 64, generator=g)
+    k[3] = 0.0
+    v[4] = torch.round(v[4] * 2) / 2
+    k[5, 1, 7] = 1e7 if dtype == torch.float32 else 3e38
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(96, generator=g)[:40]
+    assert cpu_native.write_int8(k, v, caches[0], slots)
+    reference.write_kv_cache(k, v, caches[1], slots)
+    assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
+    with pytest.raises(ValueError, match="slots must lie in"):
+        cpu_native.write_int8(k[:1], v[:1], caches[0], torch.tensor([96]))
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 
