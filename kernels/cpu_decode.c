@@ -450,10 +450,15 @@ int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_
    kernels.quant_reference defines the encoding in fp32 torch ops, each rounded on its own: the
    code below does the same operations in the same order, with contraction into fused
    multiply-adds off (torch runs a * b + c as two ops), fp16 rounded to nearest even as .half()
-   does, and floor(x + 0.5) for rounding. The torch version spent ~1 ms a layer and step on
+   does, floor(x + 0.5) for rounding, NaN winning a min or max as in torch. The one difference: a
+   minimum or maximum over both +0 and -0 may keep the other zero than torch's reduction order does
+   (the bytes of the sign, same values). The torch version spent ~1 ms a layer and step on
    dispatching some hundred small ops for a batch's 32 tokens. */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
 
 /* fp32 -> fp16 bits, round to nearest even (overflow to inf, subnormals kept). */
 static inline uint16_t f16_store(float f) {
@@ -473,17 +478,22 @@ static inline uint16_t f16_store(float f) {
 }
 
 static inline float safe_div(float x, float s) { return s > 0.0f ? x / s : 0.0f; }
-static inline float clampf(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
+/* NaN -> 0: torch's clamp keeps NaN, and its integer cast then gives 0 on x86 (a C cast of NaN is
+   undefined) */
+static inline float clampf(float x, float lo, float hi) { return x != x ? 0.0f : (x < lo ? lo : (x > hi ? hi : x)); }
+/* torch's amin / amax: a NaN wins, as the positive quiet NaN */
+static inline float min_nan(float a, float b) { return b != b ? NAN : (b < a ? b : a); }
+static inline float max_nan(float a, float b) { return b != b ? NAN : (b > a ? b : a); }
 
 /* quant_reference.int4_group_quantize of one row x[0:d]: codes packed into p[0:d/2], (scale, min)
    fp16 bits per group of g at meta[0], meta[1], meta[2], ... */
 static void int4_quantize_row(const float *x, int64_t d, int64_t g, uint8_t *p, uint16_t *meta) {
     for (int64_t k = 0; k < d / g; k++) {
         const float *xg = x + k * g;
-        float lo = xg[0], hi = xg[0];
-        for (int64_t i = 1; i < g; i++) {
-            lo = xg[i] < lo ? xg[i] : lo;
-            hi = xg[i] > hi ? xg[i] : hi;
+        float lo = INFINITY, hi = -INFINITY;
+        for (int64_t i = 0; i < g; i++) {
+            lo = min_nan(lo, xg[i]);
+            hi = max_nan(hi, xg[i]);
         }
         const uint16_t mn16 = f16_store(lo);
         const float mn = f16_load(mn16);
@@ -505,22 +515,22 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                                     int64_t key_slots) {
     const float pad = 1.0f / 512.0f; /* quant_reference.RANGE_PAD */
     for (int64_t h = 0; h < hkv; h++) {
-        float lo = x[h * d], hi = x[h * d];
+        float lo = INFINITY, hi = -INFINITY;
         for (int64_t t = 0; t < bs; t++)
             for (int64_t i = 0; i < d; i++) {
                 const float v = x[(t * hkv + h) * d + i];
-                lo = v < lo ? v : lo;
-                hi = v > hi ? v : hi;
+                lo = min_nan(lo, v);
+                hi = max_nan(hi, v);
             }
         const uint16_t lo16 = f16_store(lo - fabsf(lo) * pad), hi16 = f16_store(hi + fabsf(hi) * pad);
         const float lo_f = f16_load(lo16), step = (f16_load(hi16) - lo_f) / 255.0f;
         uint16_t *row = km + h * key_slots;
         for (int64_t i = 0; i < d; i++) {
-            float cmn = x[h * d + i], cmx = cmn;
-            for (int64_t t = 1; t < bs; t++) {
+            float cmn = INFINITY, cmx = -INFINITY;
+            for (int64_t t = 0; t < bs; t++) {
                 const float v = x[(t * hkv + h) * d + i];
-                cmn = v < cmn ? v : cmn;
-                cmx = v > cmx ? v : cmx;
+                cmn = min_nan(cmn, v);
+                cmx = max_nan(cmx, v);
             }
             const float m = clampf(floorf(safe_div(cmn - lo_f, step)), 0.0f, 255.0f);
             const float big = clampf(ceilf(safe_div(cmx - lo_f, step)), 0.0f, 255.0f);
@@ -555,12 +565,6 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
         const int64_t half = d / 2, row = hkv * half;                                                   \
         uint8_t *vdata = data + num_blocks * bs * row;                                                  \
         float x[MAX_D];                                                                                 \
-        for (int64_t i = 0; i < t_count; i++)                                                           \
-            for (int64_t h = 0; h < hkv; h++) {                                                         \
-                for (int64_t c = 0; c < d; c++) x[c] = LOADQ(value[(i * hkv + h) * d + c]);             \
-                int4_quantize_row(x, d, gv, vdata + slots[i] * row + h * half,                          \
-                                  v_meta + (slots[i] * hkv + h) * (d / gv) * 2);                        \
-            }                                                                                           \
         /* a block is sealed when this call writes its last slot: sealed[b] 1, then 2 once done */      \
         uint8_t *sealed = calloc((size_t)num_blocks, 1);                                                \
         float *blk = malloc((size_t)(bs * hkv * d) * sizeof(float));                                    \
@@ -569,6 +573,12 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
             free(blk);                                                                                  \
             return 3;                                                                                   \
         }                                                                                               \
+        for (int64_t i = 0; i < t_count; i++)                                                           \
+            for (int64_t h = 0; h < hkv; h++) {                                                         \
+                for (int64_t c = 0; c < d; c++) x[c] = LOADQ(value[(i * hkv + h) * d + c]);             \
+                int4_quantize_row(x, d, gv, vdata + slots[i] * row + h * half,                          \
+                                  v_meta + (slots[i] * hkv + h) * (d / gv) * 2);                        \
+            }                                                                                           \
         for (int64_t i = 0; i < t_count; i++)                                                           \
             if (slots[i] % bs == bs - 1) sealed[slots[i] / bs] = 1;                                     \
         for (int64_t i = 0; i < t_count; i++) {                                                         \
@@ -632,7 +642,7 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                     float absmax = 0.0f;                                                                \
                     for (int64_t c = 0; c < d; c++) {                                                   \
                         const float a = fabsf(LOADQ(x[c]));                                             \
-                        absmax = a > absmax ? a : absmax;                                               \
+                        absmax = max_nan(absmax, a);                                                    \
                     }                                                                                   \
                     const int64_t at = kv * num_blocks * bs * hkv + slots[i] * hkv + h;                 \
                     scales[at] = STORES(absmax / 127.0f);                                               \
@@ -650,6 +660,9 @@ DEFINE_WRITE_INT8(write_int8_bf16_f16, uint16_t, bf16_load, uint16_t, f16_store,
 DEFINE_WRITE_INT8(write_int8_bf16_f32, uint16_t, bf16_load, float, f32_store, f32_load)
 DEFINE_WRITE_INT4(write_int4_f32, float, f32_load)
 DEFINE_WRITE_INT4(write_int4_bf16, uint16_t, bf16_load)
+#ifdef __clang__
+#pragma STDC FP_CONTRACT ON
+#endif
 #pragma GCC pop_options
 
 /* ---- Element-wise fusions the CPU model runs around its GEMMs (bf16 only) -------------------

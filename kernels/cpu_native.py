@@ -264,7 +264,9 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     if (entry is None or _load() is None or cache.fmt.name != "int8" or value.dtype != key.dtype
             or key.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
             or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)
-            or not (cache.data.is_contiguous() and cache.scale.is_contiguous())):
+            or not (cache.data.is_contiguous() and cache.scale.is_contiguous()) or cache.data.dtype != torch.int8
+            or tuple(cache.data.shape) != (2, cache.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+            or cache.scale.shape != cache.data.shape[:4]):
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):
@@ -274,24 +276,33 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
                               cache.scale.data_ptr(), cache.num_blocks, lay.block_size, lay.num_kv_heads,
                               lay.head_dim)  # fmt: skip
     if rc == 1:
-        raise ValueError(f"slots must lie in [0, {cache.num_blocks * lay.block_size}), got {slots.tolist()}")
+        raise ValueError(_bad_slot(slots, cache.num_blocks * lay.block_size))
     return True
+
+
+def _bad_slot(slots: torch.Tensor, limit: int) -> str:
+    bad = int(slots[(slots < 0) | (slots >= limit)][0])
+    return f"slots must lie in [0, {limit}), got {bad}"
 
 
 def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor,
                tail_slots: torch.Tensor | None = None) -> bool:
     """``reference.write_kv_cache`` into an INT4 ``PagedKVCache`` in one C call, with the same bytes
-    as a result. False (nothing written) where it does not apply: keys not float32 or bfloat16 or
-    not the cache's model dtype, non-contiguous tensors, no library; the caller's path serves."""
+    as a result (up to the sign of a zero range end: ``write_int4_*`` in cpu_decode.c). False
+    (nothing written) where it does not apply: keys not float32 or bfloat16 or not the cache's model
+    dtype, cache tensors not contiguous or not of its layout, a shape the kernel does not take, no
+    library; the caller's path serves."""
     lay = cache.layout
     if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or key.dtype != cache.model_dtype
             or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
             or key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
         return False
-    if not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta)):
-        return False
-    if cache.k_tail is not None and not (cache.k_tail.is_contiguous() and cache.v_tail.is_contiguous()
-                                         and cache.k_tail.dtype == cache.v_tail.dtype == key.dtype):
+    d, bs, h, n = lay.head_dim, lay.block_size, lay.num_kv_heads, cache.num_blocks
+    shapes = [(cache.data, (2, n, bs, h, d // 2), torch.uint8), (cache.k_meta, (n, h, KVFormat.key_meta_slots(d, bs)), torch.int16),
+              (cache.v_meta, (n, bs, h, d // KVFormat.value_group(d), 2), torch.float16)]  # fmt: skip
+    if cache.k_tail is not None:
+        shapes += [(t, (cache.num_tail_rows * bs, h, d), key.dtype) for t in (cache.k_tail, cache.v_tail)]
+    if not all(t.is_contiguous() and tuple(t.shape) == shape and t.dtype == dt for t, shape, dt in shapes):
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):
@@ -299,7 +310,6 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     tails = reference.check_tail_slots(cache, slots, tail_slots)
     tails = tails.contiguous() if tails is not None else None
     key, value = key.contiguous(), value.contiguous()
-    d, bs = lay.head_dim, lay.block_size
     fn = getattr(_lib, f"write_int4_{_SUFFIX[key.dtype]}")
     rc = fn(key.data_ptr(), value.data_ptr(), key.shape[0], slots.data_ptr(), tails.data_ptr() if tails is not None else None,
             cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
@@ -307,7 +317,7 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
             cache.v_tail.data_ptr() if cache.v_tail is not None else None, cache.num_blocks, bs, lay.num_kv_heads, d,
             cache.k_meta.shape[-1], KVFormat.key_group(d, bs), KVFormat.value_group(d))  # fmt: skip
     if rc == 1:
-        raise ValueError(f"slots must lie in [0, {cache.num_blocks * bs}), got {slots.tolist()}")
+        raise ValueError(_bad_slot(slots, cache.num_blocks * bs))
     if rc == 3:
         raise MemoryError("the INT4 write could not allocate its workspace")
     return rc == 0

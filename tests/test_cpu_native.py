@@ -127,6 +127,34 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("d,bs,hkv,rows", [(256, 64, 1, 2), (96, 1, 3, 0), (16, 4, 2, 3)])
+def test_int4_write_matches_the_reference_on_random_calls(d, bs, hkv, rows):
+    """Random calls, byte for byte: duplicate slots (the last write wins), tokens sealing blocks
+    at random, tail slots of -1, no tail rows at all, head dims not a power of two."""
+    from kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype="bfloat16")
+    caches = [kv_cache.allocate_cache(KVFormat("int4"), lay, 5, "cpu", tail_rows=rows) for _ in range(2)]
+    g = torch.Generator().manual_seed(d + bs + hkv)
+    for _ in range(25):
+        t = int(torch.randint(1, 2 * bs + 3, (1,), generator=g))
+        slots = torch.randint(0, 5 * bs, (t,), generator=g)
+        slots[::3] = slots[0]  # duplicates
+        k, v = (torch.randn(t, hkv, d, generator=g).bfloat16() * 3 for _ in range(2))
+        tails = None
+        if rows:
+            tails = torch.randint(0, rows, (t,), generator=g) * bs + slots % bs
+            tails[torch.rand(t, generator=g) < 0.3] = -1
+        assert cpu_native.write_int4(k, v, caches[0], slots, tails)
+        reference.write_kv_cache(k, v, caches[1], slots, tails)
+        for field in ("data", "k_meta", "v_meta", "k_tail", "v_tail"):
+            assert (getattr(caches[0], field) is None and getattr(caches[1], field) is None) or torch.equal(
+                getattr(caches[0], field), getattr(caches[1], field)), field
+
+
+@needs_kernel
 @pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
