@@ -76,6 +76,21 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
     assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
 
 
+@pytest.mark.skipif(not (cpu_native.available() and cpu_native.has_bf16_dot()),
+                    reason="the C prefill kernel needs the bf16 dot instruction")
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cpu_backend_prefills_quantized_bf16_caches_in_the_c_kernel(fmt, monkeypatch):
+    """bf16 prefill chunks over int8/int4 caches (a fresh prompt, one after a cached prefix, then
+    decodes) through the C prefill kernel over their dequantized context, never the reference."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference prefill ran")
+
+    monkeypatch.setattr(reference, "paged_prefill_attention_cache", refuse)
+    _agree_over_steps(CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt), "bfloat16", atol=2e-2,
+                      device="cpu", tails=fmt == "int4")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_backends_agree_with_int4_tail_rows(dtype):
     """Triton, the references and the CPU backend, each writing and reading the rows itself."""
