@@ -8,6 +8,7 @@ for the KV handoff between workers and tiers (same bytes on either backend).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_native, kv_cache, reference
 from llmbus.kv.formats import KVFormat, parse_kv_format
@@ -60,15 +61,32 @@ class TorchPagedAttentionBackend(_PagedBackend):
     _prefill = staticmethod(reference.paged_prefill_attention_cache)
 
 
+def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale) -> torch.Tensor:
+    """Prefill chunks over an fp32 context ``kv [2, n, bs, Hkv, D]`` (``tables`` into it), each by
+    torch's SDPA in fp32: chunk i's queries ``q[qsl[i]:qsl[i+1]]`` end at position ``seq_lens[i]``."""
+    bs, hq, hkv = kv.shape[2], q.shape[1], kv.shape[3]
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for i, (q0, q1, ctx) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), seq_lens.tolist())):
+        if q1 == q0:
+            continue
+        ctx_kv = kv[:, tables[i, : -(-ctx // bs)].long()].flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
+        allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - (q1 - q0), ctx)[:, None]
+        res = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1)[None], ctx_kv[0][None], ctx_kv[1][None],
+                                             attn_mask=allowed, scale=scale, enable_gqa=hq != hkv)
+        out[q0:q1] = res[0].transpose(0, 1).to(q.dtype)
+    return out
+
+
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     """The CPU engine's backend for int8/int4 caches (``kernels.cpu_native``): decodes through the
     fused C kernel, int8 and int4 dequantized inside it (int4, where the kernel does not take the
     query's dtype, dequantized first for the blocks its batch reads with the C pass
-    ``dequantize_int4_blocks``, then attended in fp32); bf16 prefill chunks through the C prefill
-    kernel over their context dequantized to bf16; the quantizing writes in C. Each replaces the
-    reference's padded, head-repeated einsums (a large-demo-model step at batch 32 spent ~400 ms
-    there in decode; prefill of 8 x 1,024 tokens took 3x the bf16 model's). float32 prefill, and
-    machines where the kernels did not build, use the references."""
+    ``dequantize_int4_blocks``, then attended in fp32); prefill chunks over their context dequantized
+    once, through the C prefill kernel (bf16, where the CPU has the bf16 dot instruction) or torch's
+    SDPA in fp32; the quantizing writes in C. Each replaces the reference's padded, head-repeated
+    einsums (a large-demo-model step at batch 32 spent ~400 ms there in decode; prefill of 8 x 1,024
+    tokens took 3x the bf16 model's). Where the C kernels did not build, decode and writes use the
+    references."""
 
     name = "cpu-paged"
 
@@ -84,22 +102,24 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     @staticmethod
     def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None):
         lay = cache.layout
-        if (q.dtype != torch.bfloat16 or block_tables.shape[0] == 0 or not cpu_native.available()
-                or not cpu_native.prefill_supports(q.dtype, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size)):
+        if block_tables.shape[0] == 0 or q.dtype not in (torch.bfloat16, torch.float32):
             return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
-        # NOTE: the chunks' context dequantized once (to bf16: what the bf16 kernel reads, as the GPU
-        # kernels round it to fp16), then the C prefill kernel; the reference's padded fp32 score
-        # matrices made quantized prefill ~3x the bf16 one
+        # NOTE: the chunks' context dequantized once, then attended as model-dtype context is: the
+        # reference's padded fp32 score matrices made quantized prefill ~3x the bf16 one
         dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name == "int4" else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         qsl = qsl.to(torch.int32)
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            q = q.contiguous()
-        out = torch.empty(q.shape, dtype=q.dtype)
-        cpu_native.prefill_into(out, q, kv.to(torch.bfloat16), tables, qsl[:-1].contiguous(),
-                                (qsl[1:] - qsl[:-1]).contiguous(), seq_lens.to(torch.int32).contiguous(), scale)
-        return out
+        if q.dtype == torch.bfloat16 and cpu_native.available() and cpu_native.prefill_supports(
+                q.dtype, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size):
+            # the C prefill kernel reads bf16 (as the GPU kernels round the context to fp16)
+            if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+                q = q.contiguous()
+            out = torch.empty(q.shape, dtype=q.dtype)
+            cpu_native.prefill_into(out, q, kv.to(torch.bfloat16), tables, qsl[:-1].contiguous(),
+                                    (qsl[1:] - qsl[:-1]).contiguous(), seq_lens.to(torch.int32).contiguous(), scale)
+            return out
+        return _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None):

@@ -76,19 +76,21 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
     assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
 
 
-@pytest.mark.skipif(not (cpu_native.available() and cpu_native.has_bf16_dot()),
-                    reason="the C prefill kernel needs the bf16 dot instruction")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_cpu_backend_prefills_quantized_bf16_caches_in_the_c_kernel(fmt, monkeypatch):
-    """bf16 prefill chunks over int8/int4 caches (a fresh prompt, one after a cached prefix, then
-    decodes) through the C prefill kernel over their dequantized context, never the reference."""
+def test_cpu_backend_prefills_quantized_caches_without_the_reference(fmt, dtype, monkeypatch):
+    """Prefill chunks over int8/int4 caches (a fresh prompt, one after a cached prefix, then
+    decodes) over their context dequantized once: bf16 through the C prefill kernel, fp32 through
+    SDPA; never the reference's padded score matrices."""
+    if dtype == "bfloat16" and not (cpu_native.available() and cpu_native.has_bf16_dot()):
+        pytest.skip("the C prefill kernel needs the bf16 dot instruction")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the reference prefill ran")
 
     monkeypatch.setattr(reference, "paged_prefill_attention_cache", refuse)
-    _agree_over_steps(CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt), "bfloat16", atol=2e-2,
-                      device="cpu", tails=fmt == "int4")
+    _agree_over_steps(CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt), dtype,
+                      atol=2e-2 if dtype == "bfloat16" else 2e-5, device="cpu", tails=fmt == "int4")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
