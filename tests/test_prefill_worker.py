@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -163,8 +164,12 @@ def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, t
     added: list[str] = []
     step, add_request = engine.step, engine.add_request
 
+    hold, released = threading.Event(), threading.Event()
+
     def slow_step():
         time.sleep(0.15)  # NOTE: long steps hold the job at the prefix lookup, which waits for a step boundary
+        if hold.is_set():  # NOTE: and, whatever the machine's load, until the abort is in
+            released.wait(30)
         return step()
 
     def recording_add(rid, *args, **kwargs):
@@ -190,10 +195,14 @@ def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, t
         async with _colocated_worker(nats_server, engine, model) as worker:
             await _submit(js, model, "busy", list(range(7, 47)), 12)  # keeps the engine stepping
             await asyncio.wait_for(first_token.wait(), 30)
+            hold.set()
             await _submit(js, model, "doomed", list(range(7, 47)), 8)
             while "doomed" not in worker.jobs:
                 await asyncio.sleep(0.002)
             await nc.publish(subjects.abort("doomed"), encode(Abort("doomed", "client_disconnected")))
+            while "doomed" in worker.jobs:  # the abort taken (the job popped), its admission still to come
+                await asyncio.sleep(0.002)
+            released.set()
             await asyncio.wait_for(finished.wait(), 30)
             await asyncio.sleep(0.5)  # a few more step boundaries: a late admission would have happened
             assert "doomed" not in worker.jobs
