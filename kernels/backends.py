@@ -62,17 +62,26 @@ class TorchPagedAttentionBackend(_PagedBackend):
 
 
 def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale) -> torch.Tensor:
-    """Prefill chunks over an fp32 context ``kv [2, n, bs, Hkv, D]`` (``tables`` into it), each by
-    torch's SDPA in fp32: chunk i's queries ``q[qsl[i]:qsl[i+1]]`` end at position ``seq_lens[i]``."""
+    """Prefill chunks over an fp32 context ``kv [2, n, bs, Hkv, D]`` with ``tables`` into it as
+    ``reference.dequantized_context`` returns them (row i: consecutive ids), each by torch's SDPA in
+    fp32: chunk i's queries ``q[qsl[i]:qsl[i+1]]`` end at position ``seq_lens[i]``. NOTE: each chunk
+    sees its context cut at ``seq_lens[i]``: slots past a sequence's end may decode to inf/NaN, which
+    SDPA would spread even from masked positions."""
     bs, hq, hkv = kv.shape[2], q.shape[1], kv.shape[3]
     out = torch.empty(q.shape, dtype=q.dtype)
     for i, (q0, q1, ctx) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), seq_lens.tolist())):
         if q1 == q0:
             continue
-        ctx_kv = kv[:, tables[i, : -(-ctx // bs)].long()].flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
-        allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - (q1 - q0), ctx)[:, None]
-        res = F.scaled_dot_product_attention(q[q0:q1].float().transpose(0, 1)[None], ctx_kv[0][None], ctx_kv[1][None],
-                                             attn_mask=allowed, scale=scale, enable_gqa=hq != hkv)
+        first = int(tables[i, 0])
+        ctx_kv = kv[:, first : first + -(-ctx // bs)].flatten(1, 2)[:, :ctx].transpose(1, 2)  # [2, Hkv, ctx, D]
+        qc = q[q0:q1].float().transpose(0, 1)[None]
+        if ctx == q1 - q0:  # a fresh prompt: plain causal
+            res = F.scaled_dot_product_attention(qc, ctx_kv[0][None], ctx_kv[1][None], is_causal=True, scale=scale,
+                                                 enable_gqa=hq != hkv)
+        else:
+            allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - (q1 - q0), ctx)[:, None]
+            res = F.scaled_dot_product_attention(qc, ctx_kv[0][None], ctx_kv[1][None], attn_mask=allowed, scale=scale,
+                                                 enable_gqa=hq != hkv)
         out[q0:q1] = res[0].transpose(0, 1).to(q.dtype)
     return out
 
@@ -102,7 +111,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     @staticmethod
     def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None):
         lay = cache.layout
-        if block_tables.shape[0] == 0 or q.dtype not in (torch.bfloat16, torch.float32):
+        if cache.fmt.name == "model" or block_tables.shape[0] == 0 or q.dtype not in (torch.bfloat16, torch.float32):
             return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
         # NOTE: the chunks' context dequantized once, then attended as model-dtype context is: the
         # reference's padded fp32 score matrices made quantized prefill ~3x the bf16 one

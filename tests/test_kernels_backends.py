@@ -80,17 +80,53 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cpu_backend_prefills_quantized_caches_without_the_reference(fmt, dtype, monkeypatch):
     """Prefill chunks over int8/int4 caches (a fresh prompt, one after a cached prefix, then
-    decodes) over their context dequantized once: bf16 through the C prefill kernel, fp32 through
-    SDPA; never the reference's padded score matrices."""
-    if dtype == "bfloat16" and not (cpu_native.available() and cpu_native.has_bf16_dot()):
-        pytest.skip("the C prefill kernel needs the bf16 dot instruction")
-
+    decodes) over their context dequantized once: bf16 through the C prefill kernel (where the CPU
+    has the bf16 dot instruction), fp32 through SDPA; never the reference's padded score matrices."""
     def refuse(*args, **kwargs):
         raise AssertionError("the reference prefill ran")
 
     monkeypatch.setattr(reference, "paged_prefill_attention_cache", refuse)
     _agree_over_steps(CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt), dtype,
                       atol=2e-2 if dtype == "bfloat16" else 2e-5, device="cpu", tails=fmt == "int4")
+
+
+@pytest.mark.parametrize("path", ["c-kernel", "sdpa"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cpu_backend_prefill_matches_the_reference_and_ignores_bytes_past_the_end(fmt, dtype, path, monkeypatch):
+    """Prefill over a quantized cache against the reference: chunks after a cached prefix, a fresh
+    prompt, a zero-length chunk, GQA 4; slots past each sequence's end hold NaN metadata, which
+    must not reach the output. ``sdpa``: bf16 as on a CPU without the bf16 dot instruction."""
+    from kernels.kv_cache import allocate_cache
+    from llmbus.kv.formats import KVFormat
+
+    if path == "sdpa":
+        monkeypatch.setattr(cpu_native, "has_bf16_dot", lambda: False)
+    elif dtype == "float32" or not (cpu_native.available() and cpu_native.has_bf16_dot()):
+        pytest.skip("the C prefill kernel takes bf16, with the bf16 dot instruction")
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    cache = allocate_cache(KVFormat(fmt), lay, 12, "cpu")
+    tables = torch.tensor([[3, 5, 0, 7], [6, 1, 0, 0], [2, 4, 0, 0], [8, 9, 10, 0]], dtype=torch.int32)
+    ctx, qlens = [45, 20, 9, 33], [13, 20, 0, 5]
+    g = torch.Generator().manual_seed(21)
+    slots = torch.tensor([lay.slot(tables[b].tolist(), t) for b, n in enumerate(ctx) for t in range(n)])
+    k, v = (torch.randn(len(slots), 2, 64, generator=g).to(getattr(torch, dtype)) for _ in range(2))
+    reference.write_kv_cache(k, v, cache, slots)
+    for b, n in enumerate(ctx):  # NOTE: poison the slots past each end
+        blk, off = int(tables[b, n // 16]), n % 16
+        if fmt == "int8":
+            cache.scale[:, blk, off:] = float("nan")
+        else:
+            cache.v_meta[blk, off:] = float("nan")
+            cache.k_meta[blk, :, 2 * off * (64 // KVFormat.key_group(64, 16)):] = 0x7E00  # NaN fp16 bits
+    q = torch.randn(sum(qlens), 8, 64, generator=g).to(getattr(torch, dtype))
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(ctx, dtype=torch.int32)
+    want = reference.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.125)
+    got = CpuPagedAttentionBackend(fmt)._prefill(q, cache, tables, sl, qsl, 0.125)
+    assert torch.isfinite(got.float()).all()
+    tol = 2e-2 if path == "c-kernel" else 2e-5 if dtype == "float32" else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
