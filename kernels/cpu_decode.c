@@ -566,10 +566,15 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
         uint8_t *vdata = data + num_blocks * bs * row;                                                  \
         float x[MAX_D];                                                                                 \
         /* a block is sealed when this call writes its last slot: sealed[b] 1, then 2 once done */      \
-        uint8_t *sealed = calloc((size_t)num_blocks, 1);                                                \
+        /* sealed blocks, each with the list of this call's tokens in it, latest first: head[b] 0 for a  \
+           block not sealed by this call, else 1 + its latest token (negated once done), nxt[i] the  \
+           token before i in the same block (-1: none) */                                              \
+        int32_t *head = calloc((size_t)num_blocks, sizeof(int32_t));                                    \
+        int32_t *nxt = malloc((size_t)(t_count > 0 ? t_count : 1) * sizeof(int32_t));                   \
         float *blk = malloc((size_t)(bs * hkv * d) * sizeof(float));                                    \
-        if (!sealed || !blk) {                                                                          \
-            free(sealed);                                                                               \
+        if (!head || !nxt || !blk || t_count > INT32_MAX - 1) {                                         \
+            free(head);                                                                                 \
+            free(nxt);                                                                                  \
             free(blk);                                                                                  \
             return 3;                                                                                   \
         }                                                                                               \
@@ -580,10 +585,14 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                                   v_meta + (slots[i] * hkv + h) * (d / gv) * 2);                        \
             }                                                                                           \
         for (int64_t i = 0; i < t_count; i++)                                                           \
-            if (slots[i] % bs == bs - 1) sealed[slots[i] / bs] = 1;                                     \
+            if (slots[i] % bs == bs - 1) head[slots[i] / bs] = -1;                                      \
         for (int64_t i = 0; i < t_count; i++) {                                                         \
             const int64_t b = slots[i] / bs;                                                            \
-            if (sealed[b]) continue;                                                                    \
+            if (head[b]) {                                                                              \
+                nxt[i] = head[b] > 0 ? head[b] - 1 : -1;                                                \
+                head[b] = (int32_t)i + 1;                                                               \
+                continue;                                                                               \
+            }                                                                                           \
             for (int64_t h = 0; h < hkv; h++) {                                                         \
                 for (int64_t c = 0; c < d; c++) x[c] = LOADQ(key[(i * hkv + h) * d + c]);               \
                 int4_quantize_row(x, d, gk, data + slots[i] * row + h * half,                           \
@@ -592,14 +601,21 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
         }                                                                                               \
         for (int64_t i = 0; i < t_count; i++) {                                                         \
             const int64_t b = slots[i] / bs;                                                            \
-            if (slots[i] % bs != bs - 1 || sealed[b] != 1) continue;                                    \
-            sealed[b] = 2;                                                                              \
-            int64_t last = i; /* the token sealing it: the last write of its last slot */               \
-            for (int64_t j = i + 1; j < t_count; j++) last = slots[j] == slots[i] ? j : last;           \
-            const int64_t base = tail_slots ? tail_slots[last] - (bs - 1) : -1;                         \
+            if (head[b] <= 0) continue; /* not sealed, or done */                                       \
+            int64_t last_at[MAX_BS]; /* the last write of each slot in this call, -1: none */           \
+            for (int64_t o = 0; o < bs; o++) last_at[o] = -1;                                           \
+            for (int64_t j = head[b] - 1; j >= 0; j = nxt[j])                                           \
+                if (last_at[slots[j] % bs] < 0) last_at[slots[j] % bs] = j;                             \
+            head[b] = -head[b];                                                                         \
+            /* the token sealing it is the last write of its last slot */                               \
+            const int64_t base = tail_slots ? tail_slots[last_at[bs - 1]] - (bs - 1) : -1;              \
             for (int64_t o = 0; o < bs; o++)                                                            \
                 for (int64_t h = 0; h < hkv; h++) {                                                     \
                     float *xr = blk + (o * hkv + h) * d;                                                \
+                    if (last_at[o] >= 0) { /* this call's key */                                        \
+                        for (int64_t c = 0; c < d; c++) xr[c] = LOADQ(key[(last_at[o] * hkv + h) * d + c]); \
+                        continue;                                                                       \
+                    }                                                                                   \
                     if (base >= 0) {                                                                    \
                         for (int64_t c = 0; c < d; c++) xr[c] = LOADQ(k_tail[((base + o) * hkv + h) * d + c]); \
                         continue;                                                                       \
@@ -611,18 +627,16 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                         xr[c] = f16_load(g[2 * (c / gk) + 1]) + q * f16_load(g[2 * (c / gk)]);          \
                     }                                                                                   \
                 }                                                                                       \
-            for (int64_t j = 0; j < t_count; j++) /* this call's keys, the last write of a slot */      \
-                if (slots[j] / bs == b)                                                                 \
-                    for (int64_t c = 0; c < hkv * d; c++) blk[slots[j] % bs * hkv * d + c] = LOADQ(key[j * hkv * d + c]); \
             int4_quantize_key_block(blk, bs, hkv, d, data + b * bs * row, k_meta + b * hkv * key_slots, key_slots); \
         }                                                                                               \
         if (tail_slots)                                                                                 \
             for (int64_t i = 0; i < t_count; i++) {                                                     \
-                if (sealed[slots[i] / bs] || tail_slots[i] < 0) continue;                               \
+                if (head[slots[i] / bs] || tail_slots[i] < 0) continue;                                 \
                 memcpy(k_tail + tail_slots[i] * hkv * d, key + i * hkv * d, (size_t)(hkv * d) * sizeof(QT)); \
                 memcpy(v_tail + tail_slots[i] * hkv * d, value + i * hkv * d, (size_t)(hkv * d) * sizeof(QT)); \
             }                                                                                           \
-        free(sealed);                                                                                   \
+        free(head);                                                                                     \
+        free(nxt);                                                                                      \
         free(blk);                                                                                      \
         return 0;                                                                                       \
     }
