@@ -140,6 +140,13 @@ typedef struct {
     int64_t num_blocks, bs, hkv, d, key_slots, gk, gv;
 } int4_src;
 
+/* Whether the int4 entries take this shape: even groups dividing head_dim (a byte's two nibbles
+   share a group) and k_meta rows long enough for either key encoding. */
+static inline int int4_shape_ok(int64_t d, int64_t bs, int64_t key_slots, int64_t gk, int64_t gv) {
+    return d <= MAX_D && d % 2 == 0 && gk >= 2 && gv >= 2 && d % gk == 0 && d % gv == 0 && gk % 2 == 0
+           && gv % 2 == 0 && key_slots >= d + 2 && key_slots >= 2 * bs * (d / gk);
+}
+
 /* Where channel i goes in a widened row: its own place, or (parity) the even channels first, then
    the odd ones: the packed bytes' two nibbles then widen into two contiguous runs. */
 static inline int64_t i4_col(int64_t i, int64_t half, int parity) { return parity ? (i & 1) * half + (i >> 1) : i; }
@@ -414,9 +421,7 @@ DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)
              const QT *q, QT *out, const int32_t *tables, int64_t table_stride, const int32_t *lens,    \
              int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks,         \
              float scale, int threads) {                                                                \
-        if (d % 2 || gk < 2 || gv < 2 || d % gk || d % gv || gk % 2 || gv % 2                         \
-            || key_slots < d + 2 || key_slots < 2 * bs * (d / gk))                                      \
-            return -1;                                                                                  \
+        if (!int4_shape_ok(d, bs, key_slots, gk, gv)) return -1;                                        \
         const int4_src src = {data, k_meta, v_meta, k_tail, v_tail, tail_rows, num_blocks, bs, hkv, d,  \
                               key_slots, gk, gv};                                                       \
         const float *none = 0;                                                                          \
@@ -435,7 +440,7 @@ int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_
                  int64_t key_slots, int64_t gk, int64_t gv, float *out, int threads) {
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= num_blocks) return 1;
-    if (d > MAX_D || d % 2 || d % gk || d % gv || gv % 2) return 2;
+    if (!int4_shape_ok(d, bs, key_slots, gk, gv)) return 2;
     const int4_src c = {data, k_meta, v_meta, 0, 0, 0, num_blocks, bs, hkv, d, key_slots, gk, gv};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++)
@@ -557,15 +562,12 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
     int NAME(const QT *key, const QT *value, int64_t t_count, const int64_t *slots, const int64_t *tail_slots, \
              uint8_t *data, uint16_t *k_meta, uint16_t *v_meta, QT *k_tail, QT *v_tail, int64_t num_blocks, \
              int64_t bs, int64_t hkv, int64_t d, int64_t key_slots, int64_t gk, int64_t gv) {           \
-        if (d > MAX_D || bs > MAX_BS || d % 2 || gk < 2 || gv < 2 || d % gk || d % gv || gk % 2 || gv % 2 \
-            || key_slots < d + 2 || key_slots < 2 * bs * (d / gk))                                      \
-            return 2;                                                                                   \
+        if (bs > MAX_BS || !int4_shape_ok(d, bs, key_slots, gk, gv)) return 2;                         \
         for (int64_t i = 0; i < t_count; i++)                                                           \
             if (slots[i] < 0 || slots[i] >= num_blocks * bs) return 1;                                  \
         const int64_t half = d / 2, row = hkv * half;                                                   \
         uint8_t *vdata = data + num_blocks * bs * row;                                                  \
         float x[MAX_D];                                                                                 \
-        /* a block is sealed when this call writes its last slot: sealed[b] 1, then 2 once done */      \
         /* sealed blocks, each with the list of this call's tokens in it, latest first: head[b] 0 for a  \
            block not sealed by this call, else 1 + its latest token (negated once done), nxt[i] the  \
            token before i in the same block (-1: none) */                                              \
@@ -620,6 +622,8 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                         for (int64_t c = 0; c < d; c++) xr[c] = LOADQ(k_tail[((base + o) * hkv + h) * d + c]); \
                         continue;                                                                       \
                     }                                                                                   \
+                    /* NOTE: int4_keys' per-token decode, written out: here, with contraction off, \
+                       it rounds as the reference's (int4_keys may fuse its multiply-add) */         \
                     const uint8_t *pk = data + (b * bs + o) * row + h * half;                           \
                     const uint16_t *g = k_meta + (b * hkv + h) * key_slots + o * 2 * (d / gk);          \
                     for (int64_t c = 0; c < d; c++) {                                                   \
