@@ -285,6 +285,21 @@ def _bad_slot(slots: torch.Tensor, limit: int) -> str:
     return f"slots must lie in [0, {limit}), got {bad}"
 
 
+def _int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
+    """Whether an INT4 cache's tensors are what the C entries index blindly: contiguous, of its
+    layout's shapes, and (``tails``) tail rows of ``dtype``. Tensors of other dtypes than an INT4
+    cache's raise."""
+    if cache.data.dtype != torch.uint8 or cache.k_meta.dtype != torch.int16 or cache.v_meta.dtype != torch.float16:
+        raise ValueError(f"not an INT4 cache's tensors: {cache.data.dtype}, {cache.k_meta.dtype}, {cache.v_meta.dtype}")
+    lay = cache.layout
+    d, bs, h, n = lay.head_dim, lay.block_size, lay.num_kv_heads, cache.num_blocks
+    want = [(cache.data, (2, n, bs, h, d // 2), torch.uint8), (cache.k_meta, (n, h, KVFormat.key_meta_slots(d, bs)), torch.int16),
+            (cache.v_meta, (n, bs, h, d // KVFormat.value_group(d), 2), torch.float16)]  # fmt: skip
+    if tails and cache.k_tail is not None:
+        want += [(t, (cache.num_tail_rows * bs, h, d), dtype) for t in (cache.k_tail, cache.v_tail)]
+    return all(t.is_contiguous() and tuple(t.shape) == shape and t.dtype == dt for t, shape, dt in want)
+
+
 def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor,
                tail_slots: torch.Tensor | None = None) -> bool:
     """``reference.write_kv_cache`` into an INT4 ``PagedKVCache`` in one C call, with the same bytes
@@ -297,13 +312,9 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
             or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
             or key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
         return False
-    d, bs, h, n = lay.head_dim, lay.block_size, lay.num_kv_heads, cache.num_blocks
-    shapes = [(cache.data, (2, n, bs, h, d // 2), torch.uint8), (cache.k_meta, (n, h, KVFormat.key_meta_slots(d, bs)), torch.int16),
-              (cache.v_meta, (n, bs, h, d // KVFormat.value_group(d), 2), torch.float16)]  # fmt: skip
-    if cache.k_tail is not None:
-        shapes += [(t, (cache.num_tail_rows * bs, h, d), key.dtype) for t in (cache.k_tail, cache.v_tail)]
-    if not all(t.is_contiguous() and tuple(t.shape) == shape and t.dtype == dt for t, shape, dt in shapes):
+    if not _int4_tensors_fit(cache, key.dtype, tails=True):
         return False
+    d, bs = lay.head_dim, lay.block_size
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {list(slots.shape)}")
@@ -363,14 +374,9 @@ def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_le
     if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or q.dim() != 3 or d != lay.head_dim or q.dtype != cache.model_dtype
             or not supports(q.dtype, hq, lay.num_kv_heads, d, lay.block_size) or cache.data.device.type != "cpu"):
         return None
-    if not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta)):
-        return None
     tails = tail_rows is not None and cache.k_tail is not None
-    if tails and not (cache.k_tail.is_contiguous() and cache.v_tail.is_contiguous()
-                      and cache.k_tail.dtype == cache.v_tail.dtype == q.dtype):
+    if not _int4_tensors_fit(cache, q.dtype, tails):
         return None
-    if cache.data.dtype != torch.uint8 or cache.k_meta.dtype != torch.int16 or cache.v_meta.dtype != torch.float16:
-        raise ValueError(f"not an INT4 cache's tensors: {cache.data.dtype}, {cache.k_meta.dtype}, {cache.v_meta.dtype}")
     tables, lens = prepare_tables(block_tables, seq_lens, lay.block_size)
     rows = tail_rows.to(torch.int32).contiguous() if tails else None
     if rows is not None and (rows.shape != (b,) or (rows.numel() and int(rows.max()) >= cache.num_tail_rows)):
