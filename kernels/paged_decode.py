@@ -135,14 +135,19 @@ def paged_decode_kernel(
         tl.store(ml_ptr + ml + 1, l_i, mask=gmask)
 
 
+def _word_aligned(t: torch.Tensor, per_word: int, dims: int) -> bool:
+    """``t`` starts on a 4-byte boundary and its first ``dims`` strides step whole 32-bit words of
+    ``per_word`` elements."""
+    return t.data_ptr() % 4 == 0 and all(st % per_word == 0 for st in t.stride()[:dims])
+
+
 def int8_words(cache) -> bool:
     """Whether INT8 decode reads the cache as 32-bit words: from 64 channels (each class's dots
     need 16), on a word-aligned cache whose fp16 scales are word-aligned and contiguous too (they
     are read in pairs: decode_tiles.scale_at)."""
-    data, scale = cache.data, cache.scale
-    return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and data.data_ptr() % 4 == 0
-            and all(st % 4 == 0 for st in data.stride()[:4])
-            and (scale.dtype != torch.float16 or (scale.data_ptr() % 4 == 0 and scale.is_contiguous())))
+    scale = cache.scale
+    return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and _word_aligned(cache.data, 4, 4)
+            and (scale.dtype != torch.float16 or (_word_aligned(scale, 2, 0) and scale.is_contiguous())))
 
 
 def int4_halves(cache) -> bool:
@@ -150,9 +155,8 @@ def int4_halves(cache) -> bool:
     need 16), with ``k_meta`` and ``v_meta`` word-aligned (their 16-bit fields are read in pairs)."""
     if cache.fmt.name != "int4" or cache.layout.head_dim < 32:
         return False
-    km, vm = cache.k_meta, cache.v_meta.view(torch.int16)
-    return (km.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in km.stride()[:2])
-            and vm.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in vm.stride()[:4]) and vm.stride(4) == 1)
+    vm = cache.v_meta.view(torch.int16)
+    return _word_aligned(cache.k_meta, 2, 2) and _word_aligned(vm, 2, 4) and vm.stride(4) == 1
 
 
 def register_cap(cache, max_registers: int | None = None) -> int:
