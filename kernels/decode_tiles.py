@@ -11,13 +11,17 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   classes ``c % 4``, one word byte each: four dots of ``D/4`` channels replace one of ``D`` (a dot
   sums over channels in any order), so no byte is gathered on its own. Compiled for sm_90 this
   halves the registers and cuts the loop's instructions by a third (``scripts/kernel_cost.py``).
-- INT4 full blocks go by channel parity the same way: the packed bytes hold channel 2j in the low
-  nibble and 2j + 1 in the high one, so ``[TILE, D/2]`` byte tiles feed two dots of ``D/2``
-  channels (even, odd) and nothing is interleaved. Each block's per-channel key ranges are worked
-  out once per channel (``compact``) and broadcast over the block's tokens, each token's value
-  (scale, min) pairs over its group. On CUDA an inline-PTX twin of ``nibble_codes`` turns four
-  bytes into two fp16 pairs of each nibble in ten instructions. The partial tail block takes the
-  generic ``kv_tile.load_kv_tile`` path, once per sequence.
+- INT4 full blocks read their packed bytes as 16-bit lanes of four channels (``4k .. 4k + 3``,
+  low nibble first) and split the channels into the four classes ``c % 4``, one nibble of each
+  lane, as INT8 splits bytes: four dots of ``D/4`` channels, nothing interleaved. Reading lanes,
+  not bytes, matters on CUDA: Triton lays a dot operand out by the narrowest load it derives from
+  (four consecutive channels per thread from bytes, two from 16 bits up), and the four-channel
+  layout cost a register move for every operand register of every ``mma`` (about 130 per
+  iteration, compiled for sm_90: ``scripts/kernel_cost.py``). Each block's per-channel key ranges are worked out once per
+  channel (``compact``) and broadcast over the block's tokens, each token's value (scale, min)
+  pairs over its group. On CUDA an inline-PTX twin of ``lane_codes`` turns two lanes into a fp16
+  pair of each class in nine instructions. The partial tail block takes the generic
+  ``kv_tile.load_kv_tile`` path, once per sequence.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
 """
@@ -67,30 +71,34 @@ def _s8_pair_ptx(byte: int) -> tl.constexpr:
 S8_PAIR_0, S8_PAIR_1, S8_PAIR_2, S8_PAIR_3 = (_s8_pair_ptx(b) for b in range(4))
 
 
-# Four bytes ($4) -> their low nibbles ($0, $1) and high nibbles ($2, $3) as two fp16 pairs each: prmt
-# spreads bytes 0, 1 (then 2, 3) into the two halves of a word, lop3 keeps one nibble and sets 0x64
-# above it: the fp16 1024 + n for a low nibble, 1024 + 16 n for a high one, which sub.f16x2 and
-# fma.rn.f16x2 (x / 16 - 64) turn into n exactly.
-U4_QUAD = tl.constexpr(
-    "{ .reg .b32 a, b, c, z, s, m; mov.b32 c, 0x64006400; mov.b32 z, 0; mov.b32 s, 0x2c002c00; "
-    "mov.b32 m, 0xd400d400; prmt.b32 a, $4, z, 0x4140; prmt.b32 b, $4, z, 0x4342; "
-    "lop3.b32 $0, a, 0x000f000f, c, 0xea; lop3.b32 $1, b, 0x000f000f, c, 0xea; "
-    "lop3.b32 $2, a, 0x00f000f0, c, 0xea; lop3.b32 $3, b, 0x00f000f0, c, 0xea; "
-    "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c; fma.rn.f16x2 $2, $2, s, m; fma.rn.f16x2 $3, $3, s, m; }"
+# Two 16-bit lanes ($4: x0 low, x1 high) -> each channel class r's codes as one fp16 pair ($r: x0's,
+# x1's): lop3 keeps one nibble of each half and sets 0x64 above it (the fp16 1024 + n, or 1024 + 16 n
+# for a high nibble), which sub.f16x2 and fma.rn.f16x2 (x / 16 - 64) turn into n exactly; the upper
+# byte's nibbles (classes 2, 3) first shift down by 8.
+U4_LANES = tl.constexpr(
+    "{ .reg .b32 c, s, m, u; mov.b32 c, 0x64006400; mov.b32 s, 0x2c002c00; mov.b32 m, 0xd400d400; "
+    "shr.b32 u, $4, 8; "
+    "lop3.b32 $0, $4, 0x000f000f, c, 0xea; lop3.b32 $1, $4, 0x00f000f0, c, 0xea; "
+    "lop3.b32 $2, u, 0x000f000f, c, 0xea; lop3.b32 $3, u, 0x00f000f0, c, 0xea; "
+    "sub.f16x2 $0, $0, c; fma.rn.f16x2 $1, $1, s, m; sub.f16x2 $2, $2, c; fma.rn.f16x2 $3, $3, s, m; }"
 )
 
 
 @triton.jit
-def nibble_codes(x, ASM: tl.constexpr):
-    """Bytes (uint8) -> their ``(low, high)`` nibbles as fp16, without a conversion. With ASM (CUDA
-    only) four bytes make two fp16 pairs of each in ten instructions."""
+def lane_codes(x, ASM: tl.constexpr):
+    """16-bit lanes of packed INT4 codes (int16; channels ``4k .. 4k + 3``, low nibble first) -> the
+    codes of each channel class ``c % 4`` as fp16, without a conversion. With ASM (CUDA only) two
+    lanes make a fp16 pair of each class in nine instructions."""
     if ASM:
-        lo, hi = tl.inline_asm_elementwise(U4_QUAD, "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=4)
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            U4_LANES, "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=2)
     else:
-        lo = codes_f16(x & 15)
-        hi = codes_f16(x >> 4)
-    return lo, hi
+        c0 = codes_f16(x & 15)
+        c1 = codes_f16((x >> 4) & 15)
+        c2 = codes_f16((x >> 8) & 15)
+        c3 = codes_f16((x >> 12) & 15)
+    return c0, c1, c2, c3
 
 
 @triton.jit
@@ -138,6 +146,23 @@ def scale_at(scale_ptr, idx, valid):
 
 
 @triton.jit
+def class_queries(q_ptr, s_qh, heads, gmask, D: tl.constexpr, DOT: tl.constexpr):
+    """The query rows' channels of each class ``c % 4`` (``[GP, D/4]`` each, column k: channel 4k + r)."""
+    qrow = q_ptr + heads[:, None] * s_qh + 4 * tl.arange(0, D // 4)[None, :]
+    q0 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(DOT)
+    q1 = tl.load(qrow + 1, mask=gmask[:, None], other=0.0).to(DOT)
+    q2 = tl.load(qrow + 2, mask=gmask[:, None], other=0.0).to(DOT)
+    q3 = tl.load(qrow + 3, mask=gmask[:, None], other=0.0).to(DOT)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def join_classes(a0, a1, a2, a3):
+    """Per-class columns ``[G, D/4]`` back into channel order ``[G, D]`` (channel 4k + r: class r's column k)."""
+    return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [a0.shape[0], 4 * a0.shape[1]])
+
+
+@triton.jit
 def int8_words_loop(
     q_ptr, s_qh, heads, gmask,  # q_ptr: this sequence's query row; query heads [GP] and their mask
     data_ptr, scale_ptr, table, h, start, end,
@@ -149,11 +174,7 @@ def int8_words_loop(
     """INT8 decode over positions ``[start, end)`` by channel class (module docstring); returns
     ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
     j = tl.arange(0, D // 4)
-    qrow = q_ptr + heads[:, None] * s_qh + 4 * j[None, :]
-    q0 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(DOT)
-    q1 = tl.load(qrow + 1, mask=gmask[:, None], other=0.0).to(DOT)
-    q2 = tl.load(qrow + 2, mask=gmask[:, None], other=0.0).to(DOT)
-    q3 = tl.load(qrow + 3, mask=gmask[:, None], other=0.0).to(DOT)
+    q0, q1, q2, q3 = class_queries(q_ptr, s_qh, heads, gmask, D, DOT)
     a0 = tl.zeros([GP, D // 4], tl.float32)
     a1 = tl.zeros([GP, D // 4], tl.float32)
     a2 = tl.zeros([GP, D // 4], tl.float32)
@@ -185,9 +206,7 @@ def int8_words_loop(
         a2 = a2 * alpha[:, None] + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
         a3 = a3 * alpha[:, None] + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
         m_i = m_new
-    # channel 4 * j + r is class r's column j
-    acc = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [GP, D])
-    return m_i, l_i, acc
+    return m_i, l_i, join_classes(a0, a1, a2, a3)
 
 
 @triton.jit
@@ -216,7 +235,17 @@ def int8_tile(
 
 
 @triton.jit
-def int4_halves_loop(
+def key_ranges(kw, lo, step, SHIFT: tl.constexpr, DQ: tl.constexpr):
+    """One channel class's key ranges ``(min, scale)`` in DQ, from the words ``kw`` [NB, D/4] that hold
+    its (min code, max code) bytes at bit SHIFT, and each block's ``lo``, ``step`` [NB, 1]."""
+    mn = ((kw >> SHIFT) & 255).to(tl.float32)
+    cmin = compact((lo + mn * step).to(DQ))
+    csc = compact(((((kw >> (SHIFT + 8)) & 255).to(tl.float32) - mn) * step / 15.0).to(DQ))
+    return cmin, csc
+
+
+@triton.jit
+def int4_lanes_loop(
     q_ptr, s_qh, heads, gmask,  # q_ptr: this sequence's query row; query heads [GP] and their mask
     data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,  # end: a multiple of BS (full blocks only)
     m_i, l_i, qk_scale,
@@ -224,67 +253,75 @@ def int4_halves_loop(
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr,
 ):
-    """INT4 decode over the full blocks in ``[start, end)`` by channel parity (module docstring);
-    returns ``(m_i, l_i, acc [GP, D])``. ``k_meta`` is word-aligned (``paged_decode.int4_halves``)."""
+    """INT4 decode over the full blocks in ``[start, end)`` by channel class (module docstring);
+    returns ``(m_i, l_i, acc [GP, D])``. The data's strides (bytes) are even and ``k_meta``,
+    ``v_meta`` word-aligned (``paged_decode.int4_lanes``)."""
     NB: tl.constexpr = TILE // BS
     NG: tl.constexpr = D // GV
-    j = tl.arange(0, D // 2)
-    qrow = q_ptr + heads[:, None] * s_qh + 2 * j[None, :]
-    qe = tl.load(qrow, mask=gmask[:, None], other=0.0).to(DOT)
-    qo = tl.load(qrow + 1, mask=gmask[:, None], other=0.0).to(DOT)
-    ae = tl.zeros([GP, D // 2], tl.float32)
-    ao = tl.zeros([GP, D // 2], tl.float32)
+    k = tl.arange(0, D // 4)
+    q0, q1, q2, q3 = class_queries(q_ptr, s_qh, heads, gmask, D, DOT)
+    a0 = tl.zeros([GP, D // 4], tl.float32)
+    a1 = tl.zeros([GP, D // 4], tl.float32)
+    a2 = tl.zeros([GP, D // 4], tl.float32)
+    a3 = tl.zeros([GP, D // 4], tl.float32)
+    lanes = data_ptr.to(tl.pointer_type(tl.int16))
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
     for s in range(start, end, TILE):
-        # keys, as [NB, BS, D/2] so each block's per-channel ranges broadcast over its tokens
+        # keys, as [NB, BS, D/4] so each block's per-channel ranges broadcast over its tokens
         bi = s // BS + tl.arange(0, NB)
         bval = bi * BS < end
         blk = tl.load(table + bi, mask=bval, other=0).to(tl.int64)  # [NB]
         off = tl.arange(0, BS)
-        krow = blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh  # [NB, BS]
-        kp = tl.load(data_ptr + krow[:, :, None] + j[None, None, :], mask=bval[:, None, None], other=0)
-        klo, khi = nibble_codes(kp, ASM)
-        kb = blk * s_kmn + h * s_kmh
-        # the range codes of channels 2j and 2j + 1 are one 32-bit word
-        kw = tl.load(kwords + (kb // 2)[:, None] + j[None, :], mask=bval[:, None], other=0)  # [NB, D/2]
+        krow = (blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh) // 2  # [NB, BS], in lanes
+        kx = tl.load(lanes + krow[:, :, None] + k[None, None, :], mask=bval[:, None, None], other=0)
+        k0, k1, k2, k3 = lane_codes(kx, ASM)
         # NOTE: metadata goes in 32-bit words throughout: Triton pipelines no load narrower than 4
-        # bytes (cp.async), and a 16-bit one left in the loop waits out global memory's latency
-        lohi = tl.load(kwords + kb // 2 + D // 2, mask=bval, other=0)  # (lo, hi)
-        lo = (lohi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (lohi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        step = ((hi - lo) / 255.0)[:, None]
-        me = (kw & 255).to(tl.float32)
-        mo = ((kw >> 16) & 255).to(tl.float32)
-        cmin_e = compact((lo[:, None] + me * step).to(DQ))
-        cmin_o = compact((lo[:, None] + mo * step).to(DQ))
-        csc_e = compact(((((kw >> 8) & 255).to(tl.float32) - me) * step / 15.0).to(DQ))
-        csc_o = compact(((((kw >> 24) & 255).to(tl.float32) - mo) * step / 15.0).to(DQ))
-        ke = tl.reshape(cmin_e[:, None, :] + klo.to(DQ) * csc_e[:, None, :], [TILE, D // 2])
-        ko = tl.reshape(cmin_o[:, None, :] + khi.to(DQ) * csc_o[:, None, :], [TILE, D // 2])
-        scores = tl.dot(qe, tl.trans(ke.to(DOT)), input_precision=PREC)
-        scores = tl.dot(qo, tl.trans(ko.to(DOT)), scores, input_precision=PREC)
+        # bytes (cp.async), and a 16-bit one left in the loop waits out global memory's latency.
+        # The range codes of channels 4k, 4k + 1 are word 2k, of 4k + 2, 4k + 3 word 2k + 1.
+        kb = (blk * s_kmn + h * s_kmh) // 2
+        kwa = tl.load(kwords + kb[:, None] + 2 * k[None, :], mask=bval[:, None], other=0)  # [NB, D/4]
+        kwb = tl.load(kwords + kb[:, None] + 2 * k[None, :] + 1, mask=bval[:, None], other=0)
+        lohi = tl.load(kwords + kb + D // 2, mask=bval, other=0)  # (lo, hi)
+        lo = (lohi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        hi = (lohi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        step = (hi - lo) / 255.0
+        cm0, cs0 = key_ranges(kwa, lo, step, 0, DQ)
+        cm1, cs1 = key_ranges(kwa, lo, step, 16, DQ)
+        cm2, cs2 = key_ranges(kwb, lo, step, 0, DQ)
+        cm3, cs3 = key_ranges(kwb, lo, step, 16, DQ)
+        k0 = tl.reshape(cm0[:, None, :] + k0.to(DQ) * cs0[:, None, :], [TILE, D // 4])
+        k1 = tl.reshape(cm1[:, None, :] + k1.to(DQ) * cs1[:, None, :], [TILE, D // 4])
+        k2 = tl.reshape(cm2[:, None, :] + k2.to(DQ) * cs2[:, None, :], [TILE, D // 4])
+        k3 = tl.reshape(cm3[:, None, :] + k3.to(DQ) * cs3[:, None, :], [TILE, D // 4])
+        scores = tl.dot(q0, tl.trans(k0.to(DOT)), input_precision=PREC)
+        scores = tl.dot(q1, tl.trans(k1.to(DOT)), scores, input_precision=PREC)
+        scores = tl.dot(q2, tl.trans(k2.to(DOT)), scores, input_precision=PREC)
+        scores = tl.dot(q3, tl.trans(k3.to(DOT)), scores, input_precision=PREC)
         t = tl.arange(0, TILE)
         valid = s + t < end
         scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
         p = p.to(DOT)
-        # values, as [TILE, NG, GV/2] so each token's (scale, min) pair broadcasts over its group
+        # values, as [TILE, NG, GV/4] so each token's (scale, min) pair broadcasts over its group
         blkt = tl.load(table + s // BS + t // BS, mask=valid, other=0).to(tl.int64)
         offt = t % BS
         g = tl.arange(0, NG)
-        jg = tl.arange(0, GV // 2)
-        vrow = (blkt * s_dn + offt * s_db + h * s_dh)[:, None, None] + (g * (GV // 2))[None, :, None]
-        vp = tl.load(data_ptr + s_dc + vrow + jg[None, None, :], mask=valid[:, None, None], other=0)
-        vlo, vhi = nibble_codes(vp, ASM)
+        jg = tl.arange(0, GV // 4)
+        vrow = ((s_dc + blkt * s_dn + offt * s_db + h * s_dh) // 2)[:, None, None] + (g * (GV // 4))[None, :, None]
+        vx = tl.load(lanes + vrow + jg[None, None, :], mask=valid[:, None, None], other=0)
+        v0, v1, v2, v3 = lane_codes(vx, ASM)
         vm = ((blkt * s_vmn + offt * s_vmb + h * s_vmh) // 2)[:, None] + g[None, :]  # [TILE, NG]
         vw = tl.load(vwords + vm, mask=valid[:, None], other=0)  # (scale, min)
         vsc = compact((vw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
         vmn = compact((vw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
-        ve = tl.reshape(vmn + vlo.to(DQ) * vsc, [TILE, D // 2])
-        vo = tl.reshape(vmn + vhi.to(DQ) * vsc, [TILE, D // 2])
-        ae = ae * alpha[:, None] + tl.dot(p, ve.to(DOT), input_precision=PREC)
-        ao = ao * alpha[:, None] + tl.dot(p, vo.to(DOT), input_precision=PREC)
+        v0 = tl.reshape(vmn + v0.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
+        v1 = tl.reshape(vmn + v1.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
+        v2 = tl.reshape(vmn + v2.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
+        v3 = tl.reshape(vmn + v3.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
+        a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
+        a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
+        a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
+        a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
         m_i = m_new
-    # channel 2j + r is parity r's column j
-    return m_i, l_i, tl.reshape(tl.join(ae, ao), [GP, D])
+    return m_i, l_i, join_classes(a0, a1, a2, a3)

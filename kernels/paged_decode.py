@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import attend_tile, int4_halves_loop, int8_tile, int8_words_loop
+from kernels.decode_tiles import attend_tile, int4_lanes_loop, int8_tile, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -23,10 +23,10 @@ LOG2E = 1.4426950408889634
 ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. model and int4's
 # (64, 4, 3): the best of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192
-# tokens, 8 KV heads of 128 channels, 16-token blocks), int4's before its parity loop. int8's, and
+# tokens, 8 KV heads of 128 channels, 16-token blocks), int4's before its lane loop. int8's, and
 # int4's register cap: chosen by scripts/kernel_cost.py, not yet measured on a GPU. The cap (for the
-# parity loop only: register_cap) doubles the warps an SM holds (8 -> 16) for about the same loop
-# (+2% instructions under Triton 3.6, -2% under 3.9), with no spill stores in it.
+# lane loop only: register_cap) doubles the warps an SM holds (8 -> 16) for 2% more instructions
+# (Triton 3.6) and a few spilled registers reloaded in the loop.
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 4, 3, 0), "int4": (64, 4, 3, 128)}
 
 
@@ -47,7 +47,7 @@ def paged_decode_kernel(
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
     WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
-    HALVES: tl.constexpr,  # INT4 full blocks by channel parity (decode_tiles.int4_halves_loop)
+    LANES: tl.constexpr,  # INT4 full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop)
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -96,15 +96,15 @@ def paged_decode_kernel(
         # lies in exactly one split, which handles it after its full blocks.
         full_end = (seq_len // BS) * BS
         lim = tl.minimum(end, full_end)
-        if HALVES:
-            m_i, l_i, acc = int4_halves_loop(
+        if LANES:
+            m_i, l_i, acc = int4_lanes_loop(
                 q_ptr + b.to(tl.int64) * s_qb, s_qh, heads, gmask, data_ptr, kmeta_ptr, vmeta_ptr, table, h, start,
                 lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
                 GP, TILE, D, BS, GV, DOT, PREC, DQ, ASM,
             )
         else:
-            # NOTE: below 32 channels (or with unaligned k_meta) the generic load serves: parity tiles
-            # would be narrower than a dot takes (16), and packed [.., D/2] tiles that narrow gave
+            # NOTE: below 64 channels (or on unaligned caches) the generic load serves: class tiles
+            # would be narrower than a dot takes (16), and packed [.., D/2] tiles of 8 bytes gave
             # wrong results natively on the H200 (triton 3.6; right under the interpreter), where
             # the generic load (the prefill kernel's) is right at D=16.
             for s in range(start, lim, TILE):
@@ -135,10 +135,10 @@ def paged_decode_kernel(
         tl.store(ml_ptr + ml + 1, l_i, mask=gmask)
 
 
-def _word_aligned(t: torch.Tensor, per_word: int, dims: int) -> bool:
-    """``t`` starts on a 4-byte boundary and its first ``dims`` strides step whole 32-bit words of
-    ``per_word`` elements."""
-    return t.data_ptr() % 4 == 0 and all(st % per_word == 0 for st in t.stride()[:dims])
+def _aligned(t: torch.Tensor, size: int, dims: int) -> bool:
+    """``t`` starts on a ``size``-byte boundary and its first ``dims`` strides step whole multiples of
+    ``size`` bytes (what reading it as ``size``-byte words needs)."""
+    return t.data_ptr() % size == 0 and all(st * t.element_size() % size == 0 for st in t.stride()[:dims])
 
 
 def int8_words(cache) -> bool:
@@ -146,26 +146,28 @@ def int8_words(cache) -> bool:
     need 16), on a word-aligned cache whose fp16 scales are word-aligned and contiguous too (they
     are read in pairs: decode_tiles.scale_at)."""
     scale = cache.scale
-    return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and _word_aligned(cache.data, 4, 4)
-            and (scale.dtype != torch.float16 or (_word_aligned(scale, 2, 0) and scale.is_contiguous())))
+    return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and _aligned(cache.data, 4, 4)
+            and (scale.dtype != torch.float16 or (_aligned(scale, 4, 0) and scale.is_contiguous())))
 
 
-def int4_halves(cache) -> bool:
-    """Whether INT4 decode reads full blocks by channel parity: from 32 channels (each parity's dots
-    need 16), with ``k_meta`` and ``v_meta`` word-aligned (their 16-bit fields are read in pairs)."""
-    if cache.fmt.name != "int4" or cache.layout.head_dim < 32:
+def int4_lanes(cache) -> bool:
+    """Whether INT4 decode reads full blocks as 16-bit lanes of four channels: from 64 channels
+    (each class's dots need 16), on a cache whose codes are 2-byte aligned and whose ``k_meta`` and
+    ``v_meta`` are word-aligned (their 16-bit fields are read in pairs)."""
+    if cache.fmt.name != "int4" or cache.layout.head_dim < 64:
         return False
     vm = cache.v_meta.view(torch.int16)
-    return _word_aligned(cache.k_meta, 2, 2) and _word_aligned(vm, 2, 4) and vm.stride(4) == 1
+    return (_aligned(cache.data, 2, 4) and _aligned(cache.k_meta, 4, 2) and _aligned(vm, 4, 4)
+            and vm.stride(4) == 1)
 
 
 def register_cap(cache, max_registers: int | None = None) -> int:
     """The CUDA launch's registers per thread (0: no cap): ``max_registers``, else the format's
-    default where its fast loop runs. INT4's cap is for its parity loop: on the generic one (head_dim
+    default where its fast loop runs. INT4's cap is for its lane loop: on the generic one (head_dim
     16) it raised the registers used, from 72 to 114."""
     if max_registers is not None:
         return max_registers
-    fast = cache.fmt.name != "int4" or int4_halves(cache)
+    fast = cache.fmt.name != "int4" or int4_lanes(cache)
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
 
@@ -230,7 +232,7 @@ def paged_decode_attention(
     split_len = -(-max(1, -(-max_len // splits)) // tile) * tile
     grp = hq // hkv
     meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
-                **dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), HALVES=int4_halves(cache), ASM=query.is_cuda and ASM, **consts)
+                **dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), LANES=int4_lanes(cache), ASM=query.is_cuda and ASM, **consts)
     if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
         # NOTE: quantized codes become fp16 exactly (decode_tiles.codes_f16), so the dots run in
         # fp16 whatever the model dtype: no per-element conversion to bf16.

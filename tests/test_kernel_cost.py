@@ -70,8 +70,10 @@ def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(
     computed in the dot operand's layout they were 128 per thread and iteration), its inline-PTX
     nibble conversion beats the plain-Triton twin, and under the launch's register cap (16 warps an
     SM instead of 8) the loop stores no spilled register and reloads few (under 2% of its
-    instructions: what spills lives mostly outside it). Its metadata is read in 32-bit words, so
-    Triton pipelines every global load (16-bit loads it leaves synchronous, in the loop)."""
+    instructions: what spills lives mostly outside it). Its codes are read as 16-bit lanes, so the
+    dots' operands take the two-per-register layout (read as bytes, every operand register of every
+    mma was first moved: ~130 moves per iteration); its metadata is read in 32-bit words, so Triton
+    pipelines every global load (16-bit loads it leaves synchronous, in the loop)."""
     asm, plain = _cost(tmp_path, "int4", True), _cost(tmp_path, "int4", False)
     for row in (asm, plain):
         assert any(op.startswith("HMMA") for op in row["ops"])
@@ -80,6 +82,8 @@ def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(
     spill_ops = {op: n for op, n in asm["ops"].items() if op.startswith(("LDL", "STL"))}
     assert not [op for op in spill_ops if op.startswith("STL")], spill_ops
     assert sum(spill_ops.values()) < 0.02 * asm["loop_instructions"], spill_ops
+    moves = sum(n for op, n in asm["ops"].items() if op.startswith(("MOV", "IMAD.MOV")))
+    assert moves < 0.02 * asm["loop_instructions"], asm["ops"]
     assert asm["instructions_per_byte"] < plain["instructions_per_byte"]
     # every global load in the loop is asynchronous (cp.async, pipelined): none waits in the loop
     assert not [op for op in asm["ops"] if op.startswith("LDG.")], asm["ops"]

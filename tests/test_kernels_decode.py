@@ -7,7 +7,7 @@ import torch
 
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
-from kernels.paged_decode import int4_halves, int8_words, paged_decode_attention  # noqa: E402
+from kernels.paged_decode import int4_lanes, int8_words, paged_decode_attention  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -103,10 +103,12 @@ def _shifted(cache, field: str) -> PagedKVCache:
 
 
 @pytest.mark.parametrize("name,field,uses_fast_path", [("int8", "data", int8_words), ("int8", "scale", int8_words),
-                                                       ("int4", "k_meta", int4_halves), ("int4", "v_meta", int4_halves)])
+                                                       ("int4", "data", int4_lanes), ("int4", "k_meta", int4_lanes),
+                                                       ("int4", "v_meta", int4_lanes)])
 def test_decode_fast_paths_need_word_aligned_caches(name, field, uses_fast_path):
-    """INT8 codes (read as words) or 16-bit metadata (INT8 scales, INT4 ranges: read in pairs) that
-    start off a 4-byte boundary take the generic path, with the same result."""
+    """INT8 codes (read as words), INT4 codes (read as 16-bit lanes) or 16-bit metadata (INT8 scales,
+    INT4 ranges: read in pairs) that start off their boundary take the generic path, with the same
+    result."""
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
     aligned = allocate_cache(KVFormat(name), lay, 4, DEV)
     tables = _fill(aligned, lay, [53], 4, seed=5)
@@ -120,8 +122,8 @@ def test_decode_fast_paths_need_word_aligned_caches(name, field, uses_fast_path)
 
 
 @pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 2)])
-def test_decode_int4_parity_halves_at_head_dim_128(group, splits):
-    """INT4 full blocks by channel parity at the real models' head_dim, with multi-block tiles, the
+def test_decode_int4_lanes_at_head_dim_128(group, splits):
+    """INT4 full blocks by channel class at the real models' head_dim, with multi-block tiles, the
     partial tail block after them, and empty and one-token sequences."""
     _check("int4", "bfloat16", hkv=2, group=group, head_dim=128, bs=16, lens=[150, 48, 0, 1, 33], splits=splits,
            seed=group, tile=64)
@@ -173,32 +175,32 @@ def _f16x2(word: int) -> list[float]:
     return np.frombuffer(word.to_bytes(4, "little"), np.float16).astype(float).tolist()
 
 
-def test_int4_quad_ptx_reads_the_right_nibbles_and_values():
-    """What the GPU-only conversion (decode_tiles.U4_QUAD) computes, instruction by instruction as the
-    PTX ISA defines them, for every byte value in every position of a word with other bytes around
-    it: outputs $0, $1 hold the low nibbles of bytes (0, 1) and (2, 3), $2, $3 their high nibbles."""
+def test_int4_lanes_ptx_reads_the_right_nibbles_and_values():
+    """What the GPU-only conversion (decode_tiles.U4_LANES) computes, instruction by instruction as the
+    PTX ISA defines them, for every byte value in every position of two 16-bit lanes with other bytes
+    around it: output $r holds channel class r of both lanes (class 0, 1: the low byte's low and high
+    nibble; 2, 3: the high byte's)."""
     import re
 
     import numpy as np
 
     from kernels import decode_tiles
 
-    text = decode_tiles.U4_QUAD.value
+    text = decode_tiles.U4_LANES.value
     statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
-    interpreted = ("mov.b32", "prmt.b32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2")
+    interpreted = ("mov.b32", "shr.b32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2")
     assert statements[0].startswith(".reg ") and all(x.startswith(interpreted) for x in statements[1:]), statements
     consts = {r: int(v, 16) for r, v in re.findall(r"mov\.b32 (\w+), (0x[0-9a-f]+);", text)}
-    consts |= {r: int(v) for r, v in re.findall(r"mov\.b32 (\w+), (\d+);", text)}
     for byte in range(256):
         for pos in range(4):
             word = [0x5A, 0xC3, 0x0F, 0xF0]
             word[pos] = byte
             regs = dict(consts, **{"$4": int.from_bytes(bytes(word), "little")})
-            for op, args in re.findall(r"(prmt\.b32|lop3\.b32|sub\.f16x2|fma\.rn\.f16x2) ([^;]+);", text):
+            for op, args in re.findall(r"(shr\.b32|lop3\.b32|sub\.f16x2|fma\.rn\.f16x2) ([^;]+);", text):
                 d, *src = [a.strip() for a in args.split(",")]
-                val = [regs[a] if a in regs else int(a, 16) for a in src]
-                if op == "prmt.b32":
-                    regs[d] = _prmt(*val)
+                val = [regs[a] if a in regs else int(a, 0) for a in src]
+                if op == "shr.b32":
+                    regs[d] = val[0] >> val[1]
                 elif op == "lop3.b32":
                     regs[d] = _lop3(*val)
                 else:  # the f16x2 arithmetic, each half rounded once to fp16 (exact here)
@@ -206,9 +208,9 @@ def test_int4_quad_ptx_reads_the_right_nibbles_and_values():
                     out = [a - b for a, b in zip(*halves)] if op == "sub.f16x2" else [
                         a * b + c for a, b, c in zip(*halves)]
                     regs[d] = int.from_bytes(np.array(out, np.float16).tobytes(), "little")
-            lo = _f16x2(regs["$0"]) + _f16x2(regs["$1"])
-            hi = _f16x2(regs["$2"]) + _f16x2(regs["$3"])
-            assert lo == [float(b & 15) for b in word] and hi == [float(b >> 4) for b in word], (byte, pos)
+            lanes = (word[0] | word[1] << 8, word[2] | word[3] << 8)
+            for r in range(4):
+                assert _f16x2(regs[f"${r}"]) == [float(x >> 4 * r & 15) for x in lanes], (byte, pos, r)
 
 
 def test_decode_bad_tile_is_a_value_error():
