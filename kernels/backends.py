@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, kv_cache, reference
+from kernels.cpu import NativeDecodes
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
 
@@ -107,6 +108,25 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if cache.fmt.name == "int8" and cpu_native.write_int8(k, v, cache, slot_mapping):
             return
         reference.write_kv_cache(k, v, cache, slot_mapping, tail_slots)
+
+    def native_decode_tables(self, cache, meta, num_q_heads: int) -> NativeDecodes | None:
+        """The step's tables for ``cpu_native.decode_layers`` (which runs every layer of a step in
+        one C call) when every row of the step is a decode whose quantizing write and attention the
+        C kernels do, over an int8 or int4 cache in the model dtype; None otherwise (the layers run
+        one by one, each through ``forward``)."""
+        lay, nd = cache.layout, meta.num_decodes
+        if (cache.fmt.name == "model" or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
+                or not cpu_native.supports(cache.model_dtype, num_q_heads, lay.num_kv_heads, lay.head_dim,
+                                           lay.block_size)):
+            return None
+        if cache.fmt.name == "int4" and not (cpu_native.INT4_FUSED
+                                             and cpu_native.int4_tensors_fit(cache, cache.model_dtype, tails=True)):
+            return None
+        plan = meta.backend_plans.get(self.name)
+        if plan is None:
+            plan = meta.backend_plans[self.name] = NativeDecodes(
+                *cpu_native.prepare_tables(meta.block_tables, meta.seq_lens, lay.block_size))
+        return plan
 
     @staticmethod
     def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None):

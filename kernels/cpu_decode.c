@@ -1089,11 +1089,19 @@ int have_linear_f32(void) { return HAVE_LINEAR_F32 + 0; }
    output out (in place). cos/sin [B, d/2]. layers [L][DL_PTRS]: per layer, as uint64 addresses:
    input norm weight, qkv blocked weight, qkv bias, o blocked weight, o bias, post-attention norm
    weight, gate_up blocked weight, gate_up bias, down blocked weight, down bias (biases may be 0).
-   caches [L]: each layer's [2, N, bs, Hkv, D] cache. slots [B] int64: each token's cache slot.
-   tables/lens as for paged_decode_bf16. Returns 0; -1: unsupported (the type's linear kernel
-   missing on this CPU, shapes the kernels do not take); 1: a table names a block outside the
-   cache; 2: a slot outside the cache; 3: out of memory. */
+   caches [L][DC_PTRS]: each layer's cache, as uint64 addresses by its kind (DC_*): the model
+   dtype's [2, N, bs, Hkv, D] tensor; int8's data and scales (fp16 or fp32); int4's data, k_meta,
+   v_meta, k_tail, v_tail (the tails 0 where the cache keeps none). Quantized caches are written
+   and read by the same kernels as one layer at a time (write_int8_*, write_int4_*,
+   paged_decode_int8_*, paged_decode_int4_*), so the results are the same bytes. tail_slots [B]
+   (int4 writes) and tail_rows [B] (int4 reads) or null; key_slots, gk, gv: int4's metadata
+   shape. slots [B] int64: each token's cache slot. tables/lens as for paged_decode_bf16.
+   Returns 0; -1: unsupported (the type's linear kernel missing on this CPU, shapes the kernels do
+   not take); 1: a table names a block outside the cache; 2: a slot outside the cache; 3: out of
+   memory. */
 #define DL_PTRS 10
+#define DC_PTRS 5
+enum { DC_MODEL = 0, DC_INT8_F16 = 1, DC_INT8_F32 = 2, DC_INT4 = 3 };
 
 #define DEFINE_ADD_INTO(NAME, T, LOAD, STORE)                                                          \
     static void NAME(T *h, const T *x, int64_t n) {                                                     \
@@ -1103,27 +1111,65 @@ int have_linear_f32(void) { return HAVE_LINEAR_F32 + 0; }
 DEFINE_ADD_INTO(add_into_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
 
+/* One layer's quantizing write of the step's keys and values (k, v: [B, Hkv, D], contiguous) into
+   a quantized cache c (DC_PTRS addresses of kind DC_INT8_* or DC_INT4), then its decode into attn.
+   Returns as decode_layers: 0, 1 (a table names a block outside the cache), 2 (a slot outside
+   it), 3 (out of memory), -1 (a shape the kernels do not take). */
+#define DEFINE_DECODE_LAYER_QUANTIZED(SFX, T)                                                           \
+    static int decode_layer_quantized_##SFX(const uint64_t *c, int kind, const T *k, const T *v, const T *q, \
+                                            T *attn, const int64_t *tail_slots, const int32_t *tail_rows, \
+                                            int64_t key_slots, int64_t gk, int64_t gv, const int64_t *slots, \
+                                            const int32_t *tables, int64_t table_stride, const int32_t *lens, \
+                                            int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, \
+                                            int64_t num_blocks, float scale, int threads) {              \
+        if (kind == DC_INT8_F16) {                                                                      \
+            if (write_int8_##SFX##_f16(k, v, batch, slots, (int8_t *)c[0], (uint16_t *)c[1], num_blocks, bs, hkv, d)) \
+                return 2;                                                                               \
+            return paged_decode_int8_##SFX##_f16((const int8_t *)c[0], (const uint16_t *)c[1], q, attn, tables, \
+                                                table_stride, lens, batch, hq, hkv, d, bs, num_blocks, scale, threads); \
+        }                                                                                               \
+        if (kind == DC_INT8_F32) {                                                                      \
+            if (write_int8_##SFX##_f32(k, v, batch, slots, (int8_t *)c[0], (float *)c[1], num_blocks, bs, hkv, d)) \
+                return 2;                                                                               \
+            return paged_decode_int8_##SFX##_f32((const int8_t *)c[0], (const float *)c[1], q, attn, tables, \
+                                                table_stride, lens, batch, hq, hkv, d, bs, num_blocks, scale, threads); \
+        }                                                                                               \
+        const int rc = write_int4_##SFX(k, v, batch, slots, tail_slots, (uint8_t *)c[0], (uint16_t *)c[1],     \
+                                        (uint16_t *)c[2], (T *)c[3], (T *)c[4], num_blocks, bs, hkv, d, key_slots, gk, gv); \
+        if (rc != 0) return rc == 1 ? 2 : rc == 2 ? -1 : 3;                                             \
+        const int tails = tail_rows != 0;                                                               \
+        return paged_decode_int4_##SFX((const uint8_t *)c[0], (const uint16_t *)c[1], (const uint16_t *)c[2], \
+                                       tails ? (const T *)c[3] : 0, tails ? (const T *)c[4] : 0, tail_rows, key_slots, \
+                                       gk, gv, q, attn, tables, table_stride, lens, batch, hq, hkv, d, bs, num_blocks, \
+                                       scale, threads);                                                 \
+    }
+DEFINE_DECODE_LAYER_QUANTIZED(bf16, uint16_t)
+DEFINE_DECODE_LAYER_QUANTIZED(f32, float)
+
 /* SFX names the element type's kernels (bf16: uint16_t, f32: float); HAVE: whether its linear
    kernel exists on this CPU. */
 #define DEFINE_DECODE_LAYERS(SFX, T, HAVE)                                                              \
     int decode_layers_##SFX(T *h, const T *cos_, const T *sin_, const uint64_t *layers, const uint64_t *caches, \
+                            int kind, const int64_t *tail_slots, const int32_t *tail_rows, int64_t key_slots,      \
+                            int64_t gk, int64_t gv,                                                      \
                             int64_t num_layers, const int64_t *slots, const int32_t *tables, int64_t table_stride, \
                             const int32_t *lens, int64_t batch, int64_t hidden, int64_t hq, int64_t hkv, int64_t d, \
                             int64_t inter, int64_t bs, int64_t num_blocks, float eps, float scale, int threads) { \
         const int64_t q_n = hq * d, kv_n = hkv * d, qkv_n = q_n + 2 * kv_n;                             \
         if (!(HAVE) || batch < 1 || d % 2 || hidden % LIN_N || qkv_n % LIN_N || (2 * inter) % LIN_N     \
-            || q_n % 2 || inter % 2 || hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS) \
+            || q_n % 2 || inter % 2 || hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS \
+            || kind < DC_MODEL || kind > DC_INT4 || (kind == DC_INT4 && !int4_shape_ok(d, bs, key_slots, gk, gv))) \
             return -1;                                                                                  \
         for (int64_t b = 0; b < batch; b++)                                                             \
             if (slots[b] < 0 || slots[b] >= num_blocks * bs) return 2;                                  \
         /* one scratch allocation for the step: x, qkv, q, k, attention output, projection output,     \
-           gate_up, activation */                                                                      \
-        const int64_t per_row = hidden + qkv_n + q_n + kv_n + q_n + hidden + 2 * inter + inter;         \
+           gate_up, activation, the new values (contiguous, for the quantizing writes) */              \
+        const int64_t per_row = hidden + qkv_n + q_n + kv_n + q_n + hidden + 2 * inter + inter + kv_n;  \
         T *work = malloc((size_t)(batch * per_row) * sizeof(T));                                        \
         if (!work) return 3;                                                                            \
         T *x = work, *qkv = x + batch * hidden, *q = qkv + batch * qkv_n, *k = q + batch * q_n;         \
         T *attn = k + batch * kv_n, *proj = attn + batch * q_n, *gu = proj + batch * hidden;            \
-        T *act = gu + batch * 2 * inter;                                                                \
+        T *act = gu + batch * 2 * inter, *v = act + batch * inter;                                      \
         const int64_t n_tok = batch * hidden;                                                           \
         int rc = 0;                                                                                     \
         for (int64_t l = 0; l < num_layers && rc == 0; l++) {                                           \
@@ -1132,17 +1178,26 @@ DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
             const T *o_w = (const T *)p[3], *o_b = (const T *)p[4], *post_norm = (const T *)p[5];       \
             const T *gu_w = (const T *)p[6], *gu_b = (const T *)p[7], *down_w = (const T *)p[8];        \
             const T *down_b = (const T *)p[9];                                                          \
-            T *kc = (T *)caches[l], *vc = kc + num_blocks * bs * kv_n;                                  \
+            const uint64_t *c = caches + l * DC_PTRS;                                                   \
             rms_norm_##SFX(h, hidden, in_norm, x, batch, hidden, eps, threads);                         \
             linear_##SFX(x, hidden, qkv_w, qkv_b, qkv, batch, qkv_n, hidden, threads);                  \
             rope_##SFX(qkv, qkv_n, cos_, sin_, q, batch, hq, d, threads);                               \
             rope_##SFX(qkv + q_n, qkv_n, cos_, sin_, k, batch, hkv, d, threads);                        \
-            for (int64_t b = 0; b < batch; b++) { /* the new keys and values into their slots */       \
-                memcpy(kc + slots[b] * kv_n, k + b * kv_n, (size_t)kv_n * sizeof(T));                   \
-                memcpy(vc + slots[b] * kv_n, qkv + b * qkv_n + q_n + kv_n, (size_t)kv_n * sizeof(T));   \
+            if (kind == DC_MODEL) {                                                                     \
+                T *kc = (T *)c[0], *vc = kc + num_blocks * bs * kv_n;                                   \
+                for (int64_t b = 0; b < batch; b++) { /* the new keys and values into their slots */   \
+                    memcpy(kc + slots[b] * kv_n, k + b * kv_n, (size_t)kv_n * sizeof(T));               \
+                    memcpy(vc + slots[b] * kv_n, qkv + b * qkv_n + q_n + kv_n, (size_t)kv_n * sizeof(T)); \
+                }                                                                                       \
+                rc = paged_decode_##SFX(kc, q, attn, tables, table_stride, lens, batch, hq, hkv, d, bs, num_blocks, \
+                                        scale, threads);                                                \
+            } else {                                                                                    \
+                for (int64_t b = 0; b < batch; b++)                                                     \
+                    memcpy(v + b * kv_n, qkv + b * qkv_n + q_n + kv_n, (size_t)kv_n * sizeof(T));       \
+                rc = decode_layer_quantized_##SFX(c, kind, k, v, q, attn, tail_slots, tail_rows, key_slots, gk, gv, \
+                                                  slots, tables, table_stride, lens, batch, hq, hkv, d, bs, \
+                                                  num_blocks, scale, threads);                          \
             }                                                                                           \
-            rc = paged_decode_##SFX(kc, q, attn, tables, table_stride, lens, batch, hq, hkv, d, bs, num_blocks, \
-                                    scale, threads);                                                    \
             if (rc != 0) break;                                                                         \
             linear_##SFX(attn, q_n, o_w, o_b, proj, batch, hidden, q_n, threads);                       \
             add_into_##SFX(h, proj, n_tok);                                                             \

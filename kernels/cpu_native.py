@@ -165,8 +165,8 @@ def _load() -> ctypes.CDLL | None:
         lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         for fn in (lib.decode_layers_bf16, lib.decode_layers_f32):
             fn.restype = ctypes.c_int
-            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64,
-                           ctypes.c_float, ctypes.c_float, ctypes.c_int]  # fmt: skip
+            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr,
+                           i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, ctypes.c_int]  # fmt: skip
         _lib = lib
         return lib
 
@@ -285,7 +285,7 @@ def _bad_slot(slots: torch.Tensor, limit: int) -> str:
     return f"slots must lie in [0, {limit}), got {bad}"
 
 
-def _int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
+def int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
     """Whether an INT4 cache's tensors are what the C entries index blindly: contiguous, of its
     layout's shapes, and (``tails``) tail rows of ``dtype``. Tensors of other dtypes than an INT4
     cache's raise."""
@@ -312,7 +312,7 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
             or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
             or key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
         return False
-    if not _int4_tensors_fit(cache, key.dtype, tails=True):
+    if not int4_tensors_fit(cache, key.dtype, tails=True):
         return False
     d, bs = lay.head_dim, lay.block_size
     slots = slot_mapping.to(torch.int64).contiguous()
@@ -375,7 +375,7 @@ def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_le
             or not supports(q.dtype, hq, lay.num_kv_heads, d, lay.block_size) or cache.data.device.type != "cpu"):
         return None
     tails = tail_rows is not None and cache.k_tail is not None
-    if not _int4_tensors_fit(cache, q.dtype, tails):
+    if not int4_tensors_fit(cache, q.dtype, tails):
         return None
     tables, lens = prepare_tables(block_tables, seq_lens, lay.block_size)
     rows = tail_rows.to(torch.int32).contiguous() if tails else None
@@ -576,11 +576,49 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 DECODE_LAYER_PTRS = 10  # addresses per layer in ``decode_layers``'s table (DL_PTRS in the source)
+DECODE_CACHE_PTRS = 5  # addresses per layer's cache (DC_PTRS)
+_CACHE_KINDS = {"model": 0, ("int8", torch.float16): 1, ("int8", torch.float32): 2, "int4": 3}  # DC_*
+
+
+def _cache_rows(caches: list, dtype: torch.dtype) -> tuple[int, list[list[int]], tuple[int, int, int, int]]:
+    """``decode_layers``' cache kind, each layer's cache addresses (DC_PTRS), and the caches'
+    (blocks, block size, KV heads, head dim); ValueError unless every layer's cache is one the
+    kernels index blindly: contiguous, of one shape, of the hidden states' dtype (the model's)."""
+    first = caches[0]
+    if isinstance(first, torch.Tensor):
+        if any(c.shape != first.shape or c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu"
+               for c in caches):
+            raise ValueError(f"decode_layers needs every layer's cache a contiguous {dtype} CPU tensor of one shape")
+        _, n, bs, hkv, d = first.shape
+        return 0, [[c.data_ptr(), 0, 0, 0, 0] for c in caches], (n, bs, hkv, d)
+    lay, fmt = first.layout, first.fmt.name
+    rows = []
+    for c in caches:
+        if (c.fmt.name != fmt or c.layout != lay or c.num_blocks != first.num_blocks or c.data.device.type != "cpu"
+                or c.model_dtype != dtype):
+            raise ValueError("decode_layers needs every layer's cache of one format, layout and size, in the model dtype")
+        if fmt == "int8":
+            want = (2, c.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+            if (c.data.dtype != torch.int8 or tuple(c.data.shape) != want or not c.data.is_contiguous()
+                    or c.scale.dtype != first.scale.dtype or c.scale.shape != c.data.shape[:4]
+                    or not c.scale.is_contiguous()):
+                raise ValueError("decode_layers needs int8 caches' data and scales contiguous, of their layout")
+            rows.append([c.data.data_ptr(), c.scale.data_ptr(), 0, 0, 0])
+        elif fmt == "int4":
+            if not int4_tensors_fit(c, dtype, tails=True) or (c.k_tail is None) != (first.k_tail is None):
+                raise ValueError("decode_layers needs int4 caches' tensors contiguous, of their layout")
+            tails = [c.k_tail.data_ptr(), c.v_tail.data_ptr()] if c.k_tail is not None else [0, 0]
+            rows.append([c.data.data_ptr(), c.k_meta.data_ptr(), c.v_meta.data_ptr(), *tails])
+        else:
+            raise ValueError(f"decode_layers takes model, int8 or int4 caches, got {fmt}")
+    kind = _CACHE_KINDS[(fmt, first.scale.dtype) if fmt == "int8" else fmt]
+    return kind, rows, (first.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
 
 
 def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: torch.Tensor,
-                  caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                  num_heads: int, intermediate: int, eps: float, scale: float) -> None:
+                  caches: list, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                  num_heads: int, intermediate: int, eps: float, scale: float,
+                  tail_slots: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None) -> None:
     """Every decoder layer of a step whose tokens are all decodes, in one call (bf16 or float32,
     blocked weights; kernels/cpu_decode.c ``decode_layers_*``): ``h [B, H]`` holds the embedded
     tokens and is replaced in place by the last layer's output (bf16: bit-identical to running the
@@ -588,13 +626,14 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     to its cache. ``layers``: int64 ``[L, 10]``
     addresses per layer (input norm weight, qkv blocked weight, qkv bias, o weight, o bias,
     post-attention norm weight, gate_up weight, gate_up bias, down weight, down bias; 0 for no bias),
-    which the caller keeps alive, all of h's dtype. ``caches``: L contiguous ``[2, N, bs, Hkv, D]``;
-    ``slots`` ``[B]``; tables/lens from ``prepare_tables``; cos/sin ``B x D/2``."""
+    which the caller keeps alive, all of h's dtype. ``caches``: L contiguous ``[2, N, bs, Hkv, D]``
+    tensors, or L int8 / int4 ``PagedKVCache`` (written and read by the kernels the per-layer path
+    calls, ``write_int8`` / ``write_int4`` and their decodes: the same bytes); for int4,
+    ``tail_slots`` / ``tail_rows`` as ``write_int4`` / ``paged_decode_int4`` take them. ``slots``
+    ``[B]``; tables/lens from ``prepare_tables``; cos/sin ``B x D/2``."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available")
-    first = caches[0]
-    _, n_blocks, bs, hkv, d = first.shape
     b, hidden = h.shape
     dtype = h.dtype
     if dtype not in _SUFFIX or not h.is_contiguous() or h.device.type != "cpu":
@@ -602,9 +641,7 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     want = (len(caches), DECODE_LAYER_PTRS)
     if layers.dtype != torch.int64 or tuple(layers.shape) != want or not layers.is_contiguous():
         raise ValueError(f"expected int64 {list(want)} layer addresses, got {list(layers.shape)}")
-    for c in caches:
-        if c.shape != first.shape or c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu":
-            raise ValueError(f"decode_layers needs every layer's cache a contiguous {dtype} CPU tensor of one shape")
+    kind, rows, (n_blocks, bs, hkv, d) = _cache_rows(caches, dtype)
     cos, sin = cos.contiguous(), sin.contiguous()
     if cos.dtype != dtype or sin.dtype != dtype or cos.numel() != b * (d // 2) or sin.shape != cos.shape:
         raise ValueError(f"cos/sin must be {dtype} with {b} x {d // 2} values")
@@ -619,11 +656,23 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     _check_lens(tables, lens, bs)
     if not bool((layers[:, [0, 1, 3, 5, 6, 8]] != 0).all()):
         raise ValueError("every layer needs its norm and projection weights (only biases may be 0)")
-    ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+    ts = tr = None
+    key_slots = gk = gv = 0
+    if kind == _CACHE_KINDS["int4"]:
+        first = caches[0]
+        key_slots, gk, gv = first.k_meta.shape[-1], KVFormat.key_group(d, bs), KVFormat.value_group(d)
+        ts = reference.check_tail_slots(first, slots, tail_slots)
+        ts = ts.contiguous() if ts is not None else None
+        if tail_rows is not None and first.k_tail is not None:
+            tr = tail_rows.to(torch.int32).contiguous()
+            if tr.shape != (b,) or (tr.numel() and int(tr.max()) >= first.num_tail_rows):
+                raise ValueError(f"tail_rows must be [{b}] rows below {first.num_tail_rows}, got {tr.tolist()}")
+    ptrs = torch.tensor(rows, dtype=torch.int64)
     entry = getattr(lib, f"decode_layers_{_SUFFIX[dtype]}")
-    rc = entry(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(), len(caches),
-               slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, hidden, num_heads, hkv, d,
-               intermediate, bs, n_blocks, float(eps), float(scale), torch.get_num_threads())  # fmt: skip
+    rc = entry(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(), kind,
+               ts.data_ptr() if ts is not None else None, tr.data_ptr() if tr is not None else None, key_slots, gk, gv,
+               len(caches), slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, hidden, num_heads,
+               hkv, d, intermediate, bs, n_blocks, float(eps), float(scale), torch.get_num_threads())  # fmt: skip
     if rc == 1:
         raise ValueError(f"a block table names a block outside the cache's {n_blocks}")
     if rc == 2:

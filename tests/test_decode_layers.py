@@ -204,3 +204,43 @@ def test_the_stack_follows_storage_that_moves(tmp_path):
     model.share_memory()  # moves every parameter's storage
     assert model.decode_stack[0, 0] == model.layers[0].input_layernorm.weight.data_ptr()
     assert model.decode_stack[1, 5] == model.layers[1].post_attention_layernorm.weight.data_ptr()
+
+
+def _engine_run(model_dir, monkeypatch, fused: str, kv_format: str, dtype: str, **env) -> tuple[dict, list]:
+    monkeypatch.setenv("LLMBUS_CPU_FUSED_LAYERS", fused)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype=dtype, device="cpu", num_threads=2,
+                                                                kv_format=kv_format, block_size=16))  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, n in enumerate((1, 9, 30, 47)):  # blocks seal during decode (16-token blocks)
+        engine.add_request(f"r{i}", list(range(3, 3 + n)), params)
+    got: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend((t, lp.logprob) for t, lp in zip(out.new_token_ids, out.logprobs))
+    return got, engine.runner.kv_caches
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    return [t for t in (cache.data, cache.scale, cache.k_meta, cache.v_meta, cache.k_tail, cache.v_tail) if t is not None]
+
+
+@pytest.mark.parametrize("kv_format,env", [("int8", {}), ("int4", {}), ("int4", {"LLMBUS_KV_TAILS": "0"})])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_layers_over_quantized_caches_equal_the_layer_modules(tmp_path, monkeypatch, kv_format, env, dtype):
+    """int8 and int4 caches (int4 with and without exact tail rows) in one C call per step: the same
+    greedy tokens and logprobs and the same cache bytes (metadata and tail rows included) as the layer
+    modules, which call the same quantizing writes and decodes one layer at a time."""
+    model_dir = write_random_model(tmp_path, {"num_hidden_layers": 3, "dtype": dtype}, seed=9)
+    counted = _Counted(monkeypatch)
+    fused, fused_caches = _engine_run(model_dir, monkeypatch, "1", kv_format, dtype, **env)
+    calls = counted.calls
+    plain, plain_caches = _engine_run(model_dir, monkeypatch, "0", kv_format, dtype, **env)
+    assert calls >= 20 and counted.calls == calls  # the fused run's decode steps; none in the plain run
+    assert fused == plain
+    assert fused_caches[0].fmt.name == kv_format
+    if kv_format == "int4":
+        assert (fused_caches[0].k_tail is None) == ("LLMBUS_KV_TAILS" in env)
+    for a, b in zip(fused_caches, plain_caches):
+        assert all(torch.equal(x, y) for x, y in zip(_cache_tensors(a), _cache_tensors(b)))

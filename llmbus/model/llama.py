@@ -186,9 +186,12 @@ class LlamaForCausalLM(nn.Module):
         if self.decode_stack is None or meta.num_decodes != h.shape[0]:
             return False
         c, cfg = kv_caches[0], self.config
-        layout = (2, cfg.num_key_value_heads, cfg.head_dim)
-        if not isinstance(c, torch.Tensor) or c.dim() != 5 or (c.shape[0], *c.shape[3:]) != layout:
-            return False  # not this model's cache layout: the modules raise on it
+        if isinstance(c, torch.Tensor):
+            if c.dim() != 5 or (c.shape[0], *c.shape[3:]) != (2, cfg.num_key_value_heads, cfg.head_dim):
+                return False  # not this model's cache layout: the modules raise on it
+        elif (getattr(c, "layout", None) is None or getattr(c, "model_dtype", None) != h.dtype
+              or (c.layout.num_kv_heads, c.layout.head_dim) != (cfg.num_key_value_heads, cfg.head_dim)):
+            return False
         tables_for = getattr(self.backend, "native_decode_tables", None)
         native = tables_for(c, meta, cfg.num_attention_heads) if tables_for else None
         if native is None:
@@ -196,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[0].self_attn
         cpu_native.decode_layers(h, cos, sin, self.decode_stack, kv_caches, meta.slot_mapping, native.tables,
                                  native.lens, attn.num_heads, cfg.intermediate_size,
-                                 self.layers[0].input_layernorm.eps, attn.scale)  # fmt: skip
+                                 self.layers[0].input_layernorm.eps, attn.scale, meta.tail_slots,
+                                 meta.tail_rows)  # fmt: skip
         return True
 
     @property
