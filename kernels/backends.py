@@ -113,11 +113,14 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         """The step's tables for ``cpu_native.decode_layers`` (which runs every layer of a step in
         one C call) when every row of the step is a decode whose quantizing write and attention the
         C kernels do, over an int8 or int4 cache in the model dtype; None otherwise (the layers run
-        one by one, each through ``forward``)."""
+        one by one, each through ``forward``). ``cache`` is the first layer's; the others must
+        match it (``decode_layers`` raises otherwise: the engine allocates them alike)."""
         lay, nd = cache.layout, meta.num_decodes
         if (cache.fmt.name == "model" or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
                 or not cpu_native.supports(cache.model_dtype, num_q_heads, lay.num_kv_heads, lay.head_dim,
                                            lay.block_size)):
+            return None
+        if cache.fmt.name == "int8" and not cpu_native.int8_tensors_fit(cache):
             return None
         if cache.fmt.name == "int4" and not (cpu_native.INT4_FUSED
                                              and cpu_native.int4_tensors_fit(cache, cache.model_dtype, tails=True)):

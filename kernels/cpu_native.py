@@ -263,10 +263,7 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     entry = _WRITE_INT8.get((key.dtype, cache.scale.dtype if cache.scale is not None else None))
     if (entry is None or _load() is None or cache.fmt.name != "int8" or value.dtype != key.dtype
             or key.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
-            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)
-            or not (cache.data.is_contiguous() and cache.scale.is_contiguous()) or cache.data.dtype != torch.int8
-            or tuple(cache.data.shape) != (2, cache.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            or cache.scale.shape != cache.data.shape[:4]):
+            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim) or not int8_tensors_fit(cache)):
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):
@@ -278,6 +275,16 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     if rc == 1:
         raise ValueError(_bad_slot(slots, cache.num_blocks * lay.block_size))
     return True
+
+
+def int8_tensors_fit(cache) -> bool:
+    """Whether an INT8 cache's tensors are what the C entries index blindly: int8 data of its
+    layout's shape and its scales, both contiguous."""
+    lay = cache.layout
+    return (cache.data.dtype == torch.int8 and cache.scale is not None and cache.data.is_contiguous()
+            and cache.scale.is_contiguous()
+            and tuple(cache.data.shape) == (2, cache.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+            and cache.scale.shape == cache.data.shape[:4])
 
 
 def _bad_slot(slots: torch.Tensor, limit: int) -> str:
@@ -598,19 +605,18 @@ def _cache_rows(caches: list, dtype: torch.dtype) -> tuple[int, list[list[int]],
                 or c.model_dtype != dtype):
             raise ValueError("decode_layers needs every layer's cache of one format, layout and size, in the model dtype")
         if fmt == "int8":
-            want = (2, c.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            if (c.data.dtype != torch.int8 or tuple(c.data.shape) != want or not c.data.is_contiguous()
-                    or c.scale.dtype != first.scale.dtype or c.scale.shape != c.data.shape[:4]
-                    or not c.scale.is_contiguous()):
+            if not int8_tensors_fit(c) or c.scale.dtype != first.scale.dtype:
                 raise ValueError("decode_layers needs int8 caches' data and scales contiguous, of their layout")
             rows.append([c.data.data_ptr(), c.scale.data_ptr(), 0, 0, 0])
         elif fmt == "int4":
-            if not int4_tensors_fit(c, dtype, tails=True) or (c.k_tail is None) != (first.k_tail is None):
-                raise ValueError("decode_layers needs int4 caches' tensors contiguous, of their layout")
+            if not int4_tensors_fit(c, dtype, tails=True) or c.num_tail_rows != first.num_tail_rows:
+                raise ValueError("decode_layers needs int4 caches' tensors contiguous, of their layout, with "
+                                 "as many tail rows each")
             tails = [c.k_tail.data_ptr(), c.v_tail.data_ptr()] if c.k_tail is not None else [0, 0]
             rows.append([c.data.data_ptr(), c.k_meta.data_ptr(), c.v_meta.data_ptr(), *tails])
         else:
-            raise ValueError(f"decode_layers takes model, int8 or int4 caches, got {fmt}")
+            raise ValueError("decode_layers takes model-dtype caches as [2, N, bs, Hkv, D] tensors, int8 and int4 "
+                             f"ones as PagedKVCache; got a {fmt} PagedKVCache")
     kind = _CACHE_KINDS[(fmt, first.scale.dtype) if fmt == "int8" else fmt]
     return kind, rows, (first.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
 

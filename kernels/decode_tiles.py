@@ -17,9 +17,9 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   not bytes, matters on CUDA: Triton lays a dot operand out by the narrowest load it derives from
   (four consecutive channels per thread from bytes, two from 16 bits up), and the four-channel
   layout cost a register move for every operand register of every ``mma`` (about 130 per
-  iteration, compiled for sm_90: ``scripts/kernel_cost.py``). Each block's per-channel key ranges are worked out once per
-  channel (``compact``) and broadcast over the block's tokens, each token's value (scale, min)
-  pairs over its group. On CUDA an inline-PTX twin of ``lane_codes`` turns two lanes into a fp16
+  iteration, compiled for sm_90: ``scripts/kernel_cost.py``). Each block's per-channel key
+  ranges are worked out once per channel (``compact``) and broadcast over the block's tokens,
+  each token's value (scale, min) pairs over its group. On CUDA an inline-PTX twin of ``lane_codes`` turns two lanes into a fp16
   pair of each class in nine instructions. The partial tail block takes the generic
   ``kv_tile.load_kv_tile`` path, once per sequence.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
@@ -74,7 +74,8 @@ S8_PAIR_0, S8_PAIR_1, S8_PAIR_2, S8_PAIR_3 = (_s8_pair_ptx(b) for b in range(4))
 # Two 16-bit lanes ($4: x0 low, x1 high) -> each channel class r's codes as one fp16 pair ($r: x0's,
 # x1's): lop3 keeps one nibble of each half and sets 0x64 above it (the fp16 1024 + n, or 1024 + 16 n
 # for a high nibble), which sub.f16x2 and fma.rn.f16x2 (x / 16 - 64) turn into n exactly; the upper
-# byte's nibbles (classes 2, 3) first shift down by 8.
+# byte's nibbles (classes 2, 3) first shift down by 8. The outputs are early-clobber (=&r): $4 is
+# read after $0 is written.
 U4_LANES = tl.constexpr(
     "{ .reg .b32 c, s, m, u; mov.b32 c, 0x64006400; mov.b32 s, 0x2c002c00; mov.b32 m, 0xd400d400; "
     "shr.b32 u, $4, 8; "
@@ -91,7 +92,7 @@ def lane_codes(x, ASM: tl.constexpr):
     lanes make a fp16 pair of each class in nine instructions."""
     if ASM:
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            U4_LANES, "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            U4_LANES, "=&r,=&r,=&r,=&r,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
             is_pure=True, pack=2)
     else:
         c0 = codes_f16(x & 15)
@@ -273,13 +274,14 @@ def int4_lanes_loop(
         bval = bi * BS < end
         blk = tl.load(table + bi, mask=bval, other=0).to(tl.int64)  # [NB]
         off = tl.arange(0, BS)
-        krow = (blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh) // 2  # [NB, BS], in lanes
+        # NOTE: >> 1, not // 2, on these non-negative byte offsets: a signed division costs a correction
+        krow = (blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh) >> 1  # [NB, BS], in lanes
         kx = tl.load(lanes + krow[:, :, None] + k[None, None, :], mask=bval[:, None, None], other=0)
         k0, k1, k2, k3 = lane_codes(kx, ASM)
         # NOTE: metadata goes in 32-bit words throughout: Triton pipelines no load narrower than 4
         # bytes (cp.async), and a 16-bit one left in the loop waits out global memory's latency.
         # The range codes of channels 4k, 4k + 1 are word 2k, of 4k + 2, 4k + 3 word 2k + 1.
-        kb = (blk * s_kmn + h * s_kmh) // 2
+        kb = (blk * s_kmn + h * s_kmh) >> 1
         kwa = tl.load(kwords + kb[:, None] + 2 * k[None, :], mask=bval[:, None], other=0)  # [NB, D/4]
         kwb = tl.load(kwords + kb[:, None] + 2 * k[None, :] + 1, mask=bval[:, None], other=0)
         lohi = tl.load(kwords + kb + D // 2, mask=bval, other=0)  # (lo, hi)
@@ -308,10 +310,10 @@ def int4_lanes_loop(
         offt = t % BS
         g = tl.arange(0, NG)
         jg = tl.arange(0, GV // 4)
-        vrow = ((s_dc + blkt * s_dn + offt * s_db + h * s_dh) // 2)[:, None, None] + (g * (GV // 4))[None, :, None]
+        vrow = ((s_dc + blkt * s_dn + offt * s_db + h * s_dh) >> 1)[:, None, None] + (g * (GV // 4))[None, :, None]
         vx = tl.load(lanes + vrow + jg[None, None, :], mask=valid[:, None, None], other=0)
         v0, v1, v2, v3 = lane_codes(vx, ASM)
-        vm = ((blkt * s_vmn + offt * s_vmb + h * s_vmh) // 2)[:, None] + g[None, :]  # [TILE, NG]
+        vm = ((blkt * s_vmn + offt * s_vmb + h * s_vmh) >> 1)[:, None] + g[None, :]  # [TILE, NG]
         vw = tl.load(vwords + vm, mask=valid[:, None], other=0)  # (scale, min)
         vsc = compact((vw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
         vmn = compact((vw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]

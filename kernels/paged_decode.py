@@ -25,8 +25,8 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # (64, 4, 3): the best of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192
 # tokens, 8 KV heads of 128 channels, 16-token blocks), int4's before its lane loop. int8's, and
 # int4's register cap: chosen by scripts/kernel_cost.py, not yet measured on a GPU. The cap (for the
-# lane loop only: register_cap) doubles the warps an SM holds (8 -> 16) for 2% more instructions
-# (Triton 3.6) and a few spilled registers reloaded in the loop.
+# lane loop only: register_cap) doubles the warps an SM holds (8 -> 16) for 2-3% more instructions
+# and a few spilled registers reloaded in the loop.
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 4, 3, 0), "int4": (64, 4, 3, 128)}
 
 
@@ -158,7 +158,7 @@ def int4_lanes(cache) -> bool:
         return False
     vm = cache.v_meta.view(torch.int16)
     return (_aligned(cache.data, 2, 4) and _aligned(cache.k_meta, 4, 2) and _aligned(vm, 4, 4)
-            and vm.stride(4) == 1)
+            and vm.stride(4) == 1 and vm.stride(3) == 2)
 
 
 def register_cap(cache, max_registers: int | None = None) -> int:

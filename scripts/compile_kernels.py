@@ -92,7 +92,8 @@ def cuda_cache(fmt: str, layout, tail_rows: int = 0):
 
 def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
-    INT4 also at 16 (its generic-tile path), with and without tail rows; split-K on and off."""
+    INT4 also at 64 (its lane loop's narrowest: class dots of 16 channels) and 16 (its generic-tile
+    path), with and without tail rows; split-K on and off."""
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
@@ -102,7 +103,7 @@ def variants():
         return t.as_subclass(CudaLike)
 
     cases = [("model", 128, False), ("int8", 128, False), ("int4", 128, False), ("int4", 128, True),
-             ("int4", 16, False), ("int4", 16, True)]
+             ("int4", 64, False), ("int4", 16, False), ("int4", 16, True)]
     for fmt, d, tails in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
         cache = cuda_cache(fmt, lay, tail_rows=4 if tails else 0)

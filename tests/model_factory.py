@@ -36,11 +36,12 @@ class PagedDriver:
     """Runs a model the way the engine does: one paged cache, shuffled non-contiguous block ids
     per sequence, steps given as ``[(seq_id, tokens)]`` (decodes first)."""
 
-    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0) -> None:
+    def __init__(self, model, num_blocks: int = 64, block_size: int = 16, seed: int = 0, backend=None) -> None:
+        """``backend``: what allocates the caches (default: model-dtype tensors)."""
         self.model = model
         dtype = str(model.embed_tokens.dtype).removeprefix("torch.")
         self.layout = model.config.kv_layout(block_size, dtype)
-        self.caches = TorchAttentionBackend().allocate_cache(self.layout, num_blocks, "cpu")
+        self.caches = (backend or TorchAttentionBackend()).allocate_cache(self.layout, num_blocks, "cpu")
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}

@@ -9,10 +9,12 @@ import torch
 import transformers  # the independent reference
 
 from kernels import cpu_native
+from kernels.backends import CpuPagedAttentionBackend
 from kernels.cpu import CpuAttentionBackend
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine
 from llmbus.engine.sampling_params import SamplingParams
+from llmbus.kv.formats import KVFormat
 from llmbus.model.loader import load_model
 from tests.model_factory import PagedDriver, write_random_model
 
@@ -67,15 +69,26 @@ def test_fused_layers_equal_the_layer_modules(tmp_path, monkeypatch, name, threa
     stack = model.decode_stack
     counted = _Counted(monkeypatch)
     fused, plain = PagedDriver(model, seed=1), PagedDriver(model, seed=1)
-    g = torch.Generator().manual_seed(3)
-    prompts = {s: torch.randint(0, 512, (n,), generator=g).tolist() for s, n in (("a", 40), ("b", 17), ("c", 70))}
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        _step_both(model, stack, fused, plain)
+    finally:
+        torch.set_num_threads(old)
+    assert counted.calls == 19  # every decode-only step; not the one with a prefill chunk
+    assert all(_same(x, y) for x, y in zip(fused.caches, plain.caches))
+
+
+def _step_both(model, stack, fused: PagedDriver, plain: PagedDriver) -> None:
+    """The same steps through ``fused`` (layers in one call) and ``plain`` (the modules), logits
+    compared step by step: three prompts, then 20 decode steps, a fourth sequence joining at the
+    tenth through a mixed step."""
+    g = torch.Generator().manual_seed(3)
+    prompts = {s: torch.randint(0, 512, (n,), generator=g).tolist() for s, n in (("a", 40), ("b", 17), ("c", 70))}
     try:
         for driver, decode_stack in ((fused, stack), (plain, None)):
             model.decode_stack = decode_stack
             driver.step(list(prompts.items()))  # prefill chunks: the layer modules either way
-        assert counted.calls == 0
         for i in range(20):  # every sequence decodes; one joins late through a mixed step
             step = [(s, [int(t)]) for s, t in zip("abc", torch.randint(0, 512, (3,), generator=g))]
             if i == 10:
@@ -88,10 +101,7 @@ def test_fused_layers_equal_the_layer_modules(tmp_path, monkeypatch, name, threa
                 outs[driver is fused] = driver.step(step)
             assert all(_same(x, y) for x, y in zip(outs[True], outs[False])), f"step {i}"
     finally:
-        torch.set_num_threads(old)
         model.decode_stack = stack
-    assert counted.calls == 19  # every decode-only step; not the one with a prefill chunk
-    assert all(_same(x, y) for x, y in zip(fused.caches, plain.caches))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -244,3 +254,77 @@ def test_fused_layers_over_quantized_caches_equal_the_layer_modules(tmp_path, mo
         assert (fused_caches[0].k_tail is None) == ("LLMBUS_KV_TAILS" in env)
     for a, b in zip(fused_caches, plain_caches):
         assert all(torch.equal(x, y) for x, y in zip(_cache_tensors(a), _cache_tensors(b)))
+
+
+QUANTIZED = {"int8": KVFormat("int8"), "int8_fp32_scales": KVFormat("int8", "float32"), "int4": KVFormat("int4")}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_layers_over_quantized_caches_step_by_step(tmp_path, monkeypatch, name, dtype):
+    """Every quantized cache kind (int8 with fp16 or fp32 scales, int4) in one call per decode step:
+    the same logits and cache bytes as the modules, step by step."""
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 3}, seed=5), dtype)
+    model.backend = backend = CpuPagedAttentionBackend(QUANTIZED[name])
+    counted = _Counted(monkeypatch)
+    fused, plain = PagedDriver(model, seed=1, backend=backend), PagedDriver(model, seed=1, backend=backend)
+    _step_both(model, model.decode_stack, fused, plain)
+    assert counted.calls == 19
+    assert fused.caches[0].fmt == QUANTIZED[name]
+    for a, b in zip(fused.caches, plain.caches):
+        assert all(torch.equal(x, y) for x, y in zip(_cache_tensors(a), _cache_tensors(b)))
+
+
+@needs_bf16
+def test_quantized_caches_the_kernels_do_not_serve_keep_the_modules(tmp_path, monkeypatch):
+    """int4 with LLMBUS_CPU_INT4_FUSED=0 (its per-layer path is the torch reference) and int8 caches
+    that are not contiguous: the layers run one by one."""
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=7))
+    counted = _Counted(monkeypatch)
+    model.backend = backend = CpuPagedAttentionBackend(KVFormat("int4"))
+    monkeypatch.setattr(cpu_native, "INT4_FUSED", False)
+    driver = PagedDriver(model, backend=backend)
+    driver.step([("a", list(range(3, 20)))])
+    driver.step([("a", [5])])
+    monkeypatch.setattr(cpu_native, "INT4_FUSED", True)
+    model.backend = backend = CpuPagedAttentionBackend(KVFormat("int8"))
+    driver = PagedDriver(model, backend=backend)
+    for c in driver.caches:  # a strided view of a larger allocation
+        c.data = torch.zeros(2, 2 * c.num_blocks, *c.data.shape[2:], dtype=torch.int8)[:, : c.num_blocks]
+    driver.step([("a", list(range(3, 20)))])
+    driver.step([("a", [5])])
+    assert counted.calls == 0
+
+
+@needs_bf16
+def test_bad_int4_tail_slots_and_mismatched_caches_are_refused(tmp_path):
+    """Refused before any write: a tail slot at the wrong block offset, tail rows past the cache's,
+    and layers whose caches differ (here: in their tail rows)."""
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=2))
+    model.backend = backend = CpuPagedAttentionBackend(KVFormat("int4"))
+    driver = PagedDriver(model, num_blocks=8, backend=backend)
+    driver.caches = backend.allocate_cache(driver.layout, 8, "cpu", tail_rows=2)
+    driver.step([("a", list(range(5, 25)))])
+    caches = driver.caches
+    cfg, attn = model.config, model.layers[0].self_attn
+    h = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, cfg.head_dim // 2, dtype=torch.bfloat16)
+    table, lens = torch.tensor([driver.tables["a"]], dtype=torch.int32), torch.tensor([21], dtype=torch.int32)
+    slot = driver.tables["a"][1] * 16 + 4
+
+    def run(tail_slot: int, tail_row: int, layers=caches) -> None:
+        cpu_native.decode_layers(h, cos, sin, model.decode_stack, layers, torch.tensor([slot]), table, lens,
+                                 attn.num_heads, cfg.intermediate_size, 1e-6, attn.scale, torch.tensor([tail_slot]),
+                                 torch.tensor([tail_row]))  # fmt: skip
+
+    before = [t.clone() for c in caches for t in _cache_tensors(c)]
+    with pytest.raises(ValueError, match="tail slot"):
+        run(16 + 5, 1)
+    with pytest.raises(ValueError, match="tail_rows"):
+        run(16 + 4, 2)
+    other = backend.allocate_cache(driver.layout, 8, "cpu", tail_rows=1)
+    with pytest.raises(ValueError, match="tail rows each"):
+        run(16 + 4, 1, [caches[0], other[1]])
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for c in caches for t in _cache_tensors(c)]))
+    run(16 + 4, 1)  # a good one writes
+    assert not all(torch.equal(a, b) for a, b in zip(before, [t for c in caches for t in _cache_tensors(c)]))

@@ -129,6 +129,14 @@ def test_decode_int4_lanes_at_head_dim_128(group, splits):
            seed=group, tile=64)
 
 
+@pytest.mark.parametrize("head_dim,bs", [(64, 16), (128, 32), (256, 16)])
+def test_decode_int4_lanes_shapes_at_the_cuda_tile(head_dim, bs):
+    """The lane loop at the CUDA default tile (64) for its narrowest head (64 channels: class dots of
+    16), two-block tiles of 32-token blocks, and four value groups per token (256 channels)."""
+    _check("int4", "float16", hkv=2, group=4, head_dim=head_dim, bs=bs, lens=[130, 64, 31, 1], splits=2, seed=head_dim,
+           tile=64)
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX ``prmt.b32`` (default mode): result byte i is byte ``sel`` nibble i of the pair {b, a}."""
     assert all((sel >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicate selectors are not emulated"
