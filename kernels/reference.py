@@ -246,33 +246,42 @@ def dequantize_blocks(
 def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         zero_past_end: bool = True, tail_rows: torch.Tensor | None = None,
                         dequantize=None):
-    """The blocks the batch reads, dequantized to fp32, with a block table into them.
+    """The blocks the batch reads, dequantized to fp32, with a block table into them: each
+    sequence's own blocks (``ceil(len / bs)``, at least one in all), one after another, so row i of
+    the table holds consecutive ids (entries past a sequence's blocks: 0). A batch of one long and
+    many short sequences dequantizes what they hold, not B times the longest.
     ``zero_past_end=False`` leaves slots past each sequence's end as they decode (for a consumer
     that never reads them, such as the fused CPU kernel). ``tail_rows`` ([B], -1: none): the INT4
     tail row holding each sequence's partial last block, whose exact keys and values are read
     instead of its codes. ``dequantize``: ``dequantize_blocks`` (the default) or a twin of it."""
     b, bs = block_tables.shape[0], cache.data.shape[2]
-    nblk = max(1, -(-int(seq_lens.max()) // bs)) if b else 1
-    ids = block_tables[:, :nblk].long()
-    full = (torch.arange(ids.shape[1], device=ids.device) + 1) * bs <= seq_lens[:, None].to(ids.device)
+    dev = block_tables.device
+    lens = seq_lens.to(dev).long()
+    counts = (lens + bs - 1) // bs
+    nblk = max(1, int(counts.max())) if b else 1
+    col = torch.arange(nblk, device=dev)
+    own = col[None, :] < counts[:, None]  # [B, nblk]: the blocks each sequence holds
+    if b and not bool(own.any()):
+        own[0, 0] = True  # NOTE: all empty: one block, so the table's zeros point into the context
+    full = (col[None, :] + 1) * bs <= lens[:, None]
     seqs = None
     if tail_rows is not None and cache.k_tail is not None:
-        lens = seq_lens.to(ids.device).long()
-        rows = tail_rows.to(ids.device).long()
+        rows = tail_rows.to(dev).long()
         seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
         full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip per-token codes
-    kv = (dequantize or dequantize_blocks)(cache, ids.reshape(-1), full.reshape(-1))
+    kv = (dequantize or dequantize_blocks)(cache, block_tables[:, :nblk].long()[own], full[own])
+    starts = torch.cumsum(own.sum(1), 0) - own.sum(1)
     if seqs is not None and seqs.numel():
-        at = seqs * nblk + lens[seqs] // bs
+        at = starts[seqs] + lens[seqs] // bs
         for i, tail in enumerate((cache.k_tail, cache.v_tail)):
             kv[i, at] = tail.view(-1, bs, *tail.shape[1:])[rows[seqs]].float()
-    table = torch.arange(ids.numel(), device=ids.device, dtype=torch.int32).view(ids.shape)
+    table = torch.where(own, starts[:, None] + col[None, :], 0).to(torch.int32)
     if not zero_past_end:
         return kv, table
     # NOTE: slots past a sequence's end may hold another encoding's bytes (a reused block, table
     # padding), which can decode to inf/nan; zero them so masked positions stay harmless.
-    pos = torch.arange(ids.shape[1] * bs, device=ids.device).view(ids.shape[1], bs)
-    live = (pos[None] < seq_lens.to(ids.device)[:, None, None]).reshape(1, -1, bs, 1, 1)
+    pos = (col[:, None] * bs + torch.arange(bs, device=dev)[None, :])[None]  # [1, nblk, bs]
+    live = (pos < lens[:, None, None])[own].reshape(1, -1, bs, 1, 1)
     kv = torch.where(live, kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
     return kv, table
 

@@ -194,3 +194,41 @@ def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backe
             row += n
             done[i] = end
     assert pairs[0] != pairs[1]  # the sequences hold their own rows
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_dequantized_context_holds_each_sequences_own_blocks(fmt):
+    """One long sequence beside short and empty ones: the context holds each sequence's own blocks
+    (not B x the longest), row i of the table names them in order, each equal to its block
+    dequantized alone; slots past each end are zeroed (zero_past_end) and int4 tail rows stand in
+    for a partial last block's codes."""
+    from kernels.kv_cache import allocate_cache
+    from llmbus.kv.formats import KVFormat
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+    cache = allocate_cache(KVFormat(fmt), lay, 16, "cpu", tail_rows=2)
+    tables = torch.tensor([[3, 5, 7, 9, 11, 12], [6, 0, 0, 0, 0, 0], [1, 2, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]],
+                          dtype=torch.int32)
+    lens = torch.tensor([90, 7, 16, 0], dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    slots = torch.tensor([lay.slot(tables[b].tolist(), t) for b, n in enumerate(lens.tolist()) for t in range(n)])
+    k, v = (torch.randn(len(slots), 2, 32, generator=g) for _ in range(2))
+    reference.write_kv_cache(k, v, cache, slots)
+    counts = [6, 1, 1, 0]
+    for zero in (True, False):
+        kv, table = reference.dequantized_context(cache, tables, lens, zero_past_end=zero)
+        assert kv.shape[1] == sum(counts) and table.shape == (4, 6)
+        for b, n in enumerate(counts):
+            ids = table[b, :n].tolist()
+            assert ids == list(range(ids[0], ids[0] + n)) if n else True
+            for j in range(n):
+                full = torch.tensor([(j + 1) * 16 <= int(lens[b])])
+                want = reference.dequantize_blocks(cache, tables[b, j : j + 1].long(), full)[:, 0]
+                if zero:
+                    want[:, max(0, int(lens[b]) - 16 * j):] = 0
+                torch.testing.assert_close(kv[:, ids[j]], want)
+    if fmt == "int4":  # sequence 1's partial block from tail row 1
+        cache.k_tail[16:32], cache.v_tail[16:32] = 3.0, -2.0
+        kv, table = reference.dequantized_context(cache, tables, lens, tail_rows=torch.tensor([-1, 1, -1, -1]))
+        assert (kv[0, table[1, 0], :7] == 3.0).all() and (kv[1, table[1, 0], :7] == -2.0).all()
+        assert (kv[:, table[1, 0], 7:] == 0).all()
