@@ -306,7 +306,7 @@ def int4_lanes_loop(
         m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
         p = p.to(DOT)
         # values, as [TILE, NG, GV/4] so each token's (scale, min) pair broadcasts over its group
-        blkt = tl.load(table + s // BS + t // BS, mask=valid, other=0).to(tl.int64)
+        blkt = tl.reshape(tl.broadcast_to(blk[:, None], [NB, BS]), [TILE])  # the keys' block ids, per token
         offt = t % BS
         g = tl.arange(0, NG)
         jg = tl.arange(0, GV // 4)
