@@ -263,6 +263,8 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
     own = col[None, :] < counts[:, None]  # [B, nblk]: the blocks each sequence holds
     if b and not bool(own.any()):
         own[0, 0] = True  # NOTE: all empty: one block, so the table's zeros point into the context
+        if block_tables.shape[1] == 0:
+            block_tables = torch.zeros(b, 1, dtype=block_tables.dtype, device=dev)  # block 0: any cache has it
     full = (col[None, :] + 1) * bs <= lens[:, None]
     seqs = None
     if tail_rows is not None and cache.k_tail is not None:

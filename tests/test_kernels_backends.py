@@ -221,12 +221,17 @@ def test_dequantized_context_holds_each_sequences_own_blocks(fmt):
         for b, n in enumerate(counts):
             ids = table[b, :n].tolist()
             assert ids == list(range(ids[0], ids[0] + n)) if n else True
+            assert (table[b, n:] == 0).all()  # padding names a block of the context
             for j in range(n):
                 full = torch.tensor([(j + 1) * 16 <= int(lens[b])])
                 want = reference.dequantize_blocks(cache, tables[b, j : j + 1].long(), full)[:, 0]
                 if zero:
                     want[:, max(0, int(lens[b]) - 16 * j):] = 0
                 torch.testing.assert_close(kv[:, ids[j]], want)
+    for width in (0, 3):  # an all-empty batch, even with a table of no columns: one block
+        kv, table = reference.dequantized_context(cache, torch.zeros(2, width, dtype=torch.int32),
+                                                  torch.zeros(2, dtype=torch.int32))
+        assert kv.shape[1] == 1 and (table == 0).all() and (kv == 0).all()
     if fmt == "int4":  # sequence 1's partial block from tail row 1
         cache.k_tail[16:32], cache.v_tail[16:32] = 3.0, -2.0
         kv, table = reference.dequantized_context(cache, tables, lens, tail_rows=torch.tensor([-1, 1, -1, -1]))
