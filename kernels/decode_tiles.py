@@ -147,13 +147,24 @@ def scale_at(scale_ptr, idx, valid):
 
 
 @triton.jit
-def class_queries(q_ptr, s_qh, heads, gmask, D: tl.constexpr, DOT: tl.constexpr):
-    """The query rows' channels of each class ``c % 4`` (``[GP, D/4]`` each, column k: channel 4k + r)."""
-    qrow = q_ptr + heads[:, None] * s_qh + 4 * tl.arange(0, D // 4)[None, :]
-    q0 = tl.load(qrow, mask=gmask[:, None], other=0.0).to(DOT)
-    q1 = tl.load(qrow + 1, mask=gmask[:, None], other=0.0).to(DOT)
-    q2 = tl.load(qrow + 2, mask=gmask[:, None], other=0.0).to(DOT)
-    q3 = tl.load(qrow + 3, mask=gmask[:, None], other=0.0).to(DOT)
+def row_mask(pos, valid, qpos, CAUSAL: tl.constexpr):
+    """Which of a tile's positions ``pos`` [TILE] (loaded where ``valid``) each row attends to:
+    all valid ones (decode), or (CAUSAL: prefill) those up to the row's own position ``qpos`` [R]."""
+    if CAUSAL:
+        return valid[None, :] & (pos[None, :] <= qpos[:, None])
+    else:
+        return valid[None, :]
+
+
+@triton.jit
+def class_queries(q_ptr, qrows, rmask, D: tl.constexpr, DOT: tl.constexpr):
+    """The query rows' (``q_ptr + qrows``, where ``rmask``) channels of each class ``c % 4`` (``[R, D/4]``
+    each, column k: channel 4k + r)."""
+    qrow = q_ptr + qrows[:, None] + 4 * tl.arange(0, D // 4)[None, :]
+    q0 = tl.load(qrow, mask=rmask[:, None], other=0.0).to(DOT)
+    q1 = tl.load(qrow + 1, mask=rmask[:, None], other=0.0).to(DOT)
+    q2 = tl.load(qrow + 2, mask=rmask[:, None], other=0.0).to(DOT)
+    q3 = tl.load(qrow + 3, mask=rmask[:, None], other=0.0).to(DOT)
     return q0, q1, q2, q3
 
 
@@ -165,17 +176,17 @@ def join_classes(a0, a1, a2, a3):
 
 @triton.jit
 def int8_words_loop(
-    q_ptr, s_qh, heads, gmask,  # q_ptr: this sequence's query row; query heads [GP] and their mask
+    q_ptr, qrows, rmask, qpos,  # rows [GP] at q_ptr + qrows (where rmask); CAUSAL: each row's position
     data_ptr, scale_ptr, table, h, start, end,
     m_i, l_i, qk_scale,
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh,
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """INT8 decode over positions ``[start, end)`` by channel class (module docstring); returns
     ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
     j = tl.arange(0, D // 4)
-    q0, q1, q2, q3 = class_queries(q_ptr, s_qh, heads, gmask, D, DOT)
+    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     a0 = tl.zeros([GP, D // 4], tl.float32)
     a1 = tl.zeros([GP, D // 4], tl.float32)
     a2 = tl.zeros([GP, D // 4], tl.float32)
@@ -199,7 +210,7 @@ def int8_words_loop(
         scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM).to(DOT)), scores, input_precision=PREC)
         scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
         scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM).to(DOT)), scores, input_precision=PREC)
-        scores = tl.where(valid[None, :], scores * (ks * qk_scale)[None, :], float("-inf"))
+        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * (ks * qk_scale)[None, :], float("-inf"))
         m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
         p = (p * vs[None, :]).to(DOT)
         a0 = a0 * alpha[:, None] + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
@@ -247,12 +258,12 @@ def key_ranges(kw, lo, step, SHIFT: tl.constexpr, DQ: tl.constexpr):
 
 @triton.jit
 def int4_lanes_loop(
-    q_ptr, s_qh, heads, gmask,  # q_ptr: this sequence's query row; query heads [GP] and their mask
+    q_ptr, qrows, rmask, qpos,  # rows [GP] at q_ptr + qrows (where rmask); CAUSAL: each row's position
     data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,  # end: a multiple of BS (full blocks only)
     m_i, l_i, qk_scale,
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
-    DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """INT4 decode over the full blocks in ``[start, end)`` by channel class (module docstring);
     returns ``(m_i, l_i, acc [GP, D])``. The data's strides (bytes) are even and ``k_meta``,
@@ -260,7 +271,7 @@ def int4_lanes_loop(
     NB: tl.constexpr = TILE // BS
     NG: tl.constexpr = D // GV
     k = tl.arange(0, D // 4)
-    q0, q1, q2, q3 = class_queries(q_ptr, s_qh, heads, gmask, D, DOT)
+    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     a0 = tl.zeros([GP, D // 4], tl.float32)
     a1 = tl.zeros([GP, D // 4], tl.float32)
     a2 = tl.zeros([GP, D // 4], tl.float32)
@@ -302,7 +313,7 @@ def int4_lanes_loop(
         scores = tl.dot(q3, tl.trans(k3.to(DOT)), scores, input_precision=PREC)
         t = tl.arange(0, TILE)
         valid = s + t < end
-        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
         p = p.to(DOT)
         # values, as [TILE, NG, GV/4] so each token's (scale, min) pair broadcasts over its group

@@ -81,8 +81,8 @@ def paged_decode_kernel(
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
     elif WORDS:
         m_i, l_i, acc = int8_words_loop(
-            q_ptr + b.to(tl.int64) * s_qb, s_qh, heads, gmask, data_ptr, scale_ptr, table, h, start, end,
-            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, GP, TILE, D, BS, DOT, PREC, ASM,
+            q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, scale_ptr, table, h, start, end,
+            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, GP, TILE, D, BS, DOT, PREC, ASM, False,
         )
     elif FMT == 1:
         for s in range(start, end, TILE):
@@ -98,9 +98,9 @@ def paged_decode_kernel(
         lim = tl.minimum(end, full_end)
         if LANES:
             m_i, l_i, acc = int4_lanes_loop(
-                q_ptr + b.to(tl.int64) * s_qb, s_qh, heads, gmask, data_ptr, kmeta_ptr, vmeta_ptr, table, h, start,
-                lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                GP, TILE, D, BS, GV, DOT, PREC, DQ, ASM,
+                q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
+                start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                GP, TILE, D, BS, GV, DOT, PREC, DQ, ASM, False,
             )
         else:
             # NOTE: below 64 channels (or on unaligned caches) the generic load serves: class tiles

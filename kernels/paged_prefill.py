@@ -11,7 +11,31 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_tiles import int4_lanes_loop, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, softmax_step, tile_args
+from kernels.paged_decode import ASM, int4_lanes, int8_words
+
+
+@triton.jit
+def generic_tile(s, q, qpos, m_i, l_i, acc, qk_scale, cache_args, TILE: tl.constexpr, DOT: tl.constexpr,
+                 PREC: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
+                 GK: tl.constexpr):
+    """One online-softmax step of the rows (``q``, positions ``qpos``) over positions ``[s, s + TILE)``
+    through the generic tile load (any format); ``cache_args`` as ``kv_tile.load_kv_tile`` takes
+    them after ``pos``."""
+    (data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, seq_len, h, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh,
+     s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, tail_ptr, vtail_ptr, trow, s_tt, s_th) = cache_args
+    pos = s + tl.arange(0, TILE)
+    k, v = load_kv_tile(
+        data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
+        s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+        tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
+    )
+    scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [BLOCK_M, TILE]
+    allowed = (pos[None, :] <= qpos[:, None]) & (pos < seq_len)[None, :]
+    m_new, alpha, p, l_i = softmax_step(tl.where(allowed, scores, float("-inf")), m_i, l_i)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -28,6 +52,7 @@ def paged_prefill_kernel(
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, s_tt, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
+    WORDS: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, DQ: tl.constexpr,  # the decode loops' (paged_decode)
 ):
     mt = tl.program_id(0)
     b = tl.program_id(1)
@@ -52,18 +77,33 @@ def paged_prefill_kernel(
     # keys up to the last valid row's position; an empty tile (mt * BLOCK_M >= q_len) loops zero times
     kv_end = tl.where(mt * BLOCK_M < q_len, tl.minimum(seq_len, seq_len - q_len + (mt + 1) * BLOCK_M), 0)
     table = table_ptr + b.to(tl.int64) * s_tb
-    for s in range(0, kv_end, TILE):
-        pos = s + tl.arange(0, TILE)
-        k, v = load_kv_tile(
-            data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, pos, seq_len, h,
-            s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-            tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
+    cache_args = (data_ptr, scale_ptr, kmeta_ptr, vmeta_ptr, table, seq_len, h,
+                  s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                  tail_ptr, vtail_ptr, trow, s_tt, s_th)
+    # NOTE: quantized contexts go through the decode kernel's loops (codes read as words / lanes,
+    # converted without conversion instructions), causal per row; INT4's partial last block, if the
+    # rows reach it, through the generic tile load.
+    if FMT == 1 and WORDS:
+        m_i, l_i, acc = int8_words_loop(
+            q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, scale_ptr, table, h, 0, kv_end,
+            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, BLOCK_M, TILE, D, BS, DOT, PREC, ASM, True,
         )
-        scores = tl.dot(q, tl.trans(k.to(DOT)), input_precision=PREC) * qk_scale  # [BLOCK_M, TILE]
-        allowed = (pos[None, :] <= qpos[:, None]) & (pos < seq_len)[None, :]
-        m_new, alpha, p, l_i = softmax_step(tl.where(allowed, scores, float("-inf")), m_i, l_i)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v.to(DOT), input_precision=PREC)
-        m_i = m_new
+    elif FMT == 2 and LANES:
+        # whole blocks up to the last the rows reach (blocks past kv_end are full: the causal mask
+        # drops their positions), then at most a partial block (< BS <= TILE positions)
+        full = tl.minimum((kv_end + BS - 1) // BS * BS, (seq_len // BS) * BS)
+        m_i, l_i, acc = int4_lanes_loop(
+            q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, kmeta_ptr, vmeta_ptr, table, h, 0, full,
+            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+            BLOCK_M, TILE, D, BS, GV, DOT, PREC, DQ, ASM, True,
+        )
+        if full < kv_end:
+            m_i, l_i, acc = generic_tile(full, q, qpos, m_i, l_i, acc, qk_scale, cache_args,
+                                         TILE, DOT, PREC, FMT, D, BS, GV, GK)
+    else:
+        for s in range(0, kv_end, TILE):
+            m_i, l_i, acc = generic_tile(s, q, qpos, m_i, l_i, acc, qk_scale, cache_args,
+                                         TILE, DOT, PREC, FMT, D, BS, GV, GK)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + c[None, :], res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -100,9 +140,13 @@ def paged_prefill_attention(
     block_m = block_m or (64 if query.is_cuda else 16)
     tile = max(bs, 64) if query.is_cuda else bs
     grid = (triton.cdiv(max(1, max_q), block_m), b, hq)
+    meta = dict(dot_args(query), WORDS=int8_words(cache), LANES=int4_lanes(cache), ASM=query.is_cuda and ASM,
+                DQ=tl.float32)
+    if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
+        meta.update(DOT=tl.float16, DQ=tl.float16)  # NOTE: as in decode: codes are exact in fp16
     paged_prefill_kernel[grid](
         query, out, *ptrs, block_tables, seq_lens, query_start_loc, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *strides, G=hq // hkv, BLOCK_M=block_m, TILE=tile, **dot_args(query), **consts,
+        *strides, G=hq // hkv, BLOCK_M=block_m, TILE=tile, **meta, **consts,
     )
     return out

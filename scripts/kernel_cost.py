@@ -15,7 +15,11 @@ to compare formulations of a kernel between GPU sessions, and confirm on a GPU (
 ``spills`` is the stack frame's bytes (where ptxas puts registers that do not fit a cap); the
 loop's own ``LDL``/``STL`` count in ``ops``.
 
-    python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES[,MAXREGS]] [--ops] [--json F]
+``--kernel prefill`` costs the prefill kernel's main loop instead (its bound is per program: every
+query block of a sequence reads the same tiles, so it is no bandwidth figure).
+
+    python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES[,MAXREGS]]
+        [--kernel decode|prefill] [--ops] [--json F]
 """
 
 from __future__ import annotations
@@ -94,14 +98,16 @@ def _compile_only(arch: int) -> list:
     return compile_only(arch)
 
 
-def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90) -> dict:
-    """Compile one decode launch and cost its main loop (see the module docstring)."""
+def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, kernel: str = "decode") -> dict:
+    """Compile one decode launch (or, ``kernel="prefill"``, the prefill kernel at its defaults: 64
+    query rows of one head a program, 64-token tiles) and cost its main loop (the module docstring)."""
     import torch
     import triton
 
     from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
     from compile_kernels import CudaLike, cuda_cache
     from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention, register_cap
+    from kernels.paged_prefill import paged_prefill_attention
     from llmbus.kv.layout import KVLayout
 
     tile, warps, stages = (launch or CUDA_LAUNCH[fmt])[:3]
@@ -113,8 +119,13 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90) -> 
     lens = torch.tensor([40, 5], dtype=torch.int32).as_subclass(CudaLike)
     compiled = _compile_only(arch)
     compiled.clear()
-    paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps, num_stages=stages,
-                           max_registers=regs_cap)
+    if kernel == "prefill":
+        qsl = torch.tensor([0, 1, 2], dtype=torch.int32).as_subclass(CudaLike)
+        paged_prefill_attention(q, cache, tables, lens, qsl, 0.1)
+        tile, warps, stages, regs_cap = 64, 4, 3, 0  # the wrapper's CUDA defaults (Triton's warps and stages)
+    else:
+        paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps,
+                               num_stages=stages, max_registers=regs_cap)
     kernel = compiled[0][1]
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -148,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch", default=None, help="TILE,WARPS,STAGES[,MAXREGS] (default: the CUDA launch defaults; MAXREGS 0: no cap)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--ops", action="store_true", help="also print the loop's opcode counts")
+    ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode",
+                    help="prefill: its main loop per program (64 query rows of one head); --launch does not apply")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else None
@@ -155,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| KV format | tile, warps, stages, reg cap | regs | warps/SM | loop instr | warp instr / KV byte | bound (% of H200 peak) | binding pipe |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
-        r = analyse(fmt, launch, args.arch)
+        r = analyse(fmt, launch, args.arch, args.kernel)
         rows.append(r)
         spilled = f" ({r['spills']} B spilled)" if r["spills"] else ""
         print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']}, {r['max_registers'] or '-'} | {r['regs']}{spilled} | {r['warps_per_sm']} | "

@@ -48,6 +48,17 @@ def test_prefill_gqa_ratios(group):
     _check("int4", "float16", hkv=1, group=group, head_dim=32, bs=16, ctx=[40, 3], qlens=[17, 3], seed=group)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("head_dim,bs,group", [(64, 16, 4), (128, 32, 2)])
+def test_prefill_quantized_contexts_through_the_decode_loops(name, head_dim, bs, group):
+    """From 64 channels, INT8 and INT4 contexts go through the decode kernel's loops (words /
+    lanes by channel class) with the causal mask per row: a chunk after a long prefix whose rows
+    end mid-block and span several blocks, a fresh prompt, one token, an empty chunk; INT4's partial
+    last blocks through the generic load."""
+    _check(name, "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=bs, ctx=[150, 37, 64, 9], qlens=[45, 37, 1, 0],
+           seed=head_dim)
+
+
 def test_prefill_block_size_32_head_dim_64():
     _check("int8", "float16", hkv=1, group=2, head_dim=64, bs=32, ctx=[70], qlens=[35])
 
@@ -81,14 +92,15 @@ def test_prefill_bad_input_is_a_value_error():
         paged_prefill_attention(q, cache, tables, sl, torch.tensor([0, 2], device=DEV), 1.0)
 
 
-def test_prefill_reads_partial_int4_blocks_from_tail_rows():
-    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: full blocks through the lane loop
+def test_prefill_reads_partial_int4_blocks_from_tail_rows(head_dim):
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
     ctx, qlens = [45, 19, 32, 8], [21, 19, 4, 3]
     cache = allocate_cache(KVFormat("int4"), lay, 12, DEV, tail_rows=4)
     g = torch.Generator().manual_seed(5)
     tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 0], [7, 0, 0]], dtype=torch.int32, device=DEV)
     for i, n in enumerate(ctx):
-        kv = torch.randn(2, n, 2, 32, generator=g).to(DEV)
+        kv = torch.randn(2, n, 2, head_dim, generator=g).to(DEV)
         blocks = tables[i, : lay.num_blocks_for(n)].tolist()
         ref.write_kv_cache(kv[0], kv[1], cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
     # NOTE: rows holding keys the codes do not, so which one a kernel reads shows in its output
@@ -96,7 +108,7 @@ def test_prefill_reads_partial_int4_blocks_from_tail_rows():
         tail.copy_(torch.randn(tail.shape, generator=g).to(DEV) * 2)
     rows = torch.tensor([3, -1, 1, 0], dtype=torch.int32, device=DEV)  # seq 1 has none, seq 2 is full
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
-    q = torch.randn(int(qsl[-1]), 4, 32, generator=g).to(DEV)
+    q = torch.randn(int(qsl[-1]), 4, head_dim, generator=g).to(DEV)
     sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.25, rows)
     got = paged_prefill_attention(q, cache, tables, sl, qsl, 0.25, tail_rows=rows)
