@@ -183,8 +183,8 @@ def int8_words_loop(
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     ASM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """INT8 decode over positions ``[start, end)`` by channel class (module docstring); returns
-    ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
+    """INT8 decode over positions ``[start, end)`` by channel class (module docstring), from the
+    initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
     j = tl.arange(0, D // 4)
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     a0 = tl.zeros([GP, D // 4], tl.float32)
@@ -265,8 +265,8 @@ def int4_lanes_loop(
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """INT4 decode over the full blocks in ``[start, end)`` by channel class (module docstring);
-    returns ``(m_i, l_i, acc [GP, D])``. The data's strides (bytes) are even and ``k_meta``,
+    """INT4 decode over the full blocks in ``[start, end)`` by channel class (module docstring), from
+    the initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns ``(m_i, l_i, acc [GP, D])``. The data's strides (bytes) are even and ``k_meta``,
     ``v_meta`` word-aligned (``paged_decode.int4_lanes``)."""
     NB: tl.constexpr = TILE // BS
     NG: tl.constexpr = D // GV

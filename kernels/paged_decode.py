@@ -171,6 +171,22 @@ def register_cap(cache, max_registers: int | None = None) -> int:
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
 
+def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
+    """KV positions an attention tile spans: ``tile``, else ``cuda_default`` on CUDA (at least a
+    block; for INT4 at least two) and one block elsewhere; ValueError unless a power-of-two
+    multiple of the block size (and, INT4 on CUDA, two blocks or more)."""
+    bs = cache.layout.block_size
+    int4 = cuda and cache.fmt.name == "int4"
+    tile = tile or (max(bs * (2 if int4 else 1), cuda_default) if cuda else bs)
+    if tile % bs or tile & (tile - 1):
+        raise ValueError(f"tile must be a power-of-two multiple of block_size {bs}, got {tile}")
+    if int4 and tile < 2 * bs:
+        # NOTE: one-block INT4 tiles decoded wrongly on an H200 under Triton 3.6 (max error 2.8
+        # where two-block tiles and the interpreter are exact); cause not found yet.
+        raise ValueError(f"int4 attention on CUDA needs tile >= 2 * block_size ({2 * bs}), got {tile}")
+    return tile
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device) -> int:
     """Enough splits that ``batch * kv_heads * splits`` fills the device about twice over."""
     chunks = max(1, -(-max_len // tile))
@@ -220,13 +236,7 @@ def paged_decode_attention(
     cuda_tile, cuda_warps, cuda_stages, _ = CUDA_LAUNCH[cache.fmt.name]
     if query.is_cuda:
         num_warps, num_stages = num_warps or cuda_warps, num_stages or cuda_stages
-    tile = tile or max(bs, cuda_tile if query.is_cuda else bs)
-    if tile % bs or tile & (tile - 1):
-        raise ValueError(f"tile must be a power-of-two multiple of block_size {bs}, got {tile}")
-    if query.is_cuda and cache.fmt.name == "int4" and tile < 2 * bs:
-        # NOTE: one-block INT4 tiles decoded wrongly on an H200 under Triton 3.6 (max error 2.8
-        # where two-block tiles and the interpreter are exact); cause not found yet.
-        raise ValueError(f"int4 decode on CUDA needs tile >= 2 * block_size ({2 * bs}), got {tile}")
+    tile = tile_size(cache, tile, query.is_cuda, cuda_tile)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     splits = num_splits or choose_splits(b, hkv, max_len, tile, query.device)
     split_len = -(-max(1, -(-max_len // splits)) // tile) * tile

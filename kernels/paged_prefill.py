@@ -13,7 +13,7 @@ import triton.language as tl
 
 from kernels.decode_tiles import int4_lanes_loop, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, softmax_step, tile_args
-from kernels.paged_decode import ASM, int4_lanes, int8_words
+from kernels.paged_decode import ASM, int4_lanes, int8_words, tile_size
 
 
 @triton.jit
@@ -118,6 +118,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     block_m: int | None = None,
     tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
+    tile: int | None = None,  # KV positions a step (paged_decode.tile_size; default: 64 on CUDA)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton twin of ``reference.paged_prefill_attention_cache``."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
@@ -136,9 +137,8 @@ def paged_prefill_attention(
     if t == 0 or b == 0:
         return out
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if max_query_len is None else max_query_len
-    bs = cache.layout.block_size
     block_m = block_m or (64 if query.is_cuda else 16)
-    tile = max(bs, 64) if query.is_cuda else bs
+    tile = tile_size(cache, tile, query.is_cuda, 64)
     grid = (triton.cdiv(max(1, max_q), block_m), b, hq)
     meta = dict(dot_args(query), WORDS=int8_words(cache), LANES=int4_lanes(cache), ASM=query.is_cuda and ASM,
                 DQ=tl.float32)

@@ -5,6 +5,7 @@ import torch
 
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
+from kernels.paged_decode import int4_lanes, int8_words
 from kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
@@ -13,7 +14,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0):
+def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None, **launch):
     """Sequences with ``ctx[i]`` tokens of context whose last ``qlens[i]`` are this step's chunk."""
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in ctx) + 2
@@ -32,8 +33,10 @@ def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0):
     sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     tables = tables.to(DEV)
     want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, head_dim**-0.5)
-    got = paged_prefill_attention(q, cache, tables, sl, qsl, head_dim**-0.5)
+    got = paged_prefill_attention(q, cache, tables, sl, qsl, head_dim**-0.5, **launch)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if fast is not None:  # whether the decode loops (words / lanes) serve this cache
+        assert (int8_words(cache) or int4_lanes(cache)) == fast
 
 
 @pytest.mark.parametrize("name", ["model", "int8", "int4"])
@@ -56,7 +59,32 @@ def test_prefill_quantized_contexts_through_the_decode_loops(name, head_dim, bs,
     end mid-block and span several blocks, a fresh prompt, one token, an empty chunk; INT4's partial
     last blocks through the generic load."""
     _check(name, "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=bs, ctx=[150, 37, 64, 9], qlens=[45, 37, 1, 0],
-           seed=head_dim)
+           seed=head_dim, fast=True)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("head_dim,bs", [(64, 16), (64, 32), (128, 64)])
+def test_prefill_decode_loops_at_the_cuda_launch(name, head_dim, bs):
+    """The CUDA defaults (64-row query blocks, multi-block tiles: 64 positions, 128 for INT4's
+    64-token blocks) with chunks longer than a query block, contexts that end on a block boundary and
+    mid-block."""
+    _check(name, "float16", hkv=1, group=2, head_dim=head_dim, bs=bs, ctx=[300, 130, 128, 70], qlens=[150, 130, 100, 3],
+           seed=bs, fast=True, block_m=64, tile=max(64, 2 * bs if name == "int4" else bs))
+
+
+def test_prefill_tile_defaults_and_checks():
+    """INT4 on CUDA takes tiles of two blocks or more (one-block INT4 tiles went wrong on an H200)."""
+    from kernels.paged_decode import tile_size
+
+    def cache(name, bs):
+        return allocate_cache(KVFormat(name), KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=bs), 1, "cpu")
+
+    assert tile_size(cache("int4", 64), None, True, 64) == 128 and tile_size(cache("int4", 16), None, True, 64) == 64
+    assert tile_size(cache("model", 64), None, True, 64) == 64 and tile_size(cache("int4", 64), None, False, 64) == 64
+    with pytest.raises(ValueError, match="two|2 \\* block_size"):
+        tile_size(cache("int4", 64), 64, True, 64)
+    with pytest.raises(ValueError, match="power-of-two multiple"):
+        tile_size(cache("int8", 16), 48, False, 64)
 
 
 def test_prefill_block_size_32_head_dim_64():
