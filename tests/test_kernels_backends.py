@@ -28,10 +28,10 @@ def _meta(lay, tables, ctx, qlens, num_decodes):
 
 
 def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5, device: str = DEV,
-                      tails: bool = False):
+                      tails: bool = False, head_dim: int = 32):
     """Both backends through the same three steps on their own caches; returns the caches.
     ``tails``: with tail rows, given out as the engine does."""
-    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype)
     n = 4 if tails else 0
     ca, cb = first.allocate_cache(lay, 8, device, n)[0], second.allocate_cache(lay, 8, device, n)[0]
     rows = TailRows(n) if tails else None
@@ -41,9 +41,9 @@ def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5,
     plan = [([14, 20], [14, 20], 0), ([15, 31], [1, 11], 1), ([16, 32], [1, 1], 2)]
     for ctx, qlens, nd in plan:
         t = sum(qlens)
-        q = torch.randn(t, 4, 32, generator=g).to(device, getattr(torch, dtype))
-        k = torch.randn(t, 2, 32, generator=g).to(device, getattr(torch, dtype))
-        v = torch.randn(t, 2, 32, generator=g).to(device, getattr(torch, dtype))
+        q = torch.randn(t, 4, head_dim, generator=g).to(device, getattr(torch, dtype))
+        k = torch.randn(t, 2, head_dim, generator=g).to(device, getattr(torch, dtype))
+        v = torch.randn(t, 2, head_dim, generator=g).to(device, getattr(torch, dtype))
         meta = _meta(lay, tables, ctx, qlens, nd)
         if tails:
             pairs = [rows.rows_for(str(i), c - ql, ql, 16)[:2] for i, (c, ql) in enumerate(zip(ctx, qlens))]
@@ -55,10 +55,12 @@ def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5,
     return ca, cb
 
 
-@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
-def test_triton_and_torch_backends_agree_over_steps(fmt):
+@pytest.mark.parametrize("fmt,head_dim,tails", [("model", 32, False), ("int8", 32, False), ("int4", 32, False),
+                                                ("int8", 64, False), ("int4", 64, True)])
+def test_triton_and_torch_backends_agree_over_steps(fmt, head_dim, tails):
+    """From 64 channels the Triton decode and prefill run their words / lanes loops."""
     tri, tor = TritonAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
-    ca, cb = _agree_over_steps(tri, tor, atol=1e-3 if fmt == "int4" else 2e-5)
+    ca, cb = _agree_over_steps(tri, tor, atol=1e-3 if fmt == "int4" else 2e-5, tails=tails, head_dim=head_dim)
     # the handoff bytes move between backends
     blocks = tri.read_blocks(ca, [3, 5])
     tor.write_blocks(cb, [2, 4], blocks)
