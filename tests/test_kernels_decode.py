@@ -105,7 +105,7 @@ def _shifted(cache, field: str) -> PagedKVCache:
 @pytest.mark.parametrize("name,field,uses_fast_path", [("int8", "data", int8_words), ("int8", "scale", int8_words),
                                                        ("int4", "data", int4_lanes), ("int4", "k_meta", int4_lanes),
                                                        ("int4", "v_meta", int4_lanes)])
-def test_decode_fast_paths_need_word_aligned_caches(name, field, uses_fast_path):
+def test_decode_fast_paths_need_aligned_caches(name, field, uses_fast_path):
     """INT8 codes (read as words), INT4 codes (read as 16-bit lanes) or 16-bit metadata (INT8 scales,
     INT4 ranges: read in pairs) that start off their boundary take the generic path, with the same
     result."""

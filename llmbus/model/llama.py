@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_native
+from kernels.kv_cache import PagedKVCache
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
 from llmbus.model.cpu_linear import PackedWeight, linear, pack, packing_supported
@@ -189,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(c, torch.Tensor):
             if c.dim() != 5 or (c.shape[0], *c.shape[3:]) != (2, cfg.num_key_value_heads, cfg.head_dim):
                 return False  # not this model's cache layout: the modules raise on it
-        elif (getattr(c, "layout", None) is None or getattr(c, "model_dtype", None) != h.dtype
+        elif (not isinstance(c, PagedKVCache) or c.model_dtype != h.dtype
               or (c.layout.num_kv_heads, c.layout.head_dim) != (cfg.num_key_value_heads, cfg.head_dim)):
             return False
         tables_for = getattr(self.backend, "native_decode_tables", None)
