@@ -307,6 +307,29 @@ def int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
     return all(t.is_contiguous() and tuple(t.shape) == shape and t.dtype == dt for t, shape, dt in want)
 
 
+def _int4_meta_shape(cache) -> tuple[int, int, int]:
+    """An INT4 cache's ``(key_slots, key group, value group)``, as the C entries take them."""
+    d = cache.layout.head_dim
+    return cache.k_meta.shape[-1], KVFormat.key_group(d, cache.layout.block_size), KVFormat.value_group(d)
+
+
+def _int4_tail_slots(cache, slots: torch.Tensor, tail_slots: torch.Tensor | None) -> torch.Tensor | None:
+    """``tail_slots`` checked against ``cache`` and ``slots`` (``reference.check_tail_slots``), contiguous."""
+    tails = reference.check_tail_slots(cache, slots, tail_slots)
+    return tails.contiguous() if tails is not None else None
+
+
+def _int4_tail_rows(cache, tail_rows: torch.Tensor | None, b: int) -> torch.Tensor | None:
+    """Each of ``b`` sequences' tail row (-1: none) as contiguous int32, checked against the cache's
+    rows; None where the cache keeps none or none are given."""
+    if tail_rows is None or cache.k_tail is None:
+        return None
+    rows = tail_rows.to(torch.int32).contiguous()
+    if rows.shape != (b,) or (rows.numel() and int(rows.max()) >= cache.num_tail_rows):
+        raise ValueError(f"tail_rows must be [{b}] rows below {cache.num_tail_rows}, got {rows.tolist()}")
+    return rows
+
+
 def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor,
                tail_slots: torch.Tensor | None = None) -> bool:
     """``reference.write_kv_cache`` into an INT4 ``PagedKVCache`` in one C call, with the same bytes
@@ -325,15 +348,14 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {list(slots.shape)}")
-    tails = reference.check_tail_slots(cache, slots, tail_slots)
-    tails = tails.contiguous() if tails is not None else None
+    tails = _int4_tail_slots(cache, slots, tail_slots)
     key, value = key.contiguous(), value.contiguous()
     fn = getattr(_lib, f"write_int4_{_SUFFIX[key.dtype]}")
     rc = fn(key.data_ptr(), value.data_ptr(), key.shape[0], slots.data_ptr(), tails.data_ptr() if tails is not None else None,
             cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
             cache.k_tail.data_ptr() if cache.k_tail is not None else None,
             cache.v_tail.data_ptr() if cache.v_tail is not None else None, cache.num_blocks, bs, lay.num_kv_heads, d,
-            cache.k_meta.shape[-1], KVFormat.key_group(d, bs), KVFormat.value_group(d))  # fmt: skip
+            *_int4_meta_shape(cache))  # fmt: skip
     if rc == 1:
         raise ValueError(_bad_slot(slots, cache.num_blocks * bs))
     if rc == 3:
@@ -359,9 +381,8 @@ def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -
             raise ValueError("dequantize_int4_blocks takes a contiguous cache")
     out = torch.empty(2, ids.numel(), bs, hkv, d, dtype=torch.float32)
     rc = lib.dequant_int4(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(), ids.data_ptr(),
-                          flags.data_ptr(), ids.numel(), cache.num_blocks, bs, hkv, d, cache.k_meta.shape[-1],
-                          KVFormat.key_group(d, bs), KVFormat.value_group(d), out.data_ptr(),
-                          torch.get_num_threads())  # fmt: skip
+                          flags.data_ptr(), ids.numel(), cache.num_blocks, bs, hkv, d, *_int4_meta_shape(cache),
+                          out.data_ptr(), torch.get_num_threads())  # fmt: skip
     if rc == 1:
         raise ValueError(f"block ids must lie in [0, {cache.num_blocks}), got {ids.tolist()}")
     if rc != 0:
@@ -385,17 +406,14 @@ def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_le
     if not int4_tensors_fit(cache, q.dtype, tails):
         return None
     tables, lens = prepare_tables(block_tables, seq_lens, lay.block_size)
-    rows = tail_rows.to(torch.int32).contiguous() if tails else None
-    if rows is not None and (rows.shape != (b,) or (rows.numel() and int(rows.max()) >= cache.num_tail_rows)):
-        raise ValueError(f"tail_rows must be [{b}] rows below {cache.num_tail_rows}, got {rows.tolist()}")
+    rows = _int4_tail_rows(cache, tail_rows, b)
     q = q.contiguous()
     out = torch.empty_like(q)
     _check_batch(q, tables, lens, out, *((rows,) if tails else ()))
     fn = _lib.paged_decode_int4_bf16 if q.dtype == torch.bfloat16 else _lib.paged_decode_int4_f32
     rc = fn(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
             cache.k_tail.data_ptr() if tails else None, cache.v_tail.data_ptr() if tails else None,
-            rows.data_ptr() if tails else None, cache.k_meta.shape[-1], KVFormat.key_group(d, lay.block_size),
-            KVFormat.value_group(d), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            rows.data_ptr() if tails else None, *_int4_meta_shape(cache), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
             b, hq, lay.num_kv_heads, d, lay.block_size, cache.num_blocks, float(scale), torch.get_num_threads())  # fmt: skip
     if rc == 1:
         raise ValueError(f"a block table names a block outside the cache's {cache.num_blocks}")
@@ -665,14 +683,9 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     ts = tr = None
     key_slots = gk = gv = 0
     if kind == _CACHE_KINDS["int4"]:
-        first = caches[0]
-        key_slots, gk, gv = first.k_meta.shape[-1], KVFormat.key_group(d, bs), KVFormat.value_group(d)
-        ts = reference.check_tail_slots(first, slots, tail_slots)
-        ts = ts.contiguous() if ts is not None else None
-        if tail_rows is not None and first.k_tail is not None:
-            tr = tail_rows.to(torch.int32).contiguous()
-            if tr.shape != (b,) or (tr.numel() and int(tr.max()) >= first.num_tail_rows):
-                raise ValueError(f"tail_rows must be [{b}] rows below {first.num_tail_rows}, got {tr.tolist()}")
+        key_slots, gk, gv = _int4_meta_shape(caches[0])
+        ts = _int4_tail_slots(caches[0], slots, tail_slots)
+        tr = _int4_tail_rows(caches[0], tail_rows, b)
     ptrs = torch.tensor(rows, dtype=torch.int64)
     entry = getattr(lib, f"decode_layers_{_SUFFIX[dtype]}")
     rc = entry(h.data_ptr(), cos.data_ptr(), sin.data_ptr(), layers.data_ptr(), ptrs.data_ptr(), kind,

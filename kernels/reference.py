@@ -272,7 +272,8 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
         seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
         full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip per-token codes
     kv = (dequantize or dequantize_blocks)(cache, block_tables[:, :nblk].long()[own], full[own])
-    starts = torch.cumsum(own.sum(1), 0) - own.sum(1)
+    held = own.sum(1)
+    starts = torch.cumsum(held, 0) - held
     if seqs is not None and seqs.numel():
         at = starts[seqs] + lens[seqs] // bs
         for i, tail in enumerate((cache.k_tail, cache.v_tail)):
