@@ -38,18 +38,22 @@ class _PagedBackend:
 
     def forward(self, q, k, v, cache: kv_cache.PagedKVCache, meta, scale: float) -> torch.Tensor:
         """Write this step's K/V, then decodes (the first ``meta.num_decodes`` sequences) and
-        prefill chunks attend over the cache."""
+        prefill chunks attend over the cache. NOTE: nothing here reads a device tensor back to the
+        host (the bounds come from the metadata's host-side fields), so on CUDA a step's layers
+        queue without waiting on one another."""
         self._write(k, v, cache, meta.slot_mapping, meta.tail_slots)
-        nd = meta.num_decodes
+        nd, b = meta.num_decodes, meta.seq_lens.shape[0]
         rows = meta.tail_rows
+        if nd == b:  # a decode-only step: no copy into a joint output
+            return self._decode(q, cache, meta.block_tables, meta.seq_lens, scale, rows, meta.max_decode_len)
+        if nd == 0:
+            return self._prefill(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, rows,
+                                 meta.max_query_len)
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
-                                    None if rows is None else rows[:nd])
-        if nd < meta.seq_lens.shape[0]:
-            qsl = (meta.query_start_loc[nd:] - meta.query_start_loc[nd]).to(torch.int32)
-            out[nd:] = self._prefill(q[nd:], cache, meta.block_tables[nd:], meta.seq_lens[nd:], qsl, scale,
-                                     None if rows is None else rows[nd:])
+        out[:nd] = self._decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                None if rows is None else rows[:nd], meta.max_decode_len)
+        out[nd:] = self._prefill(q[nd:], cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.prefill_query_start_loc(),
+                                 scale, None if rows is None else rows[nd:], meta.max_query_len)
         return out
 
 
@@ -58,8 +62,14 @@ class TorchPagedAttentionBackend(_PagedBackend):
 
     name = "torch"
     _write = staticmethod(reference.write_kv_cache)
-    _decode = staticmethod(reference.paged_decode_attention_cache)
-    _prefill = staticmethod(reference.paged_prefill_attention_cache)
+
+    @staticmethod
+    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):
+        return reference.paged_decode_attention_cache(q, cache, block_tables, seq_lens, scale, tail_rows)
+
+    @staticmethod
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
+        return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
 
 
 def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale) -> torch.Tensor:
@@ -132,7 +142,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         return plan
 
     @staticmethod
-    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None):
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
         lay = cache.layout
         if cache.fmt.name == "model" or block_tables.shape[0] == 0 or q.dtype not in (torch.bfloat16, torch.float32):
             return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
@@ -154,7 +164,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         return _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale)
 
     @staticmethod
-    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None):
+    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):
         lay = cache.layout
         if (cache.fmt.name == "model" or q.shape[0] == 0 or not cpu_native.available()
                 or not cpu_native.supports(torch.float32, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size)):
@@ -182,21 +192,27 @@ class TritonAttentionBackend(_PagedBackend):
     def _write(k, v, cache, slot_mapping, tail_slots=None):
         from kernels.write_kv import write_kv
 
-        write_kv(k.contiguous(), v.contiguous(), cache, slot_mapping.to(torch.int64), tail_slots)
+        # NOTE: k and v are views into the step's qkv projection; the kernel takes their strides
+        write_kv(_unit_stride(k), _unit_stride(v), cache, slot_mapping.to(torch.int64), tail_slots)
 
     @staticmethod
-    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None):
+    def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):
         from kernels.paged_decode import paged_decode_attention
 
         return paged_decode_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), scale,
-                                      tail_rows=tail_rows)
+                                      max_seq_len=max_seq_len, tail_rows=tail_rows)
 
     @staticmethod
-    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None):
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
         from kernels.paged_prefill import paged_prefill_attention
 
         return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale,
-                                       tail_rows=tail_rows)
+                                       max_query_len=max_query_len, tail_rows=tail_rows)
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where its last dimension is contiguous (all the Triton kernels need), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def make_attention_backend(device: str | torch.device, kv_format: str = "model") -> _PagedBackend:

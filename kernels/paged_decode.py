@@ -8,6 +8,7 @@ combines. Scores use base-2 exponentials throughout (``m`` is in log2 units).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -200,12 +201,17 @@ def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
     return tile
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device) -> int:
     """Enough splits that ``batch * kv_heads * splits`` fills the device about twice over."""
     chunks = max(1, -(-max_len // tile))
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     want = -(-2 * sms // max(1, batch * kv_heads))
     return max(1, min(want, chunks, 64))
 
@@ -241,8 +247,9 @@ def paged_decode_attention(
     out_dtype = query.dtype
     if cache.fmt.name == "model" and query.dtype != cache.data.dtype:
         query = query.to(cache.data.dtype)
-    query = query.contiguous()
-    out = torch.empty_like(query)
+    if query.stride(-1) != 1:  # NOTE: the kernels take row and head strides (q is a view of qkv)
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if b == 0:
         return out.to(out_dtype)
     bs = cache.layout.block_size

@@ -132,8 +132,9 @@ def paged_prefill_attention(
             raise ValueError(f"{name} must be int32, got {x.dtype}")
     if block_tables.shape[0] != b or query_start_loc.shape != (b + 1,) or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be [B, M] with contiguous rows and query_start_loc [B+1]")
-    query = query.contiguous()
-    out = torch.empty_like(query)
+    if query.stride(-1) != 1:  # NOTE: the kernels take row and head strides (q is a view of qkv)
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if t == 0 or b == 0:
         return out
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if max_query_len is None else max_query_len

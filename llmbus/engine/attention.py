@@ -31,6 +31,10 @@ class AttentionMetadata:
     # [B] int32: the tail row holding each sequence's last block after this step's write (-1: none);
     # attention reads a partial last block's keys and values from it. None with tail_slots.
     tail_rows: torch.Tensor | None = None
+    # host-side bounds (None: kernels read them from the tensors above, a device-to-host sync on
+    # CUDA): the longest decode context, the longest query of any sequence
+    max_decode_len: int | None = None
+    max_query_len: int | None = None
     # NOTE: per-step data a backend derives from the fields above at the first layer and reuses in
     # every other layer (keyed by backend name). The fields above must not change within a step.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
@@ -38,6 +42,14 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """``query_start_loc`` of the prefill sequences alone (starting at 0), made once a step."""
+        qsl = self.backend_plans.get("prefill_qsl")
+        if qsl is None:
+            nd = self.num_decodes
+            qsl = self.backend_plans["prefill_qsl"] = (self.query_start_loc[nd:] - self.query_start_loc[nd]).to(torch.int32)
+        return qsl
 
 
 def seals_and_starts(start: int, end: int, block_size: int) -> bool:
@@ -105,6 +117,8 @@ def build_attention_metadata(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         num_decodes=num_decodes,
+        max_decode_len=max(seq_lens[:num_decodes], default=0),
+        max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
         tail_slots=torch.tensor(tails, dtype=torch.int64, device=device) if tail_rows is not None else None,
         tail_rows=torch.tensor(last_rows, dtype=torch.int32, device=device) if tail_rows is not None else None,
     )
