@@ -41,7 +41,6 @@ def paged_decode_kernel(
     table_ptr,  # [B, M] int32
     seq_lens_ptr,  # [B] int32
     sm_scale,
-    split_len,  # tokens per split, a multiple of TILE
     s_qb, s_qh, s_ob, s_oh, s_os, s_tb,
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, s_tt, s_th,
     G: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr, TAIL: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr,
@@ -67,6 +66,9 @@ def paged_decode_kernel(
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
+    # NOTE: each sequence splits its own length (not the batch's longest) over the grid's splits,
+    # in whole tiles: a grid sized for a longer bound (a recorded CUDA graph's) leaves the rest idle
+    split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), TILE) * TILE
     start = sid * split_len
     end = tl.minimum(seq_len, start + split_len)
     table = table_ptr + b.to(tl.int64) * s_tb
@@ -231,7 +233,8 @@ def paged_decode_attention(
     tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
-    from the device size; ``max_seq_len`` (else read from ``seq_lens``) bounds the split length.
+    from the device size; ``max_seq_len`` (else read from ``seq_lens``, a device-to-host read) bounds
+    the split count; each sequence splits its own length over them, in whole tiles.
     ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps``, ``num_stages`` and
     ``max_registers`` (per thread, 0: no cap) override the per-format launch defaults (``CUDA_LAUNCH``
     on CUDA, one block elsewhere)."""
@@ -259,7 +262,6 @@ def paged_decode_attention(
     tile = tile_size(cache, tile, query.is_cuda, cuda_tile)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     splits = num_splits or choose_splits(b, hkv, max_len, tile, query.device)
-    split_len = -(-max(1, -(-max_len // splits)) // tile) * tile
     grp = hq // hkv
     meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
                 **code_args(cache, query), **consts)
@@ -268,7 +270,7 @@ def paged_decode_attention(
         meta["maxnreg"] = regs
     if splits == 1:
         paged_decode_kernel[(b, hkv, 1)](
-            query, out, out, *ptrs, block_tables, seq_lens, scale, split_len,
+            query, out, out, *ptrs, block_tables, seq_lens, scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), 0, block_tables.stride(0),
             *strides, **meta,
         )
@@ -276,7 +278,7 @@ def paged_decode_attention(
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=query.device)
     ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=query.device)
     paged_decode_kernel[(b, hkv, splits)](
-        query, part, ml, *ptrs, block_tables, seq_lens, scale, split_len,
+        query, part, ml, *ptrs, block_tables, seq_lens, scale,
         query.stride(0), query.stride(1), part.stride(0), part.stride(1), part.stride(2), block_tables.stride(0),
         *strides, **meta,
     )
