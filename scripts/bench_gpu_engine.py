@@ -1,7 +1,9 @@
 """Decode throughput of the engine on a CUDA device: the large demo model, Triton attention,
-model-dtype / int8 / int4 KV, at several batch sizes. Prints a markdown table and writes JSON.
+model-dtype / int8 / int4 KV, at several batch sizes, each with decode steps run eagerly and
+replayed as CUDA graphs (``--cuda-graphs``; ``--graphs off|on|both``). Prints a markdown table and
+writes JSON.
 
-    python scripts/bench_gpu_engine.py --out bench-results/gpu-engine.json [--model DIR]
+    python scripts/bench_gpu_engine.py --out bench-results/gpu-engine.json [--model DIR] [--graphs both]
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len: int, device: str) -> dict:
+def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len: int, device: str,
+            graphs: bool) -> dict:
     import torch
 
     from llmbus.engine.llm import LLM
     from llmbus.engine.sampling_params import SamplingParams
 
     llm = LLM(model_dir, dtype="bfloat16", device=device, kv_format=kv_format, max_num_seqs=batch,
-              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_bytes=8 << 30)  # fmt: skip
+              max_num_batched_tokens=max(2048, batch * prompt_len), kv_cache_bytes=8 << 30,
+              cuda_graphs=graphs)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.vocab_size
     prompts = [torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
@@ -47,7 +51,7 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
         steps += 1
     sync()
     dt = time.perf_counter() - t0
-    return {"kv_format": kv_format, "batch": batch, "prompt_len": prompt_len, "decode_tokens": decoded,
+    return {"kv_format": kv_format, "batch": batch, "graphs": graphs, "prompt_len": prompt_len, "decode_tokens": decoded,
             "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1)}
 
 
@@ -60,6 +64,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--graphs", default="both", choices=("off", "on", "both"),
+                    help="decode steps eagerly, replayed as CUDA graphs, or each in turn")
     args = ap.parse_args()
     model_dir = args.model
     if not model_dir:
@@ -70,25 +76,28 @@ def main() -> int:
         make_demo_model(model_dir, "large")
         print(f"generated the large demo model in {time.perf_counter() - t:.1f}s", flush=True)
     rows = []
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.graphs]
     for fmt in args.formats.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            try:
-                r = measure(model_dir, fmt, b, args.prompt_len, args.out_len, args.device)
-            except Exception as exc:  # report and go on: one failure must not hide the rest
-                r = {"kv_format": fmt, "batch": b, "error": f"{type(exc).__name__}: {exc}"}
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+            for graphs in modes:
+                try:
+                    r = measure(model_dir, fmt, b, args.prompt_len, args.out_len, args.device, graphs)
+                except Exception as exc:  # report and go on: one failure must not hide the rest
+                    r = {"kv_format": fmt, "batch": b, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     import torch
 
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"\n{name} — large demo model, bf16 weights, prompt {args.prompt_len}, "
           f"{args.out_len} decode steps\n")
-    print("| KV format | batch | decode tok/s | ms/step |\n|---|---:|---:|---:|")
+    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step |\n|---|---:|---|---:|---:|")
     for r in rows:
+        mode = "on" if r["graphs"] else "off"
         if "error" in r:
-            print(f"| {r['kv_format']} | {r['batch']} | error: {r['error'][:60]} | |")
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | |")
         else:
-            print(f"| {r['kv_format']} | {r['batch']} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} |")
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"device": name, "rows": rows}, indent=1))

@@ -11,8 +11,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
     timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py tests/test_kernels_prefill.py \
         tests/test_kernels_write_kv.py tests/test_kernels_backends.py 2>&1 | tail -5 | tee "$OUT/kernel-tests.txt"
+    # decode steps recorded as CUDA graphs and replayed give the eager steps' tokens
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_graphs.py 2>&1 | tail -5 \
+        | tee "$OUT/graph-tests.txt"
     timeout 180 python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 | tail -60 | tee "$OUT/gpu-kernels.txt"
-    timeout 200 python3 scripts/bench_gpu_engine.py --batches 1,32,128 --out "$OUT/gpu-engine.json" 2>&1 | tail -25 | tee "$OUT/gpu-engine.txt"
+    timeout 240 python3 scripts/bench_gpu_engine.py --batches 1,32,128 --graphs both --out "$OUT/gpu-engine.json" 2>&1 \
+        | tail -30 | tee "$OUT/gpu-engine.txt"
 fi
 # TRAINED_EVAL=1 runs this instead of the checks above (a device call of its own, up to ~10
 # minutes; needs transformers): KV-quantization accuracy through the Triton kernels on the large

@@ -25,6 +25,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     cpu_micro_batches: int = 1  # > 1: split each CPU step into this many single-threaded micro-batches
     pack_cpu_weights: bool = True  # CPU: projection weights reordered once, ours or oneDNN's (llmbus.model.cpu_linear)
+    cuda_graphs: bool = False  # CUDA: decode-only steps replay recorded CUDA graphs (llmbus.engine.graphs)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -65,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-micro-batches", type=int, default=1,
                         help="split each CPU step into N single-threaded micro-batches on N threads "
                              "(faster than intra-op threads for attention-heavy fp32 models)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="CUDA: record decode steps of up to --max-num-seqs sequences as CUDA graphs "
+                             "and replay them (one launch a step instead of hundreds)")
     parser.add_argument("--no-packed-weights", action="store_true",
                         help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
 
@@ -85,4 +89,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads,
         cpu_micro_batches=args.cpu_micro_batches,
         pack_cpu_weights=not args.no_packed_weights,
+        cuda_graphs=args.cuda_graphs,
     )

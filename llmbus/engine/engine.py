@@ -6,6 +6,7 @@ synchronous and single-threaded: the services call `step()` from one executor th
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from llmbus.engine.scheduler import Scheduler, SchedulerConfig
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.kv.formats import parse_kv_format
 from llmbus.kv.layout import KVLayout
+
+log = logging.getLogger("llmbus.engine")
 
 
 @dataclass
@@ -98,7 +101,9 @@ class Engine:
         self.backend = make_backend(self.device, config.kv_format)
         self.model.backend = self.backend  # caches come from this backend, so attention must too
         self.runner = ModelRunner(self.model, self.layout, self.backend, num_blocks, self.device,
-                                  micro_batches=config.cpu_micro_batches, tail_rows=self._num_tail_rows())
+                                  micro_batches=config.cpu_micro_batches, tail_rows=self._num_tail_rows(),
+                                  decode_graphs=config.max_num_seqs if self._records_graphs() else 0,
+                                  max_model_len=self.max_model_len)
         if self.runner.tails is not None:
             self.block_manager.on_free = self.runner.tails.release
         self._seqs: dict[str, Sequence] = {}
@@ -119,6 +124,20 @@ class Engine:
         if config.pack_cpu_weights:  # NOTE: here, not in __init__: this model is ours alone
             loaded.model.pack_cpu_weights()
         return cls(loaded, config)
+
+    def _records_graphs(self) -> bool:
+        """``cuda_graphs`` where decode steps can be recorded: the Triton backend (on CUDA; on CPU
+        only under the interpreter, the tests' case) and no host read in the forward (dynamic
+        rope scaling decides per step whether positions passed the trained length)."""
+        if not self.config.cuda_graphs:
+            return False
+        if getattr(self.backend, "name", "") != "triton":
+            log.warning("--cuda-graphs needs CUDA (the Triton attention backend): ignored on %s", self.device)
+            return False
+        if self.loaded.config.rope.rope_type == "dynamic":
+            log.warning("--cuda-graphs is not supported with dynamic rope scaling: decode steps run eagerly")
+            return False
+        return True
 
     def _num_tail_rows(self) -> int:
         """Exact tail rows the KV format keeps: two per sequence that may run at once

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, seals_and_starts
+from llmbus.engine.graphs import DecodeGraphs
 from llmbus.engine.sampler import Sampler
 from llmbus.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
@@ -75,7 +76,11 @@ class TailRows:
 
 class ModelRunner:
     """Owns the paged KV cache (one opaque object per layer) and runs the model over it.
-    ``tail_rows > 0``: the cache keeps that many exact tail rows, two per running sequence."""
+    ``tail_rows > 0``: the cache keeps that many exact tail rows, two per running sequence.
+    ``decode_graphs > 0``: decode-only steps of up to that many sequences (of up to
+    ``max_model_len`` tokens) run over ``llmbus.engine.graphs.DecodeGraphs``' static buffers,
+    recorded as CUDA graphs on CUDA (eagerly elsewhere); the cache then holds one block more than
+    ``num_blocks``, where padding rows write."""
 
     def __init__(
         self,
@@ -86,6 +91,8 @@ class ModelRunner:
         device: torch.device,
         micro_batches: int = 1,
         tail_rows: int = 0,
+        decode_graphs: int = 0,
+        max_model_len: int = 0,
     ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -94,8 +101,16 @@ class ModelRunner:
         self.backend = backend
         self.num_blocks = num_blocks
         self.device = device
-        self.kv_caches = backend.allocate_cache(layout, num_blocks, device, tail_rows)
+        sink = 1 if decode_graphs else 0
+        self.kv_caches = backend.allocate_cache(layout, num_blocks + sink, device, tail_rows)
         self.tails = TailRows(tail_rows) if tail_rows else None
+        self.graphs = None
+        if decode_graphs:
+            if max_model_len < 1:
+                raise ValueError("decode_graphs needs max_model_len")
+            self.graphs = DecodeGraphs(model, self.kv_caches, layout.block_size, decode_graphs, max_model_len,
+                                       num_blocks, device, tail_rows > 0, record=device.type == "cuda")
+            self.graphs.capture()
         self.sampler = Sampler()
         self.micro_batches = micro_batches if device.type == "cpu" else 1
         self._pool = (ThreadPoolExecutor(self.micro_batches - 1, thread_name_prefix="microbatch")
@@ -105,6 +120,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Run every scheduled chunk; return the sampled token of each entry with ``sample=True``."""
+        if self.graphs is not None and self._graphable(out.scheduled):
+            # NOTE: metadata built on the host, copied into the recording's buffers
+            batch = self._prepare(out.scheduled, torch.device("cpu"))
+            hidden = self.graphs.run(batch.ids, batch.positions, batch.meta)
+            if batch.sample_rows != list(range(hidden.shape[0])):
+                hidden = hidden[torch.tensor(batch.sample_rows, device=self.device)]
+            return self._sample([hidden] if batch.sample_rows else [], batch.sample_seqs)
         groups = self._split(out.scheduled)
         batches = [self._prepare(g) for g in groups]
         if len(batches) == 1:
@@ -114,10 +136,16 @@ class ModelRunner:
             self._set_threads(1)
             futures = [self._pool.submit(self._forward_in_thread, b) for b in batches[1:]]
             hidden = [self._forward(batches[0])] + [f.result() for f in futures]
-        seqs = [s for b in batches for s in b.sample_seqs]
+        return self._sample([h for h in hidden if h is not None], [s for b in batches for s in b.sample_seqs])
+
+    def _graphable(self, entries: list[ScheduledSeq]) -> bool:
+        """Whether a step runs recorded: decodes only, within the recorded sizes and lengths."""
+        return (bool(entries) and all(e.num_new_tokens == 1 for e in entries)
+                and self.graphs.fits(len(entries), max(len(e.seq.block_table) for e in entries)))
+
+    def _sample(self, rows: list[torch.Tensor], seqs: list[Sequence]) -> dict[str, tuple[int, TokenLogprob | None]]:
         if not seqs:
             return {}
-        rows = [h for h in hidden if h is not None]
         logits = self.model.compute_logits(torch.cat(rows) if len(rows) > 1 else rows[0])
         result = self.sampler(logits, seqs)
         return {seq.request_id: (tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)}
@@ -150,7 +178,7 @@ class ModelRunner:
             return None
         return hidden[torch.tensor(batch.sample_rows, device=self.device)]
 
-    def _prepare(self, entries: list[ScheduledSeq]) -> _Batch:
+    def _prepare(self, entries: list[ScheduledSeq], device: torch.device | None = None) -> _Batch:
         input_ids: list[int] = []
         spans: list[tuple[list[int], int, int]] = []  # (block table, num computed, num new)
         sample_rows: list[int] = []
@@ -171,8 +199,9 @@ class ModelRunner:
             if entry.sample:
                 sample_rows.append(rows - 1)
                 sample_seqs.append(seq)
-        meta, positions = build_attention_metadata(spans, self.layout.block_size, self.device, tail_rows)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        device = device or self.device
+        meta, positions = build_attention_metadata(spans, self.layout.block_size, device, tail_rows)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
         return _Batch(ids, positions, meta, sample_rows, sample_seqs)
 
     def _tail_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:

@@ -1,0 +1,110 @@
+"""Decode steps over ``llmbus.engine.graphs.DecodeGraphs``' static buffers (``--cuda-graphs``).
+
+On CPU the recorded path runs eagerly on the Triton kernels (under ``TRITON_INTERPRET=1``) and must
+give the dynamic path's tokens and cache bytes: padding rows only ever touch the sink block. On
+CUDA the same comparison runs with the graphs recorded and replayed."""
+
+import pytest
+import torch
+
+from kernels.backends import TritonAttentionBackend
+from llmbus.engine import engine as engine_module
+from llmbus.engine.attention import build_attention_metadata
+from llmbus.engine.graphs import DecodeGraphs, batch_sizes
+from llmbus.engine.llm import LLM
+from llmbus.engine.sampling_params import SamplingParams
+from tests.model_factory import write_random_model
+
+CUDA = torch.cuda.is_available()
+
+
+def test_batch_sizes():
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(3) == [1, 2, 3]
+    assert batch_sizes(8) == [1, 2, 4, 8]
+    assert batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("graphs"), {"num_hidden_layers": 2}, seed=7)
+
+
+def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4):
+    """Greedy tokens (and logprobs) of prompts whose decodes run 3, then 2 wide (padded to 4 and
+    2), plus the LLM (whose cache the caller compares)."""
+    if device == "cpu":  # NOTE: the Triton kernels on CPU tensors (the interpreter), as on CUDA
+        monkeypatch.setattr(engine_module, "make_backend", lambda dev, kv_format: TritonAttentionBackend(kv_format))
+    llm = LLM(model_dir, device=device, kv_format=fmt, cuda_graphs=graphs, max_num_seqs=max_num_seqs,
+              num_blocks=24, pack_cpu_weights=False)
+    runs = []
+    if graphs:
+        real_run = DecodeGraphs.run
+
+        def counted(self, *args):
+            runs.append(args[0].shape[0])
+            return real_run(self, *args)
+
+        monkeypatch.setattr(DecodeGraphs, "run", counted)
+    prompts = [list(range(3, 22)), list(range(40, 45)), list(range(7, 40))]
+    params = [SamplingParams(max_tokens=n, temperature=0, logprobs=1) for n in (9, 14, 6)]
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], llm, runs
+
+
+@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
+def test_recorded_decode_path_matches_the_dynamic_one(model_dir, fmt, monkeypatch):
+    tokens, logprobs, llm, _ = _run(model_dir, fmt, False, monkeypatch)
+    g_tokens, g_logprobs, g_llm, runs = _run(model_dir, fmt, True, monkeypatch)
+    assert g_llm.engine.runner.graphs is not None and not g_llm.engine.runner.graphs._graphs  # eager here
+    assert 3 in runs and 2 in runs  # batches padded to 4 and 2 took the path
+    assert g_tokens == tokens
+    for a, b in zip(g_logprobs, logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    # the same slots written (padding wrote only to the sink block, the last), the same values up
+    # to the projections' roundings (a GEMM of 4 rows may sum in another order than one of 3)
+    n = llm.engine.runner.num_blocks
+    for a, b in zip(llm.engine.runner.kv_caches, g_llm.engine.runner.kv_caches):
+        assert a.data.shape[1] == n and b.data.shape[1] == n + 1
+        assert torch.equal(a.data.flatten(3).ne(0).any(-1), b.data[:, :n].flatten(3).ne(0).any(-1))
+        assert b.data[:, n].ne(0).any()
+        if fmt == "model":
+            torch.testing.assert_close(a.data, b.data[:, :n], atol=1e-5, rtol=0)
+    if fmt == "int4":  # the tail rows the engine keeps for int4 went through the buffers too
+        assert g_llm.engine.runner.graphs.tail_rows is not None
+
+
+def test_recorded_path_refuses_what_it_was_not_recorded_for(model_dir, monkeypatch):
+    _, _, llm, runs = _run(model_dir, "model", True, monkeypatch)
+    assert runs == [3] * 5 + [2] * 3 + [1] * 5  # every decode step, no prefill step
+    graphs = llm.engine.runner.graphs
+    assert graphs.size_for(3) == 4 and graphs.size_for(5) is None
+    assert not graphs.fits(5, 1) and not graphs.fits(2, graphs.width + 1)
+    mixed, pos = build_attention_metadata([([1], 3, 1), ([2], 0, 4)], 16)
+    with pytest.raises(ValueError, match="recorded decode step"):
+        graphs.run(torch.zeros(5, dtype=torch.int64), pos, mixed)
+    five, pos = build_attention_metadata([([i], 3, 1) for i in range(5)], 16)
+    with pytest.raises(ValueError, match="up to 4 decodes"):
+        graphs.run(torch.zeros(5, dtype=torch.int64), pos, five)
+
+
+def test_cuda_graphs_are_ignored_without_the_triton_backend(model_dir, caplog):
+    llm = LLM(model_dir, device="cpu", cuda_graphs=True, num_blocks=8)
+    assert llm.engine.runner.graphs is None
+    assert "--cuda-graphs needs CUDA" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].token_ids) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
+def test_replayed_graphs_match_eager_steps_on_cuda(model_dir, fmt, monkeypatch):
+    tokens, logprobs, _, _ = _run(model_dir, fmt, False, monkeypatch, device="cuda")
+    g_tokens, g_logprobs, llm, runs = _run(model_dir, fmt, True, monkeypatch, device="cuda")
+    assert set(llm.engine.runner.graphs._graphs) == {1, 2, 4}  # recorded at start
+    assert 3 in runs and 2 in runs
+    assert g_tokens == tokens
+    for a, b in zip(g_logprobs, logprobs):  # decode splits differ (the recorded bound is max_model_len)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
