@@ -77,6 +77,7 @@ def main() -> int:
         print(f"generated the large demo model in {time.perf_counter() - t:.1f}s", flush=True)
     rows = []
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.graphs]
+    name = device_name(args.device)
     for fmt in args.formats.split(","):
         for b in (int(x) for x in args.batches.split(",")):
             for graphs in modes:
@@ -86,9 +87,7 @@ def main() -> int:
                     r = {"kv_format": fmt, "batch": b, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    import torch
-
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+                save(args.out, name, rows)  # NOTE: after every row, so a timeout keeps what was measured
     print(f"\n{name} — large demo model, bf16 weights, prompt {args.prompt_len}, "
           f"{args.out_len} decode steps\n")
     print("| KV format | batch | CUDA graphs | decode tok/s | ms/step |\n|---|---:|---|---:|---:|")
@@ -98,10 +97,19 @@ def main() -> int:
             print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | |")
         else:
             print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} |")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
     return 0
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def save(out: str, name: str, rows: list[dict]) -> None:
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -31,13 +31,13 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("graphs"), {"num_hidden_layers": 2}, seed=7)
 
 
-def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4):
+def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4, **options):
     """Greedy tokens (and logprobs) of prompts whose decodes run 3, then 2 wide (padded to 4 and
     2), plus the LLM (whose cache the caller compares)."""
     if device == "cpu":  # NOTE: the Triton kernels on CPU tensors (the interpreter), as on CUDA
         monkeypatch.setattr(engine_module, "make_backend", lambda dev, kv_format: TritonAttentionBackend(kv_format))
     llm = LLM(model_dir, device=device, kv_format=fmt, cuda_graphs=graphs, max_num_seqs=max_num_seqs,
-              num_blocks=24, pack_cpu_weights=False)
+              num_blocks=24, pack_cpu_weights=False, **options)
     runs = []
     if graphs:
         real_run = DecodeGraphs.run
@@ -87,6 +87,14 @@ def test_recorded_path_refuses_what_it_was_not_recorded_for(model_dir, monkeypat
     five, pos = build_attention_metadata([([i], 3, 1) for i in range(5)], 16)
     with pytest.raises(ValueError, match="up to 4 decodes"):
         graphs.run(torch.zeros(5, dtype=torch.int64), pos, five)
+
+
+def test_one_token_prompt_chunks_that_sample_nothing_run_recorded(model_dir, monkeypatch):
+    """With one-token prefill chunks every step is decode-shaped, and most sample nothing."""
+    tokens, _, _, _ = _run(model_dir, "int4", False, monkeypatch, long_prefill_token_threshold=1)
+    g_tokens, _, _, runs = _run(model_dir, "int4", True, monkeypatch, long_prefill_token_threshold=1)
+    assert g_tokens == tokens
+    assert len(runs) > 33  # the prompts' 57 tokens went through it too, a few at a time
 
 
 def test_cuda_graphs_are_ignored_without_the_triton_backend(model_dir, caplog):

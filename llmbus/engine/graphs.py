@@ -46,15 +46,25 @@ class DecodeGraphs:
         self.record = record
         n = self.sizes[-1]
         self._sink_slot = sink_block * block_size
-        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slots = torch.full((n,), self._sink_slot, dtype=torch.int64, device=device)
+        self.device = device
+        # NOTE: the per-row fields live in two buffers (int64: ids, positions, slots, tail slots;
+        # int32: lengths, tail rows), each filled on the host and copied in one transfer a step
+        pinned = device.type == "cuda"
+        self._host64 = torch.zeros(4, n, dtype=torch.int64, pin_memory=pinned)
+        self._host32 = torch.zeros(2, n, dtype=torch.int32, pin_memory=pinned)
+        self._dev64 = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(2, n, dtype=torch.int32, device=device)
+        self.ids, self.positions, self.slots, tail_slots = self._dev64.unbind(0)
+        self.lens, tail_rows = self._dev32.unbind(0)
+        self.tail_slots = tail_slots if tails else None
+        self.tail_rows = tail_rows if tails else None
         self.tables = torch.zeros(n, self.width, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.tail_slots = torch.full((n,), -1, dtype=torch.int64, device=device) if tails else None
-        self.tail_rows = torch.full((n,), -1, dtype=torch.int32, device=device) if tails else None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._copied = torch.cuda.Event() if pinned else None  # the last transfer out of the host buffers
+        self._fill(0, 0, n)
+        self._dev64.copy_(self._host64)
+        self._dev32.copy_(self._host32)
 
     def size_for(self, batch: int) -> int | None:
         """The recorded size a decode batch of ``batch`` runs at; None if it is too large."""
@@ -77,13 +87,13 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Record every size (largest first, all in one memory pool), each after one eager run
-        that compiles its kernels. The buffers then hold padding only: nothing real is written."""
+        that compiles its kernels. The buffers hold padding only: nothing real is written."""
         if self.record:
-            with torch.inference_mode():  # as the steps run (ModelRunner.execute)
+            # as the steps run (ModelRunner.execute), on the cache's device
+            with torch.inference_mode(), torch.cuda.device(self.device):
                 self._capture()
 
     def _capture(self) -> None:
-        self._pad(0, self.sizes[-1])
         pool = None
         for size in reversed(self.sizes):
             side = torch.cuda.Stream()
@@ -98,35 +108,47 @@ class DecodeGraphs:
             self._graphs[size] = (graph, out)
         torch.cuda.synchronize()
 
-    def _pad(self, start: int, end: int) -> None:
-        if end > start:
-            self.slots[start:end] = self._sink_slot
-            self.lens[start:end] = 0
-            if self.tail_slots is not None:
-                self.tail_slots[start:end] = -1
-                self.tail_rows[start:end] = -1
+    def _fill(self, b: int, start: int, end: int, meta: AttentionMetadata | None = None,
+              ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
+        """Host buffers: rows ``[0, b)`` from a step, ``[start, end)`` padding (slot in the sink
+        block, no tail, length 0)."""
+        h64, h32 = self._host64, self._host32
+        if b:
+            h64[0, :b] = ids
+            h64[1, :b] = positions
+            h64[2, :b] = meta.slot_mapping
+            h32[0, :b] = meta.seq_lens
+            if meta.tail_slots is not None:
+                h64[3, :b] = meta.tail_slots
+                h32[1, :b] = meta.tail_rows
+        h64[2, start:end] = self._sink_slot
+        h64[3, start:end] = -1
+        h32[0, start:end] = 0
+        h32[1, start:end] = -1
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One decode-only step: ``ids``, ``positions`` and ``meta`` as the dynamic path builds
-        them (any device); returns the final hidden states of its ``B`` rows (a view of the
+        them, on the host; returns the final hidden states of its ``B`` rows (a view of the
         recording's output, valid until the next ``run``)."""
         b, w = meta.seq_lens.shape[0], meta.block_tables.shape[1]
         if meta.num_decodes != b or not self.fits(b, w):
             raise ValueError(f"a recorded decode step takes up to {self.sizes[-1]} decodes of up to "
                              f"{self.width} blocks, got {meta.num_decodes} of {b} rows, {w} blocks")
+        if (meta.tail_slots is None) != (self.tail_slots is None):
+            raise ValueError("the step's tail rows do not match the recording's")
         size = self.size_for(b)
-        self.ids[:b].copy_(ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.slots[:b].copy_(meta.slot_mapping, non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()  # NOTE: the pinned buffers' last transfer is done before refilling
+        self._fill(b, b, size, meta, ids, positions)
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
         self.tables[:b, :w].copy_(meta.block_tables, non_blocking=True)
-        self.lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        if self.tail_slots is not None:
-            self.tail_slots[:b].copy_(meta.tail_slots, non_blocking=True)
-            self.tail_rows[:b].copy_(meta.tail_rows, non_blocking=True)
-        self._pad(b, size)
+        if self._copied is not None:
+            self._copied.record()
         recorded = self._graphs.get(size)
         if recorded is None:
             return self._forward(size)[:b]
         graph, out = recorded
-        graph.replay()
+        with torch.cuda.device(self.device):
+            graph.replay()
         return out[:b]

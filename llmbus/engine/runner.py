@@ -124,9 +124,11 @@ class ModelRunner:
             # NOTE: metadata built on the host, copied into the recording's buffers
             batch = self._prepare(out.scheduled, torch.device("cpu"))
             hidden = self.graphs.run(batch.ids, batch.positions, batch.meta)
+            if not batch.sample_rows:  # one-token prompt chunks that sample nothing yet
+                return {}
             if batch.sample_rows != list(range(hidden.shape[0])):
-                hidden = hidden[torch.tensor(batch.sample_rows, device=self.device)]
-            return self._sample([hidden] if batch.sample_rows else [], batch.sample_seqs)
+                hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)]
+            return self._sample([hidden], batch.sample_seqs)
         groups = self._split(out.scheduled)
         batches = [self._prepare(g) for g in groups]
         if len(batches) == 1:
