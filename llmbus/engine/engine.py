@@ -80,6 +80,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.layout: KVLayout = loaded.config.kv_layout(config.block_size, dtype)
+        self.kv_format = parse_kv_format(config.kv_format)
         num_blocks = config.num_blocks or self._blocks_for_budget()
         self.block_manager = BlockManager(
             num_blocks,
@@ -142,14 +143,14 @@ class Engine:
     def _num_tail_rows(self) -> int:
         """Exact tail rows the KV format keeps: two per sequence that may run at once
         (``LLMBUS_KV_TAILS=0``: none, blocks seal from their per-token codes; for comparison)."""
-        keeps = parse_kv_format(self.config.kv_format).tail_row_bytes(self.layout) > 0
+        keeps = self.kv_format.tail_row_bytes(self.layout) > 0
         keeps = keeps and os.environ.get("LLMBUS_KV_TAILS", "1") != "0"
         return 2 * self.config.max_num_seqs if keeps else 0
 
     def _blocks_for_budget(self) -> int:
         """Blocks that fit ``kv_cache_bytes`` once the tail rows are paid for."""
-        per_block = kv_block_bytes(self.layout, self.config.kv_format)
-        tails = self._num_tail_rows() * parse_kv_format(self.config.kv_format).tail_row_bytes(self.layout)
+        per_block = self.kv_format.bytes_per_block(self.layout)
+        tails = self._num_tail_rows() * self.kv_format.tail_row_bytes(self.layout)
         wanted = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size) + 1
         return max(2, min(max(0, self.config.kv_cache_bytes - tails) // per_block, wanted))
 
