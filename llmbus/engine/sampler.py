@@ -203,10 +203,10 @@ class Sampler:
             if rand:
                 tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
         # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
-        bad = ~torch.isfinite(raw.amax(dim=-1))
-        token_list, bad_list = tokens.tolist(), bad.tolist()
-        if any(bad_list):
-            ids = [s.request_id for s, b in zip(seqs, bad_list) if b]
+        # NOTE: one read back to the host a step (on CUDA each waits for the GPU): bad rows as -1
+        token_list = torch.where(torch.isfinite(raw.amax(dim=-1)), tokens, -1).tolist()
+        if min(token_list) < 0:
+            ids = [s.request_id for s, t in zip(seqs, token_list) if t < 0]
             raise ValueError(f"logits rows have no finite maximum (all -inf, inf or NaN) for request(s) {ids}")
         return SamplerOutput(token_list, self._logprobs(raw, tokens, token_list, seqs))
 
