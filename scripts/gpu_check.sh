@@ -14,9 +14,18 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 PARTS="${PARTS:-tests graphs kernels engine}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
-    part tests && timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_decode.py \
-        tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py 2>&1 | tail -5 \
-        | tee "$OUT/kernel-tests.txt"
+    if part tests; then
+        timeout 170 python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
+            tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py \
+            > "$OUT/kernel-tests.log" 2>&1
+        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -40 | tee "$OUT/kernel-tests.txt"
+        # failures: the same tests with the plain-Triton conversions, to tell the inline PTX apart
+        failed=$(grep -E "^FAILED " "$OUT/kernel-tests.log" | awk '{print $2}' | head -40)
+        if [ -n "$failed" ]; then
+            LLMBUS_TRITON_ASM=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -rf $failed 2>&1 | tail -20 \
+                | tee "$OUT/kernel-tests-no-asm.txt"
+        fi
+    fi
     # decode steps recorded as CUDA graphs and replayed give the eager steps' tokens
     part graphs && timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_graphs.py 2>&1 \
         | tail -5 | tee "$OUT/graph-tests.txt"
