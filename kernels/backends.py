@@ -144,7 +144,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     @staticmethod
     def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
         lay = cache.layout
-        if cache.fmt.name == "model" or block_tables.shape[0] == 0 or q.dtype not in (torch.bfloat16, torch.float32):
+        if cache.fmt.name == "model" or block_tables.shape[0] == 0 or not q.is_floating_point():
             return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
         # NOTE: the chunks' context dequantized once, then attended as model-dtype context is: the
         # reference's padded fp32 score matrices made quantized prefill ~3x the bf16 one
