@@ -193,7 +193,7 @@ class TritonAttentionBackend(_PagedBackend):
         from kernels.write_kv import write_kv
 
         # NOTE: k and v are views into the step's qkv projection; the kernel takes their strides
-        write_kv(_unit_stride(k), _unit_stride(v), cache, slot_mapping.to(torch.int64), tail_slots)
+        write_kv(k, v, cache, slot_mapping.to(torch.int64), tail_slots)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):
@@ -208,11 +208,6 @@ class TritonAttentionBackend(_PagedBackend):
 
         return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale,
                                        max_query_len=max_query_len, tail_rows=tail_rows)
-
-
-def _unit_stride(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself where its last dimension is contiguous (all the Triton kernels need), else a copy."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def make_attention_backend(device: str | torch.device, kv_format: str = "model") -> _PagedBackend:

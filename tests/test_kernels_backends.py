@@ -67,6 +67,30 @@ def test_triton_and_torch_backends_agree_over_steps(fmt, head_dim, tails):
     assert torch.equal(tor.read_blocks(cb, [2, 4]), blocks)
 
 
+@pytest.mark.parametrize("fmt,head_dim,tails", [("model", 32, False), ("int8", 64, False), ("int4", 64, True),
+                                                ("int4", 32, False)])
+def test_triton_backend_takes_q_k_v_as_views_of_the_qkv_projection(fmt, head_dim, tails):
+    """The model hands attention q, k and v as strided views of one qkv row per token (no copies);
+    the Triton kernels read them by stride and agree with the reference fed contiguous copies."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
+    tri, tor = TritonAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
+    n = 4 if tails else 0
+    ca, cb = tri.allocate_cache(lay, 8, DEV, n)[0], tor.allocate_cache(lay, 8, DEV, n)[0]
+    rows = TailRows(n) if tails else None
+    tables = [[3, 5, 0], [6, 1]]
+    g = torch.Generator().manual_seed(5)
+    for ctx, qlens, nd in [([14, 20], [14, 20], 0), ([15, 31], [1, 11], 1), ([16, 32], [1, 1], 2)]:
+        qkv = torch.randn(sum(qlens), 4 + 2 + 2, head_dim, generator=g).to(DEV)
+        q, k, v = qkv.split([4, 2, 2], dim=1)
+        assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+        entries = [(t, c - ql, ql) for t, c, ql in zip(tables, ctx, qlens)]
+        pairs = [rows.rows_for(str(i), c - ql, ql, 16)[:2] for i, (c, ql) in enumerate(zip(ctx, qlens))] if tails else None
+        meta = build_attention_metadata(entries, 16, DEV, pairs)[0]
+        a = tri.forward(q, k, v, ca, meta, 0.2)
+        b = tor.forward(q.contiguous(), k.contiguous(), v.contiguous(), cb, meta, 0.2)
+        torch.testing.assert_close(a, b, atol=1e-3 if fmt == "int4" else 2e-5, rtol=1e-3)
+
+
 @pytest.mark.skipif(not cpu_native.available(), reason="the fused CPU decode kernel did not build here")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

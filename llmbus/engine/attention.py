@@ -36,7 +36,8 @@ class AttentionMetadata:
     max_decode_len: int | None = None
     max_query_len: int | None = None
     # NOTE: per-step data a backend derives from the fields above at the first layer and reuses in
-    # every other layer (keyed by backend name). The fields above must not change within a step.
+    # every other layer (keyed by backend name; "prefill_qsl": prefill_query_start_loc's). The
+    # fields above must not change within a step.
     backend_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -20,6 +20,8 @@ path with the dynamic one on the Triton kernels under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from llmbus.engine.attention import AttentionMetadata
@@ -137,6 +139,10 @@ class DecodeGraphs:
         if (meta.tail_slots is None) != (self.tail_slots is None):
             raise ValueError("the step's tail rows do not match the recording's")
         size = self.size_for(b)
+        with torch.cuda.device(self.device) if self.record else contextlib.nullcontext():
+            return self._run(b, w, size, ids, positions, meta)
+
+    def _run(self, b: int, w: int, size: int, ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()  # NOTE: the pinned buffers' last transfer is done before refilling
         self._fill(b, b, size, meta, ids, positions)
@@ -149,6 +155,5 @@ class DecodeGraphs:
         if recorded is None:
             return self._forward(size)[:b]
         graph, out = recorded
-        with torch.cuda.device(self.device):
-            graph.replay()
+        graph.replay()
         return out[:b]

@@ -203,7 +203,8 @@ class Sampler:
             if rand:
                 tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
         # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
-        # NOTE: one read back to the host a step (on CUDA each waits for the GPU): bad rows as -1
+        # NOTE: the tokens and the bad rows (as -1) in one read back to the host (on CUDA each read
+        # waits for the GPU); logprobs and random rows' fallbacks add their own
         token_list = torch.where(torch.isfinite(raw.amax(dim=-1)), tokens, -1).tolist()
         if min(token_list) < 0:
             ids = [s.request_id for s, t in zip(seqs, token_list) if t < 0]
