@@ -38,21 +38,38 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", p, params)
     # prefill first (not timed), then time pure decode steps
-    produced = 0
+    tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(batch)}
+
+    def step() -> int:
+        outs = engine.step()
+        for o in outs:
+            tokens[o.request_id].extend(o.new_token_ids)
+        return sum(len(o.new_token_ids) for o in outs)
+
     while any(len(s.output_token_ids) == 0 for s in engine._seqs.values()):
-        produced += sum(len(o.new_token_ids) for o in engine.step())
+        step()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     steps = 0
     decoded = 0
     while engine.has_unfinished():
-        decoded += sum(len(o.new_token_ids) for o in engine.step())
+        decoded += step()
         steps += 1
     sync()
     dt = time.perf_counter() - t0
     return {"kv_format": kv_format, "batch": batch, "graphs": graphs, "prompt_len": prompt_len, "decode_tokens": decoded,
-            "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1)}
+            "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1),
+            "tokens": [tokens[f"b{i}"] for i in range(batch)]}
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Greedy outputs of the same prompts two ways: sequences identical, and the mean length of
+    their common prefix (recorded and eager steps may split the KV differently, so a near tie
+    can flip a token; a wrong kernel diverges at once)."""
+    prefix = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t))) for s, t in zip(a, b)]
+    return {"identical": sum(s == t for s, t in zip(a, b)) / max(1, len(a)),
+            "mean_common_prefix": sum(prefix) / max(1, len(prefix))}
 
 
 def main() -> int:
@@ -85,18 +102,24 @@ def main() -> int:
                     r = measure(model_dir, fmt, b, args.prompt_len, args.out_len, args.device, graphs)
                 except Exception as exc:  # report and go on: one failure must not hide the rest
                     r = {"kv_format": fmt, "batch": b, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
+                eager = next((x for x in rows if x["kv_format"] == fmt and x["batch"] == b and not x["graphs"]
+                              and "tokens" in x), None)
+                if graphs and eager is not None and "tokens" in r:
+                    r["vs_eager"] = agreement(r["tokens"], eager["tokens"])
                 rows.append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
                 save(args.out, name, rows)  # NOTE: after every row, so a timeout keeps what was measured
     print(f"\n{name} — large demo model, bf16 weights, prompt {args.prompt_len}, "
           f"{args.out_len} decode steps\n")
-    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step |\n|---|---:|---|---:|---:|")
+    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step | tokens as eager |\n|---|---:|---|---:|---:|---|")
     for r in rows:
         mode = "on" if r["graphs"] else "off"
         if "error" in r:
-            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | |")
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | | |")
         else:
-            print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} |")
+            same = r.get("vs_eager")
+            same = f"{same['identical']:.0%} (prefix {same['mean_common_prefix']:.1f})" if same else ""
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} | {same} |")
     return 0
 
 
@@ -109,7 +132,8 @@ def device_name(device: str) -> str:
 def save(out: str, name: str, rows: list[dict]) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({"device": name, "rows": rows}, indent=1))
+        kept = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+        Path(out).write_text(json.dumps({"device": name, "rows": kept}, indent=1))
 
 
 if __name__ == "__main__":

@@ -116,3 +116,20 @@ def test_replayed_graphs_match_eager_steps_on_cuda(model_dir, fmt, monkeypatch):
     assert g_tokens == tokens
     for a, b in zip(g_logprobs, logprobs):  # decode splits differ (the recorded bound is max_model_len)
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+def test_the_gpu_benchmark_compares_replayed_tokens_with_eager_ones(model_dir):
+    """scripts/bench_gpu_engine.py runs every row both ways and reports how far the outputs agree;
+    here on CPU, where the option is ignored, so they agree entirely."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_gpu_engine.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_engine", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.agreement([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {"identical": 0.5, "mean_common_prefix": 2.0}
+    eager = bench.measure(str(model_dir), "int8", 2, 8, 4, "cpu", False)
+    replayed = bench.measure(str(model_dir), "int8", 2, 8, 4, "cpu", True)
+    assert [len(t) for t in eager["tokens"]] == [4, 4]
+    assert bench.agreement(replayed["tokens"], eager["tokens"])["identical"] == 1.0
