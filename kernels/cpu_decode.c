@@ -272,6 +272,11 @@ static inline __attribute__((always_inline)) void int4_values(const int4_src *c,
             const int ahead = nxt >= 0 && nxt < num_blocks;                                             \
             const char *kn = ahead ? (const char *)(kc + (nxt * bs * hkv + h0) * drow) : 0;             \
             const char *vn = ahead ? (const char *)(vc + (nxt * bs * hkv + h0) * drow) : 0;             \
+            if (SCALED && ahead) /* int8's scales: the next block's (all its heads') lines, once */     \
+                for (int64_t o = 0; o < bs * hkv * (int64_t)sizeof(ST); o += 64) {                         \
+                    __builtin_prefetch((const char *)(ksc + nxt * bs * hkv) + o, 0, 2);                     \
+                    __builtin_prefetch((const char *)(vsc + nxt * bs * hkv) + o, 0, 2);                     \
+                }                                                                                       \
             const int tail = I4 && (j + 1) * bs > len && trow >= 0; /* partial block, exact in a row */ \
             const int64_t share = (bs + (h1 - h0) - 1) / (h1 - h0);                                     \
             for (int64_t h = h0; h < h1; h++) {                                                         \

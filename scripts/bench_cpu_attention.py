@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-len", type=int, default=280)
     ap.add_argument("--max-len", type=int, default=330)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--kv-format", default="model", choices=("model", "int8"),
+                    help="int8: int8 codes with fp16 scales per token and head (half the bytes)")
     args = ap.parse_args(argv)
 
     import torch
@@ -46,21 +48,32 @@ def main(argv: list[str] | None = None) -> int:
     lens = torch.randint(args.min_len, args.max_len, (args.batch,), dtype=torch.int32)
     tables = torch.randperm(blocks)[: args.batch * per_seq].view(args.batch, per_seq).to(torch.int32)
     q = torch.randn(args.batch, hkv * g, d).to(torch.bfloat16)
-    caches = [torch.randn(2, blocks, bs, hkv, d).to(torch.bfloat16) for _ in range(1 if args.hot else layers)]
+    int8 = args.kv_format == "int8"
+
+    def make_cache():
+        if not int8:
+            return torch.randn(2, blocks, bs, hkv, d).to(torch.bfloat16), None
+        return (torch.randint(-127, 128, (2, blocks, bs, hkv, d), dtype=torch.int8),
+                (torch.rand(2, blocks, bs, hkv) / 64).to(torch.float16))
+
+    caches = [make_cache() for _ in range(1 if args.hot else layers)]
     caches = caches * (layers if args.hot else 1)
     out = torch.empty_like(q)
 
     def step() -> float:
         t = time.perf_counter()
-        for cache in caches:
-            cpu_native.decode_into(out, q, cache, tables, lens, d**-0.5)
+        for cache, scales in caches:
+            if int8:
+                cpu_native.decode_int8_into(out, q, cache, scales, tables, lens, d**-0.5)
+            else:
+                cpu_native.decode_into(out, q, cache, tables, lens, d**-0.5)
         return time.perf_counter() - t
 
     for _ in range(3):
         step()
     median = statistics.median(step() for _ in range(args.steps))
-    kv_mb = layers * int(lens.sum()) * hkv * d * 2 * 2 / 1e6
-    print(f"{'hot' if args.hot else 'cold'}: {layers} layers, batch {args.batch}: median {1000 * median:.2f} ms "
+    kv_mb = layers * int(lens.sum()) * hkv * 2 * (d + 2 if int8 else d * 2) / 1e6
+    print(f"{args.kv_format} {'hot' if args.hot else 'cold'}: {layers} layers, batch {args.batch}: median {1000 * median:.2f} ms "
           f"({kv_mb:.0f} MB of K/V, {kv_mb / 1e3 / median:.1f} GB/s)")
     return 0
 
