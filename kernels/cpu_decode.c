@@ -277,6 +277,13 @@ static inline __attribute__((always_inline)) void int4_values(const int4_src *c,
                     __builtin_prefetch((const char *)(ksc + nxt * bs * hkv) + o, 0, 2);                     \
                     __builtin_prefetch((const char *)(vsc + nxt * bs * hkv) + o, 0, 2);                     \
                 }                                                                                       \
+            if (I4 && ahead) { /* int4's key ranges and value (scale, min) pairs: likewise */           \
+                const int64_t kspan = hkv * i4->key_slots * 2, vspan = bs * hkv * (d / i4->gv) * 4;      \
+                for (int64_t o = 0; o < kspan; o += 64)                                                 \
+                    __builtin_prefetch((const char *)(i4->k_meta + nxt * hkv * i4->key_slots) + o, 0, 2); \
+                for (int64_t o = 0; o < vspan; o += 64)                                                 \
+                    __builtin_prefetch((const char *)(i4->v_meta + nxt * bs * hkv * (d / i4->gv) * 2) + o, 0, 2); \
+            }                                                                                           \
             const int tail = I4 && (j + 1) * bs > len && trow >= 0; /* partial block, exact in a row */ \
             const int64_t share = (bs + (h1 - h0) - 1) / (h1 - h0);                                     \
             for (int64_t h = h0; h < h1; h++) {                                                         \
