@@ -170,6 +170,13 @@ def class_queries(q_ptr, qrows, rmask, D: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
+def class_accumulators(R: tl.constexpr, D: tl.constexpr):
+    """Four zero fp32 accumulators ``[R, D/4]``, one per channel class."""
+    zero = tl.zeros([R, D // 4], tl.float32)
+    return zero, zero, zero, zero
+
+
+@triton.jit
 def join_classes(a0, a1, a2, a3):
     """Per-class columns ``[G, D/4]`` back into channel order ``[G, D]`` (channel 4k + r: class r's column k)."""
     return tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), [a0.shape[0], 4 * a0.shape[1]])
@@ -189,10 +196,7 @@ def int8_words_loop(
     ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
     j = tl.arange(0, D // 4)
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
-    a0 = tl.zeros([GP, D // 4], tl.float32)
-    a1 = tl.zeros([GP, D // 4], tl.float32)
-    a2 = tl.zeros([GP, D // 4], tl.float32)
-    a3 = tl.zeros([GP, D // 4], tl.float32)
+    a0, a1, a2, a3 = class_accumulators(GP, D)
     words = data_ptr.to(tl.pointer_type(tl.int32))
     for s in range(start, end, TILE):
         t = tl.arange(0, TILE)
@@ -275,10 +279,7 @@ def int4_lanes_loop(
     NG: tl.constexpr = D // GV
     k = tl.arange(0, D // 4)
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
-    a0 = tl.zeros([GP, D // 4], tl.float32)
-    a1 = tl.zeros([GP, D // 4], tl.float32)
-    a2 = tl.zeros([GP, D // 4], tl.float32)
-    a3 = tl.zeros([GP, D // 4], tl.float32)
+    a0, a1, a2, a3 = class_accumulators(GP, D)
     lanes = data_ptr.to(tl.pointer_type(tl.int16))
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
