@@ -122,22 +122,12 @@ class ModelRunner:
         """Run every scheduled chunk; return the sampled token of each entry with ``sample=True``."""
         if self.graphs is not None and self._graphable(out.scheduled):
             # NOTE: metadata built on the host, copied into the recording's buffers
-            batch = self._prepare(out.scheduled, torch.device("cpu"))
-            hidden = self.graphs.run(batch.ids, batch.positions, batch.meta)
-            if not batch.sample_rows:  # one-token prompt chunks that sample nothing yet
-                return {}
-            if batch.sample_rows != list(range(hidden.shape[0])):
-                hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)]
-            return self._sample([hidden], batch.sample_seqs)
-        groups = self._split(out.scheduled)
-        batches = [self._prepare(g) for g in groups]
-        if len(batches) == 1:
-            self._set_threads(self._threads)
-            hidden = [self._forward(batches[0])]
+            batches = [self._prepare(out.scheduled, torch.device("cpu"))]
+            batch = batches[0]
+            hidden = [self._sampled_rows(self.graphs.run(batch.ids, batch.positions, batch.meta), batch)]
         else:
-            self._set_threads(1)
-            futures = [self._pool.submit(self._forward_in_thread, b) for b in batches[1:]]
-            hidden = [self._forward(batches[0])] + [f.result() for f in futures]
+            batches = [self._prepare(g) for g in self._split(out.scheduled)]
+            hidden = self._forward_all(batches)
         return self._sample([h for h in hidden if h is not None], [s for b in batches for s in b.sample_seqs])
 
     def _graphable(self, entries: list[ScheduledSeq]) -> bool:
@@ -170,15 +160,30 @@ class ModelRunner:
             loads[i] += _cost(e)
         return [sorted(g, key=lambda e: e.num_new_tokens != 1) for g in groups]
 
+    def _forward_all(self, batches: list[_Batch]) -> list[torch.Tensor | None]:
+        """Each batch's sampled rows: one batch on the intra-op threads, micro-batches one a thread."""
+        if len(batches) == 1:
+            self._set_threads(self._threads)
+            return [self._forward(batches[0])]
+        self._set_threads(1)
+        futures = [self._pool.submit(self._forward_in_thread, b) for b in batches[1:]]
+        return [self._forward(batches[0])] + [f.result() for f in futures]
+
     def _forward_in_thread(self, batch: _Batch) -> torch.Tensor | None:
         with torch.inference_mode():  # NOTE: inference mode is per thread
             return self._forward(batch)
 
     def _forward(self, batch: _Batch) -> torch.Tensor | None:
-        hidden = self.model(batch.ids, batch.positions, self.kv_caches, batch.meta)
+        return self._sampled_rows(self.model(batch.ids, batch.positions, self.kv_caches, batch.meta), batch)
+
+    def _sampled_rows(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor | None:
+        """The rows of ``hidden`` the step samples from (None: none, e.g. one-token prompt chunks
+        before their last); all of them as they are, the common decode case."""
         if not batch.sample_rows:
             return None
-        return hidden[torch.tensor(batch.sample_rows, device=self.device)]
+        if batch.sample_rows == list(range(hidden.shape[0])):
+            return hidden
+        return hidden[torch.tensor(batch.sample_rows, dtype=torch.int64, device=self.device)]
 
     def _prepare(self, entries: list[ScheduledSeq], device: torch.device | None = None) -> _Batch:
         input_ids: list[int] = []
