@@ -4,6 +4,8 @@ On CPU the recorded path runs eagerly on the Triton kernels (under ``TRITON_INTE
 give the dynamic path's tokens and cache bytes: padding rows only ever touch the sink block. On
 CUDA the same comparison runs with the graphs recorded and replayed."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -103,6 +105,26 @@ def test_cuda_graphs_are_ignored_without_the_triton_backend(model_dir, caplog):
     assert "--cuda-graphs needs CUDA" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].token_ids) == 3
+
+
+def test_a_recording_that_fails_leaves_decode_on_the_dynamic_path(model_dir, monkeypatch, caplog):
+    """Recording can fail on a GPU (out of memory, an op that may not be captured): the engine
+    logs it and serves without the recorded path instead of failing to start."""
+    tokens, logprobs, _, _ = _run(model_dir, "int4", False, monkeypatch)
+
+    def fails(self):  # as torch raises from inside ``torch.cuda.graph`` after a size or two
+        self._graphs[8] = self._graphs[4] = "recorded"
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    init = DecodeGraphs.__init__
+    monkeypatch.setattr(DecodeGraphs, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "record": True}))
+    monkeypatch.setattr(DecodeGraphs, "_capture", fails)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # a CPU device here
+    g_tokens, g_logprobs, llm, runs = _run(model_dir, "int4", True, monkeypatch)
+    assert "recording decode steps as CUDA graphs failed" in caplog.text and "out of memory" in caplog.text
+    assert llm.engine.runner.graphs is None and runs == []
+    assert (g_tokens, g_logprobs) == (tokens, logprobs)
+    assert llm.engine.leak_check()["free_blocks"] == llm.engine.runner.num_blocks
 
 
 @pytest.mark.gpu

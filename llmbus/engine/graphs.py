@@ -21,10 +21,13 @@ path with the dynamic one on the Triton kernels under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from llmbus.engine.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -87,13 +90,23 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.ids[:size], self.positions[:size], self.caches, self._meta(size))
 
-    def capture(self) -> None:
+    def capture(self) -> bool:
         """Record every size (largest first, all in one memory pool), each after one eager run
-        that compiles its kernels. The buffers hold padding only: nothing real is written."""
-        if self.record:
+        that compiles its kernels. The buffers hold padding only: nothing real is written.
+
+        False if recording failed (out of memory, an op that may not be recorded): the error is
+        logged, nothing stays recorded, and the caller runs its steps without these buffers."""
+        if not self.record:
+            return True
+        try:
             # as the steps run (ModelRunner.execute), on the cache's device
             with torch.inference_mode(), torch.cuda.device(self.device):
                 self._capture()
+        except Exception:  # noqa: BLE001 - any failure to record leaves decode working, only slower
+            log.exception("recording decode steps as CUDA graphs failed: they run eagerly")
+            self._graphs.clear()
+            return False
+        return True
 
     def _capture(self) -> None:
         pool = None

@@ -110,7 +110,10 @@ class ModelRunner:
                 raise ValueError("decode_graphs needs max_model_len")
             self.graphs = DecodeGraphs(model, self.kv_caches, layout.block_size, decode_graphs, max_model_len,
                                        num_blocks, device, tail_rows > 0, record=device.type == "cuda")
-            self.graphs.capture()
+            if not self.graphs.capture():
+                self.graphs = None  # the dynamic path; the sink block stays unused
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the failed recording's pool held
         self.sampler = Sampler()
         self.micro_batches = micro_batches if device.type == "cpu" else 1
         self._pool = (ThreadPoolExecutor(self.micro_batches - 1, thread_name_prefix="microbatch")
