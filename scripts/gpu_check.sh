@@ -8,32 +8,62 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-# PARTS picks the checks (default all four; the timeouts add up to more than one 10-minute device
-# call at worst, so a session short of time can run them in two: PARTS="tests graphs", then
-# PARTS="kernels engine").
-PARTS="${PARTS:-tests graphs kernels engine}"
+# PARTS picks the checks, run in this order of importance: the kernel table (every kernel against
+# its reference, then decode bandwidth: issue 4's goal), the kernel tests, the engine's decode
+# throughput, the graph tests. Their own timeouts add up to more than one device call, so all of
+# them share DEADLINE seconds (default 540, inside a 600-second call): each gets what is left, and
+# one that would start with under 30 seconds left is skipped. $OUT/timing.txt says what each took.
+PARTS="${PARTS:-kernels tests engine graphs}"
+DEADLINE="${DEADLINE:-540}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
+t0=$SECONDS
+# budget N: N seconds, or what is left before the deadline if less; fails (part skipped) under 30
+budget() {
+    local left=$((DEADLINE - (SECONDS - t0)))
+    if [ "$left" -lt 30 ]; then echo "skipped $2: ${left}s left of ${DEADLINE}s" | tee -a "$OUT/timing.txt" >&2; return 1; fi
+    echo $(($1 < left ? $1 : left))
+}
+took() { echo "$1: $((SECONDS - $2))s (limit $3s)" >> "$OUT/timing.txt"; }
+: > "$OUT/timing.txt"
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
-    if part tests; then
-        timeout 170 python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
+    if part kernels && lim=$(budget 240 kernels); then
+        s=$SECONDS
+        timeout "$lim" python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 \
+            | tail -60 | tee "$OUT/gpu-kernels.txt"
+        took kernels $s "$lim"
+    fi
+    if part tests && lim=$(budget 170 tests); then
+        s=$SECONDS
+        timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
             tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py \
             > "$OUT/kernel-tests.log" 2>&1
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -40 | tee "$OUT/kernel-tests.txt"
+        took tests $s "$lim"
         # failures: the same tests with the plain-Triton conversions, to tell the inline PTX apart
         failed=$(grep -E "^FAILED " "$OUT/kernel-tests.log" | awk '{print $2}' | head -40)
-        if [ -n "$failed" ]; then
-            LLMBUS_TRITON_ASM=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -rf $failed 2>&1 | tail -20 \
+        if [ -n "$failed" ] && lim=$(budget 90 tests-no-asm); then
+            s=$SECONDS
+            LLMBUS_TRITON_ASM=0 timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf $failed 2>&1 | tail -20 \
                 | tee "$OUT/kernel-tests-no-asm.txt"
+            took tests-no-asm $s "$lim"
         fi
     fi
+    # every row eagerly and replayed; the JSON is rewritten after each row, so a timeout keeps the
+    # rows done
+    if part engine && lim=$(budget 240 engine); then
+        s=$SECONDS
+        timeout "$lim" python3 scripts/bench_gpu_engine.py --batches 1,32,128 --graphs both \
+            --out "$OUT/gpu-engine.json" 2>&1 | tail -30 | tee "$OUT/gpu-engine.txt"
+        took engine $s "$lim"
+    fi
     # decode steps recorded as CUDA graphs and replayed give the eager steps' tokens
-    part graphs && timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_graphs.py 2>&1 \
-        | tail -5 | tee "$OUT/graph-tests.txt"
-    part kernels && timeout 180 python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 \
-        | tail -60 | tee "$OUT/gpu-kernels.txt"
-    # every row eagerly and replayed; the JSON is rewritten after each row
-    part engine && timeout 240 python3 scripts/bench_gpu_engine.py --batches 1,32,128 --graphs both \
-        --out "$OUT/gpu-engine.json" 2>&1 | tail -30 | tee "$OUT/gpu-engine.txt"
+    if part graphs && lim=$(budget 150 graphs); then
+        s=$SECONDS
+        timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_graphs.py 2>&1 \
+            | tail -5 | tee "$OUT/graph-tests.txt"
+        took graphs $s "$lim"
+    fi
+    cat "$OUT/timing.txt"
 fi
 # TRAINED_EVAL=1 runs this instead of the checks above (a device call of its own, up to ~10
 # minutes; needs transformers): KV-quantization accuracy through the Triton kernels on the large
