@@ -1366,3 +1366,37 @@ int sample_f32(const float *logits, int64_t x_stride, int64_t rows, int64_t n, c
     }
     return bad ? 3 : 0;
 }
+
+/* ---- Greedy rows (float32 logits) -----------------------------------------------------------
+   out[r]: the first index of row r's maximum, -1 where the row holds a NaN or its maximum is not
+   finite (what the sampler refuses). torch's argmax over a row is a scalar loop (64 x 16,384
+   float32: ~450 us on two cores, where amax takes ~30); here one vectorized pass finds the maximum
+   and whether a NaN is present, and a second tests 64 entries at a time for it and stops at the
+   first chunk that holds it (~50 us on two cores). */
+void greedy_f32(const float *logits, int64_t x_stride, int64_t rows, int64_t n, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 262144)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = logits + r * x_stride;
+        float m = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t i = 0; i < n; i++) {
+            m = xr[i] > m ? xr[i] : m;
+            nan |= xr[i] != xr[i];
+        }
+        int64_t arg = -1;
+        if (!nan && m > -INFINITY && m < INFINITY)
+            for (int64_t i0 = 0; i0 < n && arg < 0; i0 += 64) { /* a vector test a chunk, then its index */
+                const int64_t len = n - i0 < 64 ? n - i0 : 64;
+                int hit = 0;
+#pragma omp simd reduction(| : hit)
+                for (int64_t j = 0; j < len; j++) hit |= xr[i0 + j] == m;
+                for (int64_t j = 0; hit && j < len; j++)
+                    if (xr[i0 + j] == m) {
+                        arg = i0 + j;
+                        break;
+                    }
+            }
+        out[r] = arg;
+    }
+}

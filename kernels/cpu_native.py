@@ -162,6 +162,8 @@ def _load() -> ctypes.CDLL | None:
             silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
             rot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.sample_f32.restype = ctypes.c_int
+        lib.greedy_f32.restype = None
+        lib.greedy_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
         lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         for fn in (lib.decode_layers_bf16, lib.decode_layers_f32):
             fn.restype = ctypes.c_int
@@ -701,6 +703,17 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     if rc != 0:
         raise ValueError(f"unsupported decode_layers shape: hidden {hidden}, {num_heads}/{hkv} heads of {d}, "
                          f"intermediate {intermediate}, block size {bs}")
+
+
+def greedy(x: torch.Tensor) -> torch.Tensor | None:
+    """The first index of each row's maximum of float32 CPU logits ``x [n, V]`` (rows may be
+    strided): int64 ``[n]``, -1 for a row holding a NaN or whose maximum is not finite. None where
+    the library is unavailable."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or _load() is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.greedy_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def sample(x: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],

@@ -344,6 +344,50 @@ def test_sampler_draws_on_cpu_through_the_native_path(monkeypatch):
 
 
 @needs_native
+def test_native_greedy_is_torch_argmax_and_flags_bad_rows():
+    torch.manual_seed(12)
+    x = torch.randn(9, 3 * 1000 + 7)[:, 5:3005]  # strided rows, an odd width
+    x[1, [17, 900, 2999]] = 9.0  # ties: the first wins
+    x[2] = torch.randint(-2, 3, x[2].shape).float()  # many ties
+    x[3, :] = -0.0
+    x[3, 41] = 0.0  # -0 and +0 are equal: the first of them
+    x[4, :] = float("-inf")
+    x[5, 77] = float("inf")
+    x[6, 2000] = float("nan")  # a NaN anywhere spoils the row, as torch's amax says
+    x[7, :] = float("-inf")
+    x[7, 2999] = -1e30  # one finite entry, the last
+    want = torch.where(torch.isfinite(x.amax(-1)), x.argmax(-1), -1)
+    got = cpu_native.greedy(x)
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    assert got.tolist()[4:7] == [-1, -1, -1] and got[7] == 2999 and got[1] == 17
+    wide = torch.randn(64, 20000)  # large enough for the parallel loop
+    assert torch.equal(cpu_native.greedy(wide), wide.argmax(-1))
+    assert cpu_native.greedy(x.double()) is None and cpu_native.greedy(x.T) is None
+
+
+@needs_native
+def test_all_greedy_batches_take_the_native_argmax(monkeypatch):
+    monkeypatch.setenv("LLMBUS_CPU_SAMPLER", "native")
+    calls = []
+    real = cpu_native.greedy
+    monkeypatch.setattr(cpu_native, "greedy", lambda x: calls.append(x.shape) or real(x))
+    torch.manual_seed(13)
+    logits = torch.randn(5, V)
+    greedy = [seq(SamplingParams(temperature=0.0, logprobs=2), rid=str(i)) for i in range(5)]
+    out = Sampler()(logits, greedy)
+    assert calls == [(5, V)] and out.token_ids == logits.argmax(-1).tolist()
+    lp = logits.log_softmax(-1)
+    assert [o.logprob for o in out.logprobs] == pytest.approx(lp.max(-1).values.tolist())
+    logits[3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"no finite maximum.*'3'"):
+        Sampler()(logits, greedy)
+    # penalised or random rows keep the torch argmax (the check is on the raw logits)
+    Sampler()(logits[:2], [seq(SamplingParams(temperature=0.0, presence_penalty=1.0), output=[1]), greedy[0]])
+    Sampler(seed=1)(logits[:2], [seq(SamplingParams(temperature=0.7)), greedy[0]])
+    assert len(calls) == 2
+
+
+@needs_native
 def test_native_uniforms_never_reach_one():
     """A uniform of exactly 1 would give its token log(-log 1) = -inf and the win: with 24 bits the
     largest of 2^24 values rounded up to 1 (a stray token in ~V / 2^24 draws)."""

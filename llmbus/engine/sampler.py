@@ -196,20 +196,29 @@ class Sampler:
             x = raw.clone()
             x[pen] = apply_penalties(raw[pen], [seqs[i] for i in pen], self._prompt_cache)
         rand = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_EPS]
-        if len(rand) == len(seqs):
-            tokens = self._draw(x, seqs)
+        greedy = self._greedy(x) if not rand and x is raw else None
+        if greedy is not None:  # NOTE: all greedy, unpenalised: C finds the tokens and the bad rows
+            tokens, token_list = greedy, greedy.tolist()
         else:
-            tokens = x.argmax(dim=-1)  # NOTE: all-greedy batches stop here: one argmax
-            if rand:
-                tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
-        # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
-        # NOTE: the tokens and the bad rows (as -1) in one read back to the host (on CUDA each read
-        # waits for the GPU); logprobs and random rows' fallbacks add their own
-        token_list = torch.where(torch.isfinite(raw.amax(dim=-1)), tokens, -1).tolist()
+            if len(rand) == len(seqs):
+                tokens = self._draw(x, seqs)
+            else:
+                tokens = x.argmax(dim=-1)  # NOTE: all-greedy batches stop here: one argmax
+                if rand:
+                    tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
+            # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
+            # NOTE: the tokens and the bad rows (as -1) in one read back to the host (on CUDA each
+            # read waits for the GPU); logprobs and random rows' fallbacks add their own
+            token_list = torch.where(torch.isfinite(raw.amax(dim=-1)), tokens, -1).tolist()
         if min(token_list) < 0:
             ids = [s.request_id for s, t in zip(seqs, token_list) if t < 0]
             raise ValueError(f"logits rows have no finite maximum (all -inf, inf or NaN) for request(s) {ids}")
         return SamplerOutput(token_list, self._logprobs(raw, tokens, token_list, seqs))
+
+    def _greedy(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's first best token, -1 for a row with a NaN or no finite maximum, in C on CPU
+        (torch's argmax is a scalar loop there); None where that does not serve."""
+        return cpu_native.greedy(x) if self._native and x.device.type == "cpu" else None
 
     def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """One token per row, by the exponential race: argmax(p / q), q ~ Exp(1) i.i.d."""
