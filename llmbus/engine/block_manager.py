@@ -125,6 +125,9 @@ class BlockManager:
         """
         if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
+        held = len(seq.block_table)
+        if held and seq.num_computed_tokens + num_new_tokens <= held * self.block_size:
+            return True  # NOTE: most decode steps: the last block has room
         hits: list[tuple[bytes, int]] = []
         if not seq.block_table:
             if seq.num_computed_tokens != 0:
