@@ -118,33 +118,46 @@ def build_attention_metadata(
             last_rows.append(row)
         seq_lens.append(end)
         qsl.append(qsl[-1] + n)
-    t, b = len(slots), len(entries)
+    b = len(entries)
     tables: list[int] = []
     for table, _, _ in entries:
         tables += table
         if len(table) < width:
             tables += [0] * (width - len(table))
-    wide = _on(array("q", slots + positions + tails), torch.int64, device)
-    narrow = _on(array("i", tables + seq_lens + qsl + last_rows), torch.int32, device)
-    n32 = b * width
+    slot_mapping, positions_t, tail_slots = _packed("q", torch.int64, device, slots, positions, tails)
+    block_tables, seq_lens_t, qsl_t, last_rows_t = _packed("i", torch.int32, device, tables, seq_lens, qsl, last_rows)
     meta = AttentionMetadata(
-        slot_mapping=wide[:t],
-        block_tables=narrow[:n32].view(b, width),
-        seq_lens=narrow[n32 : n32 + b],
-        query_start_loc=narrow[n32 + b : n32 + 2 * b + 1],
+        slot_mapping=slot_mapping,
+        block_tables=block_tables.view(b, width),
+        seq_lens=seq_lens_t,
+        query_start_loc=qsl_t,
         num_decodes=num_decodes,
         max_decode_len=max(seq_lens[:num_decodes], default=0),
         max_query_len=max(hi - lo for lo, hi in zip(qsl, qsl[1:])),
-        tail_slots=wide[2 * t :] if tail_rows is not None else None,
-        tail_rows=narrow[n32 + 2 * b + 1 :] if tail_rows is not None else None,
+        tail_slots=tail_slots if tail_rows is not None else None,
+        tail_rows=last_rows_t if tail_rows is not None else None,
     )
-    return meta, wide[t : 2 * t]
+    return meta, positions_t
 
 
-def _on(values: array, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``values`` as a 1-D tensor on ``device`` (on CPU sharing the array's memory)."""
-    host = torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
-    return host if torch.device(device).type == "cpu" else host.to(device)
+def _packed(code: str, dtype: torch.dtype, device: torch.device | str, *parts: list[int]) -> list[torch.Tensor]:
+    """``parts`` as 1-D tensors on ``device``: views of one buffer (on CPU, an array's memory),
+    moved in one copy. NOTE: each part starts a multiple of 16 bytes into the buffer, as aligned
+    as a tensor of its own: Triton compiles a kernel variant per pointer alignment it sees."""
+    per = 16 // array(code).itemsize
+    flat: list[int] = []
+    offsets = []
+    for part in parts:
+        offsets.append(len(flat))
+        flat += part
+        flat += _ZEROS[: -len(flat) % per]
+    whole = torch.frombuffer(array(code, flat), dtype=dtype) if flat else torch.empty(0, dtype=dtype)
+    if torch.device(device).type != "cpu":
+        whole = whole.to(device)
+    return [whole[o : o + len(part)] for o, part in zip(offsets, parts)]
+
+
+_ZEROS = [0] * 16
 
 
 class AttentionBackend(Protocol):
