@@ -58,7 +58,10 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
         steps += 1
     sync()
     dt = time.perf_counter() - t0
-    return {"kv_format": kv_format, "batch": batch, "graphs": graphs, "prompt_len": prompt_len, "decode_tokens": decoded,
+    # NOTE: a recording that failed leaves the engine on the dynamic path (logged): say so per row
+    recorded = engine.runner.graphs is not None and bool(engine.runner.graphs._graphs)
+    return {"kv_format": kv_format, "batch": batch, "graphs": graphs, "recorded": recorded,
+            "prompt_len": prompt_len, "decode_tokens": decoded,
             "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1),
             "tokens": [tokens[f"b{i}"] for i in range(batch)]}
 
@@ -113,7 +116,7 @@ def main() -> int:
           f"{args.out_len} decode steps\n")
     print("| KV format | batch | CUDA graphs | decode tok/s | ms/step | tokens as eager |\n|---|---:|---|---:|---:|---|")
     for r in rows:
-        mode = "on" if r["graphs"] else "off"
+        mode = "off" if not r["graphs"] else "on" if r.get("recorded", True) else "on, NOT recorded"
         if "error" in r:
             print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | | |")
         else:

@@ -84,7 +84,7 @@ def main() -> None:
         ms["host"] = sum(v for k, v in ms.items() if k not in ("forward", "lm_head"))
         ms["step"] = step / args.steps * 1e3
         rows.append(ms)
-        print(f"round {r} (context {args.prompt_len + 5 + r * args.steps}+): "
+        print(f"round {r} (context {args.prompt_len + 6 + r * args.steps}+): "
               + " ".join(f"{k} {v:.3f}" for k, v in ms.items()) + " ms", flush=True)
     if args.out:
         args.out.write_text(json.dumps(dict(model_dir=str(model_dir), batch=args.batch, kv_format=args.kv_format,

@@ -12,56 +12,60 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # its reference, then decode bandwidth: issue 4's goal), the kernel tests, the engine's decode
 # throughput, the graph tests. Their own timeouts add up to more than one device call, so all of
 # them share DEADLINE seconds (default 540, inside a 600-second call): each gets what is left, and
-# one that would start with under 30 seconds left is skipped. $OUT/timing.txt says what each took.
+# one that would start with less than its minimum left (30 s; the engine 90 s: it first generates
+# the model) is skipped. $OUT/timing.txt says what each took and how it ended (124: timed out).
 PARTS="${PARTS:-kernels tests engine graphs}"
 DEADLINE="${DEADLINE:-540}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$SECONDS
-# budget N: N seconds, or what is left before the deadline if less; fails (part skipped) under 30
+# budget N NAME [MIN]: N seconds, or what is left before the deadline if less; fails (the part is
+# skipped) with less than MIN (default 30) left
 budget() {
     local left=$((DEADLINE - (SECONDS - t0)))
-    if [ "$left" -lt 30 ]; then echo "skipped $2: ${left}s left of ${DEADLINE}s" | tee -a "$OUT/timing.txt" >&2; return 1; fi
+    if [ "$left" -lt "${3:-30}" ]; then echo "skipped $2: ${left}s left of ${DEADLINE}s" | tee -a "$OUT/timing.txt" >&2; return 1; fi
     echo $(($1 < left ? $1 : left))
 }
-took() { echo "$1: $((SECONDS - $2))s (limit $3s)" >> "$OUT/timing.txt"; }
+# took NAME START LIMIT RC
+took() { echo "$1: $((SECONDS - $2))s (limit $3s, exit $4)" >> "$OUT/timing.txt"; }
 : > "$OUT/timing.txt"
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
     if part kernels && lim=$(budget 240 kernels); then
         s=$SECONDS
         timeout "$lim" python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 \
             | tail -60 | tee "$OUT/gpu-kernels.txt"
-        took kernels $s "$lim"
+        took kernels $s "$lim" "${PIPESTATUS[0]}"
     fi
     if part tests && lim=$(budget 170 tests); then
         s=$SECONDS
         timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
             tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py \
             > "$OUT/kernel-tests.log" 2>&1
+        rc=$?
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -40 | tee "$OUT/kernel-tests.txt"
-        took tests $s "$lim"
+        took tests $s "$lim" $rc
         # failures: the same tests with the plain-Triton conversions, to tell the inline PTX apart
         failed=$(grep -E "^FAILED " "$OUT/kernel-tests.log" | awk '{print $2}' | head -40)
         if [ -n "$failed" ] && lim=$(budget 90 tests-no-asm); then
             s=$SECONDS
             LLMBUS_TRITON_ASM=0 timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf $failed 2>&1 | tail -20 \
                 | tee "$OUT/kernel-tests-no-asm.txt"
-            took tests-no-asm $s "$lim"
+            took tests-no-asm $s "$lim" "${PIPESTATUS[0]}"
         fi
     fi
     # every row eagerly and replayed; the JSON is rewritten after each row, so a timeout keeps the
     # rows done
-    if part engine && lim=$(budget 240 engine); then
+    if part engine && lim=$(budget 240 engine 90); then
         s=$SECONDS
         timeout "$lim" python3 scripts/bench_gpu_engine.py --batches 1,32,128 --graphs both \
             --out "$OUT/gpu-engine.json" 2>&1 | tail -30 | tee "$OUT/gpu-engine.txt"
-        took engine $s "$lim"
+        took engine $s "$lim" "${PIPESTATUS[0]}"
     fi
     # decode steps recorded as CUDA graphs and replayed give the eager steps' tokens
     if part graphs && lim=$(budget 150 graphs); then
         s=$SECONDS
         timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_graphs.py 2>&1 \
             | tail -5 | tee "$OUT/graph-tests.txt"
-        took graphs $s "$lim"
+        took graphs $s "$lim" "${PIPESTATUS[0]}"
     fi
     cat "$OUT/timing.txt"
 fi

@@ -98,13 +98,21 @@ class DecodeGraphs:
         logged, nothing stays recorded, and the caller runs its steps without these buffers."""
         if not self.record:
             return True
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if cuda else None
         try:
             # as the steps run (ModelRunner.execute), on the cache's device
             with torch.inference_mode(), torch.cuda.device(self.device):
                 self._capture()
         except Exception:  # noqa: BLE001 - any failure to record leaves decode working, only slower
-            log.exception("recording decode steps as CUDA graphs failed: they run eagerly")
+            log.exception("recording decode steps as CUDA graphs failed: every step runs on the dynamic path")
             self._graphs.clear()
+            if cuda:
+                # NOTE: an invalidated capture raises again in capture_end, before torch puts the
+                # previous stream back; and a fault that poisons the context must stop the start
+                # here, not at the first request
+                torch.cuda.set_stream(stream)
+                torch.cuda.synchronize(self.device)
             return False
         return True
 
