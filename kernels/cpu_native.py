@@ -460,7 +460,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """``llmbus.model.rope.apply_rotary`` of bf16 or float32 ``x [T, H, D]`` (rows may be strided,
+    """``kernels.reference.rotary`` of bf16 or float32 ``x [T, H, D]`` (rows may be strided,
     heads contiguous) in one pass (bf16: bit-identical); cos/sin ``[T, 1, D/2]`` of x's dtype.
     None where the kernel does not apply."""
     if (x.dtype not in _SUFFIX or x.device.type != "cpu" or x.dim() != 3 or x.stride(2) != 1

@@ -311,3 +311,27 @@ def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, se
         return torch.empty_like(query)
     kv, tables = dequantized_context(cache, block_tables, seq_lens, tail_rows=tail_rows)
     return paged_prefill_attention(query, kv, tables, seq_lens, query_start_loc, scale)
+
+
+# --- a decoder layer's element-wise glue (kernels.fused on CUDA) --------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]`` rotated: ``x * cos + rotate_half(x) * sin`` computed on the two halves
+    (the same roundings as HF, since ``a + (-b) == a - b`` exactly)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2I]``, gate the first half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,7 +1,7 @@
 """Compile every Triton kernel for an NVIDIA GPU without one (default target sm_90, the H200).
 
-Each launch wrapper (``write_kv``, ``paged_decode_attention``, ``paged_prefill_attention`` and the
-split-K reduction) runs as it would on CUDA: its tensors report ``is_cuda`` (so the wrapper picks
+Each launch wrapper (``write_kv``, ``paged_decode_attention``, ``paged_prefill_attention``, the
+split-K reduction and ``kernels.fused``'s) runs as it would on CUDA: its tensors report ``is_cuda`` (so the wrapper picks
 the CUDA launch configuration, tile sizes and dot dtypes), and a stand-in driver compiles each
 launch to a cubin (ptxas included) instead of running it. That catches what fails to compile
 natively, which the interpreter (``TRITON_INTERPRET=1``, where the kernel tests run) accepts; it
@@ -121,6 +121,23 @@ def variants():
             yield (f"decode {tag} splits={splits}",
                    lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
         yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
+    yield from fused_variants(cuda)
+
+
+def fused_variants(cuda):
+    """kernels.fused at Llama-3-8B's sizes (hidden 4096, 32 + 8 heads of 128, intermediate 14336)
+    in bf16, and the norm in float32."""
+    from kernels import fused
+
+    for dtype in (torch.bfloat16, torch.float32):
+        x, w = cuda(torch.randn(3, 4096).to(dtype)), cuda(torch.ones(4096).to(dtype))
+        yield f"rms_norm {dtype}", lambda x=x, w=w: fused.rms_norm(x, w, 1e-5)
+        yield f"rms_norm + residual {dtype}", lambda x=x, w=w: fused.rms_norm(x, w, 1e-5, x.clone())
+    qkv = cuda(torch.randn(3, 48 * 128).to(torch.bfloat16))
+    cos = cuda(torch.randn(3, 1, 64).to(torch.bfloat16))
+    yield "rotary bf16", lambda: fused.rotary_(qkv[:, : 40 * 128].view(3, 40, 128), cos, cos)
+    gate_up = cuda(torch.randn(3, 2 * 14336).to(torch.bfloat16))
+    yield "silu_mul bf16", lambda: fused.silu_mul(gate_up)
 
 
 def main(argv: list[str] | None = None) -> int:

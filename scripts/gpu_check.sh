@@ -38,7 +38,7 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
     if part tests && lim=$(budget 170 tests); then
         s=$SECONDS
         timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
-            tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py \
+            tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py tests/test_kernels_fused.py \
             > "$OUT/kernel-tests.log" 2>&1
         rc=$?
         grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -40 | tee "$OUT/kernel-tests.txt"

@@ -499,7 +499,8 @@ def test_prefill_kernel_refuses_tables_outside_the_cache():
 def test_rope_is_bit_identical_to_apply_rotary(threads, rows):
     if not cpu_native.available():
         pytest.skip("no C compiler")
-    from llmbus.model.rope import RotaryEmbedding, apply_rotary
+    from kernels.reference import rotary as apply_rotary
+    from llmbus.model.rope import RotaryEmbedding
     from llmbus.model.rope_config import RopeConfig
 
     hq, hkv, d = 12, 4, 64

@@ -58,11 +58,13 @@ def test_the_probe_sees_host_reads_in_inference_mode():
     assert reads.count == 2
 
 
-@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
-def test_model_steps_on_the_triton_backend_read_nothing_back(tmp_path, fmt):
-    """Prefill, mixed and decode-only steps through every layer of a model."""
+@pytest.mark.parametrize("fmt,fused", [("model", False), ("int8", False), ("int4", False), ("model", True)])
+def test_model_steps_on_the_triton_backend_read_nothing_back(tmp_path, fmt, fused):
+    """Prefill, mixed and decode-only steps through every layer of a model (``fused``: its glue
+    in kernels.fused, as on CUDA)."""
     loaded = load_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=3),
                         backend=TritonAttentionBackend(fmt))
+    loaded.model.fused_ops = fused
     driver = PagedDriver(loaded.model, num_blocks=16, backend=loaded.model.backend)
     forward = loaded.model.forward
     counts = []

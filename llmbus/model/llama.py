@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native
+from kernels import cpu_native, reference
 from kernels.kv_cache import PagedKVCache
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
 from llmbus.model.cpu_linear import PackedWeight, linear, pack, packing_supported
-from llmbus.model.rope import RotaryEmbedding, apply_rotary
+from llmbus.model.rope import RotaryEmbedding
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -38,9 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and (y := cpu_native.rms_norm(x, self.weight, self.eps)) is not None:
             return y
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -56,13 +54,20 @@ class Attention(nn.Module):
         self.o_bias = _param(cfg.hidden_size, dtype=dtype, device=device) if cfg.o_bias else None
         self.packed: dict[str, PackedWeight] = {}  # "qkv", "o": packed weights (LlamaForCausalLM.pack_cpu_weights)
 
-    def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend,
+                fused: bool = False) -> torch.Tensor:
+        """``fused``: the rotation in place by ``kernels.fused`` (Triton)."""
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         # q and k sit side by side in qkv: rotate both heads' sets in one pass, then split.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-        rotated = cpu_native.rope(qk, cos, sin) if self.packed else None  # packed: the CPU fast path
-        qk = rotated if rotated is not None else apply_rotary(qk, cos, sin)
+        if fused:
+            from kernels import fused as triton_fused  # NOTE: imports Triton, which CPU steps never need
+
+            qk = triton_fused.rotary_(qk, cos, sin)
+        else:
+            rotated = cpu_native.rope(qk, cos, sin) if self.packed else None  # packed: the CPU fast path
+            qk = rotated if rotated is not None else reference.rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, cache, meta, self.scale)
@@ -79,9 +84,15 @@ class MLP(nn.Module):
         self.down_bias = _param(h, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.packed: dict[str, PackedWeight] = {}  # "gate_up", "down"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused``: SiLU-and-multiply by ``kernels.fused`` (Triton)."""
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up"))
-        act = cpu_native.silu_mul(gate_up) if self.packed else None  # packed: the CPU fast path
+        if fused:
+            from kernels import fused as triton_fused
+
+            act = triton_fused.silu_mul(gate_up)
+        else:
+            act = cpu_native.silu_mul(gate_up) if self.packed else None  # packed: the CPU fast path
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             # in place on the fresh gate_up output: the same values as silu(gate) * up, one buffer
@@ -125,6 +136,10 @@ class LlamaForCausalLM(nn.Module):
         # int64 [L, 10] weight addresses for cpu_native.decode_layers (set by pack_cpu_weights where
         # every projection is blocked): a step of only decodes runs all its layers in one C call
         self.decode_stack: torch.Tensor | None = None
+        # the layers' norms, residual adds, rotation and SiLU-and-multiply in kernels.fused (Triton):
+        # None = on CUDA unless LLMBUS_TRITON_FUSED=0; True/False forces it (tests run it on CPU
+        # under the Triton interpreter)
+        self.fused_ops: bool | None = None
 
     def _apply(self, fn, recurse=True):  # keep the rope frequencies on the parameters' device
         out = super()._apply(fn, recurse)
@@ -221,10 +236,34 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.layers)} per-layer KV caches, got {len(kv_caches)}")
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        if self._fused(h):
+            return self._fused_layers(h, cos, sin, kv_caches, meta)
         if not self._decode_layers(h, cos, sin, kv_caches, meta):
             for layer, cache in zip(self.layers, kv_caches):
                 h = layer(h, cos, sin, cache, meta, self.backend)
         return self.norm(h)
+
+    def _fused(self, h: torch.Tensor) -> bool:
+        if self.fused_ops is None:
+            self.fused_ops = h.is_cuda and os.environ.get("LLMBUS_TRITON_FUSED", "1") != "0"
+        return self.fused_ops
+
+    def _fused_layers(self, h: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers with their glue in ``kernels.fused``: ``residual`` carries ``h`` and each norm
+        adds the previous sublayer's output into it first, so a layer is five element-wise launches
+        (norm, rotation, norm with the add, SiLU-and-multiply, the next norm with the add)."""
+        from kernels import fused as triton_fused
+
+        residual = h
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.norm)
+        x = triton_fused.rms_norm(h, norms[0].weight, norms[0].eps)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            a = layer.self_attn(x, cos, sin, cache, meta, self.backend, fused=True)
+            x = triton_fused.rms_norm(a, norms[2 * i + 1].weight, norms[2 * i + 1].eps, residual)
+            m = layer.mlp(x, fused=True)
+            x = triton_fused.rms_norm(m, norms[2 * i + 2].weight, norms[2 * i + 2].eps, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` float32 (the product is formed in the model dtype, as HF does)."""

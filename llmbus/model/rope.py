@@ -72,9 +72,3 @@ class RotaryEmbedding:
         return freqs
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, H, D]`` rotated: ``x * cos + rotate_half(x) * sin`` computed on the two halves
-    (the same roundings as HF, since ``a + (-b) == a - b`` exactly)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
