@@ -16,6 +16,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # the model) is skipped. $OUT/timing.txt says what each took and how it ended (124: timed out).
 PARTS="${PARTS:-kernels tests engine graphs}"
 DEADLINE="${DEADLINE:-540}"
+# each part's own limit (seconds) and the kernel table's options
+KERNELS_S="${KERNELS_S:-240}" TESTS_S="${TESTS_S:-170}" ENGINE_S="${ENGINE_S:-240}" GRAPHS_S="${GRAPHS_S:-150}"
+KERNEL_ARGS="${KERNEL_ARGS:---quick --sweep}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$SECONDS
 # budget N NAME [MIN]: N seconds, or what is left before the deadline if less; fails (the part is
@@ -29,13 +32,14 @@ budget() {
 took() { echo "$1: $((SECONDS - $2))s (limit $3s, exit $4)" >> "$OUT/timing.txt"; }
 : > "$OUT/timing.txt"
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
-    if part kernels && lim=$(budget 240 kernels); then
+    if part kernels && lim=$(budget "$KERNELS_S" kernels); then
         s=$SECONDS
-        timeout "$lim" python3 scripts/bench_gpu.py --quick --sweep --out "$OUT/gpu-kernels.json" 2>&1 \
+        # shellcheck disable=SC2086
+        timeout "$lim" python3 scripts/bench_gpu.py $KERNEL_ARGS --out "$OUT/gpu-kernels.json" 2>&1 \
             | tail -60 | tee "$OUT/gpu-kernels.txt"
         took kernels $s "$lim" "${PIPESTATUS[0]}"
     fi
-    if part tests && lim=$(budget 170 tests); then
+    if part tests && lim=$(budget "$TESTS_S" tests); then
         s=$SECONDS
         timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
             tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py tests/test_kernels_fused.py \
@@ -54,14 +58,14 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
     fi
     # every row eagerly and replayed; the JSON is rewritten after each row, so a timeout keeps the
     # rows done
-    if part engine && lim=$(budget 240 engine 90); then
+    if part engine && lim=$(budget "$ENGINE_S" engine 90); then
         s=$SECONDS
         timeout "$lim" python3 scripts/bench_gpu_engine.py --batches 1,32,128 --graphs both \
             --out "$OUT/gpu-engine.json" 2>&1 | tail -30 | tee "$OUT/gpu-engine.txt"
         took engine $s "$lim" "${PIPESTATUS[0]}"
     fi
     # decode steps recorded as CUDA graphs and replayed give the eager steps' tokens
-    if part graphs && lim=$(budget 150 graphs); then
+    if part graphs && lim=$(budget "$GRAPHS_S" graphs); then
         s=$SECONDS
         timeout "$lim" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode_graphs.py 2>&1 \
             | tail -5 | tee "$OUT/graph-tests.txt"
