@@ -3,9 +3,9 @@ fused in, rotary embedding in place, and SiLU-and-multiply.
 
 Written in torch, each layer's glue is ~25 launches (RMSNorm alone is eight: cast, square, mean,
 add, rsqrt, multiply, cast, scale); at small batch a GPU step is bound by launches, and even
-replayed as a CUDA graph each tiny kernel costs the GPU a few microseconds. These make it five a
-layer. Each rounds where the torch code (``llmbus.model.llama``, HF's order) rounds, except where
-noted; ``kernels.reference`` has the torch statements they are tested against.
+replayed as a CUDA graph each tiny kernel costs the GPU a few microseconds. These make it four a
+layer. Each rounds where the torch code (``llmbus.model.llama``, HF's order) rounds;
+``kernels.reference`` has the torch statements they are tested against.
 """
 
 from __future__ import annotations
@@ -63,9 +63,13 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, s_t, s_h, s_cos, s_sin, n_heads,
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(cos_ptr + t * s_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * s_sin + d, mask=d < HALF, other=0.0).to(tl.float32)
-    # NOTE: one rounding per output where torch rounds each product and then the sum (<= 1 ulp apart)
-    tl.store(first, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * c + x1 * s).to(x_ptr.dtype.element_ty), mask=mask)
+    # each product rounds to the model dtype before the sum, as torch's ops round (a product of
+    # two bf16/fp16 values is exact in fp32, so this is torch's result bit for bit)
+    dt = x_ptr.dtype.element_ty
+    a, b = (x1 * c).to(dt).to(tl.float32), (x2 * s).to(dt).to(tl.float32)
+    e, f = (x2 * c).to(dt).to(tl.float32), (x1 * s).to(dt).to(tl.float32)
+    tl.store(first, (a - b).to(dt), mask=mask)
+    tl.store(first + HALF, (e + f).to(dt), mask=mask)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -75,6 +79,8 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     t, h, d = x.shape
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or d % 2:
         raise ValueError("rotary_ needs an even head size and unit-stride rows")
+    if cos.shape[0] != t or sin.shape[0] != t or cos.shape[-1] != d // 2 or sin.shape[-1] != d // 2:
+        raise ValueError(f"rotary_ needs cos and sin of [{t}, 1, {d // 2}], got {list(cos.shape)}, {list(sin.shape)}")
     if t:
         half = d // 2
         block_h = min(triton.next_power_of_2(h), max(1, 4096 // triton.next_power_of_2(half)))

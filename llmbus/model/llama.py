@@ -250,8 +250,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_layers(self, h: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> torch.Tensor:
         """The layers with their glue in ``kernels.fused``: ``residual`` carries ``h`` and each norm
-        adds the previous sublayer's output into it first, so a layer is five element-wise launches
-        (norm, rotation, norm with the add, SiLU-and-multiply, the next norm with the add)."""
+        adds the previous sublayer's output into it first, so a layer is four element-wise launches
+        (rotation, norm with the add, SiLU-and-multiply, the next norm with the add), plus the first norm."""
         from kernels import fused as triton_fused
 
         residual = h
