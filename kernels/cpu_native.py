@@ -264,8 +264,8 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     lay = cache.layout
     entry = _WRITE_INT8.get((key.dtype, cache.scale.dtype if cache.scale is not None else None))
     if (entry is None or _load() is None or cache.fmt.name != "int8" or value.dtype != key.dtype
-            or key.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
-            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim) or not int8_tensors_fit(cache)):
+            or key.device.type != "cpu" or slot_mapping.device.type != "cpu" or key.shape != value.shape
+            or key.dim() != 3            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim) or not int8_tensors_fit(cache)):
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):
@@ -342,7 +342,8 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     lay = cache.layout
     if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or key.dtype != cache.model_dtype
             or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
-            or key.shape != value.shape or key.dim() != 3 or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
+            or slot_mapping.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
+            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
         return False
     if not int4_tensors_fit(cache, key.dtype, tails=True):
         return False

@@ -15,14 +15,14 @@ from llmbus.kv.layout import KVLayout  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _meta(lay, tables, ctx, qlens, num_decodes):
+def _meta(lay, tables, ctx, qlens, num_decodes, device=DEV):
     slots = sum((lay.slot_mapping(t, c - q, c) for t, c, q in zip(tables, ctx, qlens)), [])
     width = max(len(t) for t in tables)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=DEV),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor(ctx, dtype=torch.int32, device=DEV),
-        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV),
+        slot_mapping=torch.tensor(slots, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=device),
         num_decodes=num_decodes,
     )
 
@@ -44,7 +44,7 @@ def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5,
         q = torch.randn(t, 4, head_dim, generator=g).to(device, getattr(torch, dtype))
         k = torch.randn(t, 2, head_dim, generator=g).to(device, getattr(torch, dtype))
         v = torch.randn(t, 2, head_dim, generator=g).to(device, getattr(torch, dtype))
-        meta = _meta(lay, tables, ctx, qlens, nd)
+        meta = _meta(lay, tables, ctx, qlens, nd, device)
         if tails:
             pairs = [rows.rows_for(str(i), c - ql, ql, 16)[:2] for i, (c, ql) in enumerate(zip(ctx, qlens))]
             entries = [(t, c - ql, ql) for t, c, ql in zip(tables, ctx, qlens)]
@@ -197,7 +197,8 @@ def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backe
     blocks as stored and the filling block's exact keys and values."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
     be = backend("int4")
-    cache = be.allocate_cache(lay, 8, "cpu", 4)[0]
+    dev = DEV if backend is TritonAttentionBackend else "cpu"  # NOTE: the others are CPU-only or torch
+    cache = be.allocate_cache(lay, 8, dev, 4)[0]
     rows = TailRows(4)
     tables = [[3, 5, 0], [6, 1, 2]]
     g = torch.Generator().manual_seed(7)
@@ -208,17 +209,18 @@ def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backe
     # row and starts block 1 in the other
     for step in ([(0, 5), (1, 20)], [(1, 1), (0, 20)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]):
         pairs = [rows.rows_for(str(i), done[i], n, 16)[:2] for i, n in step]
-        meta, _ = build_attention_metadata([(tables[i], done[i], n) for i, n in step], 16, "cpu", pairs)
+        meta, _ = build_attention_metadata([(tables[i], done[i], n) for i, n in step], 16, dev, pairs)
         k = torch.cat([keys[i][done[i] : done[i] + n] for i, n in step])
         v = torch.cat([values[i][done[i] : done[i] + n] for i, n in step])
         q = torch.randn(k.shape[0], 4, 32, generator=g)
-        out = be.forward(q, k, v, cache, meta, 0.2)
+        out = be.forward(q.to(dev), k.to(dev), v.to(dev), cache, meta, 0.2).cpu()
         row = 0
         for i, n in step:
             end = done[i] + n
             nblk = -(-end // 16)
             full = torch.tensor([(j + 1) * 16 <= end for j in range(nblk)])
-            kv = reference.dequantize_blocks(cache, torch.tensor(tables[i][:nblk]), full).flatten(1, 2)[:, :end]
+            kv = reference.dequantize_blocks(cache, torch.tensor(tables[i][:nblk], device=dev), full.to(dev))
+            kv = kv.cpu().flatten(1, 2)[:, :end]
             cut = end // 16 * 16  # the filling block exact
             kk, vv = torch.cat((kv[0, :cut], keys[i][cut:end])), torch.cat((kv[1, :cut], values[i][cut:end]))
             mask = (torch.arange(end)[None, :] <= torch.arange(done[i], end)[:, None])[None, None]
