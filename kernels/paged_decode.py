@@ -22,13 +22,12 @@ from kernels.reduce_splits import reduce_splits
 LOG2E = 1.4426950408889634
 # NOTE: LLMBUS_TRITON_ASM=0 swaps the inline-PTX code conversions for their plain Triton twins.
 ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
-# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. model and int4's
-# (64, 4, 3): the best of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192
-# tokens, 8 KV heads of 128 channels, 16-token blocks), int4's before its lane loop. int8's, and
-# int4's register cap: chosen by scripts/kernel_cost.py, not yet measured on a GPU. The cap (for the
-# lane loop only: register_cap) doubles the warps an SM holds (8 -> 16) for 1-3% more instructions
-# and a few spilled registers reloaded in the loop.
-CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 4, 3, 0), "int4": (64, 4, 3, 128)}
+# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA: each the best of
+# scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
+# channels, 16-token blocks; 2026-11-30 for int8 and int4, docs/benchmarks.md): int8 at 128-token
+# tiles capped at 128 registers 72% of peak (64, 4, 3 uncapped: 61%), int4 29%. The cap (int4: for
+# the lane loop only, see register_cap) doubles the warps an SM holds (8 -> 16).
+CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128)}
 
 
 @triton.jit

