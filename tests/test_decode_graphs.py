@@ -107,6 +107,22 @@ def test_cuda_graphs_are_ignored_without_the_triton_backend(model_dir, caplog):
     assert len(out[0].token_ids) == 3
 
 
+def test_graphs_are_the_default_on_cuda_only_and_the_flags_choose(model_dir, monkeypatch, caplog):
+    import argparse
+
+    from llmbus.engine.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).cuda_graphs is None
+    assert engine_config_from_args(parser.parse_args(["--cuda-graphs"])).cuda_graphs is True
+    assert engine_config_from_args(parser.parse_args(["--no-cuda-graphs"])).cuda_graphs is False
+    # the default off CUDA: nothing recorded and nothing said, even on the Triton backend
+    monkeypatch.setattr(engine_module, "make_backend", lambda dev, kv_format: TritonAttentionBackend(kv_format))
+    llm = LLM(model_dir, device="cpu", num_blocks=8, pack_cpu_weights=False)
+    assert llm.engine.runner.graphs is None and "graphs" not in caplog.text
+
+
 def test_a_recording_that_fails_leaves_decode_on_the_dynamic_path(model_dir, monkeypatch, caplog):
     """Recording can fail on a GPU (out of memory, an op that may not be captured): the engine
     logs it and serves without the recorded path instead of failing to start."""

@@ -25,7 +25,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     cpu_micro_batches: int = 1  # > 1: split each CPU step into this many single-threaded micro-batches
     pack_cpu_weights: bool = True  # CPU: projection weights reordered once, ours or oneDNN's (llmbus.model.cpu_linear)
-    cuda_graphs: bool = False  # CUDA: decode-only steps replay recorded CUDA graphs (llmbus.engine.graphs)
+    # decode-only steps replay recorded CUDA graphs (llmbus.engine.graphs); None: wherever that
+    # applies (CUDA, the Triton backend, no dynamic rope), False: never, True: warn where it cannot
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -66,9 +68,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-micro-batches", type=int, default=1,
                         help="split each CPU step into N single-threaded micro-batches on N threads "
                              "(faster than intra-op threads for attention-heavy fp32 models)")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="CUDA: record decode steps of up to --max-num-seqs sequences as CUDA graphs "
-                             "and replay them (one launch a step instead of hundreds)")
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_const", const=True, default=None,
+                        help="record decode steps of up to --max-num-seqs sequences as CUDA graphs and replay "
+                             "them (one launch a step instead of hundreds; the default on CUDA)")
+    graphs.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
+                        help="CUDA: run every decode step eagerly")
     parser.add_argument("--no-packed-weights", action="store_true",
                         help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
 

@@ -129,14 +129,17 @@ class Engine:
     def _records_graphs(self) -> bool:
         """``cuda_graphs`` where decode steps can be recorded: the Triton backend (on CUDA; on CPU
         only under the interpreter, the tests' case) and no host read in the forward (dynamic
-        rope scaling decides per step whether positions passed the trained length)."""
-        if not self.config.cuda_graphs:
+        rope scaling decides per step whether positions passed the trained length). The default
+        (None) is on CUDA only, and says nothing where it does not apply."""
+        asked = self.config.cuda_graphs
+        if asked is False or (asked is None and self.device.type != "cuda"):
             return False
         if getattr(self.backend, "name", "") != "triton":
-            log.warning("--cuda-graphs needs CUDA (the Triton attention backend): ignored on %s", self.device)
+            if asked:
+                log.warning("--cuda-graphs needs CUDA (the Triton attention backend): ignored on %s", self.device)
             return False
         if self.loaded.config.rope.rope_type == "dynamic":
-            log.warning("--cuda-graphs is not supported with dynamic rope scaling: decode steps run eagerly")
+            log.warning("CUDA graphs are not supported with dynamic rope scaling: decode steps run eagerly")
             return False
         return True
 
