@@ -2,7 +2,8 @@
 
 1. Checks every kernel (write_kv, paged decode with and without split-K, paged prefill) against
    its pure-torch reference natively, for bf16, int8 and int4 KV: prints PASS/FAIL and max errors.
-2. Sweeps the quantized decode launch (tile, warps, stages) at one large shape (``--sweep``).
+2. Sweeps the decode launch (tile, warps, stages, register cap) at a large shape (``--sweep``:
+   batch 64 x 8,192; ``--sweep-at B,C``, repeatable, names the shapes, the first choosing).
 3. Measures paged decode attention's achieved memory bandwidth (bytes the kernel must read: codes
    and the metadata of full blocks, over kernel time from ``triton.testing.do_bench``) across batch
    sizes and context lengths, one layer of a Llama-3-8B-shaped model (32 query heads, 8 KV heads,
@@ -10,6 +11,7 @@
    sweep's best launch where ``--sweep`` ran. Prints a markdown table and writes JSON to ``--out``.
 
     python scripts/bench_gpu.py --out bench-results/gpu.json [--peak-gbps 4800] [--quick] [--sweep]
+        [--sweep-at 64,8192 --sweep-at 256,32768]
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth (GB/s)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="sweep quantized launches first; the table uses the best")
+    ap.add_argument("--sweep-at", action="append", metavar="BATCH,CONTEXT",
+                    help="sweep at this shape (repeatable; --sweep alone: 64,8192); the table uses the first's best")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: error: needs a CUDA device", file=sys.stderr)
@@ -249,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checks took {time.time() - t0:.1f} s", flush=True)
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     contexts = [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768]
-    sweep, best = sweep_launch(peak) if args.sweep else ([], None)
+    sweep, best = [], None
+    shapes = (args.sweep_at or ["64,8192"]) if args.sweep or args.sweep_at else []
+    for i, shape in enumerate(shapes):
+        b, c = (int(x) for x in shape.split(","))
+        rows_at, best_at = sweep_launch(peak, b, c)
+        sweep += rows_at
+        best = best if i else best_at
     if best:
         print(f"best launches: {best}")
     rows = bench_decode(batches, contexts, peak, best)

@@ -18,7 +18,7 @@ PARTS="${PARTS:-kernels tests engine graphs}"
 DEADLINE="${DEADLINE:-540}"
 # each part's own limit (seconds) and the kernel table's options
 KERNELS_S="${KERNELS_S:-240}" TESTS_S="${TESTS_S:-170}" ENGINE_S="${ENGINE_S:-240}" GRAPHS_S="${GRAPHS_S:-150}"
-KERNEL_ARGS="${KERNEL_ARGS:---quick --sweep}"
+KERNEL_ARGS="${KERNEL_ARGS:---quick --sweep --sweep-at 64,8192 --sweep-at 256,32768}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$SECONDS
 # budget N NAME [MIN]: N seconds, or what is left before the deadline if less; fails (the part is
