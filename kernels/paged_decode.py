@@ -30,7 +30,9 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128)}
 
 
-@triton.jit
+# NOTE: s_tb, the block tables' width, grows with the batch's longest context: not specialized,
+# so eager steps do not compile new variants as it crosses multiples of 16 (it indexes one row)
+@triton.jit(do_not_specialize=["s_tb"])
 def paged_decode_kernel(
     q_ptr,  # [B, Hq, D]
     out_ptr,  # [B, Hq, D] (not SPLIT) or fp32 [B, Hq, S, D] partial accumulators (SPLIT)

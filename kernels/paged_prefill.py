@@ -38,7 +38,7 @@ def generic_tile(s, q, qpos, m_i, l_i, acc, qk_scale, cache_args, TILE: tl.const
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_tb"])  # as paged_decode_kernel's
 def paged_prefill_kernel(
     q_ptr,  # [T, Hq, D]
     out_ptr,  # [T, Hq, D]

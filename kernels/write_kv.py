@@ -69,7 +69,9 @@ def _int4_row(x_ptr, out_ptr, meta_ptr, META_STRIDE: tl.constexpr, D: tl.constex
     tl.store(meta_ptr + gm * META_STRIDE + 1, mn.to(tl.int16, bitcast=True))
 
 
-@triton.jit
+# NOTE: T, the step's token count, changes every step: specialized (T == 1, T % 16 == 0) an eager
+# serving run would compile new variants mid-stream for no gain; it only bounds a mask
+@triton.jit(do_not_specialize=["T"])
 def write_kv_kernel(
     key_ptr,  # [T, H, D] float
     value_ptr,  # [T, H, D] float

@@ -72,3 +72,47 @@ def test_compile_check_fails_where_native_compilation_does(tmp_path):
         assert (proc.returncode == 0 and "compiled" in proc.stdout) == compiles, proc.stderr[-2000:]
         if not compiles:
             assert "fp8e4nv not supported" in proc.stderr
+
+
+VARIANTS = textwrap.dedent('''
+    import sys
+    sys.path[:0] = [{scripts!r}, {root!r}]
+    import compile_kernels as ck
+    import torch
+    compiled = ck.compile_only(90)
+    from kernels.paged_decode import paged_decode_attention
+    from kernels.paged_prefill import paged_prefill_attention
+    from kernels.write_kv import write_kv
+    from llmbus.kv.layout import KVLayout
+
+    def cuda(t):
+        return t.as_subclass(ck.CudaLike)
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, block_size=16, dtype="bfloat16")
+    cache = ck.cuda_cache("int8", lay)
+    for t in (1, 16, 17):  # a step's token count
+        kv = cuda(torch.randn(t, 2, 128).to(torch.bfloat16))
+        write_kv(kv, kv, cache, cuda(torch.zeros(t, dtype=torch.int64)))
+    q = cuda(torch.randn(2, 8, 128).to(torch.bfloat16))
+    lens = cuda(torch.tensor([40, 5], dtype=torch.int32))
+    qsl = cuda(torch.tensor([0, 1, 2], dtype=torch.int32))
+    for width in (1, 16, 17):  # the block tables' width, which grows with the longest context
+        tables = cuda(torch.zeros(2, width, dtype=torch.int32))
+        paged_decode_attention(q, cache, tables, lens, 0.1, max_seq_len=40)
+        paged_prefill_attention(q, cache, tables, lens, qsl, 0.1)
+    variants = {{}}
+    for name, kernel in compiled:
+        variants.setdefault(name, set()).add(kernel.hash)
+    print(sorted((name, len(hashes)) for name, hashes in variants.items()))
+''')
+
+
+def test_per_step_sizes_compile_no_new_variants():
+    """A step's token count and its block tables' width change as a server runs; Triton would
+    compile a variant per specialization of them (== 1, a multiple of 16), stalling eager steps
+    mid-stream. Each kernel compiles once across them."""
+    code = VARIANTS.format(scripts=str(SCRIPT.parent), root=str(SCRIPT.parents[1]))
+    proc = subprocess.run([sys.executable, "-c", code], env=_native_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(
+        [("paged_decode_kernel", 1), ("paged_prefill_kernel", 1), ("write_kv_kernel", 1)])
