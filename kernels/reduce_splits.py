@@ -13,13 +13,15 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# NOTE: S, the split count, follows the longest context (kernels.paged_decode.choose_splits): a
+# runtime value, so a serving run compiles one variant per power of two (SP), not one per count
+@triton.jit(do_not_specialize=["S"])
 def reduce_splits_kernel(
     part_ptr,  # fp32 [B, Hq, S, D] contiguous
     ml_ptr,  # fp32 [B, Hq, S, 2] contiguous
     out_ptr,  # [B, Hq, D]
     s_ob, s_oh,
-    S: tl.constexpr, SP: tl.constexpr, D: tl.constexpr,
+    S, SP: tl.constexpr, D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

@@ -100,6 +100,8 @@ VARIANTS = textwrap.dedent('''
         tables = cuda(torch.zeros(2, width, dtype=torch.int32))
         paged_decode_attention(q, cache, tables, lens, 0.1, max_seq_len=40)
         paged_prefill_attention(q, cache, tables, lens, qsl, 0.1)
+    for splits in (3, 4):  # split counts that follow the context (one power of two)
+        paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=splits, max_seq_len=40)
     variants = {{}}
     for name, kernel in compiled:
         variants.setdefault(name, set()).add(kernel.hash)
@@ -108,11 +110,12 @@ VARIANTS = textwrap.dedent('''
 
 
 def test_per_step_sizes_compile_no_new_variants():
-    """A step's token count and its block tables' width change as a server runs; Triton would
-    compile a variant per specialization of them (== 1, a multiple of 16), stalling eager steps
-    mid-stream. Each kernel compiles once across them."""
+    """A step's token count, its block tables' width and the decode split count change as a
+    server runs; Triton would compile a variant per specialization of them (== 1, a multiple of
+    16; the split count was a constexpr), stalling eager steps mid-stream. Each kernel compiles
+    once across them (paged decode twice: without and with splits)."""
     code = VARIANTS.format(scripts=str(SCRIPT.parent), root=str(SCRIPT.parents[1]))
     proc = subprocess.run([sys.executable, "-c", code], env=_native_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == str(
-        [("paged_decode_kernel", 1), ("paged_prefill_kernel", 1), ("write_kv_kernel", 1)])
+        [("paged_decode_kernel", 2), ("paged_prefill_kernel", 1), ("reduce_splits_kernel", 1), ("write_kv_kernel", 1)])
