@@ -197,3 +197,33 @@ def test_bad_prompts_are_clear_errors(model_dir, prompt, message):
 def test_invalid_sampling_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_warmup_runs_each_kind_of_step_and_leaves_nothing_behind(model_dir, prompts):
+    """Engine.warmup (on by default on CUDA, asked for here): a prompt alone, decodes beside
+    prompts (one with a context past a 64-token tile), decodes alone; then no request, no held
+    or indexed block, no tail row, and the next requests' tokens are what a cold engine gives."""
+    from llmbus.engine import runner as runner_module
+
+    kinds = []
+    execute = runner_module.ModelRunner.execute
+
+    def recording(self, out):
+        decodes = sum(e.num_new_tokens == 1 for e in out.scheduled)
+        kinds.append(("decodes" if decodes else "") + ("+prompt" if decodes < len(out.scheduled) else ""))
+        return execute(self, out)
+
+    runner_module.ModelRunner.execute = recording
+    try:
+        warm = LLM(model_dir, warmup=True, kv_format="int4", num_blocks=32)
+    finally:
+        runner_module.ModelRunner.execute = execute
+    assert kinds[:3] == ["+prompt", "decodes+prompt", "decodes+prompt"] and "decodes" in kinds[3:]
+    engine = warm.engine
+    assert engine.leak_check() == {"requests": 0, "handoffs": 0, "free_blocks": 32, "total_blocks": 32, "tail_rows": 0}
+    assert engine.block_manager.num_cached_blocks == 0 and engine.block_manager.enable_prefix_caching
+    cold = LLM(model_dir, warmup=False, kv_format="int4", num_blocks=32)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
+    got, want = warm.generate(prompts[:3], params), cold.generate(prompts[:3], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert LLM(model_dir, warmup=True, num_blocks=2).engine.leak_check()["free_blocks"] == 2  # too small: skipped

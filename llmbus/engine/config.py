@@ -28,6 +28,9 @@ class EngineConfig:
     # decode-only steps replay recorded CUDA graphs (llmbus.engine.graphs); None: wherever that
     # applies (CUDA, the Triton backend, no dynamic rope), False: never, True: warn where it cannot
     cuda_graphs: bool | None = None
+    # dummy steps at start so first requests do not wait for kernels to compile (Engine.warmup);
+    # None: on CUDA
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -74,6 +77,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "them (one launch a step instead of hundreds; the default on CUDA)")
     graphs.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                         help="CUDA: run every decode step eagerly")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_const", const=False, default=None,
+                        help="CUDA: skip the dummy steps at start that compile the kernels before the first request")
     parser.add_argument("--no-packed-weights", action="store_true",
                         help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
 
@@ -95,4 +100,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cpu_micro_batches=args.cpu_micro_batches,
         pack_cpu_weights=not args.no_packed_weights,
         cuda_graphs=args.cuda_graphs,
+        warmup=args.warmup,
     )
