@@ -7,6 +7,8 @@ prefix, causally within the chunk. The chunk's own keys must already be written 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +40,15 @@ def generic_tile(s, q, qpos, m_i, l_i, acc, qk_scale, cache_args, TILE: tl.const
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["s_tb"])  # as paged_decode_kernel's
+# NOTE: as paged_decode_kernel's, s_tb unspecialized; and in a step mixing decodes with prompts
+# the tables, lengths, query starts and tail rows come in as views past the decodes' rows, whose
+# alignment changes with their count: read as scalars, they gain nothing from it (Triton >= 3.1)
+_JIT = dict(do_not_specialize=["s_tb"])
+if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+    _JIT["do_not_specialize_on_alignment"] = ["table_ptr", "seq_lens_ptr", "qsl_ptr", "trows_ptr"]
+
+
+@triton.jit(**_JIT)
 def paged_prefill_kernel(
     q_ptr,  # [T, Hq, D]
     out_ptr,  # [T, Hq, D]

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 
-# NOTE: S, the split count, follows the longest context (kernels.paged_decode.choose_splits): a
-# runtime value, so a serving run compiles one variant per power of two (SP), not one per count
+# NOTE: S, the split count, follows the longest context (kernels.paged_decode.choose_splits, at
+# most 64): a runtime value, and the block SP is 64 for any S up to it, so a serving run compiles
+# one variant, not one per count (the masked lanes cost next to nothing)
 @triton.jit(do_not_specialize=["S"])
 def reduce_splits_kernel(
     part_ptr,  # fp32 [B, Hq, S, D] contiguous
@@ -45,4 +46,4 @@ def reduce_splits(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor) -> No
         raise ValueError("partials must be contiguous fp32 [B, Hq, S, D] and [B, Hq, S, 2]")
     if out.shape != (b, hq, d) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{b}, {hq}, {d}] contiguous in D")
-    reduce_splits_kernel[(b, hq)](part, ml, out, out.stride(0), out.stride(1), S=s, SP=triton.next_power_of_2(s), D=d)
+    reduce_splits_kernel[(b, hq)](part, ml, out, out.stride(0), out.stride(1), S=s, SP=max(64, triton.next_power_of_2(s)), D=d)

@@ -100,8 +100,13 @@ VARIANTS = textwrap.dedent('''
         tables = cuda(torch.zeros(2, width, dtype=torch.int32))
         paged_decode_attention(q, cache, tables, lens, 0.1, max_seq_len=40)
         paged_prefill_attention(q, cache, tables, lens, qsl, 0.1)
-    for splits in (3, 4):  # split counts that follow the context (one power of two)
+    for splits in (3, 4, 9):  # split counts that follow the context
         paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=splits, max_seq_len=40)
+    wide = cuda(torch.zeros(6, 3, dtype=torch.int32))
+    six = cuda(torch.full((6,), 40, dtype=torch.int32))
+    starts = cuda(torch.arange(7, dtype=torch.int32))
+    for nd in (1, 2, 3):  # a mixed step's prompts: views past nd decodes' rows, at any alignment
+        paged_prefill_attention(q[:2], cache, wide[nd : nd + 2], six[nd : nd + 2], starts[nd : nd + 3] - nd, 0.1)
     variants = {{}}
     for name, kernel in compiled:
         variants.setdefault(name, set()).add(kernel.hash)
@@ -110,10 +115,11 @@ VARIANTS = textwrap.dedent('''
 
 
 def test_per_step_sizes_compile_no_new_variants():
-    """A step's token count, its block tables' width and the decode split count change as a
-    server runs; Triton would compile a variant per specialization of them (== 1, a multiple of
-    16; the split count was a constexpr), stalling eager steps mid-stream. Each kernel compiles
-    once across them (paged decode twice: without and with splits)."""
+    """A step's token count, its block tables' width, the decode split count and (in a step
+    mixing decodes with prompts) the offset of the prompts' rows change as a server runs; Triton
+    would compile a variant per specialization of them (== 1, a multiple of 16, a pointer's
+    alignment; the split count was a constexpr), stalling eager steps mid-stream. Each kernel
+    compiles once across them (paged decode twice: without and with splits)."""
     code = VARIANTS.format(scripts=str(SCRIPT.parent), root=str(SCRIPT.parents[1]))
     proc = subprocess.run([sys.executable, "-c", code], env=_native_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
