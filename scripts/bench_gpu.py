@@ -192,7 +192,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
             gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
             rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, asm=asm, ms=ms, gbps=gbps,
                              pct_peak=(100 * gbps / peak) if peak else None))
-            print(f"  sweep {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}{'' if asm else ' no-asm'} "
+            print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}{'' if asm else ' no-asm'} "
                   f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = (launch, gbps)
@@ -233,13 +233,24 @@ def markdown(rows: list[dict], peak: float | None) -> str:
     return "\n".join(out)
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``BATCH,CONTEXT`` -> ints; the context a whole number of blocks (the sweep's tables)."""
+    try:
+        b, c = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCH,CONTEXT, got {text!r}") from None
+    if b < 1 or c < BS or c % BS:
+        raise argparse.ArgumentTypeError(f"batch must be >= 1 and context a multiple of {BS}, got {text!r}")
+    return b, c
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON results path")
     ap.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth (GB/s)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--sweep", action="store_true", help="sweep quantized launches first; the table uses the best")
-    ap.add_argument("--sweep-at", action="append", metavar="BATCH,CONTEXT",
+    ap.add_argument("--sweep-at", action="append", metavar="BATCH,CONTEXT", type=_shape,
                     help="sweep at this shape (repeatable; --sweep alone: 64,8192); the table uses the first's best")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -254,9 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     contexts = [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768]
     sweep, best = [], None
-    shapes = (args.sweep_at or ["64,8192"]) if args.sweep or args.sweep_at else []
-    for i, shape in enumerate(shapes):
-        b, c = (int(x) for x in shape.split(","))
+    shapes = (args.sweep_at or [(64, 8192)]) if args.sweep or args.sweep_at else []
+    for i, (b, c) in enumerate(shapes):
         rows_at, best_at = sweep_launch(peak, b, c)
         sweep += rows_at
         best = best if i else best_at

@@ -117,6 +117,14 @@ def test_graphs_are_the_default_on_cuda_only_and_the_flags_choose(model_dir, mon
     assert engine_config_from_args(parser.parse_args([])).cuda_graphs is None
     assert engine_config_from_args(parser.parse_args(["--cuda-graphs"])).cuda_graphs is True
     assert engine_config_from_args(parser.parse_args(["--no-cuda-graphs"])).cuda_graphs is False
+    # a prefill worker that hands off never decodes: none to record unless asked for
+    from services.prefill.__main__ import adjust
+
+    default = engine_config_from_args(parser.parse_args([]))
+    assert adjust(default, argparse.Namespace(colocated=False)).cuda_graphs is False
+    assert adjust(default, argparse.Namespace(colocated=True)).cuda_graphs is None
+    asked = engine_config_from_args(parser.parse_args(["--cuda-graphs"]))
+    assert adjust(asked, argparse.Namespace(colocated=False)).cuda_graphs is True
     # the default off CUDA: nothing recorded and nothing said, even on the Triton backend
     monkeypatch.setattr(engine_module, "make_backend", lambda dev, kv_format: TritonAttentionBackend(kv_format))
     llm = LLM(model_dir, device="cpu", num_blocks=8, pack_cpu_weights=False)

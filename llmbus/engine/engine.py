@@ -113,7 +113,10 @@ class Engine:
         self.num_preemptions = 0
         self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []  # filled once keep_evicted() is on
         if config.warmup or (config.warmup is None and self.device.type == "cuda"):
-            self.warmup()
+            try:
+                self.warmup()
+            except Exception:  # noqa: BLE001 - the engine is left clean; the first requests compile instead
+                log.exception("the warm-up steps failed: kernels compile in the first requests instead")
 
     @classmethod
     def from_model_dir(cls, model_dir: str, config: EngineConfig | None = None) -> "Engine":
@@ -141,7 +144,8 @@ class Engine:
                 log.warning("--cuda-graphs needs CUDA (the Triton attention backend): ignored on %s", self.device)
             return False
         if self.loaded.config.rope.rope_type == "dynamic":
-            log.warning("CUDA graphs are not supported with dynamic rope scaling: decode steps run eagerly")
+            log.log(logging.WARNING if asked else logging.INFO,
+                    "CUDA graphs are not supported with dynamic rope scaling: decode steps run eagerly")
             return False
         return True
 
@@ -222,7 +226,7 @@ class Engine:
         block held, nothing indexed for prefix reuse. Skipped while requests are in flight or
         where the pool cannot hold the dummy prompts."""
         bm = self.block_manager
-        long = min(70, self.max_model_len - 4)  # past one 64-token tile: decode splits its context
+        long = min(140, self.max_model_len - 4)  # past one 128-token tile (int8's): decode splits it
         plan = [(5, 4), (long, 3), (5, 2)]  # (prompt tokens, output tokens), one added a step
         if self.has_unfinished() or long < 6 or sum(bm.blocks_for(p + o) for p, o in plan) > bm.num_free_blocks:
             return

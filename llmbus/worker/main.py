@@ -7,13 +7,15 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from llmbus.bus.service import ServiceOptions, add_common_args, serve, setup_logging
-from llmbus.engine.config import add_engine_args, engine_config_from_args
+from llmbus.engine.config import EngineConfig, add_engine_args, engine_config_from_args
 from llmbus.worker.options import parse_model_spec
 
 
 def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str] | None = None,
-                add_args: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
-    """``body(ctx, engine, model_name, args)`` runs the service; ``add_args`` adds role-specific options."""
+                add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+                adjust: Callable[[EngineConfig, argparse.Namespace], EngineConfig] | None = None) -> int:
+    """``body(ctx, engine, model_name, args)`` runs the service; ``add_args`` adds role-specific
+    options; ``adjust`` returns the engine config the role wants from the parsed one."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}", description=f"llmbus {role} worker")
     add_common_args(parser)
     parser.add_argument("--model", required=True, help="NAME=DIR: the served name and its Hugging Face directory")
@@ -25,6 +27,8 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
         setup_logging(args.log_level)
         name, path = parse_model_spec(args.model)
         config = engine_config_from_args(args)
+        if adjust is not None:
+            config = adjust(config, args)
         options = ServiceOptions(role=role, nats_url=args.nats_url, instance_id=args.instance_id, models=(name,))
         from llmbus.engine.engine import Engine
         from llmbus.engine.omp import on_own_thread, serial_here

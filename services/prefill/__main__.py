@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
+from llmbus.engine.config import EngineConfig
 from llmbus.worker.main import worker_main
 from services.prefill.service import PrefillWorker
 
@@ -13,6 +15,14 @@ def add_args(parser) -> None:
                         help="decode here too instead of handing off to the decode pool (no decode workers needed)")
 
 
+def adjust(config: EngineConfig, args) -> EngineConfig:
+    """A prefill worker that hands off never runs decode-only steps: no CUDA graphs to record,
+    unless asked for."""
+    if args.colocated or config.cuda_graphs is not None:
+        return config
+    return dataclasses.replace(config, cuda_graphs=False)
+
+
 if __name__ == "__main__":
     sys.exit(worker_main("prefill", lambda ctx, engine, name, args: PrefillWorker(
-        ctx, engine, name, colocated=args.colocated).run(), add_args=add_args))
+        ctx, engine, name, colocated=args.colocated).run(), add_args=add_args, adjust=adjust))
