@@ -162,9 +162,9 @@ def _load() -> ctypes.CDLL | None:
             silu.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
             rot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.sample_f32.restype = ctypes.c_int
+        lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         lib.greedy_f32.restype = None
         lib.greedy_f32.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
-        lib.sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
         for fn in (lib.decode_layers_bf16, lib.decode_layers_f32):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr,
@@ -265,7 +265,7 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     entry = _WRITE_INT8.get((key.dtype, cache.scale.dtype if cache.scale is not None else None))
     if (entry is None or _load() is None or cache.fmt.name != "int8" or value.dtype != key.dtype
             or key.device.type != "cpu" or slot_mapping.device.type != "cpu" or key.shape != value.shape
-            or key.dim() != 3            or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim) or not int8_tensors_fit(cache)):
+            or key.dim() != 3 or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim) or not int8_tensors_fit(cache)):
         return False
     slots = slot_mapping.to(torch.int64).contiguous()
     if slots.shape != (key.shape[0],):

@@ -129,7 +129,7 @@ class BlockManager:
         if held and seq.num_computed_tokens + num_new_tokens <= held * self.block_size:
             return True  # NOTE: most decode steps: the last block has room
         hits: list[tuple[bytes, int]] = []
-        if not seq.block_table:
+        if not held:
             if seq.num_computed_tokens != 0:
                 raise ValueError(
                     f"sequence {seq.request_id!r} holds no blocks but has "
@@ -137,7 +137,7 @@ class BlockManager:
                 )
             hits = self._prefix_hits(seq)
         computed = seq.num_computed_tokens + len(hits) * self.block_size
-        held = len(seq.block_table) + len(hits)
+        held += len(hits)
         needed = max(0, self.blocks_for(computed + num_new_tokens) - held)
         # Hit blocks that sit in the evictable LRU stop being available once claimed.
         claimed_idle = sum(1 for _, b in hits if self._ref[b] == 0)
