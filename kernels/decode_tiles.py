@@ -18,11 +18,19 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   not bytes, matters on CUDA: Triton lays a dot operand out by the narrowest load it derives from
   (four consecutive channels per thread from bytes, two from 16 bits up), and the four-channel
   layout cost a register move for every operand register of every ``mma`` (about 130 per
-  iteration, compiled for sm_90: ``scripts/kernel_cost.py``). Each block's per-channel key
-  ranges are worked out once per channel (``compact``) and broadcast over the block's tokens,
-  each token's value (scale, min) pairs over its group. On CUDA an inline-PTX twin of
+  iteration, compiled for sm_90: ``scripts/kernel_cost.py``). On CUDA an inline-PTX twin of
   ``lane_codes`` turns two lanes into a fp16 pair of each class in nine instructions. The partial
   tail block takes the generic ``kv_tile.load_kv_tile`` path, once per sequence.
+- INT4 dequantizes in the dot operands' own layout. Codes loaded as plain ``[TILE, D/4]`` tiles,
+  with each scale and minimum a broadcast of values loaded or converted once, let Triton read the
+  codes from shared memory straight into the ``mma`` operand's registers. Dequantized tiles
+  staged through shared memory (as ``[NB, BS, D/4]`` tiles did: a reshape of the codes stops
+  that) cost four times the shared-memory traffic of the codes they held, and that bound the loop
+  (``kernel_cost``'s smem bound: 53% of the H200's peak, now ~75%). Each block's per-channel key
+  ranges are worked out once per channel (``compact``), all eight together, and broadcast over the
+  tile's rows in one conversion (``key_ranges``). The rows are ordered so that each warp's score
+  columns are whole blocks (``warp_rows``), so each thread takes one block's ranges, not two. Each
+  token's value (scale, min) pairs are read in the operand's layout and broadcast over its group.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
 """
@@ -253,13 +261,84 @@ def int8_tile(
 
 
 @triton.jit
-def key_ranges(kw, lo, step, SHIFT: tl.constexpr, DQ: tl.constexpr):
+def per_group(x, W: tl.constexpr):
+    """Per-group values ``x`` [T, NG] repeated over each group's W columns: ``[T, NG * W]``."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [x.shape[0], x.shape[1], W]), [x.shape[0], x.shape[1] * W])
+
+
+@triton.jit
+def key_range(kw, lo, step, SHIFT: tl.constexpr, DQ: tl.constexpr):
     """One channel class's key ranges ``(min, scale)`` in DQ, from the words ``kw`` [NB, D/4] that hold
     its (min code, max code) bytes at bit SHIFT, and each block's ``lo``, ``step`` [NB, 1]."""
     mn = ((kw >> SHIFT) & 255).to(tl.float32)
-    cmin = compact((lo + mn * step).to(DQ))
-    csc = compact(((((kw >> (SHIFT + 8)) & 255).to(tl.float32) - mn) * step / 15.0).to(DQ))
-    return cmin, csc
+    return (lo + mn * step).to(DQ), ((((kw >> (SHIFT + 8)) & 255).to(tl.float32) - mn) * step / 15.0).to(DQ)
+
+
+@triton.jit
+def warp_rows(TILE: tl.constexpr, BS: tl.constexpr, NW: tl.constexpr):
+    """The token (offset in its tile) each row of a ``[TILE, ..]`` key tile holds: ordered so that
+    in the dot of ``[R, TILE]`` scores, where NW warps take its columns eight at a time in turn,
+    each warp's columns are whole blocks of BS tokens. NOTE: attention is the same in any order of a
+    tile's tokens (keys and values take the same one); this one lets each thread of the ``mma``
+    layout dequantize its keys with one block's per-channel ranges, not two (``row_blocks``).
+    Tokens stay in order where a warp's share of a tile is not whole blocks."""
+    r = tl.arange(0, TILE)
+    if TILE >= NW * BS and BS % 8 == 0:
+        return ((r // 8) % NW) * (TILE // NW) + (r // (8 * NW)) * 8 + r % 8
+    else:
+        return r
+
+
+@triton.jit
+def row_blocks(x, TILE: tl.constexpr, BS: tl.constexpr, NW: tl.constexpr):
+    """Per-block values ``x`` [NB, C, 2, 2, 2, 2] for each row of a tile in ``warp_rows`` order:
+    ``[TILE, C, 2, 2, 2, 2]``."""
+    nb: tl.constexpr = x.shape[0]
+    c: tl.constexpr = x.shape[1]
+    if TILE >= NW * BS and BS % 8 == 0:
+        # row r is token w * (TILE / NW) + 8 j + i, with (j, w, i) its digits in (TILE / 8NW, NW, 8);
+        # its block is w * R + j // (BS / 8), R = TILE / (NW * BS) blocks a warp
+        R: tl.constexpr = TILE // (NW * BS)
+        y = tl.reshape(x, [NW, R, c * 16])
+        y = tl.permute(y, (1, 0, 2))
+        y = tl.broadcast_to(y[:, None, :, None, :], [R, BS // 8, NW, 8, c * 16])
+    else:
+        y = tl.broadcast_to(tl.reshape(x, [nb, c * 16])[:, None, :], [nb, BS, c * 16])
+    return tl.reshape(y, [TILE, c, 2, 2, 2, 2])
+
+
+@triton.jit
+def pairs(x):
+    """``x`` [NB, C] as [NB, C/2, 2]: channel pairs."""
+    return tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2])
+
+
+@triton.jit
+def key_ranges(kwa, kwb, lo, step, TILE: tl.constexpr, BS: tl.constexpr, NW: tl.constexpr, DQ: tl.constexpr):
+    """Every channel class's key ranges ``(min, scale)`` in DQ for each row of a tile (``warp_rows``
+    order) ``[TILE, D/4]`` (``key_range``), from the words of classes 0, 1 (``kwa``) and 2, 3
+    (``kwb``) [NB, D/4]. NOTE: the eight are computed per block, made ``compact`` as one tensor and
+    broadcast over the rows before they are split, so that they reach the dot operand's layout in
+    one conversion, not eight; each holds neighbouring channels together (last), as the dot operand's
+    registers do, so that no pair is assembled from two registers."""
+    m0, s0 = key_range(kwa, lo, step, 0, DQ)
+    m1, s1 = key_range(kwa, lo, step, 16, DQ)
+    m2, s2 = key_range(kwb, lo, step, 0, DQ)
+    m3, s3 = key_range(kwb, lo, step, 16, DQ)
+    x = tl.join(tl.join(tl.join(pairs(m0), pairs(s0)), tl.join(pairs(m1), pairs(s1))),
+                tl.join(tl.join(pairs(m2), pairs(s2)), tl.join(pairs(m3), pairs(s3))))  # [NB, C/2, 2, 2, 2, 2]
+    x = compact(tl.permute(x, (0, 1, 3, 4, 5, 2)))  # the channel pair last
+    a, b = tl.split(tl.permute(row_blocks(x, TILE, BS, NW), (0, 1, 5, 2, 3, 4)))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    m0, s0 = tl.split(a0)
+    m1, s1 = tl.split(a1)
+    m2, s2 = tl.split(b0)
+    m3, s3 = tl.split(b1)
+    return (tl.reshape(m0, [TILE, 2 * m0.shape[1]]), tl.reshape(s0, [TILE, 2 * m0.shape[1]]),
+            tl.reshape(m1, [TILE, 2 * m0.shape[1]]), tl.reshape(s1, [TILE, 2 * m0.shape[1]]),
+            tl.reshape(m2, [TILE, 2 * m0.shape[1]]), tl.reshape(s2, [TILE, 2 * m0.shape[1]]),
+            tl.reshape(m3, [TILE, 2 * m0.shape[1]]), tl.reshape(s3, [TILE, 2 * m0.shape[1]]))
 
 
 @triton.jit
@@ -270,6 +349,7 @@ def int4_lanes_loop(
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, DQ: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
+    NW: tl.constexpr,  # the launch's warps (warp_rows)
 ):
     """INT4 attention over the full blocks in ``[start, end)`` by channel class (module docstring),
     from the initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns
@@ -283,15 +363,19 @@ def int4_lanes_loop(
     lanes = data_ptr.to(tl.pointer_type(tl.int16))
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
+    t = warp_rows(TILE, BS, NW)
     for s in range(start, end, TILE):
         # keys, as [NB, BS, D/4] so each block's per-channel ranges broadcast over its tokens
         bi = s // BS + tl.arange(0, NB)
         bval = bi * BS < end
         blk = tl.load(table + bi, mask=bval, other=0).to(tl.int64)  # [NB]
-        off = tl.arange(0, BS)
+        valid = s + t < end
+        # NOTE: the table again, per row: a gather from blk would need its layout converted
+        blkt = tl.load(table + (s + t) // BS, mask=valid, other=0).to(tl.int64)  # [TILE]
+        offt = t % BS
         # NOTE: >> 1, not // 2, on these non-negative byte offsets: a signed division costs a correction
-        krow = (blk[:, None] * s_dn + off[None, :] * s_db + h * s_dh) >> 1  # [NB, BS], in lanes
-        kx = tl.load(lanes + krow[:, :, None] + k[None, None, :], mask=bval[:, None, None], other=0)
+        krow = (blkt * s_dn + offt * s_db + h * s_dh) >> 1  # [TILE], in lanes
+        kx = tl.load(lanes + krow[:, None] + k[None, :], mask=valid[:, None], other=0)
         k0, k1, k2, k3 = lane_codes(kx, ASM)
         # NOTE: metadata goes in 32-bit words throughout: Triton pipelines no load narrower than 4
         # bytes (cp.async), and a 16-bit one left in the loop waits out global memory's latency.
@@ -303,39 +387,31 @@ def int4_lanes_loop(
         lo = (lohi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
         hi = (lohi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
         step = (hi - lo) / 255.0
-        cm0, cs0 = key_ranges(kwa, lo, step, 0, DQ)
-        cm1, cs1 = key_ranges(kwa, lo, step, 16, DQ)
-        cm2, cs2 = key_ranges(kwb, lo, step, 0, DQ)
-        cm3, cs3 = key_ranges(kwb, lo, step, 16, DQ)
-        k0 = tl.reshape(cm0[:, None, :] + k0.to(DQ) * cs0[:, None, :], [TILE, D // 4])
-        k1 = tl.reshape(cm1[:, None, :] + k1.to(DQ) * cs1[:, None, :], [TILE, D // 4])
-        k2 = tl.reshape(cm2[:, None, :] + k2.to(DQ) * cs2[:, None, :], [TILE, D // 4])
-        k3 = tl.reshape(cm3[:, None, :] + k3.to(DQ) * cs3[:, None, :], [TILE, D // 4])
+        cm0, cs0, cm1, cs1, cm2, cs2, cm3, cs3 = key_ranges(kwa, kwb, lo, step, TILE, BS, NW, DQ)
+        k0 = cm0 + k0.to(DQ) * cs0
+        k1 = cm1 + k1.to(DQ) * cs1
+        k2 = cm2 + k2.to(DQ) * cs2
+        k3 = cm3 + k3.to(DQ) * cs3
         scores = tl.dot(q0, tl.trans(k0.to(DOT)), input_precision=PREC)
         scores = tl.dot(q1, tl.trans(k1.to(DOT)), scores, input_precision=PREC)
         scores = tl.dot(q2, tl.trans(k2.to(DOT)), scores, input_precision=PREC)
         scores = tl.dot(q3, tl.trans(k3.to(DOT)), scores, input_precision=PREC)
-        t = tl.arange(0, TILE)
-        valid = s + t < end
         scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
         p = p.to(DOT)
-        # values, as [TILE, NG, GV/4] so each token's (scale, min) pair broadcasts over its group
-        blkt = tl.reshape(tl.broadcast_to(blk[:, None], [NB, BS]), [TILE])  # the keys' block ids, per token
-        offt = t % BS
-        g = tl.arange(0, NG)
-        jg = tl.arange(0, GV // 4)
-        vrow = ((s_dc + blkt * s_dn + offt * s_db + h * s_dh) >> 1)[:, None, None] + (g * (GV // 4))[None, :, None]
-        vx = tl.load(lanes + vrow + jg[None, None, :], mask=valid[:, None, None], other=0)
+        # values: each token's (scale, min) pairs, one per group, broadcast over the group's columns
+        vrow = (s_dc + blkt * s_dn + offt * s_db + h * s_dh) >> 1
+        vx = tl.load(lanes + vrow[:, None] + k[None, :], mask=valid[:, None], other=0)
         v0, v1, v2, v3 = lane_codes(vx, ASM)
+        g = tl.arange(0, NG)
         vm = ((blkt * s_vmn + offt * s_vmb + h * s_vmh) >> 1)[:, None] + g[None, :]  # [TILE, NG]
         vw = tl.load(vwords + vm, mask=valid[:, None], other=0)  # (scale, min)
-        vsc = compact((vw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
-        vmn = compact((vw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(DQ))[:, :, None]
-        v0 = tl.reshape(vmn + v0.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
-        v1 = tl.reshape(vmn + v1.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
-        v2 = tl.reshape(vmn + v2.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
-        v3 = tl.reshape(vmn + v3.to(DQ) * vsc, [TILE, D // 4]).to(DOT)
+        vsc = per_group((vw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(DQ), GV // 4)
+        vmn = per_group((vw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(DQ), GV // 4)
+        v0 = (vmn + v0.to(DQ) * vsc).to(DOT)
+        v1 = (vmn + v1.to(DQ) * vsc).to(DOT)
+        v2 = (vmn + v2.to(DQ) * vsc).to(DOT)
+        v3 = (vmn + v3.to(DQ) * vsc).to(DOT)
         a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
         a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
         a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)

@@ -49,6 +49,7 @@ def paged_decode_kernel(
     WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
     LANES: tl.constexpr,  # INT4 full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop)
+    NW: tl.constexpr,  # the launch's num_warps
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -104,7 +105,7 @@ def paged_decode_kernel(
             m_i, l_i, acc = int4_lanes_loop(
                 q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
                 start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                GP, TILE, D, BS, GV, DOT, PREC, DQ, ASM, False,
+                GP, TILE, D, BS, GV, DOT, PREC, DQ, ASM, False, NW,
             )
         else:
             # NOTE: below 64 channels (or on unaligned caches) the generic load serves: class tiles
@@ -267,6 +268,7 @@ def paged_decode_attention(
     meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
                 **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
+    meta["NW"] = num_warps or 4  # Triton's default
     if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs
     if splits == 1:

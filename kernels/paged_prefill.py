@@ -106,6 +106,7 @@ def paged_prefill_kernel(
             q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, kmeta_ptr, vmeta_ptr, table, h, 0, full,
             m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
             BLOCK_M, TILE, D, BS, GV, DOT, PREC, DQ, ASM, True,
+            1,  # NOTE: the warps split the query rows (BLOCK_M), each holding every column of the scores
         )
         if full < kv_end:
             m_i, l_i, acc = generic_tile(full, q, qpos, m_i, l_i, acc, qk_scale, cache_args,

@@ -6,11 +6,15 @@ heads, head_dim 128, 16-token blocks, bf16 queries), per KV format and launch; d
 with the ``nvdisasm`` Triton ships; finds the main loop (the longest backward branch) and counts its
 instructions per execution pipe. Each pipe's count, at Hopper's issue rate for it, bounds the bytes
 per clock the loop can consume; the report gives that bound as a % of the H200's peak (4,800 GB/s
-over 132 SMs at 1.98 GHz: 18.4 bytes per SM per clock) and names the pipe that binds.
+over 132 SMs at 1.98 GHz: 18.4 bytes per SM per clock) and names the pipe that binds. The
+``smem`` bound does the same for the bytes the loop moves through shared memory (and the L1 that
+shares its SRAM: spills), at 128 bytes per SM per clock: cp.async's writes, operand loads, layout
+conversions. "smem bytes / KV byte" is that traffic over the cache bytes the loop reads.
 
 It is a bound from the instruction mix alone, not a measurement: memory latency, occupancy, and
-stalls come on top. On the H200 (2026-11-29, Triton 3.6) the measured bandwidth was 0.54 of this
-bound for INT8 and 0.38 for INT4; the model dtype, far above its bound's 100%, measured 92%. Use it
+stalls come on top. On the H200 (2026-11-30, Triton 3.6) INT4 measured 29% against an smem bound
+of 53% and an issue bound of 73% (launches at 16 warps an SM measured about half their smem bound,
+at 8 warps about 0.4); INT8, bound at 178%, measured 72%; the model dtype, at 221%, 92%. Use it
 to compare formulations of a kernel between GPU sessions, and confirm on a GPU (``bench_gpu.py``).
 ``spills`` is the stack frame's bytes (where ptxas puts registers that do not fit a cap); the
 loop's own ``LDL``/``STL`` count in ``ops``.
@@ -52,6 +56,24 @@ PIPES = {
 # control, uniform-datapath and barrier instructions take an issue slot but no vector pipe
 NO_PIPE = re.compile(r"^(BRA|BAR|NOP|DEPBAR|LDGDEPBAR|EXIT|WARPSYNC|BSSY|BSYNC|CALL|RET|YIELD|S2R|S2UR|CS2R|R2UR|U[A-Z0-9]+)$")
 PEAK_BYTES_PER_CLOCK = 4800e9 / 132 / 1.98e9  # H200
+SMEM_BYTES_PER_CLOCK = 128  # shared memory bandwidth per SM (32 banks x 4 bytes)
+
+
+def smem_bytes(op: str) -> int:
+    """Bytes a warp moves through shared memory with one ``op`` (0 for anything else): its width
+    per lane times 32, ``ldmatrix``/``stmatrix`` by their matrix count, cp.async by what it writes,
+    and spilled registers' local loads and stores, which share the L1's SRAM (and its bandwidth)
+    with shared memory. Bank conflicts come on top."""
+    parts = op.split(".")
+    base = parts[0]
+    if base in ("LDSM", "STSM"):
+        count = next((int(p) for p in reversed(parts) if p in ("1", "2", "4")), 1)
+        return 128 * count
+    if base not in ("LDS", "STS", "LDGSTS", "LDL", "STL"):
+        return 0
+    width = next((int(p) for p in parts[1:] if p in ("64", "128")), 32)
+    width = 16 if "U16" in parts or "S16" in parts else 8 if "U8" in parts or "S8" in parts else width
+    return width * 32 // 8
 REGS_PER_SM, MAX_WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 
 
@@ -141,14 +163,17 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     for op, n in ops.items():
         if (pipe := pipe_of(op)) is not None:
             per_pipe[pipe] += n
+    smem = sum(smem_bytes(op) * n for op, n in ops.items()) * warps  # per iteration, all warps
     bytes_per_iter = read_bytes_per_token(fmt, lay) / HKV * tile
     # % of peak each pipe allows: bytes per iteration over its clocks per iteration (warps x count / rate)
     bound = {p: 100 * bytes_per_iter / (n * warps / PIPE_RATE[p]) / PEAK_BYTES_PER_CLOCK for p, n in per_pipe.items()}
+    if smem:
+        bound["smem"] = 100 * bytes_per_iter / (smem / SMEM_BYTES_PER_CLOCK) / PEAK_BYTES_PER_CLOCK
     binding = min(bound, key=bound.get)
     return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages,
                 max_registers=register_cap(cache, regs_cap), regs=regs,
                 spills=spills, smem=binary.metadata.shared, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
-                loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter,
+                loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter, smem_bytes_per_iteration=smem,
                 instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,
                 ops=dict(ops.most_common()))
 
@@ -165,14 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else None
     rows = []
-    print("| KV format | tile, warps, stages, reg cap | regs | warps/SM | loop instr | warp instr / KV byte | bound (% of H200 peak) | binding pipe |")
-    print("|---|---|---:|---:|---:|---:|---:|---|")
+    print("| KV format | tile, warps, stages, reg cap | regs | warps/SM | loop instr | warp instr / KV byte | smem bytes / KV byte | bound (% of H200 peak) | binding pipe |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
         r = analyse(fmt, launch, args.arch, args.kernel)
         rows.append(r)
         spilled = f" ({r['spills']} B spilled)" if r["spills"] else ""
         print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']}, {r['max_registers'] or '-'} | {r['regs']}{spilled} | {r['warps_per_sm']} | "
-              f"{r['loop_instructions']} | {r['instructions_per_byte']:.3f} | {r['bound_pct'][r['binding']]:.0f}% | "
+              f"{r['loop_instructions']} | {r['instructions_per_byte']:.3f} | "
+              f"{r['smem_bytes_per_iteration'] / r['bytes_per_iteration']:.1f} | {r['bound_pct'][r['binding']]:.0f}% | "
               f"{r['binding']} |", flush=True)
         if args.ops:
             print("    " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()))

@@ -101,6 +101,27 @@ def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(
     assert not [op for op in asm["ops"] if op.startswith("LDG.")], asm["ops"]
 
 
+def test_int4_decode_dequantizes_in_the_dot_operands_layout(tmp_path):
+    """The INT4 loop stores no dequantized tile to shared memory: its codes go from shared memory
+    straight into the mma operands' registers and are dequantized there, so the loop moves under
+    ten bytes through shared memory per KV byte it reads (13 when each dequantized key and value
+    tile was stored and read back: 16 STS a thread and iteration, against a handful now for the
+    key ranges' one conversion and the softmax's reductions)."""
+    row = _cost(tmp_path, "int4", True)
+    stores = sum(n for op, n in row["ops"].items() if op.startswith(("STS", "STSM")))
+    assert stores <= 4, row["ops"]
+    assert row["smem_bytes_per_iteration"] < 10 * row["bytes_per_iteration"], row["smem_bytes_per_iteration"]
+    assert row["bound_pct"]["smem"] > 60
+
+
+def test_smem_bytes_count_each_access_by_its_width():
+    cost = _load()
+    assert [cost.smem_bytes(op) for op in ("LDS", "LDS.64", "LDS.128", "LDS.U16", "STS.U8", "LDSM.16.M88.4",
+                                           "LDSM.16.MT88.2", "STSM.16.M88.4", "LDGSTS.E.BYPASS.128", "LDGSTS.E",
+                                           "LDL", "STL.64", "HMMA.16816.F32", "LDG.E")] == [
+        128, 256, 512, 64, 32, 512, 256, 512, 512, 128, 128, 256, 0, 0]
+
+
 def test_quantized_prefill_runs_the_decode_loops(tmp_path):
     """Prefill over INT8 and INT4 contexts (head_dim 128) reads them as the decode loops do: no
     synchronous global load and no int-to-float conversion instruction per code in its main loop

@@ -32,7 +32,7 @@ def _fill(cache, lay, lens, num_blocks, seed):
     return tables.to(DEV)
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16"):
+def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16", num_warps=None):
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
     cache = allocate_cache(KVFormat(name, scale_dtype=scale_dtype), lay, nblocks, DEV)
@@ -41,7 +41,7 @@ def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=Non
     q = q.to(DEV, cache.model_dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, cache, tables, sl, head_dim**-0.5)
-    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile)
+    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile, num_warps=num_warps)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     empty = [i for i, n in enumerate(lens) if n == 0]
@@ -135,6 +135,15 @@ def test_decode_int4_lanes_shapes_at_the_cuda_tile(head_dim, bs):
     16), two-block tiles of 32-token blocks, and four value groups per token (256 channels)."""
     _check("int4", "float16", hkv=2, group=4, head_dim=head_dim, bs=bs, lens=[130, 64, 31, 1], splits=2, seed=head_dim,
            tile=64)
+
+
+@pytest.mark.parametrize("tile,num_warps", [(128, 4), (64, 2), (128, 8), (32, 2), (64, 8)])
+def test_decode_int4_lanes_rows_in_warp_order(tile, num_warps):
+    """The lane loop orders a tile's tokens so that each warp's score columns are whole blocks
+    (decode_tiles.warp_rows): one block a warp, two, and, where a warp's share is less than a block,
+    the plain order."""
+    _check("int4", "bfloat16", hkv=1, group=4, head_dim=64, bs=16, lens=[300, 130, 64, 17], splits=2, seed=tile,
+           tile=tile, num_warps=num_warps)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
