@@ -28,6 +28,13 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # tiles capped at 128 registers 72% of peak (64, 4, 3 uncapped: 61%), int4 29%. The cap (int4: for
 # the lane loop only, see register_cap) doubles the warps an SM holds (8 -> 16).
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128)}
+# NOTE: the grid's first dimension varies fastest, so programs launched together (and running together)
+# are its neighbours there. With the KV heads first, those read the same blocks' rows: the cache
+# interleaves heads within a token's row (``[.., BS, H, D]``), so one head's slice is a short run
+# (64 bytes for INT4 at head_dim 128) and its neighbours' slices fill the rest of the same DRAM
+# page and L2 lines at about the same time, where sequences first spread the reads of one moment
+# over B blocks' pages. Untested on a GPU as of 2026-11-30; bench_gpu's sweep measures both orders.
+HEADS_FIRST = True
 
 
 # NOTE: s_tb, the block tables' width, grows with the batch's longest context: not specialized,
@@ -50,9 +57,14 @@ def paged_decode_kernel(
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
     LANES: tl.constexpr,  # INT4 full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop)
     NW: tl.constexpr,  # the launch's num_warps
+    HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, SPLITS), not (B, Hkv, SPLITS)
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    if HEADS_FIRST:
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        h = tl.program_id(1)
     sid = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     trow = tl.full([], -1, tl.int32)
@@ -233,13 +245,15 @@ def paged_decode_attention(
     num_stages: int | None = None,
     max_registers: int | None = None,
     tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
+    heads_first: bool = HEADS_FIRST,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
     from the device size; ``max_seq_len`` (else read from ``seq_lens``, a device-to-host read) bounds
     the split count; each sequence splits its own length over them, in whole tiles.
     ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps``, ``num_stages`` and
     ``max_registers`` (per thread, 0: no cap) override the per-format launch defaults (``CUDA_LAUNCH``
-    on CUDA, one block elsewhere)."""
+    on CUDA, one block elsewhere). ``heads_first`` orders the grid's programs KV head first (see
+    ``HEADS_FIRST``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -269,10 +283,11 @@ def paged_decode_attention(
                 **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     meta["NW"] = num_warps or 4  # Triton's default
+    meta["HEADS_FIRST"] = heads_first
     if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs
     if splits == 1:
-        paged_decode_kernel[(b, hkv, 1)](
+        paged_decode_kernel[(hkv, b, 1) if heads_first else (b, hkv, 1)](
             query, out, out, *ptrs, block_tables, seq_lens, scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), 0, block_tables.stride(0),
             *strides, **meta,
@@ -280,7 +295,7 @@ def paged_decode_attention(
         return out.to(out_dtype)
     part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=query.device)
     ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=query.device)
-    paged_decode_kernel[(b, hkv, splits)](
+    paged_decode_kernel[(hkv, b, splits) if heads_first else (b, hkv, splits)](
         query, part, ml, *ptrs, block_tables, seq_lens, scale,
         query.stride(0), query.stride(1), part.stride(0), part.stride(1), part.stride(2), block_tables.stride(0),
         *strides, **meta,

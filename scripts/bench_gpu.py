@@ -52,7 +52,7 @@ def peak_for(name: str) -> float | None:
 SWEEP = {
     "model": [(64, 4, 3, 0)],
     "int8": [(128, 4, 3, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128), (128, 8, 3, 128), (128, 4, 4, 128)],
-    "int4": [(64, 4, 3, 128), (64, 4, 3, 0), (64, 4, 2, 128), (128, 8, 3, 128), (128, 4, 3, 0), (128, 8, 2, 0)],
+    "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 8, 3, 128)],
 }
 
 
@@ -118,7 +118,7 @@ def check_kernels() -> list[dict]:
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
                                    for t, w, st, r in SWEEP[fmt][1:]]
-        for splits, launch in launches + [(1, {})]:
+        for splits, launch in launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]:
             name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
@@ -178,12 +178,14 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
     for fmt, launches in SWEEP.items():
         cache = _random_cache(fmt, lay, nblocks)
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
-        # NOTE: the default launch once more with the plain-Triton code conversions, for comparison
-        # (unless LLMBUS_TRITON_ASM=0 asked for them throughout)
-        default_asm = paged_decode.ASM
-        extra = [(launches[0], False)] if fmt != "model" and default_asm else []
-        for (tile, warps, stages, regs), asm in [(lc, default_asm) for lc in launches] + extra:
-            launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs)
+        # NOTE: the default launch once more with the plain-Triton code conversions (unless
+        # LLMBUS_TRITON_ASM=0 asked for them throughout) and once more with the grid sequence-first,
+        # for comparison
+        default_asm, order = paged_decode.ASM, paged_decode.HEADS_FIRST
+        extra = [(launches[0], False, order)] if fmt != "model" and default_asm else []
+        extra.append((launches[0], default_asm, not order))
+        for (tile, warps, stages, regs), asm, heads_first in [(lc, default_asm, order) for lc in launches] + extra:
+            launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs, heads_first=heads_first)
             paged_decode.ASM = asm
             try:
                 ms = _time_decode(cache, perm, batch, context, launch)
@@ -192,7 +194,8 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
             gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
             rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, asm=asm, ms=ms, gbps=gbps,
                              pct_peak=(100 * gbps / peak) if peak else None))
-            print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}{'' if asm else ' no-asm'} "
+            print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}"
+                  f"{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'} "
                   f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = (launch, gbps)

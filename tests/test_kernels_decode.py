@@ -32,7 +32,8 @@ def _fill(cache, lay, lens, num_blocks, seed):
     return tables.to(DEV)
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16", num_warps=None):
+def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16", num_warps=None,
+           heads_first=True):
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
     cache = allocate_cache(KVFormat(name, scale_dtype=scale_dtype), lay, nblocks, DEV)
@@ -41,7 +42,8 @@ def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=Non
     q = q.to(DEV, cache.model_dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, cache, tables, sl, head_dim**-0.5)
-    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile, num_warps=num_warps)
+    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile, num_warps=num_warps,
+                                 heads_first=heads_first)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     empty = [i for i, n in enumerate(lens) if n == 0]
@@ -58,6 +60,16 @@ def test_decode_dtypes_and_formats(name, dtype):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_gqa_ratios_and_split_k(group, splits):
     _check("int4", "bfloat16", hkv=2, group=group, head_dim=16, bs=16, lens=[53, 7, 0], splits=splits, seed=group)
+
+
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_grid_in_either_order(name, splits):
+    """The grid's programs in KV-head-first order (the default) or sequence-first give the same
+    attention, each program finding its own sequence, head and split."""
+    for heads_first in (True, False):
+        _check(name, "bfloat16", hkv=3, group=2, head_dim=64, bs=16, lens=[70, 0, 33, 1], splits=splits, seed=splits,
+               tile=32, heads_first=heads_first)
 
 
 @pytest.mark.parametrize("bs,head_dim", [(32, 64), (16, 128)])
