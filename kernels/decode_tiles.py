@@ -29,7 +29,8 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   (``kernel_cost``'s smem bound: 53% of the H200's peak, now ~75%). Each block's per-channel key
   ranges are worked out once per channel (``compact``), all eight together, and broadcast over the
   tile's rows in one conversion (``key_ranges``). The rows are ordered so that each warp's score
-  columns are whole blocks (``warp_rows``), so each thread takes one block's ranges, not two. Each
+  columns are whole blocks (``warp_rows``), which halves the blocks whose ranges a thread takes
+  (one instead of two at the default launch). Each
   token's value (scale, min) pairs are read in the operand's layout and broadcast over its group.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
@@ -113,7 +114,7 @@ def lane_codes(x, ASM: tl.constexpr):
 
 @triton.jit
 def compact(x):
-    """``x`` (1-D or 2-D), unchanged. NOTE: a layout hint for Triton, which otherwise computes what feeds a
+    """``x`` (any rank), unchanged. NOTE: a layout hint for Triton, which otherwise computes what feeds a
     ``tl.dot`` operand in that operand's layout, where a value broadcast over the tile's tokens is
     computed once per copy: behind a reduction it is computed once per element and then moved
     through shared memory (for INT4 key ranges, about a third of the loop's instructions:
@@ -279,9 +280,11 @@ def warp_rows(TILE: tl.constexpr, BS: tl.constexpr, NW: tl.constexpr):
     """The token (offset in its tile) each row of a ``[TILE, ..]`` key tile holds: ordered so that
     in the dot of ``[R, TILE]`` scores, where NW warps take its columns eight at a time in turn,
     each warp's columns are whole blocks of BS tokens. NOTE: attention is the same in any order of a
-    tile's tokens (keys and values take the same one); this one lets each thread of the ``mma``
-    layout dequantize its keys with one block's per-channel ranges, not two (``row_blocks``).
-    Tokens stay in order where a warp's share of a tile is not whole blocks."""
+    tile's tokens (keys and values take the same one); this one halves the blocks whose per-channel
+    ranges each thread of the ``mma`` layout needs (``row_blocks``). It assumes the score dot's warps
+    all split its columns (``warpsPerCTA [1, NW]``: Triton's choice for up to 16 rows, every GQA
+    group up to 16); elsewhere it is only correct, not faster. Tokens stay in order where a warp's
+    share of a tile is not whole blocks."""
     r = tl.arange(0, TILE)
     if TILE >= NW * BS and BS % 8 == 0:
         return ((r // 8) % NW) * (TILE // NW) + (r // (8 * NW)) * 8 + r % 8
@@ -365,7 +368,7 @@ def int4_lanes_loop(
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
     t = warp_rows(TILE, BS, NW)
     for s in range(start, end, TILE):
-        # keys, as [NB, BS, D/4] so each block's per-channel ranges broadcast over its tokens
+        # keys: [TILE, D/4] codes (rows in warp_rows order), each row's block's per-channel ranges
         bi = s // BS + tl.arange(0, NB)
         bval = bi * BS < end
         blk = tl.load(table + bi, mask=bval, other=0).to(tl.int64)  # [NB]

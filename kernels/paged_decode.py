@@ -1,7 +1,8 @@
 """Triton paged decode attention: one query token per sequence over its block table.
 
-Grid ``(B, Hkv, SPLITS)``: a program takes every query head of one KV head's group (so each KV
-tile is read once per group) and one contiguous slice of the context (split-K). With one split
+Grid ``(Hkv, B, SPLITS)`` (``(B, Hkv, SPLITS)`` with ``heads_first`` off: ``HEADS_FIRST``): a program
+takes every query head of one KV head's group (so each KV tile is read once per group) and one
+contiguous slice of the context (split-K). With one split
 it writes the output; with several it writes unnormalized partials that ``reduce_splits``
 combines. Scores use base-2 exponentials throughout (``m`` is in log2 units).
 """
@@ -34,7 +35,15 @@ CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4,
 # (64 bytes for INT4 at head_dim 128) and its neighbours' slices fill the rest of the same DRAM
 # page and L2 lines at about the same time, where sequences first spread the reads of one moment
 # over B blocks' pages. Untested on a GPU as of 2026-11-30; bench_gpu's sweep measures both orders.
-HEADS_FIRST = True
+# LLMBUS_TRITON_HEADS_FIRST=0 launches sequences first by default.
+HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
+
+
+def grid_order(batch: int, heads_first: bool | None = None) -> bool:
+    """Whether a decode launch of ``batch`` sequences takes its grid KV heads first: ``heads_first``,
+    else ``HEADS_FIRST`` as it is now; never when the batch would not fit the grid's second dimension."""
+    return (HEADS_FIRST if heads_first is None else heads_first) and batch <= MAX_GRID_Y
 
 
 # NOTE: s_tb, the block tables' width, grows with the batch's longest context: not specialized,
@@ -245,15 +254,15 @@ def paged_decode_attention(
     num_stages: int | None = None,
     max_registers: int | None = None,
     tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
-    heads_first: bool = HEADS_FIRST,
+    heads_first: bool | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
     from the device size; ``max_seq_len`` (else read from ``seq_lens``, a device-to-host read) bounds
     the split count; each sequence splits its own length over them, in whole tiles.
     ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps``, ``num_stages`` and
     ``max_registers`` (per thread, 0: no cap) override the per-format launch defaults (``CUDA_LAUNCH``
-    on CUDA, one block elsewhere). ``heads_first`` orders the grid's programs KV head first (see
-    ``HEADS_FIRST``)."""
+    on CUDA, one block elsewhere). ``heads_first`` (None: ``HEADS_FIRST``) orders the grid's programs KV
+    head first (``grid_order``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -283,7 +292,7 @@ def paged_decode_attention(
                 **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     meta["NW"] = num_warps or 4  # Triton's default
-    meta["HEADS_FIRST"] = heads_first
+    heads_first = meta["HEADS_FIRST"] = grid_order(b, heads_first)
     if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs
     if splits == 1:

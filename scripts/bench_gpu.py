@@ -120,6 +120,8 @@ def check_kernels() -> list[dict]:
                                    for t, w, st, r in SWEEP[fmt][1:]]
         for splits, launch in launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]:
             name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
+            if "heads_first" in launch:
+                name = "paged_decode " + ("heads-first" if launch["heads_first"] else "seq-first")
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
         qlens = [1, 17, 100, 333]

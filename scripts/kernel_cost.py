@@ -12,8 +12,8 @@ shares its SRAM: spills), at 128 bytes per SM per clock: cp.async's writes, oper
 conversions. "smem bytes / KV byte" is that traffic over the cache bytes the loop reads.
 
 It is a bound from the instruction mix alone, not a measurement: memory latency, occupancy, and
-stalls come on top. On the H200 (2026-11-30, Triton 3.6) INT4 measured 29% against an smem bound
-of 53% and an issue bound of 73% (launches at 16 warps an SM measured about half their smem bound,
+stalls come on top. On the H200 (2026-11-30, Triton 3.6) INT4's loop before c99c4ae measured 29%
+against an smem bound of 53% and an issue bound of 73% (launches at 16 warps an SM measured about half their smem bound,
 at 8 warps about 0.4); INT8, bound at 178%, measured 72%; the model dtype, at 221%, 92%. Use it
 to compare formulations of a kernel between GPU sessions, and confirm on a GPU (``bench_gpu.py``).
 ``spills`` is the stack frame's bytes (where ptxas puts registers that do not fit a cap); the

@@ -149,13 +149,25 @@ def test_decode_int4_lanes_shapes_at_the_cuda_tile(head_dim, bs):
            tile=64)
 
 
-@pytest.mark.parametrize("tile,num_warps", [(128, 4), (64, 2), (128, 8), (32, 2), (64, 8)])
-def test_decode_int4_lanes_rows_in_warp_order(tile, num_warps):
+@pytest.mark.parametrize("bs,tile,num_warps", [(16, 128, 4), (16, 64, 2), (16, 128, 8), (16, 32, 2), (16, 64, 8),
+                                               (32, 128, 2), (8, 64, 4)])
+def test_decode_int4_lanes_rows_in_warp_order(bs, tile, num_warps):
     """The lane loop orders a tile's tokens so that each warp's score columns are whole blocks
-    (decode_tiles.warp_rows): one block a warp, two, and, where a warp's share is less than a block,
-    the plain order."""
-    _check("int4", "bfloat16", hkv=1, group=4, head_dim=64, bs=16, lens=[300, 130, 64, 17], splits=2, seed=tile,
+    (decode_tiles.warp_rows): one block a warp, two, other block sizes, and, where a warp's share
+    is less than a block, the plain order; two KV heads, so rows are found per head too."""
+    _check("int4", "bfloat16", hkv=2, group=4, head_dim=64, bs=bs, lens=[300, 130, 64, 17], splits=2, seed=tile,
            tile=tile, num_warps=num_warps)
+
+
+def test_decode_grid_order_defaults_heads_first_within_cuda_limits(monkeypatch):
+    """KV heads first unless asked otherwise (argument or module default), and never for a batch
+    that would overflow the grid's second dimension."""
+    from kernels import paged_decode
+
+    assert paged_decode.grid_order(8) and not paged_decode.grid_order(8, heads_first=False)
+    assert not paged_decode.grid_order(paged_decode.MAX_GRID_Y + 1)
+    monkeypatch.setattr(paged_decode, "HEADS_FIRST", False)
+    assert not paged_decode.grid_order(8) and paged_decode.grid_order(8, heads_first=True)
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
