@@ -294,26 +294,20 @@ def warp_rows(TILE: tl.constexpr, BS: tl.constexpr, NW: tl.constexpr):
 
 @triton.jit
 def row_blocks(x, TILE: tl.constexpr, BS: tl.constexpr, NW: tl.constexpr):
-    """Per-block values ``x`` [NB, C, 2, 2, 2, 2] for each row of a tile in ``warp_rows`` order:
-    ``[TILE, C, 2, 2, 2, 2]``."""
+    """Per-block values ``x`` [NB, C, 2, 2, 2] for each row of a tile in ``warp_rows`` order:
+    ``[TILE, C, 2, 2, 2]``."""
     nb: tl.constexpr = x.shape[0]
     c: tl.constexpr = x.shape[1]
     if TILE >= NW * BS and BS % 8 == 0:
         # row r is token w * (TILE / NW) + 8 j + i, with (j, w, i) its digits in (TILE / 8NW, NW, 8);
         # its block is w * R + j // (BS / 8), R = TILE / (NW * BS) blocks a warp
         R: tl.constexpr = TILE // (NW * BS)
-        y = tl.reshape(x, [NW, R, c * 16])
+        y = tl.reshape(x, [NW, R, c * 8])
         y = tl.permute(y, (1, 0, 2))
-        y = tl.broadcast_to(y[:, None, :, None, :], [R, BS // 8, NW, 8, c * 16])
+        y = tl.broadcast_to(y[:, None, :, None, :], [R, BS // 8, NW, 8, c * 8])
     else:
-        y = tl.broadcast_to(tl.reshape(x, [nb, c * 16])[:, None, :], [nb, BS, c * 16])
-    return tl.reshape(y, [TILE, c, 2, 2, 2, 2])
-
-
-@triton.jit
-def pairs(x):
-    """``x`` [NB, C] as [NB, C/2, 2]: channel pairs."""
-    return tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2])
+        y = tl.broadcast_to(tl.reshape(x, [nb, c * 8])[:, None, :], [nb, BS, c * 8])
+    return tl.reshape(y, [TILE, c, 2, 2, 2])
 
 
 @triton.jit
@@ -322,26 +316,22 @@ def key_ranges(kwa, kwb, lo, step, TILE: tl.constexpr, BS: tl.constexpr, NW: tl.
     order) ``[TILE, D/4]`` (``key_range``), from the words of classes 0, 1 (``kwa``) and 2, 3
     (``kwb``) [NB, D/4]. NOTE: the eight are computed per block, made ``compact`` as one tensor and
     broadcast over the rows before they are split, so that they reach the dot operand's layout in
-    one conversion, not eight; each holds neighbouring channels together (last), as the dot operand's
-    registers do, so that no pair is assembled from two registers."""
+    one conversion, not eight. (Each channel's eight then sit together in a thread's registers,
+    and pairing neighbouring channels for the fp16x2 dequantization costs a ``PRMT`` each: ordering
+    the joined tensor by channel pairs first compiled to the same code.)"""
     m0, s0 = key_range(kwa, lo, step, 0, DQ)
     m1, s1 = key_range(kwa, lo, step, 16, DQ)
     m2, s2 = key_range(kwb, lo, step, 0, DQ)
     m3, s3 = key_range(kwb, lo, step, 16, DQ)
-    x = tl.join(tl.join(tl.join(pairs(m0), pairs(s0)), tl.join(pairs(m1), pairs(s1))),
-                tl.join(tl.join(pairs(m2), pairs(s2)), tl.join(pairs(m3), pairs(s3))))  # [NB, C/2, 2, 2, 2, 2]
-    x = compact(tl.permute(x, (0, 1, 3, 4, 5, 2)))  # the channel pair last
-    a, b = tl.split(tl.permute(row_blocks(x, TILE, BS, NW), (0, 1, 5, 2, 3, 4)))
+    x = compact(tl.join(tl.join(tl.join(m0, s0), tl.join(m1, s1)), tl.join(tl.join(m2, s2), tl.join(m3, s3))))
+    a, b = tl.split(row_blocks(x, TILE, BS, NW))
     a0, a1 = tl.split(a)
     b0, b1 = tl.split(b)
     m0, s0 = tl.split(a0)
     m1, s1 = tl.split(a1)
     m2, s2 = tl.split(b0)
     m3, s3 = tl.split(b1)
-    return (tl.reshape(m0, [TILE, 2 * m0.shape[1]]), tl.reshape(s0, [TILE, 2 * m0.shape[1]]),
-            tl.reshape(m1, [TILE, 2 * m0.shape[1]]), tl.reshape(s1, [TILE, 2 * m0.shape[1]]),
-            tl.reshape(m2, [TILE, 2 * m0.shape[1]]), tl.reshape(s2, [TILE, 2 * m0.shape[1]]),
-            tl.reshape(m3, [TILE, 2 * m0.shape[1]]), tl.reshape(s3, [TILE, 2 * m0.shape[1]]))
+    return m0, s0, m1, s1, m2, s2, m3, s3
 
 
 @triton.jit
