@@ -9,12 +9,13 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 # PARTS picks the checks, run in this order of importance: the kernel table (every kernel against
-# its reference, then decode bandwidth: issue 4's goal), the kernel tests, the engine's decode
-# throughput, the graph tests. Their own timeouts add up to more than one device call, so all of
+# its reference, then decode bandwidth: issue 4's goal), the static cost of the decode loops as this
+# machine's Triton compiles them (scripts/kernel_cost.py, beside the measured bandwidth), the kernel
+# tests, the engine's decode throughput, the graph tests. Their own timeouts add up to more than one device call, so all of
 # them share DEADLINE seconds (default 540, inside a 600-second call): each gets what is left, and
 # one that would start with less than its minimum left (30 s; the engine 90 s: it first generates
 # the model) is skipped. $OUT/timing.txt says what each took and how it ended (124: timed out).
-PARTS="${PARTS:-kernels tests engine graphs}"
+PARTS="${PARTS:-kernels cost tests engine graphs}"
 DEADLINE="${DEADLINE:-540}"
 # each part's own limit (seconds) and the kernel table's options
 KERNELS_S="${KERNELS_S:-240}" TESTS_S="${TESTS_S:-200}" ENGINE_S="${ENGINE_S:-240}" GRAPHS_S="${GRAPHS_S:-150}"
@@ -38,6 +39,12 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
         timeout "$lim" python3 scripts/bench_gpu.py $KERNEL_ARGS --out "$OUT/gpu-kernels.json" 2>&1 \
             | tail -60 | tee "$OUT/gpu-kernels.txt"
         took kernels $s "$lim" "${PIPESTATUS[0]}"
+    fi
+    if part cost && lim=$(budget 60 cost); then
+        s=$SECONDS
+        timeout "$lim" python3 scripts/kernel_cost.py --json "$OUT/kernel-cost.json" 2>&1 | tail -8 \
+            | tee "$OUT/kernel-cost.txt"
+        took cost $s "$lim" "${PIPESTATUS[0]}"
     fi
     if part tests && lim=$(budget "$TESTS_S" tests); then
         s=$SECONDS
