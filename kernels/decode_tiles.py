@@ -26,7 +26,7 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   codes from shared memory straight into the ``mma`` operand's registers. Dequantized tiles
   staged through shared memory (as ``[NB, BS, D/4]`` tiles did: a reshape of the codes stops
   that) cost four times the shared-memory traffic of the codes they held, and that bound the loop
-  (``kernel_cost``'s smem bound: 53% of the H200's peak, now ~75%). Each block's per-channel key
+  (``kernel_cost``'s smem bound: 53% of the H200's peak, now ~80%). Each block's per-channel key
   ranges are worked out once per channel (``compact``), all eight together, and broadcast over the
   tile's rows in one conversion (``key_ranges``). The rows are ordered so that each warp's score
   columns are whole blocks (``warp_rows``), which halves the blocks whose ranges a thread takes
