@@ -32,6 +32,11 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   columns are whole blocks (``warp_rows``), which halves the blocks whose ranges a thread takes
   (one instead of two at the default launch). Each
   token's value (scale, min) pairs are read in the operand's layout and broadcast over its group.
+- Both quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
+  codes take their addresses from its ids; loaded in the same iteration, the ids left Triton's
+  pipeliner one shared-memory buffer a load whatever ``num_stages`` said, so a program had one
+  tile in flight (8 KB for INT4's 64-token tiles: ~32 KB an SM, under what the H200's latency
+  needs). Now ``num_stages`` 3 keeps two tiles in flight.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
 """
@@ -167,6 +172,16 @@ def row_mask(pos, valid, qpos, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def next_blocks(table, s, end, t, BS: tl.constexpr):
+    """The block ids ``[TILE]`` of a tile's tokens ``s + t`` (0 from ``end``). NOTE: the quantized loops
+    load each tile's ids one iteration ahead, so that no load in the loop takes its address from
+    another load of the same iteration: Triton's pipeliner then keeps two tiles of codes in flight
+    (``num_stages`` 3), where it kept one (the KV cache's codes took a buffer each in shared memory,
+    not two). The ids are plain loads, used an iteration after they are issued."""
+    return tl.load(table + (s + t) // BS, mask=s + t < end, other=0)
+
+
+@triton.jit
 def class_queries(q_ptr, qrows, rmask, D: tl.constexpr, DOT: tl.constexpr):
     """The query rows' (``q_ptr + qrows``, where ``rmask``) channels of each class ``c % 4`` (``[R, D/4]``
     each, column k: channel 4k + r)."""
@@ -207,12 +222,15 @@ def int8_words_loop(
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     a0, a1, a2, a3 = class_accumulators(GP, D)
     words = data_ptr.to(tl.pointer_type(tl.int32))
+    t = tl.arange(0, TILE)
+    # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
+    blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
-        t = tl.arange(0, TILE)
         valid = s + t < end
         # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big
         # caches. s is a multiple of TILE, so of BS: block and offset come from t alone.
-        blk = tl.load(table + s // BS + t // BS, mask=valid, other=0).to(tl.int64)
+        blk = blk_n.to(tl.int64)
+        blk_n = next_blocks(table, s + TILE, end, t, BS)
         off = t % BS
         row = blk * s_dn + off * s_db + h * s_dh
         wrow = (row // 4)[:, None] + j[None, :]
@@ -357,14 +375,20 @@ def int4_lanes_loop(
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
     t = warp_rows(TILE, BS, NW)
+    # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``), per block and per row
+    bi_n = start // BS + tl.arange(0, NB)
+    blk_n = tl.load(table + bi_n, mask=bi_n * BS < end, other=0)
+    blkt_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
         # keys: [TILE, D/4] codes (rows in warp_rows order), each row's block's per-channel ranges
         bi = s // BS + tl.arange(0, NB)
         bval = bi * BS < end
-        blk = tl.load(table + bi, mask=bval, other=0).to(tl.int64)  # [NB]
+        blk = blk_n.to(tl.int64)  # [NB]
         valid = s + t < end
-        # NOTE: the table again, per row: a gather from blk would need its layout converted
-        blkt = tl.load(table + (s + t) // BS, mask=valid, other=0).to(tl.int64)  # [TILE]
+        blkt = blkt_n.to(tl.int64)  # [TILE]: the table again, per row (a gather from blk would need a conversion)
+        bi_n = bi + NB
+        blk_n = tl.load(table + bi_n, mask=bi_n * BS < end, other=0)
+        blkt_n = next_blocks(table, s + TILE, end, t, BS)
         offt = t % BS
         # NOTE: >> 1, not // 2, on these non-negative byte offsets: a signed division costs a correction
         krow = (blkt * s_dn + offt * s_db + h * s_dh) >> 1  # [TILE], in lanes

@@ -48,11 +48,14 @@ def peak_for(name: str) -> float | None:
 
 
 # (tile, num_warps, num_stages, max registers per thread, 0: no cap) tried by --sweep; the first of
-# each is the launch default (kernels.paged_decode.CUDA_LAUNCH)
+# each is the launch default (kernels.paged_decode.CUDA_LAUNCH). The quantized loops keep
+# num_stages - 1 tiles of codes in flight (decode_tiles.next_blocks): 2 stages is one tile, as
+# every launch had before 2026-11-30 (night), so those rows compare the two.
 SWEEP = {
     "model": [(64, 4, 3, 0)],
-    "int8": [(128, 4, 3, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128), (128, 8, 3, 128), (128, 4, 4, 128)],
-    "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 8, 3, 128)],
+    "int8": [(128, 4, 3, 128), (128, 4, 2, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128), (128, 8, 3, 128),
+             (128, 4, 4, 128)],
+    "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
 }
 
 

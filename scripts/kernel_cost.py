@@ -16,7 +16,8 @@ stalls come on top. On the H200 (2026-11-30, Triton 3.6) INT4's loop before c99c
 against an smem bound of 53% and an issue bound of 73% (launches at 16 warps an SM measured about half their smem bound,
 at 8 warps about 0.4); INT8, bound at 178%, measured 72%; the model dtype, at 221%, 92%. Use it
 to compare formulations of a kernel between GPU sessions, and confirm on a GPU (``bench_gpu.py``).
-``spills`` is the stack frame's bytes (where ptxas puts registers that do not fit a cap); the
+``buffers`` lists the shared-memory buffer counts of the loop's pipelined loads (two: a tile in
+flight while another is used). ``spills`` is the stack frame's bytes (where ptxas puts registers that do not fit a cap); the
 loop's own ``LDL``/``STL`` count in ``ops``.
 
 ``--kernel prefill`` costs the prefill kernel's main loop instead (its bound is per program: every
@@ -157,6 +158,9 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
         usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     regs, spills = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    # the pipelined loads' shared-memory buffers (the leading dimension of each multi-buffered
+    # allocation): how many tiles of each can be in flight at once
+    buffers = sorted({int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", binary.asm["ttgir"])})
     loop = main_loop(sass)
     ops = collections.Counter(loop)
     per_pipe = collections.Counter({"issue": len(loop)})
@@ -172,7 +176,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     binding = min(bound, key=bound.get)
     return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages,
                 max_registers=register_cap(cache, regs_cap), regs=regs,
-                spills=spills, smem=binary.metadata.shared, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
+                spills=spills, smem=binary.metadata.shared, buffers=buffers, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
                 loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter, smem_bytes_per_iteration=smem,
                 instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,
                 ops=dict(ops.most_common()))

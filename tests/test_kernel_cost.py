@@ -57,6 +57,15 @@ def _cost(tmp_path: Path, fmt: str, asm: bool, kernel: str = "decode") -> dict:
     return row
 
 
+def _asynchronous_and_double_buffered(row: dict, max_sync: int) -> None:
+    """The loop's only synchronous global loads are the next tile's block ids (at most ``max_sync``
+    a thread, used an iteration after they are issued: ``decode_tiles.next_blocks``), and every
+    pipelined load has two buffers, so two tiles can be in flight. Loaded in the same iteration
+    as the codes they locate, the ids left Triton one buffer a load (before 2026-11-30, night)."""
+    assert sum(n for op, n in row["ops"].items() if op.startswith("LDG.")) <= max_sync, row["ops"]
+    assert row["buffers"] == [2], row["buffers"]
+
+
 def test_int8_decode_reads_words_and_converts_pairs_in_ptx(tmp_path):
     """The INT8 loop gathers no single bytes from shared memory (it reads 32-bit words by channel
     class), and the inline-PTX pair conversion leaves fewer instructions per KV byte than its
@@ -71,8 +80,9 @@ def test_int8_decode_reads_words_and_converts_pairs_in_ptx(tmp_path):
         spill_ops = {op: n for op, n in row["ops"].items() if op.startswith(("LDL", "STL"))}
         assert not [op for op in spill_ops if op.startswith("STL")], spill_ops
         assert sum(spill_ops.values()) < 0.02 * row["loop_instructions"], spill_ops
-        # every global load in the loop is asynchronous (cp.async, pipelined): fp16 scales come in pairs
-        assert not [op for op in row["ops"] if op.startswith("LDG.")], row["ops"]
+        # every load of codes and metadata is asynchronous (cp.async, pipelined: fp16 scales come
+        # in pairs) and double-buffered; the one synchronous load is the next tile's block ids
+        _asynchronous_and_double_buffered(row, max_sync=2)
     assert asm["instructions_per_byte"] < plain["instructions_per_byte"]
     assert asm["bound_pct"][asm["binding"]] > plain["bound_pct"][plain["binding"]]
 
@@ -97,8 +107,8 @@ def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(
     moves = sum(n for op, n in asm["ops"].items() if op.startswith(("MOV", "IMAD.MOV")))
     assert moves < 0.02 * asm["loop_instructions"], asm["ops"]
     assert asm["instructions_per_byte"] < plain["instructions_per_byte"]
-    # every global load in the loop is asynchronous (cp.async, pipelined): none waits in the loop
-    assert not [op for op in asm["ops"] if op.startswith("LDG.")], asm["ops"]
+    # every load of codes and metadata is asynchronous (cp.async, pipelined) and double-buffered
+    _asynchronous_and_double_buffered(asm, max_sync=6)
 
 
 def test_int4_decode_dequantizes_in_the_dot_operands_layout(tmp_path):
@@ -124,13 +134,13 @@ def test_smem_bytes_count_each_access_by_its_width():
 
 def test_quantized_prefill_runs_the_decode_loops(tmp_path):
     """Prefill over INT8 and INT4 contexts (head_dim 128) reads them as the decode loops do: no
-    synchronous global load and no int-to-float conversion instruction per code in its main loop
+    synchronous global load but the next tile's block ids, and no int-to-float conversion instruction per code in its main loop
     (the generic tile load had 128 single-byte loads and 128 conversions a tile for INT4), and the
     INT4 loop stays within 1.6x the bf16 one's instructions (1.4x / 1.5x under Triton 3.6 / 3.9; it
     was 3.8x / 3.3x)."""
     model = _cost(tmp_path, "model", True, "prefill")
     for fmt in ("int8", "int4"):
         row = _cost(tmp_path, fmt, True, "prefill")
-        assert not [op for op in row["ops"] if op.startswith("LDG.")], row["ops"]
+        assert sum(n for op, n in row["ops"].items() if op.startswith("LDG.")) <= 6, row["ops"]
         assert sum(n for op, n in row["ops"].items() if op.startswith(("I2F", "I2FP"))) <= 8, row["ops"]
         assert row["loop_instructions"] < 1.6 * model["loop_instructions"], (fmt, row["loop_instructions"])
