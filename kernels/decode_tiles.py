@@ -34,9 +34,10 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   token's value (scale, min) pairs are read in the operand's layout and broadcast over its group.
 - Both quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
   codes take their addresses from its ids; loaded in the same iteration, the ids left Triton's
-  pipeliner one shared-memory buffer a load whatever ``num_stages`` said, so a program had one
-  tile in flight (8 KB for INT4's 64-token tiles: ~32 KB an SM, under what the H200's latency
-  needs). Now ``num_stages`` 3 keeps two tiles in flight.
+  pipeliner one shared-memory buffer a load whatever ``num_stages`` said, and each tile's copy was
+  issued just before it was needed (8 KB for INT4's 64-token tiles: ~32 KB an SM, about what the
+  H200's latency needs in flight). Now ``num_stages`` 3 gives two buffers: the next tile's copy
+  is in flight while the current one is used.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
 ``kernels.quant_reference`` operation for operation.
 """
@@ -228,7 +229,7 @@ def int8_words_loop(
     for s in range(start, end, TILE):
         valid = s + t < end
         # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big
-        # caches. s is a multiple of TILE, so of BS: block and offset come from t alone.
+        # caches. s is a multiple of TILE, so of BS: a row's offset in its block comes from t alone.
         blk = blk_n.to(tl.int64)
         blk_n = next_blocks(table, s + TILE, end, t, BS)
         off = t % BS

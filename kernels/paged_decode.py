@@ -27,8 +27,13 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
 # channels, 16-token blocks; 2026-11-30 for int8 and int4, docs/benchmarks.md): int8 at 128-token
 # tiles capped at 128 registers 72% of peak (64, 4, 3 uncapped: 61%), int4 29%. The cap (int4: for
-# the lane loop only, see register_cap) doubles the warps an SM holds (8 -> 16).
+# the lane loop only, see register_cap) doubled the warps an SM holds (8 -> 16). NOTE: measured
+# before the quantized loops double-buffered their codes (decode_tiles.next_blocks): int8's
+# default now takes 75.8 KB of shared memory a program, so 12 warps an SM; to be re-swept.
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128)}
+# What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
+# launch that would take more gets fewer stages (``pipeline_stages``).
+STAGE_BUDGET = 160 * 1024
 # NOTE: the grid's first dimension varies fastest, so programs launched together (and running together)
 # are its neighbours there. With the KV heads first, those read the same blocks' rows: the cache
 # interleaves heads within a token's row (``[.., BS, H, D]``), so one head's slice is a short run
@@ -210,6 +215,17 @@ def code_args(cache, query: torch.Tensor) -> dict:
     return args
 
 
+def pipeline_stages(cache, tile: int, stages: int | None) -> int | None:
+    """``stages`` (None: Triton's default, 3), fewer where the ``stages - 1`` tiles of codes the
+    pipeliner buffers (keys and values of one KV head) would pass ``STAGE_BUDGET``; never below 2
+    (one buffer), so a tile too large for even one still fails as before."""
+    stages = stages or 3
+    per_tile = tile * 2 * cache.data.shape[-1] * cache.data.element_size()  # a row: one head's codes
+    while stages > 2 and (stages - 1) * per_tile > STAGE_BUDGET:
+        stages -= 1
+    return stages
+
+
 def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
     """KV positions an attention tile spans: ``tile``, else ``cuda_default`` on CUDA (at least a
     block; for INT4 at least two) and one block elsewhere; ValueError unless a power-of-two
@@ -282,9 +298,9 @@ def paged_decode_attention(
         return out.to(out_dtype)
     bs = cache.layout.block_size
     cuda_tile, cuda_warps, cuda_stages, _ = CUDA_LAUNCH[cache.fmt.name]
-    if query.is_cuda:
-        num_warps, num_stages = num_warps or cuda_warps, num_stages or cuda_stages
     tile = tile_size(cache, tile, query.is_cuda, cuda_tile)
+    if query.is_cuda:
+        num_warps, num_stages = num_warps or cuda_warps, pipeline_stages(cache, tile, num_stages or cuda_stages)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     splits = num_splits or choose_splits(b, hkv, max_len, tile, query.device)
     grp = hq // hkv

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.decode_tiles import int4_lanes_loop, int8_words_loop
 from kernels.kv_tile import load_kv_tile, softmax_step, tile_args
-from kernels.paged_decode import code_args, tile_size
+from kernels.paged_decode import code_args, pipeline_stages, tile_size
 
 
 @triton.jit
@@ -156,5 +156,6 @@ def paged_prefill_attention(
         query, out, *ptrs, block_tables, seq_lens, query_start_loc, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         *strides, G=hq // hkv, BLOCK_M=block_m, TILE=tile, **code_args(cache, query), **consts,
+        **({"num_stages": pipeline_stages(cache, tile, None)} if query.is_cuda else {}),
     )
     return out

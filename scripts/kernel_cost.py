@@ -160,7 +160,8 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     regs, spills = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
     # the pipelined loads' shared-memory buffers (the leading dimension of each multi-buffered
     # allocation): how many tiles of each can be in flight at once
-    buffers = sorted({int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", binary.asm["ttgir"])})
+    buffers = sorted({int(n) for n in re.findall(
+        r"ttg\.local_alloc\s*(?:\{[^}]*\})?\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+[^>]*mutable", binary.asm["ttgir"])})
     loop = main_loop(sass)
     ops = collections.Counter(loop)
     per_pipe = collections.Counter({"issue": len(loop)})

@@ -74,7 +74,8 @@ def test_compile_check_fails_where_native_compilation_does(tmp_path):
             assert "fp8e4nv not supported" in proc.stderr
 
 
-VARIANTS = textwrap.dedent('''
+# a subprocess's start: every launch compiles for sm_90 (and lands in ``compiled``) instead of running
+PRELUDE = textwrap.dedent('''
     import sys
     sys.path[:0] = [{scripts!r}, {root!r}]
     import compile_kernels as ck
@@ -87,7 +88,8 @@ VARIANTS = textwrap.dedent('''
 
     def cuda(t):
         return t.as_subclass(ck.CudaLike)
-
+''')
+VARIANTS = PRELUDE + textwrap.dedent('''
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=128, block_size=16, dtype="bfloat16")
     cache = ck.cuda_cache("int8", lay)
     for t in (1, 16, 17):  # a step's token count
@@ -125,3 +127,27 @@ def test_per_step_sizes_compile_no_new_variants():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == str(
         [("paged_decode_kernel", 2), ("paged_prefill_kernel", 1), ("reduce_splits_kernel", 1), ("write_kv_kernel", 1)])
+
+
+SHARED = PRELUDE + textwrap.dedent('''
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=256, block_size=256, dtype="bfloat16")
+    cache = ck.cuda_cache("int8", lay)
+    q = cuda(torch.randn(2, 8, 256).to(torch.bfloat16))
+    tables = cuda(torch.zeros(2, 2, dtype=torch.int32))
+    lens = cuda(torch.tensor([300, 5], dtype=torch.int32))
+    paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1)
+    paged_prefill_attention(q, cache, tables, lens, cuda(torch.tensor([0, 1, 2], dtype=torch.int32)), 0.1)
+    print([(name, k.metadata.shared) for name, k in compiled])
+''')
+
+
+def test_wide_int8_tiles_fit_shared_memory():
+    """Double-buffered, INT8 decode at head_dim 256 and 256-token blocks (tiles of 256 positions)
+    would take 283 KB of shared memory a program and prefill 332 KB, over the H200's 227 KB:
+    pipeline_stages gives such launches one buffer, as before (150 and 199 KB)."""
+    code = SHARED.format(scripts=str(SCRIPT.parent), root=str(SCRIPT.parents[1]))
+    proc = subprocess.run([sys.executable, "-c", code], env=_native_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sizes = dict(eval(proc.stdout.strip().splitlines()[-1]))  # noqa: S307 (our own subprocess's repr)
+    assert set(sizes) == {"paged_decode_kernel", "paged_prefill_kernel"}
+    assert all(0 < n <= 227 * 1024 for n in sizes.values()), sizes

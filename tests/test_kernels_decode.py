@@ -159,6 +159,21 @@ def test_decode_int4_lanes_rows_in_warp_order(bs, tile, num_warps):
            tile=tile, num_warps=num_warps)
 
 
+def test_pipeline_stages_keep_buffered_tiles_within_budget():
+    """The pipeliner buffers ``stages - 1`` tiles of codes: launches whose tiles would pass the
+    budget get fewer stages, never under two (one buffer)."""
+    from kernels.paged_decode import STAGE_BUDGET, pipeline_stages
+
+    def cache(name, d):
+        return allocate_cache(KVFormat(name), KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16,
+                                                       dtype="bfloat16"), 2, DEV)
+
+    assert pipeline_stages(cache("int8", 128), 128, 3) == 3 and pipeline_stages(cache("int4", 128), 64, None) == 3
+    assert pipeline_stages(cache("int8", 256), 256, 3) == 2  # 2 x 128 KB of codes would pass 160 KB
+    assert pipeline_stages(cache("int8", 256), 128, 4) == 3 and pipeline_stages(cache("model", 256), 256, 3) == 2
+    assert 2 * 128 * 2 * 256 <= STAGE_BUDGET < 2 * 256 * 2 * 256
+
+
 def test_decode_grid_order_defaults_heads_first_within_cuda_limits(monkeypatch):
     """KV heads first unless asked otherwise (argument or module default), and never for a batch
     that would overflow the grid's second dimension."""
