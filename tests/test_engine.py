@@ -199,6 +199,29 @@ def test_invalid_sampling_values(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_kernels_over_the_gpus_shared_memory_stop_the_engine_at_start(model_dir, monkeypatch):
+    """A warm-up step whose kernel needs more shared memory than the GPU has (Triton's
+    OutOfResources: every step would fail the same way) fails the engine's start with the format,
+    shape and a way out; other warm-up failures are logged and the engine starts."""
+    from triton.runtime.errors import OutOfResources
+
+    from llmbus.engine.engine import Engine
+
+    def too_big(self):
+        raise OutOfResources(288768, 232448, "shared memory")
+
+    monkeypatch.setattr(Engine, "warmup", too_big)
+    with pytest.raises(ValueError, match=r"--kv-format int8 at head_dim \d+ and --block-size 16 need 288768 bytes of "
+                                         r"GPU shared memory a program, over this GPU's 232448: try a smaller --block-size"):
+        LLM(model_dir, warmup=True, kv_format="int8", num_blocks=8)
+
+    def fails(self):
+        raise RuntimeError("a compile failed")
+
+    monkeypatch.setattr(Engine, "warmup", fails)
+    assert LLM(model_dir, warmup=True, kv_format="int8", num_blocks=8).engine.leak_check()["requests"] == 0
+
+
 def test_warmup_runs_each_kind_of_step_and_leaves_nothing_behind(model_dir, prompts):
     """Engine.warmup (on by default on CUDA, asked for here): a prompt alone, decodes beside
     prompts (one with a context past a 128-token tile), decodes alone; then no request, no held

@@ -115,7 +115,15 @@ class Engine:
         if config.warmup or (config.warmup is None and self.device.type == "cuda"):
             try:
                 self.warmup()
-            except Exception:  # noqa: BLE001 - the engine is left clean; the first requests compile instead
+            except Exception as exc:  # noqa: BLE001 - the engine is left clean; the first requests compile instead
+                if type(exc).__name__ == "OutOfResources":  # Triton's: every step would fail the same way
+                    lay = self.layout
+                    need, limit = getattr(exc, "required", "?"), getattr(exc, "limit", "?")
+                    raise ValueError(
+                        f"the attention kernels for --kv-format {config.kv_format} at head_dim {lay.head_dim} and "
+                        f"--block-size {lay.block_size} need {need} bytes of GPU {getattr(exc, 'name', 'resources')} "
+                        f"a program, over this GPU's {limit}: try a smaller --block-size"
+                    ) from exc
                 log.exception("the warm-up steps failed: kernels compile in the first requests instead")
 
     @classmethod
