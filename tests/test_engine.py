@@ -202,7 +202,7 @@ def test_invalid_sampling_values(kwargs, field):
 def test_kernels_over_the_gpus_shared_memory_stop_the_engine_at_start(model_dir, monkeypatch):
     """A warm-up step whose kernel needs more shared memory than the GPU has (Triton's
     OutOfResources: every step would fail the same way) fails the engine's start with the format,
-    shape and a way out; other warm-up failures are logged and the engine starts."""
+    shape and bytes needed; other warm-up failures are logged and the engine starts."""
     from triton.runtime.errors import OutOfResources
 
     from llmbus.engine.engine import Engine
@@ -212,7 +212,7 @@ def test_kernels_over_the_gpus_shared_memory_stop_the_engine_at_start(model_dir,
 
     monkeypatch.setattr(Engine, "warmup", too_big)
     with pytest.raises(ValueError, match=r"--kv-format int8 at head_dim \d+ and --block-size 16 need 288768 bytes of "
-                                         r"GPU shared memory a program, over this GPU's 232448: try a smaller --block-size"):
+                                         r"GPU shared memory a program, over this GPU's 232448: this model and KV format cannot run on it"):
         LLM(model_dir, warmup=True, kv_format="int8", num_blocks=8)
 
     def fails(self):

@@ -122,7 +122,7 @@ class Engine:
                     raise ValueError(
                         f"the attention kernels for --kv-format {config.kv_format} at head_dim {lay.head_dim} and "
                         f"--block-size {lay.block_size} need {need} bytes of GPU {getattr(exc, 'name', 'resources')} "
-                        f"a program, over this GPU's {limit}: try a smaller --block-size"
+                        f"a program, over this GPU's {limit}: this model and KV format cannot run on it"
                     ) from exc
                 log.exception("the warm-up steps failed: kernels compile in the first requests instead")
 
