@@ -215,7 +215,7 @@ def code_args(cache, query: torch.Tensor) -> dict:
     return args
 
 
-def pipeline_stages(cache, tile: int, stages: int | None) -> int | None:
+def pipeline_stages(cache, tile: int, stages: int | None) -> int:
     """``stages`` (None: Triton's default, 3), fewer where the ``stages - 1`` tiles of codes the
     pipeliner buffers (keys and values of one KV head) would pass ``STAGE_BUDGET``; never below 2
     (one buffer), so a tile too large for even one still fails as before."""

@@ -58,6 +58,7 @@ PIPES = {
 NO_PIPE = re.compile(r"^(BRA|BAR|NOP|DEPBAR|LDGDEPBAR|EXIT|WARPSYNC|BSSY|BSYNC|CALL|RET|YIELD|S2R|S2UR|CS2R|R2UR|U[A-Z0-9]+)$")
 PEAK_BYTES_PER_CLOCK = 4800e9 / 132 / 1.98e9  # H200
 SMEM_BYTES_PER_CLOCK = 128  # shared memory bandwidth per SM (32 banks x 4 bytes)
+REGS_PER_SM, MAX_WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 
 
 def smem_bytes(op: str) -> int:
@@ -75,7 +76,6 @@ def smem_bytes(op: str) -> int:
     width = next((int(p) for p in parts[1:] if p in ("64", "128")), 32)
     width = 16 if "U16" in parts or "S16" in parts else 8 if "U8" in parts or "S8" in parts else width
     return width * 32 // 8
-REGS_PER_SM, MAX_WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 
 
 def pipe_of(op: str) -> str | None:
