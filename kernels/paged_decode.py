@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -242,19 +243,97 @@ def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
     return tile
 
 
+class SMLimits(NamedTuple):
+    """What one streaming multiprocessor holds at once: 32-bit registers, threads, shared-memory bytes."""
+
+    regs: int
+    threads: int
+    smem: int
+
+
+HOPPER_SM = SMLimits(65536, 2048, 228 * 1024)
+MAX_PROGRAMS_PER_SM = 32  # CUDA's resident blocks per SM (Volta to Hopper)
+# NOTE: programs an SM needs running for its share of the memory bandwidth: the long-standing
+# premise of choose_splits (fill the device twice over), not a measured constant.
+SATURATING_PER_SM = 2
+# Splits past the fill's count (choose_splits' wave rule) take at least this many tiles each: a split
+# writes partials that the reduction reads back, and below this that traffic is no longer small.
+MIN_SPLIT_TILES = 4
+
+
+def resident_programs(regs: int, warps: int, smem: int, sm: SMLimits) -> int:
+    """Programs of a launch (``regs`` registers a thread, ``warps`` warps, ``smem`` bytes of shared
+    memory each) one SM holds at once: registers are allocated per warp in units of 8 a thread, and
+    the driver reserves 1 KB of shared memory per program. 0: none fits."""
+    per_warp = -(-regs // 8) * 8 * 32
+    return min(sm.regs // (per_warp * warps), sm.threads // (32 * warps), sm.smem // (smem + 1024), MAX_PROGRAMS_PER_SM)
+
+
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _device_sms(index: int) -> tuple[int, SMLimits]:
+    p = torch.cuda.get_device_properties(index)
+    # NOTE: not every torch build exposes every limit (regs_per_multiprocessor is recent): Hopper's stand in
+    return p.multi_processor_count, SMLimits(*(getattr(p, name, dflt) for name, dflt in zip(
+        ("regs_per_multiprocessor", "max_threads_per_multi_processor", "shared_memory_per_multiprocessor"), HOPPER_SM)))
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device) -> int:
-    """Enough splits that ``batch * kv_heads * splits`` fills the device about twice over."""
-    chunks = max(1, -(-max_len // tile))
+def grid_efficiency(programs: int, slots: int, saturating: int) -> float:
+    """The share of the device's bandwidth a grid of ``programs`` equal programs uses over its run,
+    ``slots`` of them resident at once: it runs in waves, and a wave of fewer than ``saturating``
+    programs (the last, partial one) takes as long as ``saturating`` would."""
+    full, tail = divmod(programs, slots)
+    return programs / (full * slots + (max(tail, saturating) if tail else 0))
+
+
+def split_count(programs: int, chunks: int, sms: int, per_sm: int) -> int:
+    """Splits of each program's context for a decode grid of ``programs`` (sequences x KV heads), the
+    longest context ``chunks`` tiles long, on ``sms`` SMs that each hold ``per_sm`` of its programs.
+
+    At least enough that the grid fills the device about twice over (``SATURATING_PER_SM``), as
+    many as the context has tiles and 64 at most. Past that, the fewest within 5% of the best
+    ``grid_efficiency``: programs with equal contexts finish together, so a grid of 1.3 waves (512
+    programs where 396 fit: INT8's default launch at batch 64 on an H200) takes about as long as
+    two, and three splits run it in four nearly whole waves. Extra splits take at least
+    ``MIN_SPLIT_TILES`` tiles each."""
+    cap = max(1, min(chunks, 64))
+    fill = min(cap, max(1, -(-SATURATING_PER_SM * sms // max(1, programs))))
+    slots = sms * max(1, per_sm)
+    saturating = min(slots, SATURATING_PER_SM * sms)
+    counts = [fill] + [s for s in range(fill + 1, cap + 1) if chunks // s >= MIN_SPLIT_TILES]
+    eff = {s: grid_efficiency(programs * s, slots, saturating) for s in counts}
+    best = max(eff.values())
+    return next(s for s in counts if eff[s] >= 0.95 * best)
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device, per_sm: int = 1) -> int:
+    """``split_count`` on ``device`` (1 off CUDA), ``per_sm`` programs resident on each SM."""
     if device.type != "cuda":
         return 1
-    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-    want = -(-2 * sms // max(1, batch * kv_heads))
-    return max(1, min(want, chunks, 64))
+    sms, _ = _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return split_count(batch * kv_heads, max(1, -(-max_len // tile)), sms, per_sm)
+
+
+_PER_SM: dict[tuple, int] = {}
+
+
+def programs_per_sm(kernel, device: torch.device) -> int:
+    """Programs of a compiled Triton ``kernel`` one SM of ``device`` holds (at least 1)."""
+    # NOTE: a compiled kernel learns its register count when its binary loads (_init_handles, the
+    # first launch's; Triton 3.6 and 3.9 alike), so a kernel only compiled loads it here
+    kernel._init_handles()
+    _, sm = _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, resident_programs(kernel.n_regs, kernel.metadata.num_warps, kernel.metadata.shared, sm))
+
+
+class DecodeLaunch(NamedTuple):
+    """How ``paged_decode_attention`` launches: its grid's splits, the kernel's constexprs and
+    launch options, and (CUDA, splits chosen) the programs an SM holds, which chose them."""
+
+    splits: int
+    meta: dict
+    per_sm: int | None
+    ptrs: tuple  # kv_tile.tile_args'
+    strides: tuple
 
 
 def paged_decode_attention(
@@ -263,22 +342,78 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    **options,  # decode_launch's: num_splits, max_seq_len, tile, num_warps, num_stages, max_registers, tail_rows, heads_first
+) -> torch.Tensor:  # [B, Hq, D]
+    """Triton twin of ``reference.paged_decode_attention_cache``, launched as ``decode_launch`` says."""
+    out_dtype = query.dtype
+    if cache.fmt.name == "model" and query.dtype != cache.data.dtype:
+        query = query.to(cache.data.dtype)
+    if query.stride(-1) != 1:  # NOTE: the kernels take row and head strides (q is a view of qkv)
+        query = query.contiguous()
+    launch = decode_launch(query, cache, block_tables, seq_lens, **options)
+    b, hq, d = query.shape
+    hkv = cache.layout.num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if b == 0:
+        return out.to(out_dtype)
+    grid = _grid(launch, b, hkv)
+    if launch.splits == 1:
+        paged_decode_kernel[grid](*_single_args(query, out, launch, block_tables, seq_lens, scale), **launch.meta)
+        return out.to(out_dtype)
+    part = torch.empty(b, hq, launch.splits, d, dtype=torch.float32, device=query.device)
+    ml = torch.empty(b, hq, launch.splits, 2, dtype=torch.float32, device=query.device)
+    paged_decode_kernel[grid](
+        query, part, ml, *launch.ptrs, block_tables, seq_lens, scale,
+        query.stride(0), query.stride(1), part.stride(0), part.stride(1), part.stride(2), block_tables.stride(0),
+        *launch.strides, **launch.meta,
+    )
+    reduce_splits(part, ml, out)
+    return out.to(out_dtype)
+
+
+def _grid(launch: DecodeLaunch, batch: int, kv_heads: int) -> tuple[int, int, int]:
+    first, second = (kv_heads, batch) if launch.meta["HEADS_FIRST"] else (batch, kv_heads)
+    return first, second, launch.splits
+
+
+def _single_args(query, out, launch: DecodeLaunch, block_tables, seq_lens, scale) -> tuple:
+    """The kernel's arguments for one split writing ``out``."""
+    return (query, out, out, *launch.ptrs, block_tables, seq_lens, scale,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), 0, block_tables.stride(0), *launch.strides)
+
+
+def single_split_kernel(query: torch.Tensor, launch: DecodeLaunch, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    """``launch``'s single-split variant of the kernel, compiled (now, if it was not yet), not launched."""
+    meta = {**launch.meta, "SPLIT": False}
+    return paged_decode_kernel.warmup(*_single_args(query, query, launch, block_tables, seq_lens, 1.0), grid=(1,), **meta)
+
+
+def decode_launch(
+    query: torch.Tensor,
+    cache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     max_registers: int | None = None,
-    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
+    tail_rows: torch.Tensor | None = None,
     heads_first: bool | None = None,
-) -> torch.Tensor:  # [B, Hq, D]
-    """Triton twin of ``reference.paged_decode_attention_cache``. ``num_splits`` None picks split-K
-    from the device size; ``max_seq_len`` (else read from ``seq_lens``, a device-to-host read) bounds
-    the split count; each sequence splits its own length over them, in whole tiles.
-    ``tile`` (tokens per loop step, a multiple of block_size), ``num_warps``, ``num_stages`` and
-    ``max_registers`` (per thread, 0: no cap) override the per-format launch defaults (``CUDA_LAUNCH``
-    on CUDA, one block elsewhere). ``heads_first`` (None: ``HEADS_FIRST``) orders the grid's programs KV
-    head first (``grid_order``)."""
+) -> DecodeLaunch:
+    """How ``paged_decode_attention`` launches (``query`` as it launches it: contiguous rows, the
+    cache's dtype for model-dtype caches); ValueError on arguments it cannot take.
+
+    ``num_splits`` None picks split-K from the device and the launch (``choose_splits``): that needs
+    the programs an SM holds, so the single-split variant is compiled (if it is not yet) to read its
+    registers and shared memory, once per variant and device. ``max_seq_len`` (else read from
+    ``seq_lens``, a device-to-host read) bounds the split count; each sequence splits its own length
+    over them, in whole tiles. ``tile`` (tokens per loop step, a multiple of block_size),
+    ``num_warps``, ``num_stages`` and ``max_registers`` (per thread, 0: no cap) override the
+    per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere). ``tail_rows`` ([B]
+    int32) gives INT4 sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
+    orders the grid's programs KV head first (``grid_order``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -288,42 +423,26 @@ def paged_decode_attention(
         raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype} and {seq_lens.dtype}")
     if block_tables.shape[0] != b or seq_lens.shape != (b,) or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be [B, M] with contiguous rows and seq_lens [B]")
-    out_dtype = query.dtype
-    if cache.fmt.name == "model" and query.dtype != cache.data.dtype:
-        query = query.to(cache.data.dtype)
-    if query.stride(-1) != 1:  # NOTE: the kernels take row and head strides (q is a view of qkv)
-        query = query.contiguous()
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if b == 0:
-        return out.to(out_dtype)
-    bs = cache.layout.block_size
     cuda_tile, cuda_warps, cuda_stages, _ = CUDA_LAUNCH[cache.fmt.name]
     tile = tile_size(cache, tile, query.is_cuda, cuda_tile)
     if query.is_cuda:
         num_warps, num_stages = num_warps or cuda_warps, pipeline_stages(cache, tile, num_stages or cuda_stages)
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    splits = num_splits or choose_splits(b, hkv, max_len, tile, query.device)
     grp = hq // hkv
-    meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, bs), SPLIT=splits > 1,
-                **code_args(cache, query), **consts)
+    meta = dict(G=grp, GP=max(16, triton.next_power_of_2(grp)), TILE=tile, TAIL=max(16, cache.layout.block_size),
+                SPLIT=False, **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     meta["NW"] = num_warps or 4  # Triton's default
-    heads_first = meta["HEADS_FIRST"] = grid_order(b, heads_first)
+    meta["HEADS_FIRST"] = grid_order(b, heads_first)
     if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs
-    if splits == 1:
-        paged_decode_kernel[(hkv, b, 1) if heads_first else (b, hkv, 1)](
-            query, out, out, *ptrs, block_tables, seq_lens, scale,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), 0, block_tables.stride(0),
-            *strides, **meta,
-        )
-        return out.to(out_dtype)
-    part = torch.empty(b, hq, splits, d, dtype=torch.float32, device=query.device)
-    ml = torch.empty(b, hq, splits, 2, dtype=torch.float32, device=query.device)
-    paged_decode_kernel[(hkv, b, splits) if heads_first else (b, hkv, splits)](
-        query, part, ml, *ptrs, block_tables, seq_lens, scale,
-        query.stride(0), query.stride(1), part.stride(0), part.stride(1), part.stride(2), block_tables.stride(0),
-        *strides, **meta,
-    )
-    reduce_splits(part, ml, out)
-    return out.to(out_dtype)
+    launch = DecodeLaunch(num_splits or 1, meta, None, ptrs, strides)
+    if num_splits is None and query.device.type == "cuda" and b:
+        key = (query.device, query.dtype, *(t.dtype for t in ptrs), *meta.items())
+        if (per_sm := _PER_SM.get(key)) is None:
+            kernel = single_split_kernel(query, launch, block_tables, seq_lens)
+            per_sm = _PER_SM[key] = programs_per_sm(kernel, query.device)
+        max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        launch = launch._replace(splits=choose_splits(b, hkv, max_len, tile, query.device, per_sm), per_sm=per_sm)
+    if launch.splits > 1:
+        launch = launch._replace(meta={**meta, "SPLIT": True})
+    return launch

@@ -155,23 +155,24 @@ def _random_cache(fmt: str, lay: KVLayout, nblocks: int):
     return cache
 
 
-def _time_decode(cache, perm, b: int, c: int, launch: dict) -> float:
-    """Median kernel time in ms; inf if the launch fails (reported, not raised)."""
+def _time_decode(cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]:
+    """Median kernel time in ms (inf if the launch fails: reported, not raised) and the splits it ran with."""
     from triton.testing import do_bench
 
     try:
         return _do_time(do_bench, cache, perm, b, c, launch)
     except Exception as exc:  # noqa: BLE001
         print(f"  ERROR {cache.fmt.name} {launch}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-        return float("inf")
+        return float("inf"), 0
 
 
-def _do_time(do_bench, cache, perm, b: int, c: int, launch: dict) -> float:
+def _do_time(do_bench, cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]:
     tables = perm[: b * (c // BS)].view(b, c // BS)
     sl = torch.full((b,), c, dtype=torch.int32, device="cuda")
     q = torch.randn(b, HQ, D, device="cuda").bfloat16()
     fn = lambda: paged_decode_attention(q, cache, tables, sl, D**-0.5, max_seq_len=c, **launch)  # noqa: E731
-    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+    splits = paged_decode.decode_launch(q, cache, tables, sl, max_seq_len=c, **launch).splits
+    return do_bench(fn, warmup=10, rep=40, return_mode="median"), splits
 
 
 def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tuple[list[dict], dict]:
@@ -184,26 +185,27 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         cache = _random_cache(fmt, lay, nblocks)
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         # NOTE: the default launch once more with the plain-Triton code conversions (unless
-        # LLMBUS_TRITON_ASM=0 asked for them throughout) and once more with the grid sequence-first,
-        # for comparison
+        # LLMBUS_TRITON_ASM=0 asked for them throughout), once with the grid sequence-first, and
+        # once in one split (what choose_splits picked before it counted waves), for comparison
         default_asm, order = paged_decode.ASM, paged_decode.HEADS_FIRST
-        extra = [(launches[0], False, order)] if fmt != "model" and default_asm else []
-        extra.append((launches[0], default_asm, not order))
-        for (tile, warps, stages, regs), asm, heads_first in [(lc, default_asm, order) for lc in launches] + extra:
-            launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs, heads_first=heads_first)
+        extra = [(launches[0], False, order, None)] if fmt != "model" and default_asm else []
+        extra += [(launches[0], default_asm, not order, None), (launches[0], default_asm, order, 1)]
+        for (tile, warps, stages, regs), asm, heads_first, splits in [(lc, default_asm, order, None) for lc in launches] + extra:
+            launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs, heads_first=heads_first,
+                          num_splits=splits)
             paged_decode.ASM = asm
             try:
-                ms = _time_decode(cache, perm, batch, context, launch)
+                ms, ran = _time_decode(cache, perm, batch, context, launch)
             finally:
                 paged_decode.ASM = default_asm
             gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
-            rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, asm=asm, ms=ms, gbps=gbps,
+            rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, splits=ran, asm=asm, ms=ms, gbps=gbps,
                              pct_peak=(100 * gbps / peak) if peak else None))
             print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}"
-                  f"{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'} "
-                  f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
-            if asm == default_asm and (fmt not in best or gbps > best[fmt][1]):
-                best[fmt] = (launch, gbps)
+                  f" splits={ran:<2}{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'}"
+                  f"{'' if splits is None else ' forced'} {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
+            if asm == default_asm and splits is None and (fmt not in best or gbps > best[fmt][1]):
+                best[fmt] = ({k: v for k, v in launch.items() if k != "num_splits"}, gbps)
         del cache
         torch.cuda.empty_cache()
     return rows, {f: launch for f, (launch, _) in best.items()}
@@ -222,22 +224,22 @@ def bench_decode(batches, contexts, peak: float | None, launches: dict | None = 
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         for b in batches:
             for c in contexts:
-                ms = _time_decode(cache, perm, b, c, launch)
+                ms, splits = _time_decode(cache, perm, b, c, launch)
                 gbps = b * c * per_token / (ms * 1e-3) / 1e9
                 row = dict(fmt=fmt, batch=b, context=c, ms=ms, gbps=gbps, pct_peak=(100 * gbps / peak) if peak else None,
-                           launch=launch or "default")
+                           launch=launch or "default", splits=splits)
                 rows.append(row)
-                print(f"  {fmt:<6} batch={b:<4} ctx={c:<6} {ms:8.3f} ms {gbps:8.0f} GB/s", flush=True)
+                print(f"  {fmt:<6} batch={b:<4} ctx={c:<6} splits={splits:<2} {ms:8.3f} ms {gbps:8.0f} GB/s", flush=True)
         del cache
         torch.cuda.empty_cache()
     return rows
 
 
 def markdown(rows: list[dict], peak: float | None) -> str:
-    out = ["| KV format | batch | context | time (ms) | GB/s | % of peak |", "|---|---:|---:|---:|---:|---:|"]
+    out = ["| KV format | batch | context | splits | time (ms) | GB/s | % of peak |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         pct = f"{r['pct_peak']:.0f}%" if r["pct_peak"] is not None else "n/a"
-        out.append(f"| {r['fmt']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['gbps']:.0f} | {pct} |")
+        out.append(f"| {r['fmt']} | {r['batch']} | {r['context']} | {r['splits']} | {r['ms']:.3f} | {r['gbps']:.0f} | {pct} |")
     return "\n".join(out)
 
 

@@ -58,7 +58,6 @@ PIPES = {
 NO_PIPE = re.compile(r"^(BRA|BAR|NOP|DEPBAR|LDGDEPBAR|EXIT|WARPSYNC|BSSY|BSYNC|CALL|RET|YIELD|S2R|S2UR|CS2R|R2UR|U[A-Z0-9]+)$")
 PEAK_BYTES_PER_CLOCK = 4800e9 / 132 / 1.98e9  # H200
 SMEM_BYTES_PER_CLOCK = 128  # shared memory bandwidth per SM (32 banks x 4 bytes)
-REGS_PER_SM, MAX_WARPS_PER_SM, SMEM_PER_SM = 65536, 64, 228 * 1024
 
 
 def smem_bytes(op: str) -> int:
@@ -108,10 +107,10 @@ def main_loop(sass: str) -> list[str]:
 
 
 def occupancy(regs: int, warps: int, smem: int) -> int:
-    """Resident warps per SM: registers are allocated per warp in units of 8 per thread."""
-    per_warp = -(-regs // 8) * 8 * 32
-    blocks = min(REGS_PER_SM // (per_warp * warps), MAX_WARPS_PER_SM // warps, SMEM_PER_SM // (smem + 1024))
-    return blocks * warps
+    """Resident warps per SM of a Hopper GPU (``paged_decode.resident_programs``)."""
+    from kernels.paged_decode import HOPPER_SM, resident_programs
+
+    return resident_programs(regs, warps, smem, HOPPER_SM) * warps
 
 
 @functools.lru_cache(maxsize=None)

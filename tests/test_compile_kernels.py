@@ -109,6 +109,9 @@ VARIANTS = PRELUDE + textwrap.dedent('''
     starts = cuda(torch.arange(7, dtype=torch.int32))
     for nd in (1, 2, 3):  # a mixed step's prompts: views past nd decodes' rows, at any alignment
         paged_prefill_attention(q[:2], cache, wide[nd : nd + 2], six[nd : nd + 2], starts[nd : nd + 3] - nd, 0.1)
+    from kernels.paged_decode import decode_launch, single_split_kernel
+    single = single_split_kernel(q, decode_launch(q, cache, tables, lens, max_seq_len=40), tables, lens)
+    print("single-split variant:", single.metadata.num_warps, single.metadata.shared > 0)
     variants = {{}}
     for name, kernel in compiled:
         variants.setdefault(name, set()).add(kernel.hash)
@@ -121,10 +124,13 @@ def test_per_step_sizes_compile_no_new_variants():
     mixing decodes with prompts) the offset of the prompts' rows change as a server runs; Triton
     would compile a variant per specialization of them (== 1, a multiple of 16, a pointer's
     alignment; the split count was a constexpr), stalling eager steps mid-stream. Each kernel
-    compiles once across them (paged decode twice: without and with splits)."""
+    compiles once across them (paged decode twice: without and with splits). The variant
+    ``decode_launch`` compiles (not launches) to learn a launch's occupancy is the one the launch
+    without splits runs."""
     code = VARIANTS.format(scripts=str(SCRIPT.parent), root=str(SCRIPT.parents[1]))
     proc = subprocess.run([sys.executable, "-c", code], env=_native_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "single-split variant: 4 True" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == str(
         [("paged_decode_kernel", 2), ("paged_prefill_kernel", 1), ("reduce_splits_kernel", 1), ("write_kv_kernel", 1)])
 

@@ -185,6 +185,55 @@ def test_decode_grid_order_defaults_heads_first_within_cuda_limits(monkeypatch):
     assert not paged_decode.grid_order(8) and paged_decode.grid_order(8, heads_first=True)
 
 
+def test_resident_programs_by_registers_threads_and_shared_memory():
+    """Programs an SM holds: registers per warp in units of 8 a thread, a KB of shared memory
+    reserved per program, 32 programs at most; 0 when one does not fit."""
+    from kernels.paged_decode import HOPPER_SM, resident_programs
+
+    assert resident_programs(128, 4, 75_800, HOPPER_SM) == 3  # shared memory binds: INT8's default launch
+    assert resident_programs(128, 4, 30_000, HOPPER_SM) == 4  # registers bind
+    assert resident_programs(121, 4, 30_000, HOPPER_SM) == 4 and resident_programs(129, 4, 0, HOPPER_SM) == 3
+    assert resident_programs(32, 16, 0, HOPPER_SM) == 4  # threads bind
+    assert resident_programs(16, 1, 0, HOPPER_SM) == 32
+    assert resident_programs(32, 4, 300_000, HOPPER_SM) == 0
+
+
+def test_split_count_fills_the_device_then_avoids_thin_last_waves():
+    """Small grids split to fill the device twice over (as many splits as tiles at most); grids of
+    a wave or more split only where their last wave would be thin, and then into the fewest
+    splits within 5% of the best efficiency, each of at least MIN_SPLIT_TILES tiles."""
+    from kernels.paged_decode import grid_efficiency, split_count
+
+    assert split_count(8, 512, 132, 4) == 33 and split_count(8, 5, 132, 4) == 5  # 264 programs: the fill
+    assert split_count(128, 256, 132, 4) == 3
+    assert split_count(512, 64, 132, 4) == 1  # batch 64 x 8 heads: one wave where four programs fit an SM
+    # where three fit (396 slots) the last of two waves would hold 116 programs, under one an SM
+    assert grid_efficiency(512, 396, 264) == pytest.approx(512 / 660)
+    assert split_count(512, 64, 132, 3) == 2 and grid_efficiency(1024, 396, 264) == pytest.approx(1024 / 1056)
+    assert split_count(512, 7, 132, 3) == 1  # two splits would take three tiles each
+    assert split_count(2048, 256, 132, 3) == 2  # 0.91 -> 0.97 (three: 0.99, four: 1.0)
+    assert split_count(512, 64, 132, 1) == 1  # the last of four waves still saturates: 116 of 132
+    assert split_count(1, 1, 132, 4) == 1 and split_count(10**6, 1024, 132, 4) == 1
+
+
+def test_decode_launch_off_cuda_takes_one_split_unless_asked():
+    """Off CUDA the split count is 1 (none is chosen from a device); an explicit count sets SPLIT."""
+    from kernels.paged_decode import decode_launch
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    cache = allocate_cache(KVFormat("int8"), lay, 8, DEV)
+    q = torch.zeros(3, 8, 64, device=DEV)
+    tables, lens = torch.zeros(3, 2, dtype=torch.int32, device=DEV), torch.full((3,), 20, dtype=torch.int32, device=DEV)
+    launch = decode_launch(q, cache, tables, lens)
+    if DEV == "cpu":
+        assert launch.splits == 1 and launch.per_sm is None and not launch.meta["SPLIT"]
+    else:
+        assert launch.per_sm >= 1 and launch.meta["SPLIT"] == (launch.splits > 1)
+    assert decode_launch(q, cache, tables, lens, num_splits=3).meta["SPLIT"]
+    with pytest.raises(ValueError, match="block_tables and seq_lens must be int32"):
+        decode_launch(q, cache, tables.long(), lens)
+
+
 def _prmt(a: int, b: int, sel: int) -> int:
     """PTX ``prmt.b32`` (default mode): result byte i is byte ``sel`` nibble i of the pair {b, a}."""
     assert all((sel >> 4 * i) & 8 == 0 for i in range(4)), "sign-replicate selectors are not emulated"
