@@ -23,8 +23,11 @@ loop's own ``LDL``/``STL`` count in ``ops``.
 ``--kernel prefill`` costs the prefill kernel's main loop instead (its bound is per program: every
 query block of a sequence reads the same tiles, so it is no bandwidth figure).
 
+``--lines`` counts the loop's instructions per source line (nvdisasm's line table): which lines of
+``kernels/`` the loop's cost comes from.
+
     python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES[,MAXREGS]]
-        [--kernel decode|prefill] [--ops] [--json F]
+        [--kernel decode|prefill] [--ops] [--lines [DEPTH]] [--json F]
 """
 
 from __future__ import annotations
@@ -85,25 +88,70 @@ def pipe_of(op: str) -> str | None:
     return None if NO_PIPE.match(base) else "alu"
 
 
-def main_loop(sass: str) -> list[str]:
-    """Opcodes of the longest loop (a branch back to an earlier label) in nvdisasm output."""
-    ops, labels = [], {}
+def instructions(sass: str) -> tuple[list[tuple[str, list[str]]], dict[str, int]]:
+    """nvdisasm output -> its instructions (text without predicate, and the source lines it comes
+    from, outermost call first, where ``-gi`` annotated them) and each label's index among them."""
+    insts, labels, frames, chain = [], {}, [], []
     for line in sass.splitlines():
         label = re.match(r"^\s*\.?(L_x_\d+):", line)
         if label:
-            labels[label.group(1)] = len(ops)
+            labels[label.group(1)] = len(insts)
+            continue
+        # a change of source line: //## File "inner.py", line 9 inlined at "outer.py", line 3, one
+        # line a frame, the innermost first; the instructions after it come from there
+        where = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
+        if where:
+            frames.append(f"{Path(where.group(1)).name}:{where.group(2)}")
             continue
         ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
         if ins:
-            ops.append(re.sub(r"^@!?U?P\w+\s+", "", ins.group(1)))
+            if frames:
+                chain, frames = frames[::-1], []
+            insts.append((re.sub(r"^@!?U?P\w+\s+", "", ins.group(1)), chain))
+    return insts, labels
+
+
+def _loop(sass: str) -> list[tuple[str, list[str]]]:
+    insts, labels = instructions(sass)
     loops = []
-    for i, text in enumerate(ops):
+    for i, (text, _) in enumerate(insts):
         target = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", text)
         if target and labels.get(target.group(1), i + 1) <= i:
-            loops.append(ops[labels[target.group(1)]: i + 1])
+            loops.append(insts[labels[target.group(1)]: i + 1])
     if not loops:
         raise RuntimeError("no loop found in the disassembly")
-    return [text.split()[0] for text in max(loops, key=len)]
+    return max(loops, key=len)
+
+
+def main_loop(sass: str) -> list[str]:
+    """Opcodes of the longest loop (a branch back to an earlier label) in nvdisasm output."""
+    return [text.split()[0] for text, _ in _loop(sass)]
+
+
+def loop_lines(sass: str, depth: int = 0) -> collections.Counter:
+    """Instructions of the longest loop per source line, from ``nvdisasm -gi`` output: each goes to
+    the frame of its call chain below the calls nine in ten of the loop's instructions share (the
+    call of a loop in a helper, such as the quantized loops in ``decode_tiles``), ``depth`` frames
+    deeper still; an instruction whose chain is shorter goes to its innermost frame."""
+    loop = _loop(sass)
+    level = 0
+    while any(len(chain) > level + 1 for _, chain in loop):
+        heads = collections.Counter(chain[level] for _, chain in loop if len(chain) > level)
+        if heads.most_common(1)[0][1] < 0.9 * len(loop):
+            break
+        level += 1
+    level += depth
+    return collections.Counter((chain[min(level, len(chain) - 1)] if chain else "?") for _, chain in loop)
+
+
+def source_line(where: str) -> str:
+    """The text of ``file.py:N`` (a file of ``kernels/``), stripped; empty if it is not there."""
+    name, _, line = where.partition(":")
+    path = SCRIPTS.parent / "kernels" / name
+    if not path.is_file() or not line.isdigit():
+        return ""
+    lines = path.read_text().splitlines()
+    return lines[int(line) - 1].strip()[:100] if 0 < int(line) <= len(lines) else ""
 
 
 def occupancy(regs: int, warps: int, smem: int) -> int:
@@ -120,9 +168,11 @@ def _compile_only(arch: int) -> list:
     return compile_only(arch)
 
 
-def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, kernel: str = "decode") -> dict:
+def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, kernel: str = "decode",
+            lines_depth: int = 0) -> dict:
     """Compile one decode launch (or, ``kernel="prefill"``, the prefill kernel at its defaults: 64
-    query rows of one head a program, 64-token tiles) and cost its main loop (the module docstring)."""
+    query rows of one head a program, 64-token tiles) and cost its main loop (the module docstring);
+    ``lines`` counts its instructions per source line (``loop_lines`` at ``lines_depth``)."""
     import torch
     import triton
 
@@ -153,7 +203,8 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(binary.asm["cubin"])
         f.flush()
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", "-gi", f.name], capture_output=True, text=True,
+                              check=True).stdout
         usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     regs, spills = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
@@ -179,7 +230,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
                 spills=spills, smem=binary.metadata.shared, buffers=buffers, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
                 loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter, smem_bytes_per_iteration=smem,
                 instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,
-                ops=dict(ops.most_common()))
+                ops=dict(ops.most_common()), lines=dict(loop_lines(sass, lines_depth).most_common()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", action="store_true", help="also print the loop's opcode counts")
     ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode",
                     help="prefill: its main loop per program (64 query rows of one head); --launch does not apply")
+    ap.add_argument("--lines", type=int, nargs="?", const=0, default=None, metavar="DEPTH",
+                    help="also print the loop's instructions per source line (DEPTH: that many calls deeper)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else None
@@ -197,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| KV format | tile, warps, stages, reg cap | regs | warps/SM | loop instr | warp instr / KV byte | smem bytes / KV byte | bound (% of H200 peak) | binding pipe |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
-        r = analyse(fmt, launch, args.arch, args.kernel)
+        r = analyse(fmt, launch, args.arch, args.kernel, args.lines or 0)
         rows.append(r)
         spilled = f" ({r['spills']} B spilled)" if r["spills"] else ""
         print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']}, {r['max_registers'] or '-'} | {r['regs']}{spilled} | {r['warps_per_sm']} | "
@@ -206,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['binding']} |", flush=True)
         if args.ops:
             print("    " + ", ".join(f"{op} {n}" for op, n in r["ops"].items()))
+        if args.lines is not None:
+            for where, n in r["lines"].items():
+                print(f"    {n:4d}  {where:<24} {source_line(where)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

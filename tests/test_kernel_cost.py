@@ -47,6 +47,32 @@ def test_the_longest_loop_is_found_and_its_instructions_go_to_pipes():
     assert cost.occupancy(regs=80, warps=4, smem=13440) == 24 and cost.occupancy(regs=243, warps=4, smem=30992) == 8
 
 
+SASS_LINES = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+	//## File "/k/decode_tiles.py", line 40 inlined at "/k/decode_tiles.py", line 12
+	//## File "/k/decode_tiles.py", line 12 inlined at "/k/paged_decode.py", line 7
+	//## File "/k/paged_decode.py", line 7
+        /*0110*/                   LOP3.LUT R2, R3, 0xf, RZ, 0xc0, !PT ;
+        /*0120*/                   HADD2 R2, R2, -R4 ;
+	//## File "/k/decode_tiles.py", line 13 inlined at "/k/paged_decode.py", line 7
+	//## File "/k/paged_decode.py", line 7
+        /*0130*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+	//## File "/k/paged_decode.py", line 7
+        /*0140*/               @P0 BRA `(.L_x_0) ;
+"""
+
+
+def test_loop_lines_attribute_instructions_below_the_loops_shared_call():
+    """nvdisasm -gi annotates a change of source line with its call chain, innermost first; the
+    loop's instructions go to the frame below the call they (nine in ten) share, or deeper."""
+    cost = _load()
+    assert cost.main_loop(SASS_LINES) == ["LOP3.LUT", "HADD2", "HMMA.16816.F32", "BRA"]
+    assert cost.loop_lines(SASS_LINES) == {"decode_tiles.py:12": 2, "decode_tiles.py:13": 1, "paged_decode.py:7": 1}
+    assert cost.loop_lines(SASS_LINES, depth=1) == {"decode_tiles.py:40": 2, "decode_tiles.py:13": 1,
+                                                     "paged_decode.py:7": 1}
+
+
 def _cost(tmp_path: Path, fmt: str, asm: bool, kernel: str = "decode") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"LLMBUS_TRITON_ASM": "1" if asm else "0"}
     out = tmp_path / f"{fmt}-{asm}-{kernel}.json"
@@ -99,6 +125,9 @@ def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(
     asm, plain = _cost(tmp_path, "int4", True), _cost(tmp_path, "int4", False)
     for row in (asm, plain):
         assert any(op.startswith("HMMA") for op in row["ops"])
+        # per source line: the loop's instructions, in the lane loop's lines
+        assert sum(row["lines"].values()) == row["loop_instructions"]
+        assert next(iter(row["lines"])).startswith("decode_tiles.py:"), row["lines"]
         assert sum(n for op, n in row["ops"].items() if op.startswith(("I2F", "I2FP"))) <= 8, row["ops"]
         assert row["max_registers"] and row["regs"] <= row["max_registers"]
     spill_ops = {op: n for op, n in asm["ops"].items() if op.startswith(("LDL", "STL"))}
