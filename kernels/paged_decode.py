@@ -259,6 +259,10 @@ SATURATING_PER_SM = 2
 # Splits past the fill's count (choose_splits' wave rule) take at least this many tiles each: a split
 # writes partials that the reduction reads back, and below this that traffic is no longer small.
 MIN_SPLIT_TILES = 4
+# NOTE: LLMBUS_TRITON_WAVE_SPLITS=0 keeps decode's split count at the fill (split_count), as before
+# 2026-12-01: the wave rule rests on SATURATING_PER_SM, untested on a GPU as of then (bench_gpu's
+# sweep times the default launch in one split beside it)
+WAVE_SPLITS = os.environ.get("LLMBUS_TRITON_WAVE_SPLITS", "1") != "0"
 
 
 def resident_programs(regs: int, warps: int, smem: int, sm: SMLimits) -> int:
@@ -277,32 +281,45 @@ def _device_sms(index: int) -> tuple[int, SMLimits]:
         ("regs_per_multiprocessor", "max_threads_per_multi_processor", "shared_memory_per_multiprocessor"), HOPPER_SM)))
 
 
-def grid_efficiency(programs: int, slots: int, saturating: int) -> float:
-    """The share of the device's bandwidth a grid of ``programs`` equal programs uses over its run,
-    ``slots`` of them resident at once: it runs in waves, and a wave of fewer than ``saturating``
-    programs (the last, partial one) takes as long as ``saturating`` would."""
+def grid_time(programs: int, slots: int, saturating: int) -> int:
+    """How long a grid of ``programs`` equal programs runs, ``slots`` of them resident at once, in
+    program-lengths times ``slots``: it runs in waves, each full wave one program-length, and a
+    last, partial wave of ``r`` programs ``max(r, saturating) / slots`` of one (fewer than
+    ``saturating`` programs do not draw the device's bandwidth: they take as long as that many)."""
     full, tail = divmod(programs, slots)
-    return programs / (full * slots + (max(tail, saturating) if tail else 0))
+    return full * slots + (max(tail, saturating) if tail else 0)
 
 
+@functools.lru_cache(maxsize=4096)
 def split_count(programs: int, chunks: int, sms: int, per_sm: int) -> int:
     """Splits of each program's context for a decode grid of ``programs`` (sequences x KV heads), the
     longest context ``chunks`` tiles long, on ``sms`` SMs that each hold ``per_sm`` of its programs.
 
     At least enough that the grid fills the device about twice over (``SATURATING_PER_SM``), as
-    many as the context has tiles and 64 at most. Past that, the fewest within 5% of the best
-    ``grid_efficiency``: programs with equal contexts finish together, so a grid of 1.3 waves (512
-    programs where 396 fit: INT8's default launch at batch 64 on an H200) takes about as long as
-    two, and three splits run it in four nearly whole waves. Extra splits take at least
-    ``MIN_SPLIT_TILES`` tiles each."""
+    many as the context has tiles and 64 at most: the fill. Past it (``WAVE_SPLITS``), and only
+    where the fill's grid runs more than 5% over the ideal time, the fewest splits within 5% of the
+    shortest ``grid_time``: programs with equal contexts finish together, so a grid of 1.3 waves
+    (512 programs where 396 fit: INT8's default launch at batch 64 on an H200) takes about as long
+    as 1.7 (its last wave, under one program an SM, does not draw the bandwidth), and two splits
+    take 1.07. A split is whole tiles (the kernel's: ``ceil(chunks / splits)`` each, the last what
+    is left), and an extra split count is one whose every split, the last included, takes at least
+    ``MIN_SPLIT_TILES`` tiles."""
     cap = max(1, min(chunks, 64))
     fill = min(cap, max(1, -(-SATURATING_PER_SM * sms // max(1, programs))))
     slots = sms * max(1, per_sm)
     saturating = min(slots, SATURATING_PER_SM * sms)
-    counts = [fill] + [s for s in range(fill + 1, cap + 1) if chunks // s >= MIN_SPLIT_TILES]
-    eff = {s: grid_efficiency(programs * s, slots, saturating) for s in counts}
-    best = max(eff.values())
-    return next(s for s in counts if eff[s] >= 0.95 * best)
+
+    def run(splits: int) -> int:  # in tiles x slots, as grid_time
+        length = -(-chunks // splits)
+        return length * grid_time(programs * -(-chunks // length), slots, saturating)
+
+    if not WAVE_SPLITS or programs * chunks >= 0.95 * run(fill):
+        return fill
+    counts = [fill] + [s for s in range(fill + 1, cap + 1)
+                       if chunks - (s - 1) * -(-chunks // s) >= MIN_SPLIT_TILES]
+    times = {s: run(s) for s in counts}
+    best = min(times.values())
+    return next(s for s in counts if times[s] * 0.95 <= best)
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, tile: int, device: torch.device, per_sm: int = 1) -> int:

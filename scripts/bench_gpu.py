@@ -186,7 +186,8 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         # NOTE: the default launch once more with the plain-Triton code conversions (unless
         # LLMBUS_TRITON_ASM=0 asked for them throughout), once with the grid sequence-first, and
-        # once in one split (what choose_splits picked before it counted waves), for comparison
+        # once in one split (at the sweep's shapes, what choose_splits picked before it counted
+        # waves: LLMBUS_TRITON_WAVE_SPLITS=0), for comparison
         default_asm, order = paged_decode.ASM, paged_decode.HEADS_FIRST
         extra = [(launches[0], False, order, None)] if fmt != "model" and default_asm else []
         extra += [(launches[0], default_asm, not order, None), (launches[0], default_asm, order, 1)]

@@ -198,22 +198,29 @@ def test_resident_programs_by_registers_threads_and_shared_memory():
     assert resident_programs(32, 4, 300_000, HOPPER_SM) == 0
 
 
-def test_split_count_fills_the_device_then_avoids_thin_last_waves():
-    """Small grids split to fill the device twice over (as many splits as tiles at most); grids of
-    a wave or more split only where their last wave would be thin, and then into the fewest
-    splits within 5% of the best efficiency, each of at least MIN_SPLIT_TILES tiles."""
-    from kernels.paged_decode import grid_efficiency, split_count
+def test_split_count_fills_the_device_then_avoids_thin_last_waves(monkeypatch):
+    """Small grids split to fill the device twice over (as many splits as tiles at most); past
+    that, a grid whose last wave would be thin splits further, into the fewest splits within 5% of
+    the best time, every split (the last included) of at least MIN_SPLIT_TILES tiles. Never more
+    than the fill where that is no faster (timed in whole tiles a split)."""
+    from kernels import paged_decode
+    from kernels.paged_decode import grid_time, split_count
 
-    assert split_count(8, 512, 132, 4) == 33 and split_count(8, 5, 132, 4) == 5  # 264 programs: the fill
+    assert split_count(8, 512, 132, 4) == 33 and split_count(8, 5, 132, 4) == 5  # the fill: 264 programs
     assert split_count(128, 256, 132, 4) == 3
     assert split_count(512, 64, 132, 4) == 1  # batch 64 x 8 heads: one wave where four programs fit an SM
     # where three fit (396 slots) the last of two waves would hold 116 programs, under one an SM
-    assert grid_efficiency(512, 396, 264) == pytest.approx(512 / 660)
-    assert split_count(512, 64, 132, 3) == 2 and grid_efficiency(1024, 396, 264) == pytest.approx(1024 / 1056)
-    assert split_count(512, 7, 132, 3) == 1  # two splits would take three tiles each
-    assert split_count(2048, 256, 132, 3) == 2  # 0.91 -> 0.97 (three: 0.99, four: 1.0)
+    assert grid_time(512, 396, 264) == 396 + 264 and grid_time(1024, 396, 264) == 2 * 396 + 264
+    assert split_count(512, 64, 132, 3) == 2
+    assert split_count(512, 7, 132, 3) == 1  # two splits: 4 tiles and a last of 3
+    assert split_count(2048, 256, 132, 3) == 2
     assert split_count(512, 64, 132, 1) == 1  # the last of four waves still saturates: 116 of 132
+    assert split_count(32, 46, 132, 2) == 9  # eight splits of 6 tiles in one wave beat any count past it
     assert split_count(1, 1, 132, 4) == 1 and split_count(10**6, 1024, 132, 4) == 1
+    split_count.cache_clear()
+    monkeypatch.setattr(paged_decode, "WAVE_SPLITS", False)
+    assert split_count(512, 64, 132, 3) == 1 and split_count(8, 512, 132, 4) == 33
+    split_count.cache_clear()
 
 
 def test_decode_launch_off_cuda_takes_one_split_unless_asked():
