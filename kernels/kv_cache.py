@@ -59,24 +59,41 @@ class PagedKVCache:
 
 
 def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: torch.device | str,
-                   tail_rows: int = 0) -> PagedKVCache:
+                   tail_rows: int = 0, head_major: bool = False) -> PagedKVCache:
     """Zeroed cache of ``num_blocks`` blocks for one layer; an INT4 one with ``tail_rows`` exact
-    tail rows (other formats need none and ignore it)."""
+    tail rows (other formats need none and ignore it).
+
+    ``head_major``: the same tensors (shapes, dtypes, contents, ``read_blocks`` bytes) stored with
+    each block's heads outside its tokens (``[.., N, H, bs, ..]`` in memory, viewed as
+    ``[.., N, bs, H, ..]``), so one head's rows of a block are one contiguous run (for INT4 at
+    head_dim 128, 1 KB where token-major storage gives 64-byte runs 512 bytes apart). The Triton
+    kernels and the references take either (they index by strides); the CPU fast paths need the
+    token-major default."""
     fmt.check(layout)
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if tail_rows < 0:
         raise ValueError(f"tail_rows must be >= 0, got {tail_rows}")
     n, bs, h, d = num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
+
+    def zeros(*shape: int, dtype: torch.dtype, tokens: int) -> torch.Tensor:
+        """Zeros of ``shape`` whose dimension ``tokens`` (a block's tokens, heads next) is stored
+        inside the heads' when ``head_major``."""
+        if not head_major:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        order = list(range(len(shape)))
+        order[tokens], order[tokens + 1] = order[tokens + 1], order[tokens]
+        return torch.zeros(*(shape[i] for i in order), dtype=dtype, device=device).permute(*order)
+
     if fmt.name == "model":
-        return PagedKVCache(fmt, layout, torch.zeros(2, n, bs, h, d, dtype=_DTYPES[layout.dtype], device=device))
+        return PagedKVCache(fmt, layout, zeros(2, n, bs, h, d, dtype=_DTYPES[layout.dtype], tokens=2))
     if fmt.name == "int8":
-        data = torch.zeros(2, n, bs, h, d, dtype=torch.int8, device=device)
-        scale = torch.zeros(2, n, bs, h, dtype=_DTYPES[fmt.scale_dtype], device=device)
+        data = zeros(2, n, bs, h, d, dtype=torch.int8, tokens=2)
+        scale = zeros(2, n, bs, h, dtype=_DTYPES[fmt.scale_dtype], tokens=2)
         return PagedKVCache(fmt, layout, data, scale=scale)
-    data = torch.zeros(2, n, bs, h, d // 2, dtype=torch.uint8, device=device)
+    data = zeros(2, n, bs, h, d // 2, dtype=torch.uint8, tokens=2)
     k_meta = torch.zeros(n, h, KVFormat.key_meta_slots(d, bs), dtype=torch.int16, device=device)
-    v_meta = torch.zeros(n, bs, h, d // KVFormat.value_group(d), 2, dtype=torch.float16, device=device)
+    v_meta = zeros(n, bs, h, d // KVFormat.value_group(d), 2, dtype=torch.float16, tokens=1)
     tails = [torch.zeros(tail_rows * bs, h, d, dtype=_DTYPES[layout.dtype], device=device) if tail_rows else None
              for _ in range(2)]
     return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta, k_tail=tails[0], v_tail=tails[1])

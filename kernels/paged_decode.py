@@ -167,6 +167,16 @@ def paged_decode_kernel(
         tl.store(ml_ptr + ml + 1, l_i, mask=gmask)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """``t``'s elements fill its span of memory: no gaps, no overlaps (any order of dimensions)."""
+    span = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride != span:
+            return False
+        span *= size
+    return True
+
+
 def _aligned(t: torch.Tensor, size: int, dims: int) -> bool:
     """``t`` starts on a ``size``-byte boundary and its first ``dims`` strides step whole multiples of
     ``size`` bytes (what reading it as ``size``-byte words needs)."""
@@ -175,11 +185,12 @@ def _aligned(t: torch.Tensor, size: int, dims: int) -> bool:
 
 def int8_words(cache) -> bool:
     """Whether INT8 decode reads the cache as 32-bit words: from 64 channels (each class's dots
-    need 16), on a word-aligned cache whose fp16 scales are word-aligned and contiguous too (they
-    are read in pairs: decode_tiles.scale_at)."""
+    need 16), on a word-aligned cache whose fp16 scales are word-aligned and dense too (they are
+    read in pairs, decode_tiles.scale_at: a scale's neighbour in memory must lie in the tensor,
+    which then holds an even count, 2 x N x bs x H)."""
     scale = cache.scale
     return (cache.fmt.name == "int8" and cache.layout.head_dim >= 64 and _aligned(cache.data, 4, 4)
-            and (scale.dtype != torch.float16 or (_aligned(scale, 4, 0) and scale.is_contiguous())))
+            and (scale.dtype != torch.float16 or (_aligned(scale, 4, 0) and _dense(scale))))
 
 
 def int4_lanes(cache) -> bool:

@@ -29,10 +29,17 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     """Scatter new keys and values into the paged cache by slot."""
-    _, n, bs, h, d = cache.shape
-    flat = cache.view(2, n * bs, h, d)
-    flat[0].index_copy_(0, slot_mapping, key.to(cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(cache.dtype))
+    blk, off = _block_offsets(slot_mapping, cache.shape[2])
+    cache[0, blk, off] = key.to(cache.dtype)
+    cache[1, blk, off] = value.to(cache.dtype)
+
+
+def _block_offsets(slots: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots -> (block, offset in it), to index a cache's ``[.., N, bs, ..]`` dimensions. NOTE:
+    indexing, not a ``view`` of the blocks as one row of slots, which a head-major cache
+    (``kv_cache.allocate_cache``) has no view for."""
+    slots = slots.long()
+    return slots // bs, slots % bs
 
 
 def gather_kv(
@@ -134,21 +141,20 @@ def write_kv_cache(
         write_kv(key, value, cache.data, slot_mapping)
         return
     slots = slot_mapping.long()
-    _, n, bs = cache.data.shape[:3]
-    flat = cache.data.view(2, n * bs, *cache.data.shape[3:])
+    bs = cache.data.shape[2]
+    at = _block_offsets(slots, bs)
     if cache.fmt.name == "int8":
-        sflat = cache.scale.view(2, n * bs, -1)
         for i, x in enumerate((key, value)):
             q, s = qr.int8_quantize(x, cache.scale.dtype)
-            flat[i].index_copy_(0, slots, q)
-            sflat[i].index_copy_(0, slots, s)
+            cache.data[(i, *at)] = q
+            cache.scale[(i, *at)] = s
         return
     tails = check_tail_slots(cache, slots, tail_slots)
     d = key.shape[-1]
     gv, gk = KVFormat.value_group(d), KVFormat.key_group(d, bs)
     q, s, mn = qr.int4_group_quantize(value, gv)
-    flat[1].index_copy_(0, slots, qr.pack_nibbles(q))
-    cache.v_meta.view(n * bs, *cache.v_meta.shape[2:]).index_copy_(0, slots, torch.stack((s, mn), -1))
+    cache.data[(1, *at)] = qr.pack_nibbles(q)
+    cache.v_meta[at] = torch.stack((s, mn), -1)
     slot_list = slots.tolist()
     row_of = {sl: i for i, sl in enumerate(slot_list)}
     sealed = sorted({sl // bs for sl in slot_list if sl % bs == bs - 1})
@@ -156,10 +162,10 @@ def write_kv_cache(
     if tail:
         idx = torch.tensor(tail, dtype=torch.long, device=key.device)
         q, s, mn = qr.int4_group_quantize(key[idx], gk)
-        flat[0].index_copy_(0, slots[idx], qr.pack_nibbles(q))
+        blk, off = _block_offsets(slots[idx], bs)
+        cache.data[0, blk, off] = qr.pack_nibbles(q)
         meta = torch.stack((s, mn), -1).view(torch.int16).flatten(-2)  # [t, H, 2 * D/gk]
         width = meta.shape[-1]
-        blk, off = slots[idx] // bs, slots[idx] % bs
         cols = off[:, None] * width + torch.arange(width, device=key.device)  # [t, width]
         heads = torch.arange(key.shape[1], device=key.device)
         cache.k_meta[blk[:, None, None], heads[None, :, None], cols[:, None, :]] = meta

@@ -127,6 +127,19 @@ def check_kernels() -> list[dict]:
                 name = "paged_decode " + ("heads-first" if launch["heads_first"] else "seq-first")
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
+        # the same blocks stored head-major (kv_cache.allocate_cache): written by the kernel (as
+        # the token-major cache, mine, was), and decoded
+        head_major, hm_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda", head_major=True)
+                                 for _ in range(2))
+        ref.write_kv_cache(k, v, hm_theirs, slots)
+
+        def head_major_write_err():
+            write_kv(k, v, head_major, slots)
+            return (ref.dequantize_blocks(head_major, ids, full) - ref.dequantize_blocks(mine, ids, full)).abs().max()
+
+        _measure(rows, "write_kv head-major", fmt, {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt], head_major_write_err)
+        _measure(rows, "paged_decode head-major", fmt, 4e-2, lambda: (paged_decode_attention(
+            q, hm_theirs, tables, sl, D**-0.5).float() - want).abs().max())
         qlens = [1, 17, 100, 333]
         qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         qp = torch.randn(int(qsl[-1]), HQ, D, device="cuda").bfloat16()
@@ -140,13 +153,15 @@ def check_kernels() -> list[dict]:
     return rows
 
 
-def _random_cache(fmt: str, lay: KVLayout, nblocks: int):
-    cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
+def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool = False):
+    cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda", head_major=head_major)
     for t, _ in cache.parts():  # random bytes: bandwidth does not depend on the values
+        # NOTE: filled through its storage, which a head-major cache's permuted view cannot be viewed as bytes of
+        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
         if t.dtype == torch.bfloat16:
-            t.normal_()
+            flat.normal_()
         else:
-            t.view(torch.uint8).random_(0, 256)
+            flat.view(torch.uint8).random_(0, 256)
     if cache.k_meta is not None:
         cache.k_meta[..., -2:] = torch.tensor([-1.0, 1.0], dtype=torch.float16, device="cuda").view(torch.int16)
         cache.v_meta.fill_(0.01)
@@ -207,6 +222,21 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
                   f"{'' if splits is None else ' forced'} {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and splits is None and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = ({k: v for k, v in launch.items() if k != "num_splits"}, gbps)
+        del cache
+        torch.cuda.empty_cache()
+        # NOTE: the default launch once more over a head-major cache (one head's rows of a block
+        # contiguous, kv_cache.allocate_cache): does a program's run of bytes (64 B a token for
+        # INT4, 128 B for INT8, 256 B for bf16 when token-major) cost bandwidth? Not a launch
+        # option, so never the best launch.
+        cache = _random_cache(fmt, lay, nblocks, head_major=True)
+        launch = dict(zip(("tile", "num_warps", "num_stages", "max_registers"), launches[0]))
+        ms, ran = _time_decode(cache, perm, batch, context, launch)
+        gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
+        rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, heads_first=order, num_splits=None,
+                         splits=ran, asm=default_asm, head_major=True, ms=ms, gbps=gbps,
+                         pct_peak=(100 * gbps / peak) if peak else None))
+        print(f"  sweep {batch}x{context} {fmt:<6} default launch, head-major cache splits={ran:<2} "
+              f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
         del cache
         torch.cuda.empty_cache()
     return rows, {f: launch for f, (launch, _) in best.items()}

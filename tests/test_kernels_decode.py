@@ -33,10 +33,10 @@ def _fill(cache, lay, lens, num_blocks, seed):
 
 
 def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16", num_warps=None,
-           heads_first=True):
+           heads_first=True, head_major=False):
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
-    cache = allocate_cache(KVFormat(name, scale_dtype=scale_dtype), lay, nblocks, DEV)
+    cache = allocate_cache(KVFormat(name, scale_dtype=scale_dtype), lay, nblocks, DEV, head_major=head_major)
     tables = _fill(cache, lay, lens, nblocks, seed)
     q = torch.randn(len(lens), hkv * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     q = q.to(DEV, cache.model_dtype)
@@ -48,12 +48,26 @@ def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=Non
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     empty = [i for i, n in enumerate(lens) if n == 0]
     assert (got[empty] == 0).all()
+    return cache
 
 
 @pytest.mark.parametrize("name", ["model", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_decode_dtypes_and_formats(name, dtype):
     _check(name, dtype, hkv=2, group=4, head_dim=32, bs=16, lens=[37, 1, 0, 16], splits=1)
+
+
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_head_major_storage(name, head_dim):
+    """A cache stored head-major (allocate_cache(head_major=True): one head's rows of a block
+    contiguous) decodes as the token-major one, through the fast loops from 64 channels (INT8's
+    scales, read in pairs, are dense though not contiguous)."""
+    cache = _check(name, "float16", hkv=2, group=4, head_dim=head_dim, bs=16, lens=[37, 1, 0, 48], splits=2,
+                   tile=32, head_major=True)
+    assert cache.data.stride(3) > cache.data.stride(2)  # heads outside tokens
+    assert int8_words(cache) == (name == "int8" and head_dim >= 64)
+    assert int4_lanes(cache) == (name == "int4" and head_dim >= 64)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])

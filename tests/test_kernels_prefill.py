@@ -14,11 +14,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None, **launch):
+def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None, head_major=False, **launch):
     """Sequences with ``ctx[i]`` tokens of context whose last ``qlens[i]`` are this step's chunk."""
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in ctx) + 2
-    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV)
+    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV, head_major=head_major)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(nblocks, generator=g).tolist()
     tables = torch.zeros(len(ctx), max(lay.num_blocks_for(n) for n in ctx), dtype=torch.int32)
@@ -44,6 +44,13 @@ def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None,
 def test_prefill_chunks_over_prefix(name, dtype):
     # a chunk over a cached prefix, a fresh prompt, a single-token chunk, an empty chunk
     _check(name, dtype, hkv=2, group=2, head_dim=16, bs=16, ctx=[45, 19, 33, 8], qlens=[21, 19, 1, 0])
+
+
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+def test_prefill_head_major_storage(name):
+    """Prefill over a head-major cache (allocate_cache(head_major=True)) as over the token-major one."""
+    _check(name, "float16", hkv=2, group=2, head_dim=64, bs=16, ctx=[45, 19, 8], qlens=[21, 19, 1],
+           fast=name != "model", head_major=True)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])

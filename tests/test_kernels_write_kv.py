@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import reference as ref  # noqa: E402
-from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks  # noqa: E402
+from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks, write_blocks  # noqa: E402
 from kernels.write_kv import write_kv  # noqa: E402
 from llmbus.engine.attention import build_attention_metadata  # noqa: E402
 from llmbus.engine.runner import TailRows  # noqa: E402
@@ -52,6 +52,25 @@ def test_write_matches_reference_prefill_then_decode(name, dtype):
     assert (da - db).abs().max() <= step  # at most one quantization step apart
     if name != "model":
         assert (a != b).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+def test_write_head_major_storage_moves_the_same_bytes(name):
+    """The KV write into a head-major cache (allocate_cache(head_major=True)) leaves the blocks a
+    token-major cache holds: read_blocks' bytes (the handoff's and kvpool's) are the same, and
+    write_blocks puts them back in either."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+    torch.manual_seed(2)
+    token_major, head_major = allocate_cache(KVFormat(name), lay, 4, DEV), allocate_cache(KVFormat(name), lay, 4, DEV,
+                                                                                         head_major=True)
+    k, v = torch.randn(37, 2, 64, device=DEV).half(), torch.randn(37, 2, 64, device=DEV).half()
+    sm = torch.tensor(lay.slot_mapping([3, 0, 2], 0, 37), device=DEV)
+    for cache in (token_major, head_major):
+        write_kv(k, v, cache, sm)
+    assert torch.equal(read_blocks(head_major, range(4)), read_blocks(token_major, range(4)))
+    again = allocate_cache(KVFormat(name), lay, 4, DEV, head_major=True)
+    write_blocks(again, range(4), read_blocks(token_major, range(4)))
+    assert torch.equal(read_blocks(again, range(4)), read_blocks(token_major, range(4)))
 
 
 def test_write_bad_input_is_a_value_error():
