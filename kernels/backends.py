@@ -7,6 +7,8 @@ for the KV handoff between workers and tiers (same bytes on either backend).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,12 @@ from kernels import cpu_native, kv_cache, reference
 from kernels.cpu import NativeDecodes
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
+
+# NOTE: LLMBUS_KV_HEAD_MAJOR=1 stores the engine's paged caches head-major (kv_cache.allocate_cache:
+# the same tensors and bytes, one head's rows of a block contiguous), for measuring decode on a GPU
+# (scripts/bench_gpu.py times the kernel over both). The CPU fast paths need token-major caches: on
+# CPU it falls back to the torch references.
+HEAD_MAJOR = os.environ.get("LLMBUS_KV_HEAD_MAJOR", "0") == "1"
 
 
 class _PagedBackend:
@@ -25,7 +33,7 @@ class _PagedBackend:
     def allocate_cache(self, layout: KVLayout, num_blocks: int, device,
                        tail_rows: int = 0) -> list[kv_cache.PagedKVCache]:
         """One cache per layer; ``tail_rows``: exact tail rows, for formats that keep them."""
-        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device, tail_rows)
+        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device, tail_rows, head_major=HEAD_MAJOR)
                 for _ in range(layout.num_layers)]
 
     @staticmethod

@@ -369,19 +369,18 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
 def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``reference.dequantize_blocks`` of an INT4 ``PagedKVCache`` in one C pass: fp32 ``[2, n, bs,
     Hkv, D]`` (equal to the reference's up to fused multiply-adds). Falls back to the reference
-    where the library did not build."""
+    where the library did not build, and for caches not stored contiguously (head-major ones:
+    ``kv_cache.allocate_cache``)."""
     lib = _load()
     lay = cache.layout
-    if lib is None or cache.fmt.name != "int4" or cache.data.device.type != "cpu":
+    if (lib is None or cache.fmt.name != "int4" or cache.data.device.type != "cpu"
+            or not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta))):
         return reference.dequantize_blocks(cache, block_ids, full)
     ids = block_ids.to(torch.int64).contiguous()
     flags = full.to(torch.uint8).contiguous()
     if ids.dim() != 1 or flags.shape != ids.shape:
         raise ValueError(f"block ids {list(ids.shape)} and full flags {list(flags.shape)} must be matching vectors")
     bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim
-    for t in (cache.data, cache.k_meta, cache.v_meta):
-        if not t.is_contiguous():
-            raise ValueError("dequantize_int4_blocks takes a contiguous cache")
     out = torch.empty(2, ids.numel(), bs, hkv, d, dtype=torch.float32)
     rc = lib.dequant_int4(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(), ids.data_ptr(),
                           flags.data_ptr(), ids.numel(), cache.num_blocks, bs, hkv, d, *_int4_meta_shape(cache),

@@ -44,6 +44,23 @@ def test_quantized_kv_greedy_matches_first_tokens(model_dir, baseline, kv_format
     assert leaks["free_blocks"] == leaks["total_blocks"]
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+def test_head_major_caches_serve_the_same_tokens(model_dir, kv_format, monkeypatch):
+    """LLMBUS_KV_HEAD_MAJOR stores the engine's caches head-major (kernels.backends.HEAD_MAJOR): the
+    same greedy tokens as token-major caches of the format, through prefill, decode and tail rows."""
+    from kernels import backends
+
+    params = SamplingParams(max_tokens=FIRST, temperature=0, ignore_eos=True)
+    token_major = [o.token_ids for o in LLM(model_dir, device="cpu", kv_format=kv_format).generate(PROMPTS, params)]
+    monkeypatch.setattr(backends, "HEAD_MAJOR", True)
+    llm = LLM(model_dir, device="cpu", kv_format=kv_format)
+    data = llm.engine.runner.kv_caches[0].data
+    assert data.stride(3) > data.stride(2)  # heads outside tokens
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == token_major
+    leaks = llm.engine.leak_check()
+    assert leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_cli_accepts_kv_format(model_dir, baseline):
     proc = subprocess.run(
         [sys.executable, "-m", "llmbus.cli", "generate", "--model", str(model_dir), "--prompt", PROMPTS[0],
