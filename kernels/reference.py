@@ -28,18 +28,28 @@ def write_kv(
     cache: torch.Tensor,  # [2, N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Scatter new keys and values into the paged cache by slot."""
-    blk, off = _block_offsets(slot_mapping, cache.shape[2])
-    cache[0, blk, off] = key.to(cache.dtype)
-    cache[1, blk, off] = value.to(cache.dtype)
+    """Scatter new keys and values into the paged cache by slot (a slot given twice: the last)."""
+    put_slots(cache, (0,), slot_mapping, key.to(cache.dtype))
+    put_slots(cache, (1,), slot_mapping, value.to(cache.dtype))
 
 
-def _block_offsets(slots: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots -> (block, offset in it), to index a cache's ``[.., N, bs, ..]`` dimensions. NOTE:
-    indexing, not a ``view`` of the blocks as one row of slots, which a head-major cache
-    (``kv_cache.allocate_cache``) has no view for."""
+def put_slots(t: torch.Tensor, lead: tuple, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``t[*lead, slot // bs, slot % bs] = values[i]`` for each ``slots[i]``, ``t``'s dimensions
+    after ``lead`` being ``[N, bs, ..]``; of a slot given twice, the last write stays (as
+    ``index_copy_``'s). NOTE: indexing, not a ``view`` of the blocks as one row of slots, which a
+    head-major cache (``kv_cache.allocate_cache``) has no view for; an indexed write of repeated
+    indices keeps an unspecified one, so only each slot's last write is made."""
     slots = slots.long()
-    return slots // bs, slots % bs
+    last = last_writes(slots)
+    bs = t.shape[len(lead) + 1]
+    t[(*lead, slots[last] // bs, slots[last] % bs)] = values[last]
+
+
+def last_writes(slots: torch.Tensor) -> torch.Tensor:
+    """Positions in ``slots`` of each distinct slot's last occurrence (in slot order)."""
+    uniq, inverse = torch.unique(slots, return_inverse=True)
+    order = torch.arange(slots.numel(), device=slots.device)
+    return torch.full_like(uniq, -1).scatter_reduce(0, inverse, order, "amax")
 
 
 def gather_kv(
@@ -142,30 +152,30 @@ def write_kv_cache(
         return
     slots = slot_mapping.long()
     bs = cache.data.shape[2]
-    at = _block_offsets(slots, bs)
     if cache.fmt.name == "int8":
         for i, x in enumerate((key, value)):
             q, s = qr.int8_quantize(x, cache.scale.dtype)
-            cache.data[(i, *at)] = q
-            cache.scale[(i, *at)] = s
+            put_slots(cache.data, (i,), slots, q)
+            put_slots(cache.scale, (i,), slots, s)
         return
     tails = check_tail_slots(cache, slots, tail_slots)
     d = key.shape[-1]
     gv, gk = KVFormat.value_group(d), KVFormat.key_group(d, bs)
     q, s, mn = qr.int4_group_quantize(value, gv)
-    cache.data[(1, *at)] = qr.pack_nibbles(q)
-    cache.v_meta[at] = torch.stack((s, mn), -1)
+    put_slots(cache.data, (1,), slots, qr.pack_nibbles(q))
+    put_slots(cache.v_meta, (), slots, torch.stack((s, mn), -1))
     slot_list = slots.tolist()
     row_of = {sl: i for i, sl in enumerate(slot_list)}
     sealed = sorted({sl // bs for sl in slot_list if sl % bs == bs - 1})
     tail = [i for i, sl in enumerate(slot_list) if sl // bs not in set(sealed)]
     if tail:
         idx = torch.tensor(tail, dtype=torch.long, device=key.device)
-        q, s, mn = qr.int4_group_quantize(key[idx], gk)
-        blk, off = _block_offsets(slots[idx], bs)
-        cache.data[0, blk, off] = qr.pack_nibbles(q)
+        last = idx[last_writes(slots[idx])]  # a slot given twice: its last write (as for the values)
+        q, s, mn = qr.int4_group_quantize(key[last], gk)
+        put_slots(cache.data, (0,), slots[last], qr.pack_nibbles(q))
         meta = torch.stack((s, mn), -1).view(torch.int16).flatten(-2)  # [t, H, 2 * D/gk]
         width = meta.shape[-1]
+        blk, off = slots[last] // bs, slots[last] % bs
         cols = off[:, None] * width + torch.arange(width, device=key.device)  # [t, width]
         heads = torch.arange(key.shape[1], device=key.device)
         cache.k_meta[blk[:, None, None], heads[None, :, None], cols[:, None, :]] = meta
