@@ -301,23 +301,30 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_gbps or peak_for(name)
     print(f"device: {name}, peak {peak} GB/s, torch {torch.__version__}")
     t0 = time.time()
-    checks = check_kernels()
+    result = dict(device=name, peak_gbps=peak, checks=[], sweep=[], best_launch=None, decode=[])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        # NOTE: after every stage, so a run cut short by its time limit keeps what it measured
+        args.out.write_text(json.dumps(result, indent=1))
+
+    result["checks"] = checks = check_kernels()
+    save()
     print(f"checks took {time.time() - t0:.1f} s", flush=True)
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
     contexts = [512, 4096, 32768] if args.quick else [512, 2048, 8192, 32768]
-    sweep, best = [], None
+    best = None
     shapes = (args.sweep_at or [(64, 8192)]) if args.sweep or args.sweep_at else []
     for i, (b, c) in enumerate(shapes):
         rows_at, best_at = sweep_launch(peak, b, c)
-        sweep += rows_at
-        best = best if i else best_at
+        result["sweep"] += rows_at
+        best = result["best_launch"] = best if i else best_at
+        save()
     if best:
         print(f"best launches: {best}")
-    rows = bench_decode(batches, contexts, peak, best)
+    result["decode"] = rows = bench_decode(batches, contexts, peak, best)
+    save()
     print(markdown(rows, peak))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(device=name, peak_gbps=peak, checks=checks, sweep=sweep, best_launch=best,
-                                        decode=rows), indent=1))
     print(f"total {time.time() - t0:.1f} s; wrote {args.out}")
     return 0 if all(r["ok"] for r in checks) else 1
 

@@ -36,8 +36,10 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
     if part kernels && lim=$(budget "$KERNELS_S" kernels); then
         s=$SECONDS
         # shellcheck disable=SC2086
+        # the whole output in gpu-kernels.log (the sweep alone is ~50 lines); the JSON is rewritten
+        # after each stage, so a timeout keeps the stages done
         timeout "$lim" python3 scripts/bench_gpu.py $KERNEL_ARGS --out "$OUT/gpu-kernels.json" 2>&1 \
-            | tail -60 | tee "$OUT/gpu-kernels.txt"
+            | tee "$OUT/gpu-kernels.log" | tail -60 | tee "$OUT/gpu-kernels.txt"
         took kernels $s "$lim" "${PIPESTATUS[0]}"
     fi
     if part cost && lim=$(budget 60 cost); then
