@@ -29,20 +29,31 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
     """Scatter new keys and values into the paged cache by slot (a slot given twice: the last)."""
-    put_slots(cache, (0,), slot_mapping, key.to(cache.dtype))
-    put_slots(cache, (1,), slot_mapping, value.to(cache.dtype))
+    _, n, bs, h, d = cache.shape
+    if cache.stride(1) != bs * cache.stride(2):  # head-major (put_slots)
+        put_slots(cache, (0,), slot_mapping, key.to(cache.dtype))
+        put_slots(cache, (1,), slot_mapping, value.to(cache.dtype))
+        return
+    flat = cache.view(2, n * bs, h, d)  # NOTE: the CPU engine's every layer and step: kept lean
+    flat[0].index_copy_(0, slot_mapping, key.to(cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(cache.dtype))
 
 
 def put_slots(t: torch.Tensor, lead: tuple, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``t[*lead, slot // bs, slot % bs] = values[i]`` for each ``slots[i]``, ``t``'s dimensions
     after ``lead`` being ``[N, bs, ..]``; of a slot given twice, the last write stays (as
-    ``index_copy_``'s). NOTE: indexing, not a ``view`` of the blocks as one row of slots, which a
-    head-major cache (``kv_cache.allocate_cache``) has no view for; an indexed write of repeated
-    indices keeps an unspecified one, so only each slot's last write is made."""
+    ``index_copy_``'s). NOTE: through a view of the blocks as one row of slots where there is one
+    (token-major caches: the CPU engine's every step), else (head-major caches,
+    ``kv_cache.allocate_cache``) by indexing, which keeps an unspecified one of repeated indices:
+    only each slot's last write is made."""
     slots = slots.long()
+    blocks = t[lead] if lead else t
+    n, bs = blocks.shape[:2]
+    if blocks.stride(0) == bs * blocks.stride(1):
+        blocks.view(n * bs, *blocks.shape[2:]).index_copy_(0, slots, values)
+        return
     last = last_writes(slots)
-    bs = t.shape[len(lead) + 1]
-    t[(*lead, slots[last] // bs, slots[last] % bs)] = values[last]
+    blocks[slots[last] // bs, slots[last] % bs] = values[last]
 
 
 def last_writes(slots: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,24 @@ def test_write_head_major_storage_moves_the_same_bytes(name):
     assert torch.equal(read_blocks(again, range(4)), read_blocks(token_major, range(4)))
 
 
+@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+def test_reference_write_of_a_slot_twice_keeps_the_last_in_either_storage(name):
+    """A call that writes a slot twice keeps its last write (index_copy_'s rule), in a head-major
+    cache (written by indexing) as in a token-major one (through a flat view of its slots)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=4, dtype="float32")
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([5, 1, 5, 6, 1, 5, 2, 3], device=DEV)  # block 0 fills (INT4 seals it)
+    k, v = torch.randn(8, 2, 32, generator=g).to(DEV), torch.randn(8, 2, 32, generator=g).to(DEV)
+    token_major, head_major = (allocate_cache(KVFormat(name), lay, 3, DEV, head_major=hm) for hm in (False, True))
+    for cache in (token_major, head_major):
+        ref.write_kv_cache(k, v, cache, slots)
+    assert torch.equal(read_blocks(head_major, range(3)), read_blocks(token_major, range(3)))
+    last = allocate_cache(KVFormat(name), lay, 3, DEV)
+    keep = torch.tensor([3, 4, 5, 6, 7])  # each slot's last write
+    ref.write_kv_cache(k[keep], v[keep], last, slots[keep])
+    assert torch.equal(read_blocks(last, range(3)), read_blocks(token_major, range(3)))
+
+
 def test_write_bad_input_is_a_value_error():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16)
     cache = allocate_cache(KVFormat("int8"), lay, 2, DEV)
