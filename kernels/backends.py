@@ -20,7 +20,7 @@ from llmbus.kv.layout import KVLayout
 # NOTE: LLMBUS_KV_HEAD_MAJOR=1 stores the engine's paged caches head-major (kv_cache.allocate_cache:
 # the same tensors and bytes, one head's rows of a block contiguous), for measuring decode on a GPU
 # (scripts/bench_gpu.py times the kernel over both). The CPU fast paths need token-major caches: on
-# CPU it falls back to the torch references.
+# CPU it falls back to the torch references (and, for decode, C attention over a dequantized copy).
 HEAD_MAJOR = os.environ.get("LLMBUS_KV_HEAD_MAJOR", "0") == "1"
 
 
@@ -177,8 +177,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         if (cache.fmt.name == "model" or q.shape[0] == 0 or not cpu_native.available()
                 or not cpu_native.supports(torch.float32, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size)):
             return reference.paged_decode_attention_cache(q, cache, block_tables, seq_lens, scale, tail_rows)
-        if cache.fmt.name == "int8" and q.dtype in (torch.float32, torch.bfloat16):
-            # NOTE: int8 dequantizes inside the kernel, reading half the bytes of a bf16 cache
+        if cache.fmt.name == "int8" and q.dtype in (torch.float32, torch.bfloat16) and cpu_native.int8_tensors_fit(cache):
+            # NOTE: int8 dequantizes inside the kernel, reading half the bytes of a bf16 cache (a
+            # head-major cache takes the dequantized copy below: the kernel would copy it whole)
             return cpu_native.paged_decode(q, cache.data, block_tables, seq_lens, scale, scales=cache.scale)
         if cache.fmt.name == "int4":
             # NOTE: int4 widens its blocks inside the kernel; the dequantized copy below is the fallback

@@ -28,7 +28,9 @@ def write_kv(
     cache: torch.Tensor,  # [2, N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Scatter new keys and values into the paged cache by slot (a slot given twice: the last)."""
+    """Scatter new keys and values into the paged cache by slot. A slot given twice keeps one of
+    its writes, unspecified (``index_copy_``'s rule; the engine gives each slot once a step);
+    ``write_kv_cache`` keeps the last."""
     _, n, bs, h, d = cache.shape
     if cache.stride(1) != bs * cache.stride(2):  # head-major (put_slots)
         put_slots(cache, (0,), slot_mapping, key.to(cache.dtype))
@@ -41,19 +43,21 @@ def write_kv(
 
 def put_slots(t: torch.Tensor, lead: tuple, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``t[*lead, slot // bs, slot % bs] = values[i]`` for each ``slots[i]``, ``t``'s dimensions
-    after ``lead`` being ``[N, bs, ..]``; of a slot given twice, the last write stays (as
-    ``index_copy_``'s). NOTE: through a view of the blocks as one row of slots where there is one
-    (token-major caches: the CPU engine's every step), else (head-major caches,
-    ``kv_cache.allocate_cache``) by indexing, which keeps an unspecified one of repeated indices:
-    only each slot's last write is made."""
+    after ``lead`` being ``[N, bs, ..]``; of a slot given twice, the last write stays; ValueError
+    for a slot outside the cache. NOTE: only each slot's last write is made (repeated indices keep
+    an unspecified one, in ``index_copy_`` as in an indexed write), through a view of the blocks
+    as one row of slots where there is one, else (head-major caches, ``kv_cache.allocate_cache``)
+    by indexing."""
     slots = slots.long()
     blocks = t[lead] if lead else t
     n, bs = blocks.shape[:2]
-    if blocks.stride(0) == bs * blocks.stride(1):
-        blocks.view(n * bs, *blocks.shape[2:]).index_copy_(0, slots, values)
-        return
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n * bs):
+        raise ValueError(f"slots must lie in [0, {n * bs}), got {slots.tolist()}")
     last = last_writes(slots)
-    blocks[slots[last] // bs, slots[last] % bs] = values[last]
+    if blocks.stride(0) == bs * blocks.stride(1):
+        blocks.view(n * bs, *blocks.shape[2:]).index_copy_(0, slots[last], values[last])
+    else:
+        blocks[slots[last] // bs, slots[last] % bs] = values[last]
 
 
 def last_writes(slots: torch.Tensor) -> torch.Tensor:
@@ -159,7 +163,8 @@ def write_kv_cache(
     blocks left filling are also copied exactly into their tokens' tail rows; a call must not seal
     a block from a row it also writes (the Triton kernel's programs would race: see ``TailRows``)."""
     if cache.fmt.name == "model":
-        write_kv(key, value, cache.data, slot_mapping)
+        put_slots(cache.data, (0,), slot_mapping, key.to(cache.data.dtype))
+        put_slots(cache.data, (1,), slot_mapping, value.to(cache.data.dtype))
         return
     slots = slot_mapping.long()
     bs = cache.data.shape[2]

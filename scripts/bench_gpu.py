@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -135,7 +136,7 @@ def check_kernels() -> list[dict]:
 
         def head_major_write_err():
             write_kv(k, v, head_major, slots)
-            return (ref.dequantize_blocks(head_major, ids, full) - ref.dequantize_blocks(mine, ids, full)).abs().max()
+            return (ref.dequantize_blocks(head_major, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
 
         _measure(rows, "write_kv head-major", fmt, {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt], head_major_write_err)
         _measure(rows, "paged_decode head-major", fmt, 4e-2, lambda: (paged_decode_attention(
@@ -146,6 +147,8 @@ def check_kernels() -> list[dict]:
         want_p = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5).float()
         _measure(rows, "paged_prefill", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
+        _measure(rows, "paged_prefill head-major", fmt, 4e-2, lambda: (paged_prefill_attention(
+            qp, hm_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
     for r in rows:
         r["ok"] = r["max_err"] <= r["tol"]
         extra = f" {r['error']}" if "error" in r else ""
@@ -305,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        # NOTE: after every stage, so a run cut short by its time limit keeps what it measured
-        args.out.write_text(json.dumps(result, indent=1))
+        # NOTE: after every stage, so a run cut short by its time limit keeps what it measured; whole
+        # (a temporary file renamed), so the cut never leaves half a file
+        part = args.out.with_name(args.out.name + ".part")
+        part.write_text(json.dumps(result, indent=1))
+        os.replace(part, args.out)
 
     result["checks"] = checks = check_kernels()
     save()

@@ -78,12 +78,12 @@ def compile_only(arch: int) -> list[tuple[str, object]]:
     return compiled
 
 
-def cuda_cache(fmt: str, layout, tail_rows: int = 0):
+def cuda_cache(fmt: str, layout, tail_rows: int = 0, head_major: bool = False):
     """An 8-block ``PagedKVCache`` whose tensors the launch wrappers take for CUDA ones."""
     from kernels.kv_cache import allocate_cache
     from llmbus.kv.formats import KVFormat
 
-    cache = allocate_cache(KVFormat(fmt), layout, 8, "cpu", tail_rows=tail_rows)
+    cache = allocate_cache(KVFormat(fmt), layout, 8, "cpu", tail_rows=tail_rows, head_major=head_major)
     for field in ("data", "scale", "k_meta", "v_meta", "k_tail", "v_tail"):
         if getattr(cache, field) is not None:
             setattr(cache, field, getattr(cache, field).as_subclass(CudaLike))
@@ -93,7 +93,7 @@ def cuda_cache(fmt: str, layout, tail_rows: int = 0):
 def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
     INT4 also at 64 (its lane loop's narrowest: class dots of 16 channels) and 16 (its generic-tile
-    path), with and without tail rows; split-K on and off."""
+    path), with and without tail rows; INT8 and INT4 over head-major caches; split-K on and off."""
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
@@ -104,9 +104,13 @@ def variants():
 
     cases = [("model", 128, False), ("int8", 128, False), ("int4", 128, False), ("int4", 128, True),
              ("int4", 64, False), ("int4", 16, False), ("int4", 16, True)]
+    # head-major caches (kv_cache.allocate_cache): other strides, so other specializations
+    cases += [("int8", 128, "head-major"), ("int4", 128, "head-major")]
     for fmt, d, tails in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
-        cache = cuda_cache(fmt, lay, tail_rows=4 if tails else 0)
+        head_major = tails == "head-major"
+        tails = tails is True
+        cache = cuda_cache(fmt, lay, tail_rows=4 if tails else 0, head_major=head_major)
         kv = cuda(torch.randn(5, 2, d).to(torch.bfloat16))
         slots = cuda(torch.arange(5))
         tail_slots = cuda(torch.arange(5)) if tails else None
@@ -115,7 +119,7 @@ def variants():
         lens = cuda(torch.tensor([40, 5], dtype=torch.int32))
         rows = cuda(torch.tensor([0, -1], dtype=torch.int32)) if tails else None
         qsl = cuda(torch.tensor([0, 1, 2], dtype=torch.int32))
-        tag = f"{fmt} D={d}{' tails' if tails else ''}"
+        tag = f"{fmt} D={d}{' tails' if tails else ''}{' head-major' if head_major else ''}"
         yield f"write {tag}", lambda: write_kv(kv, kv, cache, slots, tail_slots)
         for splits in (1, 2):
             yield (f"decode {tag} splits={splits}",

@@ -102,6 +102,27 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
     assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_cpu_backend_over_head_major_caches(fmt, monkeypatch):
+    """Head-major caches (kernels.backends.HEAD_MAJOR) on the CPU backend: the reference's results
+    and bytes, and no C kernel handed the cache itself (INT8's fused decode would copy the whole
+    layer cache to make it contiguous, every layer and step)."""
+    from kernels import backends
+
+    if not cpu_native.available():
+        pytest.skip("the native CPU library did not build")
+    monkeypatch.setattr(backends, "HEAD_MAJOR", True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused INT8 decode got a head-major cache")
+
+    monkeypatch.setattr(cpu_native, "decode_int8_into", refuse)
+    ours, ref = CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
+    ca, cb = _agree_over_steps(ours, ref, device="cpu", head_dim=64)
+    assert ca.data.stride(3) > ca.data.stride(2)
+    assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cpu_backend_prefills_quantized_caches_without_the_reference(fmt, dtype, monkeypatch):
