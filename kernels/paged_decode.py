@@ -311,8 +311,8 @@ def split_count(programs: int, chunks: int, sms: int, per_sm: int) -> int:
     where the fill's grid runs more than 5% over the ideal time, the fewest splits within 5% of the
     shortest ``grid_time``: programs with equal contexts finish together, so a grid of 1.3 waves
     (512 programs where 396 fit: INT8's default launch at batch 64 on an H200) takes about as long
-    as 1.7 (its last wave, under one program an SM, does not draw the bandwidth), and two splits
-    take 1.07. A split is whole tiles (the kernel's: ``ceil(chunks / splits)`` each, the last what
+    as 1.7 (its last wave, under one program an SM, does not draw the bandwidth), and in two
+    splits it takes 1.33 (the ideal: 1.29). A split is whole tiles (the kernel's: ``ceil(chunks / splits)`` each, the last what
     is left), and an extra split count is one whose every split, the last included, takes at least
     ``MIN_SPLIT_TILES`` tiles."""
     cap = max(1, min(chunks, 64))
