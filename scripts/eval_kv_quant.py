@@ -46,15 +46,52 @@ from llmbus.engine.attention import build_attention_metadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 
+def hadamard(d: int) -> torch.Tensor:
+    """The orthonormal ``d x d`` Hadamard matrix (Sylvester's; ``d`` a power of two)."""
+    if d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / d**0.5
+
+
+def candidate_backend(device: str, key_group: int):
+    """A candidate INT4 format, simulated (not a format of ``llmbus.kv.formats``): keys rotated by
+    the head_dim's Hadamard matrix and quantized per token, in groups of ``key_group`` channels,
+    like values (``kernels.quant_reference.int4_group_quantize``: fp16 scale and minimum a group);
+    values as INT4's. Each token's keys and values are stored as their round trip (rotated back) in
+    a model-dtype cache, from the step that writes them: no exact tail rows. Attention over rotated
+    keys is the same as over these, with the query rotated too (``q . k = Hq . Hk``), which is what
+    a kernel would do: per-token scales then fold into the scores, as INT8's do."""
+    from kernels import quant_reference as qr
+    from kernels.backends import TorchPagedAttentionBackend
+    from llmbus.kv.formats import KVFormat
+
+    class CandidateInt4(TorchPagedAttentionBackend):
+        def forward(self, q, k, v, cache, meta, scale):
+            d = k.shape[-1]
+            rot = hadamard(d).to(k.device)
+            kr = k.float() @ rot
+            kq = qr.int4_group_dequantize(*qr.int4_group_quantize(kr, key_group), key_group) @ rot.T
+            gv = KVFormat.value_group(d)
+            vq = qr.int4_group_dequantize(*qr.int4_group_quantize(v, gv), gv)
+            return super().forward(q, kq.to(k.dtype), vq.to(v.dtype), cache, meta, scale)
+
+    return CandidateInt4("model")
+
+
 def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, block_size: int = 16,
-               kv_dtype: str | None = None, path: str = "decode", tails: bool = True) -> torch.Tensor:
+               kv_dtype: str | None = None, path: str = "decode", tails: bool = True,
+               backend=None) -> torch.Tensor:
     """Teacher-forced logits ``[S, L, vocab]`` fp32: one decode step per position (``path``
     "decode", how generated tokens are cached), or one prefill pass per sequence ("prefill", how a
     prompt is; its K/V are written first, so it also attends over the quantized cache). ``kv_dtype``
     (default: the model's) is the cache dtype of the ``model`` format. ``tails=False``: no exact
-    tail rows (INT4 blocks then seal from their per-token codes)."""
+    tail rows (INT4 blocks then seal from their per-token codes). ``backend``: this attention backend
+    instead of ``kv_format``'s (``candidate_backend``; its cache in the model dtype)."""
     s, n = tokens.shape
-    model.backend = make_attention_backend(device, kv_format)
+    model.backend = backend or make_attention_backend(device, kv_format)
     dtype = kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
     lay = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size, dtype)
     per_seq = lay.num_blocks_for(n)
@@ -133,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", choices=("random", "stdlib"), default="random",
                     help="random ids, or held-out Python standard library source (for a trained demo model)")
     ap.add_argument("--controls", action="store_true", help="fp32 reference plus bf16-KV and bf16-model control rows")
+    ap.add_argument("--candidate-key-groups", default="",
+                    help="comma-separated key groups of the simulated rotated per-token INT4 format (candidate_backend) "
+                         "to add as rows, e.g. 64,32")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.target_top1 is None and args.text == "random":
@@ -156,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                   target_top1=args.target_top1,
                   raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
     rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, path=args.path) for fmt in ("int8", "int4")}
+    for group in (int(g) for g in args.candidate_key_groups.split(",") if g):
+        rows[f"candidate: int4, keys rotated, per token in groups of {group}"] = run_logits(
+            model, cfg, "model", tokens, args.device, path=args.path, backend=candidate_backend(args.device, group))
     if args.controls:
         rows["control: int4, no tail rows"] = run_logits(model, cfg, "int4", tokens, args.device, path=args.path,
                                                          tails=False)

@@ -104,6 +104,26 @@ def test_eval_paths_teacher_force_the_same_logits(base):
     assert not torch.equal(run["int4", "prefill"], run["int4", "decode"])
 
 
+def test_eval_candidate_rotated_int4_keys_round_trip_as_described(base):
+    """scripts/eval_kv_quant.py's simulated candidate format: keys rotated by an orthonormal
+    Hadamard matrix, quantized per token in groups, rotated back; values as INT4's. Its logits stay
+    near the model-dtype cache's, and differ from them."""
+    from kernels import quant_reference as qr
+    from scripts.eval_kv_quant import candidate_backend, compare, hadamard, run_logits
+
+    h = hadamard(32)
+    torch.testing.assert_close(h @ h.T, torch.eye(32), atol=1e-6, rtol=0)
+    # the round trip of one key row is what the backend stores: rotate, quantize per group, back
+    k = torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(0))
+    back = qr.int4_group_dequantize(*qr.int4_group_quantize(k @ h, 16), 16) @ h.T
+    assert 0 < (back - k).abs().max() < 0.5
+    loaded = load_model(base, dtype="float32")
+    tokens = eval_tokens("stdlib", base, loaded.config, 2, 40, seed=1)
+    want = run_logits(loaded.model, loaded.config, "model", tokens, "cpu")
+    got = run_logits(loaded.model, loaded.config, "model", tokens, "cpu", backend=candidate_backend("cpu", 16))
+    assert compare(want, got, alpha=1.0)["mean_kl"] < 0.05 and not torch.equal(want, got)
+
+
 def test_saving_a_checkpoint_leaves_the_training_weights_in_fp32(base, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
