@@ -32,32 +32,29 @@ def write_kv(
     its writes, unspecified (``index_copy_``'s rule; the engine gives each slot once a step);
     ``write_kv_cache`` keeps the last."""
     _, n, bs, h, d = cache.shape
-    if cache.stride(1) != bs * cache.stride(2):  # head-major (put_slots)
-        put_slots(cache, (0,), slot_mapping, key.to(cache.dtype))
-        put_slots(cache, (1,), slot_mapping, value.to(cache.dtype))
+    if cache.stride(1) != bs * cache.stride(2):  # head-major: scatter_slots indexes
+        scatter_slots(cache, (0,), slot_mapping, key.to(cache.dtype))
+        scatter_slots(cache, (1,), slot_mapping, value.to(cache.dtype))
         return
-    flat = cache.view(2, n * bs, h, d)  # NOTE: the CPU engine's every layer and step: kept lean
+    # NOTE: the CPU engine's every layer and step: one view for keys and values (scatter_slots
+    # would take one each, a third again of the call's time)
+    flat = cache.view(2, n * bs, h, d)
     flat[0].index_copy_(0, slot_mapping, key.to(cache.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(cache.dtype))
 
 
-def put_slots(t: torch.Tensor, lead: tuple, slots: torch.Tensor, values: torch.Tensor) -> None:
+def scatter_slots(t: torch.Tensor, lead: tuple, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``t[*lead, slot // bs, slot % bs] = values[i]`` for each ``slots[i]``, ``t``'s dimensions
-    after ``lead`` being ``[N, bs, ..]``; of a slot given twice, the last write stays; ValueError
-    for a slot outside the cache. NOTE: only each slot's last write is made (repeated indices keep
-    an unspecified one, in ``index_copy_`` as in an indexed write), through a view of the blocks
-    as one row of slots where there is one, else (head-major caches, ``kv_cache.allocate_cache``)
+    after ``lead`` being ``[N, bs, ..]``; of a slot given twice, one write stays, unspecified.
+    NOTE: through a view of the blocks as one row of slots where there is one (token-major caches:
+    the CPU engine's every layer and step), else (head-major caches, ``kv_cache.allocate_cache``)
     by indexing."""
-    slots = slots.long()
     blocks = t[lead] if lead else t
     n, bs = blocks.shape[:2]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n * bs):
-        raise ValueError(f"slots must lie in [0, {n * bs}), got {slots.tolist()}")
-    last = last_writes(slots)
     if blocks.stride(0) == bs * blocks.stride(1):
-        blocks.view(n * bs, *blocks.shape[2:]).index_copy_(0, slots[last], values[last])
+        blocks.view(n * bs, *blocks.shape[2:]).index_copy_(0, slots, values)
     else:
-        blocks[slots[last] // bs, slots[last] % bs] = values[last]
+        blocks[slots // bs, slots % bs] = values
 
 
 def last_writes(slots: torch.Tensor) -> torch.Tensor:
@@ -162,36 +159,44 @@ def write_kv_cache(
     sealing it (``tail_slots``) or else from the stored per-token encoding. The keys and values of
     blocks left filling are also copied exactly into their tokens' tail rows; a call must not seal
     a block from a row it also writes (the Triton kernel's programs would race: see ``TailRows``)."""
-    if cache.fmt.name == "model":
-        put_slots(cache.data, (0,), slot_mapping, key.to(cache.data.dtype))
-        put_slots(cache.data, (1,), slot_mapping, value.to(cache.data.dtype))
-        return
     slots = slot_mapping.long()
-    bs = cache.data.shape[2]
+    n, bs = cache.data.shape[1:3]
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n * bs):
+        raise ValueError(f"slots must lie in [0, {n * bs}), got {slots.tolist()}")
+    # NOTE: only each slot's last write is scattered: of repeated indices a scatter keeps one, unspecified
+    last = last_writes(slots)
+    at = slots[last]
+    if cache.fmt.name == "model":
+        scatter_slots(cache.data, (0,), at, key[last].to(cache.data.dtype))
+        scatter_slots(cache.data, (1,), at, value[last].to(cache.data.dtype))
+        return
     if cache.fmt.name == "int8":
         for i, x in enumerate((key, value)):
-            q, s = qr.int8_quantize(x, cache.scale.dtype)
-            put_slots(cache.data, (i,), slots, q)
-            put_slots(cache.scale, (i,), slots, s)
+            q, s = qr.int8_quantize(x[last], cache.scale.dtype)
+            scatter_slots(cache.data, (i,), at, q)
+            scatter_slots(cache.scale, (i,), at, s)
         return
     tails = check_tail_slots(cache, slots, tail_slots)
     d = key.shape[-1]
     gv, gk = KVFormat.value_group(d), KVFormat.key_group(d, bs)
-    q, s, mn = qr.int4_group_quantize(value, gv)
-    put_slots(cache.data, (1,), slots, qr.pack_nibbles(q))
-    put_slots(cache.v_meta, (), slots, torch.stack((s, mn), -1))
+    q, s, mn = qr.int4_group_quantize(value[last], gv)
+    scatter_slots(cache.data, (1,), at, qr.pack_nibbles(q))
+    scatter_slots(cache.v_meta, (), at, torch.stack((s, mn), -1))
     slot_list = slots.tolist()
     row_of = {sl: i for i, sl in enumerate(slot_list)}
     sealed = sorted({sl // bs for sl in slot_list if sl % bs == bs - 1})
-    tail = [i for i, sl in enumerate(slot_list) if sl // bs not in set(sealed)]
+    sealed_set = set(sealed)
+    tail = [i for i, sl in enumerate(slot_list) if sl // bs not in sealed_set]
     if tail:
         idx = torch.tensor(tail, dtype=torch.long, device=key.device)
-        last = idx[last_writes(slots[idx])]  # a slot given twice: its last write (as for the values)
-        q, s, mn = qr.int4_group_quantize(key[last], gk)
-        put_slots(cache.data, (0,), slots[last], qr.pack_nibbles(q))
+        # the filling blocks' per-token keys, each slot's last write (the tail rows below take them all)
+        kl = torch.tensor([i for i in last.tolist() if slot_list[i] // bs not in sealed_set], dtype=torch.long,
+                          device=key.device)
+        q, s, mn = qr.int4_group_quantize(key[kl], gk)
+        scatter_slots(cache.data, (0,), slots[kl], qr.pack_nibbles(q))
         meta = torch.stack((s, mn), -1).view(torch.int16).flatten(-2)  # [t, H, 2 * D/gk]
         width = meta.shape[-1]
-        blk, off = slots[last] // bs, slots[last] % bs
+        blk, off = slots[kl] // bs, slots[kl] % bs
         cols = off[:, None] * width + torch.arange(width, device=key.device)  # [t, width]
         heads = torch.arange(key.shape[1], device=key.device)
         cache.k_meta[blk[:, None, None], heads[None, :, None], cols[:, None, :]] = meta

@@ -91,6 +91,19 @@ def test_reference_write_of_a_slot_twice_keeps_the_last_in_either_storage(name):
     assert torch.equal(read_blocks(last, range(3)), read_blocks(token_major, range(3)))
 
 
+@pytest.mark.parametrize("head_major", [False, True])
+def test_reference_write_refuses_slots_outside_the_cache(head_major):
+    """A slot of -1 (or past the last block) is an error, not a write into the last block."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=4, dtype="float32")
+    for name in ("model", "int8", "int4"):
+        cache = allocate_cache(KVFormat(name), lay, 3, DEV, head_major=head_major)
+        k = torch.randn(2, 2, 32, device=DEV)
+        for bad in (-1, 12):
+            with pytest.raises(ValueError, match=r"slots must lie in \[0, 12\)"):
+                ref.write_kv_cache(k, k, cache, torch.tensor([0, bad], device=DEV))
+        assert not read_blocks(cache, range(3)).any()
+
+
 def test_write_bad_input_is_a_value_error():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16)
     cache = allocate_cache(KVFormat("int8"), lay, 2, DEV)
