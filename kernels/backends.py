@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native, kv_cache, reference
+from kernels import quant_reference as qr
 from kernels.cpu import NativeDecodes
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
@@ -48,7 +49,10 @@ class _PagedBackend:
         """Write this step's K/V, then decodes (the first ``meta.num_decodes`` sequences) and
         prefill chunks attend over the cache. NOTE: nothing here reads a device tensor back to the
         host (the bounds come from the metadata's host-side fields), so on CUDA a step's layers
-        queue without waiting on one another."""
+        queue without waiting on one another. INT4R rotates the queries and keys first
+        (``llmbus.kv.formats``): what the cache holds and the kernels meet are rotated keys."""
+        if self.kv_format.rotates_keys:
+            q, k = qr.rotate(q), qr.rotate(k)
         self._write(k, v, cache, meta.slot_mapping, meta.tail_slots)
         nd, b = meta.num_decodes, meta.seq_lens.shape[0]
         rows = meta.tail_rows
@@ -133,8 +137,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         C kernels do, over an int8 or int4 cache in the model dtype; None otherwise (the layers run
         one by one, each through ``forward``). ``cache`` is the first layer's; the others must
         match it (``decode_layers`` raises otherwise: the engine allocates them alike)."""
+        # NOTE: INT4R (rotated keys) has no C kernels: its steps run layer by layer through forward
         lay, nd = cache.layout, meta.num_decodes
-        if (cache.fmt.name == "model" or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
+        if (cache.fmt.name in ("model", "int4r") or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
                 or not cpu_native.supports(cache.model_dtype, num_q_heads, lay.num_kv_heads, lay.head_dim,
                                            lay.block_size)):
             return None
@@ -221,7 +226,7 @@ class TritonAttentionBackend(_PagedBackend):
 
 def make_attention_backend(device: str | torch.device, kv_format: str = "model") -> _PagedBackend:
     """Triton on CUDA; on CPU the references, with decodes through the fused C kernel where it
-    builds; for KV format ``model | int8 | int4``."""
+    builds; for KV format ``model | int8 | int4 | int4r``."""
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     fmt = parse_kv_format(kv_format)
     if dev.type == "cuda":

@@ -302,7 +302,7 @@ def int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
         raise ValueError(f"not an INT4 cache's tensors: {cache.data.dtype}, {cache.k_meta.dtype}, {cache.v_meta.dtype}")
     lay = cache.layout
     d, bs, h, n = lay.head_dim, lay.block_size, lay.num_kv_heads, cache.num_blocks
-    want = [(cache.data, (2, n, bs, h, d // 2), torch.uint8), (cache.k_meta, (n, h, KVFormat.key_meta_slots(d, bs)), torch.int16),
+    want = [(cache.data, (2, n, bs, h, d // 2), torch.uint8), (cache.k_meta, (n, h, cache.fmt.key_meta_slots(d, bs)), torch.int16),
             (cache.v_meta, (n, bs, h, d // KVFormat.value_group(d), 2), torch.float16)]  # fmt: skip
     if tails and cache.k_tail is not None:
         want += [(t, (cache.num_tail_rows * bs, h, d), dtype) for t in (cache.k_tail, cache.v_tail)]

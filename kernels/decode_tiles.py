@@ -183,6 +183,16 @@ def next_blocks(table, s, end, t, BS: tl.constexpr):
 
 
 @triton.jit
+def tile_rows(blk_n, table, s, end, t, TILE: tl.constexpr, BS: tl.constexpr):
+    """The rows ``s + t`` of a tile in a loop over ``[start, end)`` (one token a row): which are
+    valid, their block ids (``blk_n``, loaded an iteration ahead) as int64, their offsets in their
+    blocks, and the next tile's ids (``next_blocks``). NOTE: int64 before any multiply: block_id *
+    stride overflows int32 on big caches. s is a multiple of TILE, so of BS: a row's offset in its
+    block comes from t alone."""
+    return s + t < end, blk_n.to(tl.int64), t % BS, next_blocks(table, s + TILE, end, t, BS)
+
+
+@triton.jit
 def class_queries(q_ptr, qrows, rmask, D: tl.constexpr, DOT: tl.constexpr):
     """The query rows' (``q_ptr + qrows``, where ``rmask``) channels of each class ``c % 4`` (``[R, D/4]``
     each, column k: channel 4k + r)."""
@@ -227,12 +237,7 @@ def int8_words_loop(
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
     blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
-        valid = s + t < end
-        # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big
-        # caches. s is a multiple of TILE, so of BS: a row's offset in its block comes from t alone.
-        blk = blk_n.to(tl.int64)
-        blk_n = next_blocks(table, s + TILE, end, t, BS)
-        off = t % BS
+        valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
         row = blk * s_dn + off * s_db + h * s_dh
         wrow = (row // 4)[:, None] + j[None, :]
         kw = tl.load(words + wrow, mask=valid[:, None], other=0)
@@ -436,3 +441,79 @@ def int4_lanes_loop(
         a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
         m_i = m_new
     return m_i, l_i, join_classes(a0, a1, a2, a3)
+
+
+@triton.jit
+def half_pair(w):
+    """The two fp16 halves of int32 words (low, high) as fp32."""
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def class_scores(q0, q1, q2, q3, kx, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Raw scores ``[R, TILE]``: the queries' channel classes (``[R, D/4]`` each) against the codes
+    (lanes ``kx`` [TILE, D/4]), unscaled."""
+    k0, k1, k2, k3 = lane_codes(kx, ASM)
+    scores = tl.dot(q0, tl.trans(k0.to(DOT)), input_precision=PREC)
+    scores = tl.dot(q1, tl.trans(k1.to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q2, tl.trans(k2.to(DOT)), scores, input_precision=PREC)
+    return tl.dot(q3, tl.trans(k3.to(DOT)), scores, input_precision=PREC)
+
+
+@triton.jit
+def class_values(p, vx, a0, a1, a2, a3, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """The class accumulators ``[R, D/4]`` rescaled by ``alpha`` and advanced by the weights ``p``
+    [R, TILE] (the tokens' value scales applied) times the codes (lanes ``vx`` [TILE, D/4])."""
+    v0, v1, v2, v3 = lane_codes(vx, ASM)
+    a0 = a0 * alpha[:, None] + tl.dot(p, v0.to(DOT), input_precision=PREC)
+    a1 = a1 * alpha[:, None] + tl.dot(p, v1.to(DOT), input_precision=PREC)
+    a2 = a2 * alpha[:, None] + tl.dot(p, v2.to(DOT), input_precision=PREC)
+    a3 = a3 * alpha[:, None] + tl.dot(p, v3.to(DOT), input_precision=PREC)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def int4_tokens_loop(
+    q_ptr, qrows, rmask, qpos,  # rows [R] at q_ptr + qrows (where rmask); CAUSAL: each row's position
+    data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,  # end: a multiple of BS (full blocks only)
+    m_i, l_i, qk_scale,
+    s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """INT4R attention over the full blocks in ``[start, end)`` from the initial state ``m_i``,
+    ``l_i``; returns ``(m_i, l_i, acc [R, D])``. Each token's keys and values have one (scale,
+    min) pair each (``llmbus.kv.formats``), which fold into the tile's scores and weights, as
+    INT8's scales do, so the codes go into the dots as they are:
+    ``q . (min + scale * code) = scale * (q . code) + min * sum(q)``, and
+    ``sum_t p_t (min_t + scale_t * code_t) = (p scale) . code + sum_t p_t min_t``.
+    The codes are read as 16-bit lanes by channel class (``lane_codes``). The data's strides
+    (bytes) are even and the metadata word-aligned (``paged_decode.int4_lanes``)."""
+    k = tl.arange(0, D // 4)
+    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
+    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    a0, a1, a2, a3 = class_accumulators(R, D)
+    b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
+    lanes = data_ptr.to(tl.pointer_type(tl.int16))
+    kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
+    vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
+    t = tl.arange(0, TILE)
+    # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
+    blk_n = next_blocks(table, start, end, t, BS)
+    for s in range(start, end, TILE):
+        valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
+        # NOTE: >> 1, not // 2, on these non-negative offsets: a signed division costs a correction
+        lrow = (blk * s_dn + off * s_db + h * s_dh) >> 1  # [TILE], in lanes
+        kx = tl.load(lanes + lrow[:, None] + k[None, :], mask=valid[:, None], other=0)
+        vx = tl.load(lanes + (s_dc >> 1) + lrow[:, None] + k[None, :], mask=valid[:, None], other=0)
+        ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
+        vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
+        scores = class_scores(q0, q1, q2, q3, kx, ASM, DOT, PREC) * ks[None, :] + qsum[:, None] * km[None, :]
+        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * qk_scale, float("-inf"))
+        m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
+        a0, a1, a2, a3 = class_values((p * vs[None, :]).to(DOT), vx, a0, a1, a2, a3, alpha, ASM, DOT, PREC)
+        b = b * alpha + tl.sum(p * vm[None, :], axis=1)
+        m_i = m_new
+    return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]

@@ -3,7 +3,7 @@
 A ``PagedKVCache`` is the opaque per-layer cache object the attention backends hand the model.
 ``read_blocks`` / ``write_blocks`` move whole blocks as bytes (``uint8 [n, layer_block_bytes]``),
 the format-independent unit of the KV handoff between workers and tiers. An INT4 cache may also
-hold exact tail rows (``llmbus.kv.formats``), which are the worker's state and never move.
+(or INT4R) one may also hold exact tail rows (``llmbus.kv.formats``), which are the worker's state and never move.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ class PagedKVCache:
     layout: KVLayout
     data: torch.Tensor  # [2, N, bs, H, D] model dtype | int8 [2, N, bs, H, D] | uint8 [2, N, bs, H, D/2]
     scale: torch.Tensor | None = None  # int8: [2, N, bs, H] fp16/fp32
-    k_meta: torch.Tensor | None = None  # int4: int16 [N, H, key_meta_slots]
-    v_meta: torch.Tensor | None = None  # int4: fp16 [N, bs, H, D/value_group, 2]
-    k_tail: torch.Tensor | None = None  # int4: model dtype [rows * bs, H, D], exact keys of filling blocks
-    v_tail: torch.Tensor | None = None  # int4: as k_tail, their exact values
+    k_meta: torch.Tensor | None = None  # int4, int4r: int16 [N, H, key_meta_slots]
+    v_meta: torch.Tensor | None = None  # int4, int4r: fp16 [N, bs, H, D/value group, 2]
+    k_tail: torch.Tensor | None = None  # int4, int4r: model dtype [rows * bs, H, D], exact keys of filling blocks
+    v_tail: torch.Tensor | None = None  # int4, int4r: as k_tail, their exact values
 
     def __post_init__(self) -> None:
         # NOTE: the kernels address both tails with one set of strides
@@ -60,8 +60,8 @@ class PagedKVCache:
 
 def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: torch.device | str,
                    tail_rows: int = 0, head_major: bool = False) -> PagedKVCache:
-    """Zeroed cache of ``num_blocks`` blocks for one layer; an INT4 one with ``tail_rows`` exact
-    tail rows (other formats need none and ignore it).
+    """Zeroed cache of ``num_blocks`` blocks for one layer; an INT4 or INT4R one with ``tail_rows``
+    exact tail rows (other formats need none and ignore it).
 
     ``head_major``: the same tensors (shapes, dtypes, contents, ``read_blocks`` bytes) stored with
     each block's heads outside its tokens (``[.., N, H, bs, ..]`` in memory, viewed as
@@ -92,8 +92,8 @@ def allocate_cache(fmt: KVFormat, layout: KVLayout, num_blocks: int, device: tor
         scale = zeros(2, n, bs, h, dtype=_DTYPES[fmt.scale_dtype], tokens=2)
         return PagedKVCache(fmt, layout, data, scale=scale)
     data = zeros(2, n, bs, h, d // 2, dtype=torch.uint8, tokens=2)
-    k_meta = torch.zeros(n, h, KVFormat.key_meta_slots(d, bs), dtype=torch.int16, device=device)
-    v_meta = zeros(n, bs, h, d // KVFormat.value_group(d), 2, dtype=torch.float16, tokens=1)
+    k_meta = torch.zeros(n, h, fmt.key_meta_slots(d, bs), dtype=torch.int16, device=device)
+    v_meta = zeros(n, bs, h, d // fmt.groups(d, bs)[0], 2, dtype=torch.float16, tokens=1)
     tails = [torch.zeros(tail_rows * bs, h, d, dtype=_DTYPES[layout.dtype], device=device) if tail_rows else None
              for _ in range(2)]
     return PagedKVCache(fmt, layout, data, k_meta=k_meta, v_meta=v_meta, k_tail=tails[0], v_tail=tails[1])

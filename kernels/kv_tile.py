@@ -13,21 +13,22 @@ import triton.language as tl
 def load_kv_tile(
     data_ptr,  # [2, N, BS, H, D] model dtype | int8 [2, N, BS, H, D] | uint8 [2, N, BS, H, D/2]
     scale_ptr,  # int8: [2, N, BS, H]
-    kmeta_ptr,  # int4: int16 [N, H, KS]
-    vmeta_ptr,  # int4: int16 view of fp16 [N, BS, H, D/GV, 2]
+    kmeta_ptr,  # int4, int4r: int16 [N, H, KS]
+    vmeta_ptr,  # int4, int4r: int16 view of fp16 [N, BS, H, D/GV, 2]
     table_ptr,  # [M] int32: this sequence's block table
     pos,  # [TILE] int32 token positions
     seq_len,  # tokens of context: positions >= seq_len read as zero
     h,  # KV head
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-    tail_ptr,  # int4: model dtype [rows * BS, H, D] exact keys of the tail rows
-    vtail_ptr,  # int4: their exact values, same shape and strides
-    trow,  # int4: the tail row holding this sequence's partial last block; -1: none
+    tail_ptr,  # int4, int4r: model dtype [rows * BS, H, D] exact keys of the tail rows
+    vtail_ptr,  # int4, int4r: their exact values, same shape and strides
+    trow,  # int4, int4r: the tail row holding this sequence's partial last block; -1: none
     s_tt, s_th,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr,
 ):
-    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise. INT4 keys and
-    values of a partial block come from tail row ``trow`` when it is >= 0, else from their codes."""
+    """Returns ``(k, v)``, each ``[TILE, D]``: model dtype for FMT 0, fp32 otherwise. INT4 (FMT 2)
+    and INT4R (FMT 3, every key per token) keys and values of a partial block come from tail row
+    ``trow`` when it is >= 0, else from their codes."""
     valid = pos < seq_len
     bidx = pos // BS
     # NOTE: block ids go to int64 before any multiply: block_id * stride overflows int32 on big caches.
@@ -54,7 +55,8 @@ def load_kv_tile(
         vmn = tl.load(vmeta_ptr + vrow + 1, mask=vm2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         v = vmn + vq * vsc
         kb = (blk * s_kmn + h * s_kmh)[:, None]
-        full = ((bidx + 1) * BS <= seq_len)[:, None]
+        full = ((bidx + 1) * BS <= seq_len)[:, None] & (FMT == 2)
+        tail = ((bidx + 1) * BS > seq_len)[:, None]
         # full block: per-channel codes and the head's (lo, hi)
         code = tl.load(kmeta_ptr + kb + c, mask=vm2 & full, other=0).to(tl.int32) & 0xFFFF
         lo = tl.load(kmeta_ptr + kb + D, mask=vm2 & full, other=0).to(tl.float16, bitcast=True).to(tl.float32)
@@ -69,7 +71,7 @@ def load_kv_tile(
         tmn = tl.load(kmeta_ptr + tslot + 1, mask=vm2 & (~full), other=0).to(tl.float16, bitcast=True).to(tl.float32)
         # partial block with a tail row: its exact keys and values (tpos < 0 iff trow is -1)
         tpos = (trow * BS + off).to(tl.int64)
-        exact = vm2 & (~full) & (tpos >= 0)[:, None]
+        exact = vm2 & tail & (tpos >= 0)[:, None]
         trow_off = tpos[:, None] * s_tt + h * s_th + c
         tk = tl.load(tail_ptr + trow_off, mask=exact, other=0.0).to(tl.float32)
         tv = tl.load(vtail_ptr + trow_off, mask=exact, other=0.0).to(tl.float32)
@@ -88,16 +90,14 @@ def softmax_step(scores, m_i, l_i):
     return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
-FMT_IDS = {"model": 0, "int8": 1, "int4": 2}
+FMT_IDS = {"model": 0, "int8": 1, "int4": 2, "int4r": 3}
 
 
 def tile_args(cache, tail_rows: torch.Tensor | None = None) -> tuple[tuple, tuple, dict]:
     """``(pointers, strides, constexprs)`` of a ``PagedKVCache`` for the attention kernels:
     pointers ``data, scale, k_meta, v_meta, k_tail, v_tail, tail_rows``; strides in ``load_kv_tile``'s
     order, the tail's last; ``HAS_TAIL`` when ``tail_rows`` ([B] int32 per sequence, -1: none) is
-    given for an INT4 cache with tail rows. Unused pointers alias ``data`` and unused strides are 0."""
-    from llmbus.kv.formats import KVFormat
-
+    given for an INT4 or INT4R cache with tail rows. Unused pointers alias ``data`` and unused strides are 0."""
     lay, data = cache.layout, cache.data
     d, bs = lay.head_dim, lay.block_size
     if d & (d - 1) or bs & (bs - 1) or d < 16:
@@ -119,8 +119,8 @@ def tile_args(cache, tail_rows: torch.Tensor | None = None) -> tuple[tuple, tupl
         *(vm.stride()[:3] if vm is not None else (0, 0, 0)),
         *(tail.stride()[:2] if has_tail else (0, 0)),
     )
-    consts = dict(FMT=FMT_IDS[cache.fmt.name], D=d, BS=bs, GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, bs),
-                  HAS_TAIL=has_tail)
+    gv, gk = cache.fmt.groups(d, bs)
+    consts = dict(FMT=FMT_IDS[cache.fmt.name], D=d, BS=bs, GV=gv, GK=gk, HAS_TAIL=has_tail)
     return ptrs, strides, consts
 
 

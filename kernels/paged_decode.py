@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import attend_tile, int4_lanes_loop, int8_tile, int8_words_loop
+from kernels.decode_tiles import attend_tile, int4_lanes_loop, int4_tokens_loop, int8_tile, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -31,7 +31,9 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # the lane loop only, see register_cap) doubled the warps an SM holds (8 -> 16). NOTE: measured
 # before the quantized loops double-buffered their codes (decode_tiles.next_blocks): int8's
 # default now takes 75.8 KB of shared memory a program, so 12 warps an SM; to be re-swept.
-CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128)}
+# int4r: not yet measured on a GPU (2026-12-01); the launch with the highest static bound
+# (scripts/kernel_cost.py: 128-token tiles, 153 registers uncapped) until the sweep runs.
+CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128), "int4r": (128, 4, 3, 168)}
 # What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
 # launch that would take more gets fewer stages (``pipeline_stages``).
 STAGE_BUDGET = 160 * 1024
@@ -70,7 +72,7 @@ def paged_decode_kernel(
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
     WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
-    LANES: tl.constexpr,  # INT4 full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop)
+    LANES: tl.constexpr,  # INT4 / INT4R full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop, int4_tokens_loop)
     NW: tl.constexpr,  # the launch's num_warps
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, SPLITS), not (B, Hkv, SPLITS)
 ):
@@ -128,7 +130,13 @@ def paged_decode_kernel(
         # lies in exactly one split, which handles it after its full blocks.
         full_end = (seq_len // BS) * BS
         lim = tl.minimum(end, full_end)
-        if LANES:
+        if LANES and FMT == 3:
+            m_i, l_i, acc = int4_tokens_loop(
+                q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
+                start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                GP, TILE, D, BS, DOT, PREC, ASM, False,
+            )
+        elif LANES:
             m_i, l_i, acc = int4_lanes_loop(
                 q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
                 start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
@@ -194,10 +202,10 @@ def int8_words(cache) -> bool:
 
 
 def int4_lanes(cache) -> bool:
-    """Whether INT4 decode reads full blocks as 16-bit lanes of four channels: from 64 channels
-    (each class's dots need 16), on a cache whose codes are 2-byte aligned and whose ``k_meta`` and
-    ``v_meta`` are word-aligned (their 16-bit fields are read in pairs)."""
-    if cache.fmt.name != "int4" or cache.layout.head_dim < 64:
+    """Whether INT4 (or INT4R) decode reads full blocks as 16-bit lanes of four channels: from 64
+    channels (each class's dots need 16), on a cache whose codes are 2-byte aligned and whose
+    ``k_meta`` and ``v_meta`` are word-aligned (their 16-bit fields are read in pairs)."""
+    if cache.fmt.name not in ("int4", "int4r") or cache.layout.head_dim < 64:
         return False
     vm = cache.v_meta.view(torch.int16)
     return (_aligned(cache.data, 2, 4) and _aligned(cache.k_meta, 4, 2) and _aligned(vm, 4, 4)
@@ -210,7 +218,7 @@ def register_cap(cache, max_registers: int | None = None) -> int:
     16) it raised the registers used, from 72 to 114."""
     if max_registers is not None:
         return max_registers
-    fast = cache.fmt.name != "int4" or int4_lanes(cache)
+    fast = not cache.fmt.name.startswith("int4") or int4_lanes(cache)
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
 
@@ -243,14 +251,14 @@ def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
     block; for INT4 at least two) and one block elsewhere; ValueError unless a power-of-two
     multiple of the block size (and, INT4 on CUDA, two blocks or more)."""
     bs = cache.layout.block_size
-    int4 = cuda and cache.fmt.name == "int4"
+    int4 = cuda and cache.fmt.name.startswith("int4")
     tile = tile or (max(bs * (2 if int4 else 1), cuda_default) if cuda else bs)
     if tile % bs or tile & (tile - 1):
         raise ValueError(f"tile must be a power-of-two multiple of block_size {bs}, got {tile}")
     if int4 and tile < 2 * bs:
         # NOTE: one-block INT4 tiles decoded wrongly on an H200 under Triton 3.6 (max error 2.8
         # where two-block tiles and the interpreter are exact); cause not found yet.
-        raise ValueError(f"int4 attention on CUDA needs tile >= 2 * block_size ({2 * bs}), got {tile}")
+        raise ValueError(f"{cache.fmt.name} attention on CUDA needs tile >= 2 * block_size ({2 * bs}), got {tile}")
     return tile
 
 
@@ -440,7 +448,7 @@ def decode_launch(
     over them, in whole tiles. ``tile`` (tokens per loop step, a multiple of block_size),
     ``num_warps``, ``num_stages`` and ``max_registers`` (per thread, 0: no cap) override the
     per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere). ``tail_rows`` ([B]
-    int32) gives INT4 sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
+    int32) gives INT4 / INT4R sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
     orders the grid's programs KV head first (``grid_order``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import int4_lanes_loop, int8_words_loop
+from kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_words_loop
 from kernels.kv_tile import load_kv_tile, softmax_step, tile_args
 from kernels.paged_decode import code_args, pipeline_stages, tile_size
 
@@ -98,16 +98,23 @@ def paged_prefill_kernel(
             q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, scale_ptr, table, h, 0, kv_end,
             m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, BLOCK_M, TILE, D, BS, DOT, PREC, ASM, True,
         )
-    elif FMT == 2 and LANES:
+    elif FMT >= 2 and LANES:
         # whole blocks up to the last the rows reach (blocks past kv_end are full: the causal mask
         # drops their positions), then at most a partial block (< BS <= TILE positions)
         full = tl.minimum((kv_end + BS - 1) // BS * BS, (seq_len // BS) * BS)
-        m_i, l_i, acc = int4_lanes_loop(
-            q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, kmeta_ptr, vmeta_ptr, table, h, 0, full,
-            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-            BLOCK_M, TILE, D, BS, GV, DOT, PREC, DQ, ASM, True,
-            1,  # NOTE: the warps split the query rows (BLOCK_M), each holding every column of the scores
-        )
+        if FMT == 3:
+            m_i, l_i, acc = int4_tokens_loop(
+                q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, kmeta_ptr, vmeta_ptr, table, h, 0, full,
+                m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                BLOCK_M, TILE, D, BS, DOT, PREC, ASM, True,
+            )
+        else:
+            m_i, l_i, acc = int4_lanes_loop(
+                q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, kmeta_ptr, vmeta_ptr, table, h, 0, full,
+                m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                BLOCK_M, TILE, D, BS, GV, DOT, PREC, DQ, ASM, True,
+                1,  # NOTE: the warps split the query rows (BLOCK_M), each holding every column of the scores
+            )
         if full < kv_end:
             m_i, l_i, acc = generic_tile(full, q, qpos, m_i, l_i, acc, qk_scale, cache_args,
                                          TILE, DOT, PREC, FMT, D, BS, GV, GK)
@@ -128,7 +135,7 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int | None = None,
     block_m: int | None = None,
-    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 tail row per sequence, -1: none
+    tail_rows: torch.Tensor | None = None,  # [B] int32: INT4 / INT4R tail row per sequence, -1: none
     tile: int | None = None,  # KV positions a step (default: paged_decode.tile_size's, 64 on CUDA)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Triton twin of ``reference.paged_prefill_attention_cache``."""

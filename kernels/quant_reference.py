@@ -8,6 +8,8 @@ dequantization uses exactly the numbers quantization used.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 INT8_MAX = 127.0
@@ -89,6 +91,29 @@ def int4_key_block_dequantize(q: torch.Tensor, codes: torch.Tensor, lo: torch.Te
     step = (hi.float()[..., None] - lo_f) / CODE_MAX
     cmin, cscale = _channel_params(m, big, lo_f, step)
     return cmin.unsqueeze(-3) + q.float() * cscale.unsqueeze(-3)
+
+
+# -- INT4R's rotation ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / d**0.5).float().to(device)
+
+
+def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthonormal ``d x d`` Hadamard matrix (Sylvester's, scaled by ``1/sqrt(d)``; symmetric,
+    its own inverse), fp32; ``d`` a power of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    return _hadamard(d, torch.device(device))
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` times the Hadamard matrix (computed in fp32, returned in ``x``'s dtype): how
+    INT4R stores keys and meets them with queries. Rotating twice gives ``x`` back."""
+    return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
 
 
 # -- nibble packing ------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import quant_reference as qr
-from llmbus.kv.formats import KVFormat
 
 if TYPE_CHECKING:
     from kernels.kv_cache import PagedKVCache
@@ -153,12 +152,14 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [T] int64
     tail_slots: torch.Tensor | None = None,  # [T] int64: row * bs + offset in cache.k_tail, or -1
 ) -> None:
-    """``write_kv`` for every format: quantizes on the way for int8/int4 (see llmbus.kv.formats).
-    An INT4 block whose last slot is written in this call is re-quantized per channel, from this
-    call's keys where they are given and, for the rest, from the exact tail row of the token
-    sealing it (``tail_slots``) or else from the stored per-token encoding. The keys and values of
-    blocks left filling are also copied exactly into their tokens' tail rows; a call must not seal
-    a block from a row it also writes (the Triton kernel's programs would race: see ``TailRows``)."""
+    """``write_kv`` for every format: quantizes on the way for int8/int4/int4r (see
+    llmbus.kv.formats; INT4R's keys come rotated, as the attention backends pass them). An INT4
+    block whose last slot is written in this call is re-quantized per channel, from this call's
+    keys where they are given and, for the rest, from the exact tail row of the token sealing it
+    (``tail_slots``) or else from the stored per-token encoding (INT4R keeps every key per token:
+    nothing is re-quantized). The keys and values of blocks left filling are also copied exactly
+    into their tokens' tail rows; a call must not seal a block from a row it also writes (the
+    Triton kernel's programs would race: see ``TailRows``)."""
     slots = slot_mapping.long()
     n, bs = cache.data.shape[1:3]
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n * bs):
@@ -178,7 +179,7 @@ def write_kv_cache(
         return
     tails = check_tail_slots(cache, slots, tail_slots)
     d = key.shape[-1]
-    gv, gk = KVFormat.value_group(d), KVFormat.key_group(d, bs)
+    gv, gk = cache.fmt.groups(d, bs)
     q, s, mn = qr.int4_group_quantize(value[last], gv)
     scatter_slots(cache.data, (1,), at, qr.pack_nibbles(q))
     scatter_slots(cache.v_meta, (), at, torch.stack((s, mn), -1))
@@ -187,11 +188,14 @@ def write_kv_cache(
     sealed = sorted({sl // bs for sl in slot_list if sl % bs == bs - 1})
     sealed_set = set(sealed)
     tail = [i for i, sl in enumerate(slot_list) if sl // bs not in sealed_set]
-    if tail:
+    per_token = cache.fmt.name == "int4r"  # NOTE: INT4R keys stay per token: no block is sealed
+    if per_token:
+        sealed = []
+    if tail or per_token:
         idx = torch.tensor(tail, dtype=torch.long, device=key.device)
-        # the filling blocks' per-token keys, each slot's last write (the tail rows below take them all)
-        kl = torch.tensor([i for i in last.tolist() if slot_list[i] // bs not in sealed_set], dtype=torch.long,
-                          device=key.device)
+        # the filling blocks' (INT4R: all) per-token keys, each slot's last write (the tail rows below take them all)
+        kl = last if per_token else torch.tensor(
+            [i for i in last.tolist() if slot_list[i] // bs not in sealed_set], dtype=torch.long, device=key.device)
         q, s, mn = qr.int4_group_quantize(key[kl], gk)
         scatter_slots(cache.data, (0,), slots[kl], qr.pack_nibbles(q))
         meta = torch.stack((s, mn), -1).view(torch.int16).flatten(-2)  # [t, H, 2 * D/gk]
@@ -224,7 +228,7 @@ def write_kv_cache(
 def check_tail_slots(cache: "PagedKVCache", slots: torch.Tensor, tail_slots: torch.Tensor | None) -> torch.Tensor | None:
     """``tail_slots`` as int64 on the slots' device, checked against the cache and the slots; None
     when unused."""
-    if tail_slots is None or cache.fmt.name != "int4":
+    if tail_slots is None or not cache.fmt.keeps_tails:
         return None
     if tail_slots.shape != slots.shape:
         raise ValueError(f"tail_slots must be [{slots.numel()}] like slot_mapping, got {list(tail_slots.shape)}")
@@ -250,7 +254,7 @@ def fill_tail(cache: "PagedKVCache", block: int, row: int) -> None:
 def _int4_tail_keys(cache: "PagedKVCache", blocks) -> torch.Tensor:
     """Keys of blocks stored in the partial (per-token) encoding: ``[..., bs, H, D]`` fp32."""
     bs, d = cache.data.shape[2], cache.data.shape[4] * 2
-    gk = KVFormat.key_group(d, bs)
+    gk = cache.fmt.groups(d, bs)[1]
     ng = d // gk
     meta = cache.k_meta[blocks, :, : bs * ng * 2].view(torch.float16)  # [..., H, bs * ng * 2]
     meta = meta.unflatten(-1, (bs, ng, 2)).transpose(-4, -3)  # [..., bs, H, ng, 2]
@@ -270,7 +274,10 @@ def dequantize_blocks(
         return qr.int8_dequantize(cache.data[:, ids], cache.scale[:, ids])
     d = cache.data.shape[-1] * 2
     vm = cache.v_meta[ids]
-    v = qr.int4_group_dequantize(qr.unpack_nibbles(cache.data[1, ids]), vm[..., 0], vm[..., 1], KVFormat.value_group(d))
+    gv = cache.fmt.groups(d, cache.data.shape[2])[0]
+    v = qr.int4_group_dequantize(qr.unpack_nibbles(cache.data[1, ids]), vm[..., 0], vm[..., 1], gv)
+    if cache.fmt.name == "int4r":  # every key per token
+        return torch.stack((_int4_tail_keys(cache, ids), v))
     km = cache.k_meta[ids]
     lo, hi = km[:, :, d].view(torch.float16), km[:, :, d + 1].view(torch.float16)
     k = qr.int4_key_block_dequantize(qr.unpack_nibbles(cache.data[0, ids]), km[:, :, :d], lo, hi)

@@ -7,7 +7,8 @@ from the input and earlier ones from the sealing token's exact tail row (or, wit
 the partial encoding); a token of a block left filling also copies its key and value into its tail
 row.
 Programs of other tokens of a block sealed in this launch leave the keys alone, so no two programs
-write the same bytes.
+write the same bytes. INT4R (FMT 3) stores every key per token, as INT4 stores a filling block's,
+and seals nothing; its tail rows are written under INT4's rule.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import triton.language as tl
 
 from kernels.kv_cache import PagedKVCache
 from kernels.kv_tile import FMT_IDS
-from llmbus.kv.formats import KVFormat
 
 
 @triton.jit
@@ -78,11 +78,11 @@ def write_kv_kernel(
     slot_ptr,  # [T] int64
     data_ptr,  # [2, N, BS, H, D] model dtype | int8 [2, N, BS, H, D] | uint8 [2, N, BS, H, D/2]
     scale_ptr,  # int8: [2, N, BS, H] fp16/fp32 (else unused)
-    kmeta_ptr,  # int4: int16 [N, H, KS] (else unused)
-    vmeta_ptr,  # int4: fp16 [N, BS, H, D/GV, 2] (else unused)
-    tail_ptr,  # int4 with HAS_TAIL: model dtype [rows * BS, H, D] exact keys of the tail rows
-    vtail_ptr,  # int4 with HAS_TAIL: their exact values, same shape and strides
-    tail_slot_ptr,  # int4 with HAS_TAIL: [T] int64, row * BS + block offset, or -1
+    kmeta_ptr,  # int4, int4r: int16 [N, H, KS] (else unused)
+    vmeta_ptr,  # int4, int4r: fp16 [N, BS, H, D/GV, 2] (else unused)
+    tail_ptr,  # int4, int4r with HAS_TAIL: model dtype [rows * BS, H, D] exact keys of the tail rows
+    vtail_ptr,  # int4, int4r with HAS_TAIL: their exact values, same shape and strides
+    tail_slot_ptr,  # int4, int4r with HAS_TAIL: [T] int64, row * BS + block offset, or -1
     T,
     s_kt, s_kh, s_vt, s_vh,
     s_dc, s_dn, s_db, s_dh,
@@ -121,10 +121,16 @@ def write_kv_kernel(
             ts = tl.load(tail_slot_ptr + t).to(tl.int64)
         tp = tail_ptr + h * s_th
         vtp = vtail_ptr + h * s_th
-        if off == BS - 1:
+        filling = fill_slot != slot + (BS - 1 - off)  # no program of this launch writes the block's last slot
+        if FMT == 3:
+            _int4_row(kp, data_ptr + row, km + off * (NGK * 2), 2, D, GK)
+            if (ts >= 0) & filling:
+                tl.store(tp + ts * s_tt + c, tl.load(kp + c).to(tail_ptr.dtype.element_ty))
+                tl.store(vtp + ts * s_tt + c, tl.load(vp + c).to(vtail_ptr.dtype.element_ty))
+        elif off == BS - 1:
             _seal_block(kp, slot_ptr, data_ptr + blk * s_dn + h * s_dh, km, tp, t, slot, ts,
                         s_kt, s_db, s_tt, D, BS, GK)
-        elif fill_slot != slot + (BS - 1 - off):
+        elif filling:
             _int4_row(kp, data_ptr + row, km + off * (NGK * 2), 2, D, GK)
             if ts >= 0:
                 tl.store(tp + ts * s_tt + c, tl.load(kp + c).to(tail_ptr.dtype.element_ty))
@@ -184,7 +190,7 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> 
         raise ValueError("key and value must be contiguous in the head dimension")
     if d & (d - 1) or lay.block_size & (lay.block_size - 1):
         raise ValueError(f"Triton KV kernels need power-of-two head_dim and block_size, got {d} and {lay.block_size}")
-    has_tail = tail_slots is not None and cache.fmt.name == "int4"
+    has_tail = tail_slots is not None and cache.fmt.keeps_tails
     if has_tail and (tail_slots.shape != (t,) or tail_slots.dtype != torch.int64):
         raise ValueError(f"tail_slots must be int64 [{t}], got {tail_slots.dtype} {list(tail_slots.shape)}")
     if has_tail and cache.k_tail is None:
@@ -200,11 +206,12 @@ def write_kv(key, value, cache: PagedKVCache, slot_mapping, tail_slots=None) -> 
     s_km = km.stride()[:2] if cache.k_meta is not None else (0, 0)
     s_vm = vm.stride()[:3] if cache.v_meta is not None else (0, 0, 0)
     tail, vtail = (cache.k_tail, cache.v_tail) if has_tail else (key, value)
+    gv, gk = cache.fmt.groups(d, lay.block_size)
     write_kv_kernel[(t, h)](
         key, value, slot_mapping, data, scale, km, vm, tail, vtail, tail_slots if has_tail else slot_mapping, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *data.stride()[:4], *s_scale, *s_km, *s_vm, tail.stride(0), tail.stride(1),
         FMT=FMT_IDS[fmt], D=d, BS=lay.block_size,
-        GV=KVFormat.value_group(d), GK=KVFormat.key_group(d, lay.block_size), HAS_TAIL=has_tail,
+        GV=gv, GK=gk, HAS_TAIL=has_tail,
     )
 

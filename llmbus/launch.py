@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmbus.kv.formats import KV_FORMATS
+
 READY = "llmbus-ready"
 
 
@@ -43,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode worker replicas per model")
     p.add_argument("--colocated", action="store_true",
                    help="no disaggregation: each prefill worker also decodes (no decode workers are started)")
-    p.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
+    p.add_argument("--kv-format", default="model", choices=KV_FORMATS)
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")

@@ -92,8 +92,9 @@ def cuda_cache(fmt: str, layout, tail_rows: int = 0, head_major: bool = False):
 
 def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
-    INT4 also at 64 (its lane loop's narrowest: class dots of 16 channels) and 16 (its generic-tile
-    path), with and without tail rows; INT8 and INT4 over head-major caches; split-K on and off."""
+    INT4 and INT4R also at 64 (their lane loops' narrowest: class dots of 16 channels) and 16 (the
+    generic-tile path), with and without tail rows; INT8, INT4 and INT4R over head-major caches;
+    split-K on and off."""
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
@@ -103,9 +104,11 @@ def variants():
         return t.as_subclass(CudaLike)
 
     cases = [("model", 128, False), ("int8", 128, False), ("int4", 128, False), ("int4", 128, True),
-             ("int4", 64, False), ("int4", 16, False), ("int4", 16, True)]
+             ("int4", 64, False), ("int4", 16, False), ("int4", 16, True),
+             # int4r: its token loop at one group (64) and two (128), the generic tile below 64
+             ("int4r", 128, True), ("int4r", 64, False), ("int4r", 16, True)]
     # head-major caches (kv_cache.allocate_cache): other strides, so other specializations
-    cases += [("int8", 128, "head-major"), ("int4", 128, "head-major")]
+    cases += [("int8", 128, "head-major"), ("int4", 128, "head-major"), ("int4r", 128, "head-major")]
     for fmt, d, tails in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
         head_major = tails == "head-major"

@@ -56,11 +56,12 @@ def _agree_over_steps(first, second, dtype: str = "float32", atol: float = 2e-5,
 
 
 @pytest.mark.parametrize("fmt,head_dim,tails", [("model", 32, False), ("int8", 32, False), ("int4", 32, False),
-                                                ("int8", 64, False), ("int4", 64, True)])
+                                                ("int8", 64, False), ("int4", 64, True), ("int4r", 64, True),
+                                                ("int4r", 32, False)])
 def test_triton_and_torch_backends_agree_over_steps(fmt, head_dim, tails):
     """From 64 channels the Triton decode and prefill run their words / lanes loops."""
     tri, tor = TritonAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
-    ca, cb = _agree_over_steps(tri, tor, atol=1e-3 if fmt == "int4" else 2e-5, tails=tails, head_dim=head_dim)
+    ca, cb = _agree_over_steps(tri, tor, atol=1e-3 if fmt.startswith("int4") else 2e-5, tails=tails, head_dim=head_dim)
     # the handoff bytes move between backends
     blocks = tri.read_blocks(ca, [3, 5])
     tor.write_blocks(cb, [2, 4], blocks)
@@ -68,7 +69,7 @@ def test_triton_and_torch_backends_agree_over_steps(fmt, head_dim, tails):
 
 
 @pytest.mark.parametrize("fmt,head_dim,tails", [("model", 32, False), ("int8", 64, False), ("int4", 64, True),
-                                                ("int4", 32, False)])
+                                                ("int4", 32, False), ("int4r", 64, True)])
 def test_triton_backend_takes_q_k_v_as_views_of_the_qkv_projection(fmt, head_dim, tails):
     """The model hands attention q, k and v as strided views of one qkv row per token (no copies);
     the Triton kernels read them by stride and agree with the reference fed contiguous copies."""
@@ -88,7 +89,44 @@ def test_triton_backend_takes_q_k_v_as_views_of_the_qkv_projection(fmt, head_dim
         meta = build_attention_metadata(entries, 16, DEV, pairs)[0]
         a = tri.forward(q, k, v, ca, meta, 0.2)
         b = tor.forward(q.contiguous(), k.contiguous(), v.contiguous(), cb, meta, 0.2)
-        torch.testing.assert_close(a, b, atol=1e-3 if fmt == "int4" else 2e-5, rtol=1e-3)
+        torch.testing.assert_close(a, b, atol=1e-3 if fmt.startswith("int4") else 2e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("backend", [TorchPagedAttentionBackend, CpuPagedAttentionBackend, TritonAttentionBackend])
+def test_int4r_backends_rotate_queries_and_keys(backend):
+    """INT4R: a backend stores each key rotated by the Hadamard matrix (per-token codes of ``k H``, not
+    of ``k``) and rotates the queries that meet them, so attention is that over the keys themselves,
+    within INT4's error; an outlier channel, which per-token codes of unrotated keys would spread
+    over every channel's step, costs little."""
+    from kernels import quant_reference as qr
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    be = backend("int4r")
+    cache = be.allocate_cache(lay, 4, DEV)[0]
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(40, h, 64, generator=g).to(DEV) for h in (4, 2, 2))
+    k[..., 5] += 25.0  # an outlier channel
+    meta = build_attention_metadata([([2, 0, 3], 0, 40)], 16, DEV)[0]
+    out = be.forward(q, k, v, cache, meta, 0.125)
+    stored = reference.dequantize_blocks(cache, torch.tensor([2, 0, 3], device=DEV),
+                                         torch.tensor([True, True, False], device=DEV))[0].flatten(0, 1)[:40]
+    rotated = qr.rotate(k)
+    step = (rotated.amax(-1) - rotated.amin(-1)) / 15
+    assert ((stored - rotated).abs().amax(-1) <= step / 2 * 1.01 + 1e-3).all()
+    assert (qr.rotate(stored) - k).abs().mean() < 0.2 < (stored - k).abs().mean()
+
+    def attend(keys, values):
+        kv = torch.stack((keys, values))[:, None]  # one 40-token block
+        return reference.paged_prefill_attention(q, kv, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                                                 meta.seq_lens, meta.query_start_loc, 0.125)
+
+    exact = attend(k, v)
+    # per-token codes of the keys as they are (no rotation): the outlier's range swamps the rest
+    plain = qr.int4_group_dequantize(*qr.int4_group_quantize(k, 64), 64)
+    values = reference.dequantize_blocks(cache, torch.tensor([2, 0, 3], device=DEV),
+                                         torch.tensor([True, True, False], device=DEV))[1].flatten(0, 1)[:40]
+    err, unrotated = (out - exact).abs().mean(), (attend(plain, values) - exact).abs().mean()
+    assert err < 0.5 * unrotated
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="the fused CPU decode kernel did not build here")

@@ -51,13 +51,13 @@ def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=Non
     return cache
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_decode_dtypes_and_formats(name, dtype):
     _check(name, dtype, hkv=2, group=4, head_dim=32, bs=16, lens=[37, 1, 0, 16], splits=1)
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_decode_head_major_storage(name, head_dim):
     """A cache stored head-major (allocate_cache(head_major=True): one head's rows of a block
@@ -67,7 +67,7 @@ def test_decode_head_major_storage(name, head_dim):
                    tile=32, head_major=True)
     assert cache.data.stride(3) > cache.data.stride(2)  # heads outside tokens
     assert int8_words(cache) == (name == "int8" and head_dim >= 64)
-    assert int4_lanes(cache) == (name == "int4" and head_dim >= 64)
+    assert int4_lanes(cache) == (name.startswith("int4") and head_dim >= 64)
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -76,7 +76,7 @@ def test_decode_gqa_ratios_and_split_k(group, splits):
     _check("int4", "bfloat16", hkv=2, group=group, head_dim=16, bs=16, lens=[53, 7, 0], splits=splits, seed=group)
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_grid_in_either_order(name, splits):
     """The grid's programs in KV-head-first order (the default) or sequence-first give the same
@@ -92,7 +92,7 @@ def test_decode_block_sizes_and_head_dims(bs, head_dim):
     _check("int8", "bfloat16", hkv=1, group=2, head_dim=head_dim, bs=bs, lens=[45, 2], splits=1)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4r"])
 @pytest.mark.parametrize("tile,splits", [(32, 1), (64, 2)])
 def test_decode_multi_block_tiles(name, tile, splits):
     """Tiles of several blocks (the CUDA default): INT4's per-block key ranges broadcast per block,
@@ -130,7 +130,8 @@ def _shifted(cache, field: str) -> PagedKVCache:
 
 @pytest.mark.parametrize("name,field,uses_fast_path", [("int8", "data", int8_words), ("int8", "scale", int8_words),
                                                        ("int4", "data", int4_lanes), ("int4", "k_meta", int4_lanes),
-                                                       ("int4", "v_meta", int4_lanes)])
+                                                       ("int4", "v_meta", int4_lanes), ("int4r", "data", int4_lanes),
+                                                       ("int4r", "k_meta", int4_lanes), ("int4r", "v_meta", int4_lanes)])
 def test_decode_fast_paths_need_aligned_caches(name, field, uses_fast_path):
     """INT8 codes (read as words), INT4 codes (read as 16-bit lanes) or 16-bit metadata (INT8 scales,
     INT4 ranges: read in pairs) that start off their boundary take the generic path, with the same
@@ -147,19 +148,22 @@ def test_decode_fast_paths_need_aligned_caches(name, field, uses_fast_path):
         torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.125), want, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("name", ["int4", "int4r"])
 @pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 2)])
-def test_decode_int4_lanes_at_head_dim_128(group, splits):
-    """INT4 full blocks by channel class at the real models' head_dim, with multi-block tiles, the
-    partial tail block after them, and empty and one-token sequences."""
-    _check("int4", "bfloat16", hkv=2, group=group, head_dim=128, bs=16, lens=[150, 48, 0, 1, 33], splits=splits,
+def test_decode_int4_lanes_at_head_dim_128(name, group, splits):
+    """INT4 (and INT4R: decode_tiles.int4_tokens_loop) full blocks by channel class at the real
+    models' head_dim, with multi-block tiles, the partial tail block after them, and empty and
+    one-token sequences."""
+    _check(name, "bfloat16", hkv=2, group=group, head_dim=128, bs=16, lens=[150, 48, 0, 1, 33], splits=splits,
            seed=group, tile=64)
 
 
+@pytest.mark.parametrize("name", ["int4", "int4r"])
 @pytest.mark.parametrize("head_dim,bs", [(64, 16), (128, 32), (256, 16)])
-def test_decode_int4_lanes_shapes_at_the_cuda_tile(head_dim, bs):
-    """The lane loop at the CUDA default tile (64) for its narrowest head (64 channels: class dots of
-    16), two-block tiles of 32-token blocks, and four value groups per token (256 channels)."""
-    _check("int4", "float16", hkv=2, group=4, head_dim=head_dim, bs=bs, lens=[130, 64, 31, 1], splits=2, seed=head_dim,
+def test_decode_int4_lanes_shapes_at_the_cuda_tile(name, head_dim, bs):
+    """The lane loops at the CUDA default tile (64) for their narrowest head (64 channels: class dots
+    of 16), two-block tiles of 32-token blocks, and (INT4) four value groups per token (256 channels)."""
+    _check(name, "float16", hkv=2, group=4, head_dim=head_dim, bs=bs, lens=[130, 64, 31, 1], splits=2, seed=head_dim,
            tile=64)
 
 
@@ -384,20 +388,21 @@ def test_decode_bad_input_is_a_value_error():
         paged_decode_attention(q, cache, torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int32), 1.0)
 
 
+@pytest.mark.parametrize("name,head_dim", [("int4", 32), ("int4r", 32), ("int4r", 64)])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_reads_partial_int4_blocks_from_tail_rows(dtype, splits):
-    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
+def test_decode_reads_partial_int4_blocks_from_tail_rows(name, head_dim, dtype, splits):
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype)
     lens = [37, 5, 16, 50, 0]
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
-    cache = allocate_cache(KVFormat("int4"), lay, nblocks, DEV, tail_rows=6)
+    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV, tail_rows=6)
     tables = _fill(cache, lay, lens, nblocks, seed=3)
     g = torch.Generator().manual_seed(4)
     # NOTE: rows holding keys the codes do not, so which one a kernel reads shows in its output
     for tail in (cache.k_tail, cache.v_tail):
         tail.copy_(torch.randn(tail.shape, generator=g).to(DEV, cache.model_dtype) * 2)
     rows = torch.tensor([4, 0, 2, -1, 1], dtype=torch.int32, device=DEV)  # seq 2 is full, seq 3 has none
-    q = torch.randn(len(lens), 4, 32, generator=g).to(DEV, cache.model_dtype)
+    q = torch.randn(len(lens), 4, head_dim, generator=g).to(DEV, cache.model_dtype)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, cache, tables, sl, 0.25, rows)
     got = paged_decode_attention(q, cache, tables, sl, 0.25, num_splits=splits, tail_rows=rows)

@@ -39,14 +39,14 @@ def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None,
         assert (int8_words(cache) or int4_lanes(cache)) == fast
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prefill_chunks_over_prefix(name, dtype):
     # a chunk over a cached prefix, a fresh prompt, a single-token chunk, an empty chunk
     _check(name, dtype, hkv=2, group=2, head_dim=16, bs=16, ctx=[45, 19, 33, 8], qlens=[21, 19, 1, 0])
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_prefill_head_major_storage(name):
     """Prefill over a head-major cache (allocate_cache(head_major=True)) as over the token-major one."""
     _check(name, "float16", hkv=2, group=2, head_dim=64, bs=16, ctx=[45, 19, 8], qlens=[21, 19, 1],
@@ -58,7 +58,7 @@ def test_prefill_gqa_ratios(group):
     _check("int4", "float16", hkv=1, group=group, head_dim=32, bs=16, ctx=[40, 3], qlens=[17, 3], seed=group)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4r"])
 @pytest.mark.parametrize("head_dim,bs,group", [(64, 16, 4), (128, 32, 2)])
 def test_prefill_quantized_contexts_through_the_decode_loops(name, head_dim, bs, group):
     """From 64 channels, INT8 and INT4 contexts go through the decode kernel's loops (words /
@@ -69,7 +69,7 @@ def test_prefill_quantized_contexts_through_the_decode_loops(name, head_dim, bs,
            seed=head_dim, fast=True)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4r"])
 @pytest.mark.parametrize("head_dim,bs", [(64, 16), (64, 32), (128, 64)])
 def test_prefill_decode_loops_at_the_cuda_launch(name, head_dim, bs):
     """The CUDA defaults (64-row query blocks, multi-block tiles: 64 positions, 128 for INT4's
@@ -127,11 +127,12 @@ def test_prefill_bad_input_is_a_value_error():
         paged_prefill_attention(q, cache, tables, sl, torch.tensor([0, 2], device=DEV), 1.0)
 
 
+@pytest.mark.parametrize("name", ["int4", "int4r"])
 @pytest.mark.parametrize("head_dim", [32, 64])  # 64: full blocks through the lane loop
-def test_prefill_reads_partial_int4_blocks_from_tail_rows(head_dim):
+def test_prefill_reads_partial_int4_blocks_from_tail_rows(name, head_dim):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
     ctx, qlens = [45, 19, 32, 8], [21, 19, 4, 3]
-    cache = allocate_cache(KVFormat("int4"), lay, 12, DEV, tail_rows=4)
+    cache = allocate_cache(KVFormat(name), lay, 12, DEV, tail_rows=4)
     g = torch.Generator().manual_seed(5)
     tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 0], [7, 0, 0]], dtype=torch.int32, device=DEV)
     for i, n in enumerate(ctx):

@@ -15,7 +15,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_write_matches_reference_prefill_then_decode(name, dtype):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
     torch.manual_seed(1)
@@ -48,13 +48,13 @@ def test_write_matches_reference_prefill_then_decode(name, dtype):
     full = torch.tensor([True, True, True, False, False], device=DEV)
     da = ref.dequantize_blocks(mine, ids, full)
     db = ref.dequantize_blocks(theirs, ids, full)
-    step = {"model": 0.0, "int8": 0.1, "int4": 0.6}[name] if DEV == "cuda" else {"model": 0.0, "int8": 0.0, "int4": 0.6}[name]
+    step = {"model": 0.0, "int8": 0.1, "int4": 0.6, "int4r": 0.6}[name] if DEV == "cuda" else {"model": 0.0, "int8": 0.0, "int4": 0.6, "int4r": 0.6}[name]
     assert (da - db).abs().max() <= step  # at most one quantization step apart
     if name != "model":
         assert (a != b).float().mean() < 0.01
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_write_head_major_storage_moves_the_same_bytes(name):
     """The KV write into a head-major cache (allocate_cache(head_major=True)) leaves the blocks a
     token-major cache holds: read_blocks' bytes (the handoff's and kvpool's) are the same, and
@@ -73,7 +73,7 @@ def test_write_head_major_storage_moves_the_same_bytes(name):
     assert torch.equal(read_blocks(again, range(4)), read_blocks(token_major, range(4)))
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_reference_write_of_a_slot_twice_keeps_the_last_in_either_storage(name):
     """A call that writes a slot twice keeps its last write (index_copy_'s rule), in a head-major
     cache (written by indexing) as in a token-major one (through a flat view of its slots)."""
@@ -114,7 +114,7 @@ def test_write_bad_input_is_a_value_error():
         write_kv(k[:, :1], k[:, :1], cache, torch.tensor([0, 1, 2], device=DEV))
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_write_takes_keys_and_values_of_different_strides(name):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16)
     mine, theirs = (allocate_cache(KVFormat(name), lay, 2, DEV) for _ in range(2))
@@ -127,7 +127,7 @@ def test_write_takes_keys_and_values_of_different_strides(name):
         assert torch.equal(read_blocks(mine, [1]), read_blocks(theirs, [1]))
     ids, full = torch.tensor([1], device=DEV), torch.tensor([False], device=DEV)
     got, want = ref.dequantize_blocks(mine, ids, full), ref.dequantize_blocks(theirs, ids, full)
-    assert (got - want).abs().max() <= {"model": 0.0, "int8": 0.1, "int4": 0.6}[name]
+    assert (got - want).abs().max() <= {"model": 0.0, "int8": 0.1, "int4": 0.6, "int4r": 0.6}[name]
 
 
 def test_write_high_block_ids_do_not_overflow_int32():
@@ -148,13 +148,14 @@ def test_write_high_block_ids_do_not_overflow_int32():
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
+@pytest.mark.parametrize("name", ["int4", "int4r"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_int4_tail_rows_match_reference(dtype):
+def test_int4_tail_rows_match_reference(name, dtype):
     """Exact tail rows through the engine's row rule (``TailRows``): the kernel seals from
-    them and fills them as the reference does, with a rowless sequence in the same launches."""
+    them (INT4) and fills them as the reference does, with a rowless sequence in the same launches."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype=dtype)
     torch.manual_seed(2)
-    fmt = KVFormat("int4")
+    fmt = KVFormat(name)
     mine, theirs = (allocate_cache(fmt, lay, 8, DEV, tail_rows=2) for _ in range(2))
     tables = [[5, 2, 7, 0], [1, 3, 4]]
     lens = [53, 40]

@@ -30,7 +30,7 @@ def baseline(model_dir):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int4r"])
 def test_quantized_kv_greedy_matches_first_tokens(model_dir, baseline, kv_format):
     llm = LLM(model_dir, device="cpu", kv_format=kv_format)
     assert llm.engine.backend.kv_format.name == kv_format
@@ -44,7 +44,7 @@ def test_quantized_kv_greedy_matches_first_tokens(model_dir, baseline, kv_format
     assert leaks["free_blocks"] == leaks["total_blocks"]
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "int4"])
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int4r"])
 def test_head_major_caches_serve_the_same_tokens(model_dir, kv_format, monkeypatch):
     """LLMBUS_KV_HEAD_MAJOR stores the engine's caches head-major (kernels.backends.HEAD_MAJOR): the
     same greedy tokens as token-major caches of the format, through prefill, decode and tail rows."""

@@ -19,9 +19,12 @@ def test_bytes_per_token_vs_bf16(head_dim):
     assert bf16 == lay.bytes_per_token
     assert KVFormat("int8").bytes_per_token(lay) <= 0.52 * bf16
     assert KVFormat("int4").bytes_per_token(lay) <= 0.30 * bf16
+    assert KVFormat("int4r").bytes_per_token(lay) <= 0.30 * bf16
+    # INT4R: the codes and one (scale, min) pair a token, head and K or V
+    assert KVFormat("int4r").layer_block_bytes(lay) == 2 * 16 * 8 * (head_dim // 2 + 4)
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_block_bytes_match_allocated_tensors(name):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")
     cache = allocate_cache(KVFormat(name), lay, 3, "cpu")
@@ -37,6 +40,10 @@ def test_bad_formats_raise_clear_errors():
     with pytest.raises(ValueError, match="head_dim must be even"):
         KVFormat("int4").layer_block_bytes(KVLayout(1, 1, 15))
     assert parse_kv_format(" INT8 ") == KVFormat("int8")
+    with pytest.raises(ValueError, match="head_dim must be a power of two, got 96"):
+        KVFormat("int4r").layer_block_bytes(KVLayout(1, 1, 96))
+    with pytest.raises(ValueError, match="int4r KV stores its scales as float16"):
+        KVFormat("int4r", scale_dtype="float32")
 
 
 def test_int8_round_trip_bound():
@@ -69,7 +76,7 @@ def test_int4_key_block_round_trip_bound_with_outlier_channels():
     assert err.mean() < per_token_err.mean() / 3
 
 
-@pytest.mark.parametrize("name", ["model", "int8", "int4"])
+@pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 def test_read_write_blocks_round_trip(name):
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="bfloat16")
     src = allocate_cache(KVFormat(name), lay, 6, "cpu")
@@ -89,7 +96,7 @@ def test_read_write_blocks_round_trip(name):
         write_blocks(dst, [0], torch.zeros(1, 3, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4r"])
 def test_decode_written_cache_matches_prefill_written_within_bound(name):
     """Token-by-token writes (decode) and one bulk write (prefill) store nearly the same KV."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
@@ -106,7 +113,7 @@ def test_decode_written_cache_matches_prefill_written_within_bound(name):
     kv = torch.stack((k, v))
     assert (a - kv).abs().max() < (0.05 if name == "int8" else 0.9)
     assert (b - kv).abs().max() < (0.05 if name == "int8" else 1.2)
-    if name == "int8":
+    if name != "int4":  # NOTE: only INT4 re-quantizes a block when it fills
         assert torch.equal(a, b)
 
 
@@ -219,3 +226,54 @@ def test_int4_attention_reads_a_partial_block_exactly_from_its_tail_row():
     torch.testing.assert_close(got, want)
     codes = ref.paged_decode_attention_cache(q, cache, tables, lens, 0.125)  # without: per-token codes
     assert (codes - want).abs().max() > 1e-3
+
+
+def test_hadamard_rotation_is_orthonormal_and_its_own_inverse():
+    for d in (1, 2, 16, 128):
+        h = qr.hadamard(d)
+        torch.testing.assert_close(h @ h.T, torch.eye(d), atol=1e-6, rtol=0)
+        assert torch.equal(h, h.T)
+    x = torch.randn(5, 3, 64, dtype=torch.float64)
+    torch.testing.assert_close(qr.rotate(qr.rotate(x)), x, atol=1e-6, rtol=0)
+    q, k = torch.randn(7, 64), torch.randn(7, 64)
+    torch.testing.assert_close((qr.rotate(q) * qr.rotate(k)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two head_dim, got 48"):
+        qr.hadamard(48)
+
+
+def test_int4r_stores_every_key_per_token_within_half_a_step():
+    """INT4R keys and values: per token, one (scale, min) pair a head, full blocks included (no
+    sealing); each element within half a step (fp16 rounding of the pair included)."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    torch.manual_seed(3)
+    k, v = torch.randn(40, 2, 64) * 2 + 0.5, torch.randn(40, 2, 64)
+    cache = allocate_cache(KVFormat("int4r"), lay, 3, "cpu")
+    assert cache.k_meta.shape == (3, 2, 32) and cache.v_meta.shape == (3, 16, 2, 1, 2)
+    ref.write_kv_cache(k, v, cache, torch.arange(40))
+    kv = ref.dequantize_blocks(cache, torch.arange(3), torch.tensor([True, True, False])).flatten(1, 2)[:, :40]
+    for got, x in zip(kv, (k, v)):
+        step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15
+        assert ((got - x).abs() <= step / 2 * 1.01 + x.abs().amax(-1, keepdim=True) * 2**-10).all()
+    # block 0's first token: its pair at k_meta slots 0, 1 (fp16 scale, min)
+    pair = cache.k_meta[0, 0, :2].view(torch.float16).float()
+    assert torch.allclose(pair, torch.stack(((k[0, 0].max() - k[0, 0].min()) / 15, k[0, 0].min())), rtol=2e-3)
+
+
+def test_int4r_tier_conversion_rotates_keys_back():
+    """Blocks converted from INT4R to another format (a tier's) hold the keys, not their rotation;
+    and back, the rotation again."""
+    from llmbus.kv.tier_format import convert_blocks, dequantize
+
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
+    torch.manual_seed(4)
+    k, v = torch.randn(32, 2, 32), torch.randn(32, 2, 32)
+    caches = [allocate_cache(KVFormat("int4r"), lay, 2, "cpu") for _ in range(2)]
+    for c in caches:  # what the backend writes: rotated keys
+        ref.write_kv_cache(qr.rotate(k), v, c, torch.arange(32))
+    rows = torch.cat([read_blocks(c, [0, 1]) for c in caches], 1)  # 2 blocks x (2 layers' bytes)
+    logical = dequantize(rows, lay, KVFormat("int4r"))  # [n, layers, 2, bs, H, D], keys rotated back
+    assert (logical[:, 0, 0].flatten(0, 1) - k).abs().max() < 0.5
+    as_model = convert_blocks(rows, lay, KVFormat("int4r"), KVFormat("model"))
+    torch.testing.assert_close(dequantize(as_model, lay, KVFormat("model")), logical, atol=1e-5, rtol=0)
+    back = convert_blocks(as_model, lay, KVFormat("model"), KVFormat("int4r"))
+    assert (dequantize(back, lay, KVFormat("int4r")) - logical).abs().max() < 0.5

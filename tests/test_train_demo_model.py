@@ -109,9 +109,9 @@ def test_eval_candidate_rotated_int4_keys_round_trip_as_described(base):
     Hadamard matrix, quantized per token in groups, rotated back; values as INT4's. Its logits stay
     near the model-dtype cache's, and differ from them."""
     from kernels import quant_reference as qr
-    from scripts.eval_kv_quant import candidate_backend, compare, hadamard, run_logits
+    from scripts.eval_kv_quant import candidate_backend, compare, run_logits
 
-    h = hadamard(32)
+    h = qr.hadamard(32)
     torch.testing.assert_close(h @ h.T, torch.eye(32), atol=1e-6, rtol=0)
     # the round trip of one key row is what the backend stores: rotate, quantize per group, back
     k = torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(0))

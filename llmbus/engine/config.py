@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-KV_FORMATS = ("model", "int8", "int4")
+from llmbus.kv.formats import KV_FORMATS  # the engine's --kv-format choices
 
 
 @dataclass(frozen=True)

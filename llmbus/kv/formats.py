@@ -1,6 +1,6 @@
 """KV storage formats, defined once: the engine, the kernels and kvpool size and read blocks by them.
 
-Three formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N`` blocks of
+Four formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N`` blocks of
 ``bs`` tokens, ``H`` KV heads of ``D`` channels):
 
 - ``model``: keys and values in the model dtype, one ``[2, N, bs, H, D]`` tensor.
@@ -18,6 +18,18 @@ Three formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N``
   keeps INT4 under 0.30x of bf16 with 16-token blocks). While a block is partial (the decode tail),
   its keys are stored per token in groups of ``key_group`` channels with fp16 (scale, min) pairs in
   the same ``k_meta`` slots: slot ``2 * (offset * D / key_group + g)`` is the scale, the next the min.
+
+- ``int4r`` (INT4 with rotated keys, per token): keys are first rotated by the head_dim's
+  orthonormal Hadamard matrix ``Hd`` (Sylvester's, scaled by ``1/sqrt(D)``: ``k' = k Hd``), which
+  spreads the outlier channels that KIVI's per-channel ranges exist for, then stored as INT4's
+  partial-block keys are, per token, in every block, full or not, but in one group of all ``D``
+  channels: ``k_meta`` int16 ``[N, H, 2 * bs]``, slot ``2 * offset`` the fp16 scale, the next
+  the min. Values as INT4's, but in one group of ``D`` channels too. Attention is
+  unchanged when the query is rotated the same way (``q . k = q Hd . k Hd``): the attention
+  backends rotate queries and keys on the way in, so everything that reads the cache sees
+  rotated keys. With per-token scales a decode kernel applies them to a tile's scores and
+  probabilities, as INT8's, instead of to every code. Tail rows as INT4's (holding rotated keys).
+  ``head_dim`` must be a power of two.
 
 NOTE: whether an INT4 block is full is not stored: a reader knows it from the sequence length
 (block ``j`` of a sequence of ``L`` tokens is full iff ``(j + 1) * bs <= L``), and the writer
@@ -41,7 +53,7 @@ from dataclasses import dataclass
 
 from llmbus.kv.layout import DTYPE_BYTES, KVLayout
 
-KV_FORMATS = ("model", "int8", "int4")
+KV_FORMATS = ("model", "int8", "int4", "int4r")
 SCALE_DTYPES = ("float16", "float32")
 
 
@@ -55,17 +67,30 @@ class KVFormat:
             raise ValueError(f"unknown KV format {self.name!r}: expected one of {', '.join(KV_FORMATS)}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"KVFormat.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
-        if self.name == "int4" and self.scale_dtype != "float16":
-            raise ValueError("int4 KV stores its scales as float16; scale_dtype must be 'float16'")
+        if self.name.startswith("int4") and self.scale_dtype != "float16":
+            raise ValueError(f"{self.name} KV stores its scales as float16; scale_dtype must be 'float16'")
 
     @property
     def quantized(self) -> bool:
         return self.name != "model"
 
+    @property
+    def rotates_keys(self) -> bool:
+        """Keys (and the queries that meet them) are rotated by the head_dim's Hadamard matrix."""
+        return self.name == "int4r"
+
+    @property
+    def keeps_tails(self) -> bool:
+        """The format may keep exact tail rows of filling blocks (INT4's two formats)."""
+        return self.name.startswith("int4")
+
     def check(self, layout: KVLayout) -> None:
         """Raise ValueError if this format cannot store ``layout``."""
         if self.name == "int4" and layout.head_dim % 2:
             raise ValueError(f"int4 KV packs two channels per byte: head_dim must be even, got {layout.head_dim}")
+        d = layout.head_dim
+        if self.name == "int4r" and (d < 2 or d & (d - 1)):
+            raise ValueError(f"int4r KV rotates keys by a Hadamard matrix: head_dim must be a power of two, got {d}")
 
     # -- int4 grouping ------------------------------------------------------------------------
     @staticmethod
@@ -78,11 +103,18 @@ class KVFormat:
         """Channels per (scale, min) pair of an INT4 key row while its block is partial."""
         return math.gcd(head_dim, 2 * block_size)
 
-    @classmethod
-    def key_meta_slots(cls, head_dim: int, block_size: int) -> int:
-        """int16 slots of ``k_meta`` per block and head: room for either key encoding."""
-        per_token = 2 * block_size * (head_dim // cls.key_group(head_dim, block_size))
-        return max(head_dim + 2, per_token)
+    def groups(self, head_dim: int, block_size: int) -> tuple[int, int]:
+        """``(value group, per-token key group)`` of an INT4 row; INT4R's are the whole head
+        (one (scale, min) pair per token, head and K or V: ``decode_tiles.int4_tokens_loop``)."""
+        if self.name == "int4r":
+            return head_dim, head_dim
+        return self.value_group(head_dim), self.key_group(head_dim, block_size)
+
+    def key_meta_slots(self, head_dim: int, block_size: int) -> int:
+        """int16 slots of ``k_meta`` per block and head: room for either key encoding (INT4), the
+        per-token one (INT4R)."""
+        per_token = 2 * block_size * (head_dim // self.groups(head_dim, block_size)[1])
+        return per_token if self.name == "int4r" else max(head_dim + 2, per_token)
 
     # -- sizes --------------------------------------------------------------------------------
     def layer_block_bytes(self, layout: KVLayout) -> int:
@@ -95,7 +127,7 @@ class KVFormat:
             return 2 * bs * h * d + 2 * bs * h * DTYPE_BYTES[self.scale_dtype]
         data = 2 * bs * h * (d // 2)
         k_meta = h * self.key_meta_slots(d, bs) * 2
-        v_meta = bs * h * (d // self.value_group(d)) * 2 * 2
+        v_meta = bs * h * (d // self.groups(d, bs)[0]) * 2 * 2
         return data + k_meta + v_meta
 
     def bytes_per_block(self, layout: KVLayout) -> int:
@@ -104,7 +136,7 @@ class KVFormat:
 
     def tail_row_bytes(self, layout: KVLayout) -> int:
         """Bytes of one exact tail row (keys and values) across all layers (0 for formats that need none)."""
-        if self.name != "int4":
+        if not self.keeps_tails:
             return 0
         return 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
 
@@ -114,5 +146,5 @@ class KVFormat:
 
 
 def parse_kv_format(name: str) -> KVFormat:
-    """``"model" | "int8" | "int4"`` (the ``--kv-format`` option) -> KVFormat."""
+    """``"model" | "int8" | "int4" | "int4r"`` (the ``--kv-format`` option) -> KVFormat."""
     return KVFormat(name=name.strip().lower() if isinstance(name, str) else name)

@@ -6,7 +6,8 @@ dequantizes to fp32 with the torch references in ``kernels/`` and re-encodes; ev
 block is independent, so the ``n * num_layers`` layer-blocks are converted as one batch.
 
 NOTE: only full blocks are ever cached (their hashes name them), so INT4 keys are always in the
-per-channel (sealed) encoding here. Quantized -> model dtype hands back dequantized values: a
+per-channel (sealed) encoding here. INT4R blocks hold rotated keys: a conversion to or from
+another format rotates them (the Hadamard rotation is its own inverse). Quantized -> model dtype hands back dequantized values: a
 lossy tier loses what its format loses, and promotion cannot restore it.
 """
 
@@ -38,12 +39,13 @@ class BlockCodec:
 
 
 def parse_tier_format(name: str, tier0: KVFormat) -> KVFormat:
-    """``"same"`` (the tier-0 format), ``"model"``, ``"int8"`` or ``"int4"``."""
+    """``"same"`` (the tier-0 format), or a format of ``llmbus.kv.formats``."""
     return tier0 if name == "same" else parse_kv_format(name)
 
 
 def convert_blocks(rows: torch.Tensor, layout: KVLayout, src: KVFormat, dst: KVFormat) -> torch.Tensor:
     from kernels import reference
+    from kernels.quant_reference import rotate
     from kernels.kv_cache import allocate_cache, read_blocks, write_blocks
 
     n = rows.shape[0]
@@ -60,6 +62,8 @@ def convert_blocks(rows: torch.Tensor, layout: KVLayout, src: KVFormat, dst: KVF
     out = allocate_cache(dst, layout, m, "cpu")
     bs, h, d = layout.block_size, layout.num_kv_heads, layout.head_dim
     k, v = kv[0].reshape(m * bs, h, d), kv[1].reshape(m * bs, h, d)
+    if src.rotates_keys != dst.rotates_keys:
+        k = rotate(k)
     if dst.name == "model":
         k, v = k.to(_DTYPES[layout.dtype]), v.to(_DTYPES[layout.dtype])
     reference.write_kv_cache(k, v, out, torch.arange(m * bs))
@@ -67,8 +71,9 @@ def convert_blocks(rows: torch.Tensor, layout: KVLayout, src: KVFormat, dst: KVF
 
 
 def dequantize(rows: torch.Tensor, layout: KVLayout, fmt: KVFormat) -> torch.Tensor:
-    """Blocks as fp32 ``[n, num_layers, 2, bs, H, D]`` (what the tests compare)."""
+    """Blocks as fp32 ``[n, num_layers, 2, bs, H, D]`` (what the tests compare), INT4R's keys rotated back."""
     from kernels import reference
+    from kernels.quant_reference import rotate
     from kernels.kv_cache import allocate_cache, write_blocks
 
     n = rows.shape[0]
@@ -77,4 +82,6 @@ def dequantize(rows: torch.Tensor, layout: KVLayout, fmt: KVFormat) -> torch.Ten
     cache = allocate_cache(fmt, layout, m, "cpu")
     write_blocks(cache, ids, rows.reshape(m, fmt.layer_block_bytes(layout)))
     kv = reference.dequantize_blocks(cache, ids, torch.ones(m, dtype=torch.bool))
+    if fmt.rotates_keys:
+        kv[0] = rotate(kv[0])
     return kv.movedim(0, 1).reshape(n, layout.num_layers, 2, *kv.shape[2:])

@@ -311,7 +311,7 @@ class Handoff:
     lease: Lease
     state: dict[str, Any]  # Engine.export_sequence() state, msgpack-able
     kv_shape: list[int]  # [n_blocks, num_layers, layer_block_bytes]
-    kv_format: str  # "model" | "int8" | "int4": the bytes' format (must match the decode engine's)
+    kv_format: str  # "model" | "int8" | "int4" | "int4r": the bytes' format (must match the decode engine's)
     prefill_worker: str = ""
     next_seq: int = 1  # seq of the next TokenEvent; prefill published 0 .. next_seq-1
     num_cached_tokens: int = 0  # prompt tokens prefill served from its prefix cache
