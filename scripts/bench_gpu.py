@@ -1,7 +1,7 @@
 """GPU check and benchmark of the Triton KV kernels (needs CUDA).
 
 1. Checks every kernel (write_kv, paged decode with and without split-K, paged prefill) against
-   its pure-torch reference natively, for bf16, int8 and int4 KV: prints PASS/FAIL and max errors.
+   its pure-torch reference natively, for bf16, int8, int4 and int4r KV: prints PASS/FAIL and max errors.
 2. Sweeps the decode launch (tile, warps, stages, register cap) at a large shape (``--sweep``:
    batch 64 x 8,192; ``--sweep-at B,C``, repeatable, names the shapes, the first choosing).
 3. Measures paged decode attention's achieved memory bandwidth (bytes the kernel must read: codes
@@ -37,7 +37,9 @@ from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100": 2039.0, "L4": 300.0}
-FORMATS = ("model", "int8", "int4")
+FORMATS = ("model", "int8", "int4", "int4r")
+# GPU fp32 division is not correctly rounded, so a tie may land one quantization step away
+WRITE_TOL = {"model": 0.0, "int8": 0.1, "int4": 0.6, "int4r": 0.6}
 HQ, HKV, D, BS = 32, 8, 128, 16
 
 
@@ -57,6 +59,8 @@ SWEEP = {
     "int8": [(128, 4, 3, 128), (128, 4, 2, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128), (128, 8, 3, 128),
              (128, 4, 4, 128)],
     "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
+    # int4r (2026-12-01, not yet run on a GPU): kernel_cost's static bound rises with 128-token tiles
+    "int4r": [(128, 4, 3, 168), (64, 4, 3, 128), (128, 4, 3, 128), (64, 2, 3, 0)],
 }
 
 
@@ -116,8 +120,7 @@ def check_kernels() -> list[dict]:
             write_kv(k, v, mine, slots)
             return (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
 
-        # GPU fp32 division is not correctly rounded, so a tie may land one quantization step away
-        _measure(rows, "write_kv", fmt, {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt], write_err)
+        _measure(rows, "write_kv", fmt, WRITE_TOL[fmt], write_err)
         q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
@@ -138,7 +141,7 @@ def check_kernels() -> list[dict]:
             write_kv(k, v, head_major, slots)
             return (ref.dequantize_blocks(head_major, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
 
-        _measure(rows, "write_kv head-major", fmt, {"model": 0.0, "int8": 0.1, "int4": 0.6}[fmt], head_major_write_err)
+        _measure(rows, "write_kv head-major", fmt, WRITE_TOL[fmt], head_major_write_err)
         _measure(rows, "paged_decode head-major", fmt, 4e-2, lambda: (paged_decode_attention(
             q, hm_theirs, tables, sl, D**-0.5).float() - want).abs().max())
         qlens = [1, 17, 100, 333]
@@ -165,7 +168,10 @@ def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool = Fals
             flat.normal_()
         else:
             flat.view(torch.uint8).random_(0, 256)
-    if cache.k_meta is not None:
+    if cache.fmt.name == "int4r":  # every key per token: one (scale, min) pair each
+        cache.k_meta.view(torch.float16).fill_(0.01)
+        cache.v_meta.fill_(0.01)
+    elif cache.k_meta is not None:
         cache.k_meta[..., -2:] = torch.tensor([-1.0, 1.0], dtype=torch.float16, device="cuda").view(torch.int16)
         cache.v_meta.fill_(0.01)
     if cache.scale is not None:

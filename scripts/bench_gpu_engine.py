@@ -1,5 +1,5 @@
 """Decode throughput of the engine on a CUDA device: the large demo model, Triton attention,
-model-dtype / int8 / int4 KV, at several batch sizes, each with decode steps run eagerly and
+model-dtype / int8 / int4 / int4r KV, at several batch sizes, each with decode steps run eagerly and
 replayed as CUDA graphs (``--cuda-graphs``; ``--graphs off|on|both``). Prints a markdown table and
 writes JSON.
 
@@ -80,7 +80,7 @@ def main() -> int:
     ap.add_argument("--model", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--batches", default="1,8,32,128")
-    ap.add_argument("--formats", default="model,int8,int4")
+    ap.add_argument("--formats", default="model,int8,int4,int4r")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--device", default="cuda")

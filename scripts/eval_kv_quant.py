@@ -46,36 +46,28 @@ from llmbus.engine.attention import build_attention_metadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
 
-def hadamard(d: int) -> torch.Tensor:
-    """The orthonormal ``d x d`` Hadamard matrix (Sylvester's; ``d`` a power of two)."""
-    if d & (d - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / d**0.5
-
-
-def candidate_backend(device: str, key_group: int):
+def candidate_backend(device: str, key_group: int, value_group: int | None = None, rotate_values: bool = False):
     """A candidate INT4 format, simulated (not a format of ``llmbus.kv.formats``): keys rotated by
     the head_dim's Hadamard matrix and quantized per token, in groups of ``key_group`` channels,
     like values (``kernels.quant_reference.int4_group_quantize``: fp16 scale and minimum a group);
-    values as INT4's. Each token's keys and values are stored as their round trip (rotated back) in
-    a model-dtype cache, from the step that writes them: no exact tail rows. Attention over rotated
-    keys is the same as over these, with the query rotated too (``q . k = Hq . Hk``), which is what
-    a kernel would do: per-token scales then fold into the scores, as INT8's do."""
+    values as INT4's (``value_group``: in groups of that many channels instead; ``rotate_values``:
+    rotated first, as keys). Each token's keys and values are stored as their round trip (rotated
+    back) in a model-dtype cache, from the step that writes them: no exact tail rows. Attention
+    over rotated keys is the same as over these, with the query rotated too (``q . k = Hq . Hk``),
+    which is what a kernel would do: per-token scales then fold into the scores, as INT8's do."""
     from kernels import quant_reference as qr
     from kernels.backends import TorchPagedAttentionBackend
     from llmbus.kv.formats import KVFormat
 
+    def round_trip(x, group, rotated):
+        x = qr.rotate(x.float()) if rotated else x.float()
+        x = qr.int4_group_dequantize(*qr.int4_group_quantize(x, group), group)
+        return qr.rotate(x) if rotated else x
+
     class CandidateInt4(TorchPagedAttentionBackend):
         def forward(self, q, k, v, cache, meta, scale):
-            d = k.shape[-1]
-            rot = hadamard(d).to(k.device)
-            kr = k.float() @ rot
-            kq = qr.int4_group_dequantize(*qr.int4_group_quantize(kr, key_group), key_group) @ rot.T
-            gv = KVFormat.value_group(d)
-            vq = qr.int4_group_dequantize(*qr.int4_group_quantize(v, gv), gv)
+            gv = value_group or KVFormat.value_group(k.shape[-1])
+            kq, vq = round_trip(k, key_group, True), round_trip(v, gv, rotate_values)
             return super().forward(q, kq.to(k.dtype), vq.to(v.dtype), cache, meta, scale)
 
     return CandidateInt4("model")
@@ -173,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--candidate-key-groups", default="",
                     help="comma-separated key groups of the simulated rotated per-token INT4 format (candidate_backend) "
                          "to add as rows, e.g. 64,32")
+    ap.add_argument("--candidate-value-group", type=int, default=None,
+                    help="the simulated candidate's value group (default: int4's)")
+    ap.add_argument("--candidate-rotate-values", action="store_true", help="the simulated candidate rotates values too")
+    ap.add_argument("--formats", default="int8,int4,int4r", help="KV formats compared with the model dtype's")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.target_top1 is None and args.text == "random":
@@ -195,10 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                   tokens=args.tokens, text=args.text, path=args.path, seed=args.seed, alpha=alpha,
                   target_top1=args.target_top1,
                   raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
-    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, path=args.path) for fmt in ("int8", "int4")}
+    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, path=args.path) for fmt in args.formats.split(",") if fmt}
     for group in (int(g) for g in args.candidate_key_groups.split(",") if g):
-        rows[f"candidate: int4, keys rotated, per token in groups of {group}"] = run_logits(
-            model, cfg, "model", tokens, args.device, path=args.path, backend=candidate_backend(args.device, group))
+        backend = candidate_backend(args.device, group, args.candidate_value_group, args.candidate_rotate_values)
+        name = f"candidate: int4, keys rotated, per token in groups of {group}"
+        if args.candidate_value_group or args.candidate_rotate_values:
+            name += (f"; values per token in groups of {args.candidate_value_group or 'int4'}"
+                     f"{', rotated' if args.candidate_rotate_values else ''}")
+        rows[name] = run_logits(model, cfg, "model", tokens, args.device, path=args.path, backend=backend)
     if args.controls:
         rows["control: int4, no tail rows"] = run_logits(model, cfg, "int4", tokens, args.device, path=args.path,
                                                          tails=False)

@@ -26,7 +26,7 @@ query block of a sequence reads the same tiles, so it is no bandwidth figure).
 ``--lines`` counts the loop's instructions per source line (nvdisasm's line table): which lines of
 ``kernels/`` the loop's cost comes from.
 
-    python scripts/kernel_cost.py [--formats model,int8,int4] [--launch TILE,WARPS,STAGES[,MAXREGS]]
+    python scripts/kernel_cost.py [--formats model,int8,int4,int4r] [--launch TILE,WARPS,STAGES[,MAXREGS]]
         [--kernel decode|prefill] [--ops] [--lines [DEPTH]] [--json F]
 """
 
@@ -235,7 +235,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default="model,int8,int4")
+    ap.add_argument("--formats", default="model,int8,int4,int4r")
     ap.add_argument("--launch", default=None, help="TILE,WARPS,STAGES[,MAXREGS] (default: the CUDA launch defaults; MAXREGS 0: no cap)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--ops", action="store_true", help="also print the loop's opcode counts")

@@ -122,6 +122,10 @@ def test_eval_candidate_rotated_int4_keys_round_trip_as_described(base):
     want = run_logits(loaded.model, loaded.config, "model", tokens, "cpu")
     got = run_logits(loaded.model, loaded.config, "model", tokens, "cpu", backend=candidate_backend("cpu", 16))
     assert compare(want, got, alpha=1.0)["mean_kl"] < 0.05 and not torch.equal(want, got)
+    # values rotated too, one group a head: near the model-dtype cache's, and not the keys-only candidate
+    both = run_logits(loaded.model, loaded.config, "model", tokens, "cpu",
+                      backend=candidate_backend("cpu", 16, value_group=16, rotate_values=True))
+    assert compare(want, both, alpha=1.0)["mean_kl"] < 0.05 and not torch.equal(both, got)
 
 
 def test_saving_a_checkpoint_leaves_the_training_weights_in_fp32(base, tmp_path):
