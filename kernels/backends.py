@@ -137,9 +137,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         C kernels do, over an int8 or int4 cache in the model dtype; None otherwise (the layers run
         one by one, each through ``forward``). ``cache`` is the first layer's; the others must
         match it (``decode_layers`` raises otherwise: the engine allocates them alike)."""
-        # NOTE: INT4R (rotated keys) has no C kernels: its steps run layer by layer through forward
+        # NOTE: no C kernel rotates keys (INT4R): such steps run layer by layer through forward
         lay, nd = cache.layout, meta.num_decodes
-        if (cache.fmt.name in ("model", "int4r") or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
+        if (cache.fmt.name == "model" or cache.fmt.rotates_keys or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
                 or not cpu_native.supports(cache.model_dtype, num_q_heads, lay.num_kv_heads, lay.head_dim,
                                            lay.block_size)):
             return None

@@ -2,8 +2,8 @@
 
 A ``PagedKVCache`` is the opaque per-layer cache object the attention backends hand the model.
 ``read_blocks`` / ``write_blocks`` move whole blocks as bytes (``uint8 [n, layer_block_bytes]``),
-the format-independent unit of the KV handoff between workers and tiers. An INT4 cache may also
-(or INT4R) one may also hold exact tail rows (``llmbus.kv.formats``), which are the worker's state and never move.
+the format-independent unit of the KV handoff between workers and tiers. An INT4 or INT4R cache
+may also hold exact tail rows (``llmbus.kv.formats``), which are the worker's state and never move.
 """
 
 from __future__ import annotations

@@ -96,10 +96,13 @@ def int4_key_block_dequantize(q: torch.Tensor, codes: torch.Tensor, lo: torch.Te
 # -- INT4R's rotation ------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=16)
 def _hadamard(d: int, device: torch.device) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return (h / d**0.5).float().to(device)
+    # NOTE: built outside inference mode, which the engine's steps run in: a cached inference
+    # tensor could not be saved for backward by a later rotate() that autograd records
+    with torch.inference_mode(False):
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        return (h / d**0.5).float().to(device)
 
 
 def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:

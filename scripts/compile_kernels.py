@@ -105,7 +105,7 @@ def variants():
 
     cases = [("model", 128, False), ("int8", 128, False), ("int4", 128, False), ("int4", 128, True),
              ("int4", 64, False), ("int4", 16, False), ("int4", 16, True),
-             # int4r: its token loop at one group (64) and two (128), the generic tile below 64
+             # int4r: its token loop at 128 (tail rows) and 64 (class dots of 16), the generic tile at 16
              ("int4r", 128, True), ("int4r", 64, False), ("int4r", 16, True)]
     # head-major caches (kv_cache.allocate_cache): other strides, so other specializations
     cases += [("int8", 128, "head-major"), ("int4", 128, "head-major"), ("int4r", 128, "head-major")]

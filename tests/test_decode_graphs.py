@@ -55,7 +55,7 @@ def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4, **op
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], llm, runs
 
 
-@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["model", "int8", "int4", "int4r"])
 def test_recorded_decode_path_matches_the_dynamic_one(model_dir, fmt, monkeypatch):
     tokens, logprobs, llm, _ = _run(model_dir, fmt, False, monkeypatch)
     g_tokens, g_logprobs, g_llm, runs = _run(model_dir, fmt, True, monkeypatch)
@@ -154,7 +154,7 @@ def test_a_recording_that_fails_leaves_decode_on_the_dynamic_path(model_dir, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("fmt", ["model", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["model", "int8", "int4", "int4r"])
 def test_replayed_graphs_match_eager_steps_on_cuda(model_dir, fmt, monkeypatch):
     tokens, logprobs, _, _ = _run(model_dir, fmt, False, monkeypatch, device="cuda")
     g_tokens, g_logprobs, llm, runs = _run(model_dir, fmt, True, monkeypatch, device="cuda")

@@ -58,7 +58,8 @@ def test_the_probe_sees_host_reads_in_inference_mode():
     assert reads.count == 2
 
 
-@pytest.mark.parametrize("fmt,fused", [("model", False), ("int8", False), ("int4", False), ("model", True)])
+@pytest.mark.parametrize("fmt,fused", [("model", False), ("int8", False), ("int4", False), ("int4r", False),
+                                       ("model", True)])
 def test_model_steps_on_the_triton_backend_read_nothing_back(tmp_path, fmt, fused):
     """Prefill, mixed and decode-only steps through every layer of a model (``fused``: its glue
     in kernels.fused, as on CUDA)."""

@@ -95,38 +95,48 @@ def test_triton_backend_takes_q_k_v_as_views_of_the_qkv_projection(fmt, head_dim
 @pytest.mark.parametrize("backend", [TorchPagedAttentionBackend, CpuPagedAttentionBackend, TritonAttentionBackend])
 def test_int4r_backends_rotate_queries_and_keys(backend):
     """INT4R: a backend stores each key rotated by the Hadamard matrix (per-token codes of ``k H``, not
-    of ``k``) and rotates the queries that meet them, so attention is that over the keys themselves,
-    within INT4's error; an outlier channel, which per-token codes of unrotated keys would spread
-    over every channel's step, costs little."""
+    of ``k``) and rotates the queries that meet them, in a prefill and in the decodes after it, so
+    attention is that over the keys themselves, within INT4's error; an outlier channel, which
+    per-token codes of unrotated keys would spread over every channel's step, costs little."""
     from kernels import quant_reference as qr
 
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     be = backend("int4r")
-    cache = be.allocate_cache(lay, 4, DEV)[0]
+    cache = be.allocate_cache(lay, 4, DEV, 2)[0]
+    rows = TailRows(2)
     g = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(40, h, 64, generator=g).to(DEV) for h in (4, 2, 2))
+    n = 43  # a prefill of 40, then three decodes (the last two from the tail row)
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(DEV) for h in (4, 2, 2))
     k[..., 5] += 25.0  # an outlier channel
-    meta = build_attention_metadata([([2, 0, 3], 0, 40)], 16, DEV)[0]
-    out = be.forward(q, k, v, cache, meta, 0.125)
-    stored = reference.dequantize_blocks(cache, torch.tensor([2, 0, 3], device=DEV),
-                                         torch.tensor([True, True, False], device=DEV))[0].flatten(0, 1)[:40]
+    table = [2, 0, 3]
+
+    def attend(keys, values, start, end):  # exact attention of rows [start, end) over keys [0, end)
+        kv = torch.stack((keys[:end], values[:end]))[:, None]  # one block of end tokens
+        return reference.paged_prefill_attention(
+            q[start:end], kv, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+            torch.tensor([end], dtype=torch.int32, device=DEV),
+            torch.tensor([0, end - start], dtype=torch.int32, device=DEV), 0.125)
+
+    plain = qr.int4_group_dequantize(*qr.int4_group_quantize(k, 64), 64)  # keys' codes without rotation
+    errs, unrotated = [], []
+    for start, end in [(0, 40), (40, 41), (41, 42), (42, 43)]:
+        meta = build_attention_metadata([(table, start, end - start)], 16, DEV,
+                                        [rows.rows_for("s", start, end - start, 16)[:2]])[0]
+        out = be.forward(q[start:end], k[start:end], v[start:end], cache, meta, 0.125)
+        stored = reference.dequantize_blocks(cache, torch.tensor(table, device=DEV),
+                                             torch.tensor([True, True, False], device=DEV)).flatten(1, 2)[:, :end]
+        exact = attend(k, v, start, end)
+        errs.append((out - exact).abs().mean())
+        # the same values, keys' codes without rotation: the outlier's range swamps the rest
+        unrotated.append((attend(plain, stored[1], start, end) - exact).abs().mean())
     rotated = qr.rotate(k)
     step = (rotated.amax(-1) - rotated.amin(-1)) / 15
-    assert ((stored - rotated).abs().amax(-1) <= step / 2 * 1.01 + 1e-3).all()
-    assert (qr.rotate(stored) - k).abs().mean() < 0.2 < (stored - k).abs().mean()
-
-    def attend(keys, values):
-        kv = torch.stack((keys, values))[:, None]  # one 40-token block
-        return reference.paged_prefill_attention(q, kv, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
-                                                 meta.seq_lens, meta.query_start_loc, 0.125)
-
-    exact = attend(k, v)
-    # per-token codes of the keys as they are (no rotation): the outlier's range swamps the rest
-    plain = qr.int4_group_dequantize(*qr.int4_group_quantize(k, 64), 64)
-    values = reference.dequantize_blocks(cache, torch.tensor([2, 0, 3], device=DEV),
-                                         torch.tensor([True, True, False], device=DEV))[1].flatten(0, 1)[:40]
-    err, unrotated = (out - exact).abs().mean(), (attend(plain, values) - exact).abs().mean()
-    assert err < 0.5 * unrotated
+    assert ((stored[0] - rotated).abs().amax(-1) <= step / 2 * 1.01 + 1e-3).all()
+    assert (qr.rotate(stored[0]) - k).abs().mean() < 0.2 < (stored[0] - k).abs().mean()
+    # the filling block's tail row holds the rotated keys themselves
+    row = rows.rows_for("s", 43, 1, 16)[0]
+    torch.testing.assert_close(cache.k_tail[row * 16 : row * 16 + 11], rotated[32:43], atol=1e-5, rtol=0)
+    assert all(e < 0.5 * u for e, u in zip(errs, unrotated)), (errs, unrotated)
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="the fused CPU decode kernel did not build here")

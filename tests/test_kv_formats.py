@@ -239,6 +239,13 @@ def test_hadamard_rotation_is_orthonormal_and_its_own_inverse():
     torch.testing.assert_close((qr.rotate(q) * qr.rotate(k)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="power-of-two head_dim, got 48"):
         qr.hadamard(48)
+    # first built inside inference mode (as in an engine step), the matrix still serves autograd
+    qr._hadamard.cache_clear()
+    with torch.inference_mode():
+        qr.rotate(torch.randn(2, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    qr.rotate(x).sum().backward()
+    assert x.grad is not None
 
 
 def test_int4r_stores_every_key_per_token_within_half_a_step():
