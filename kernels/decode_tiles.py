@@ -517,3 +517,78 @@ def int4_tokens_loop(
         b = b * alpha + tl.sum(p * vm[None, :], axis=1)
         m_i = m_new
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
+
+
+
+@triton.jit
+def int4_tokens_warp_loop(
+    q_ptr, qrows, rmask, qpos,  # as int4_tokens_loop's
+    data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,
+    m_i, l_i, qk_scale,
+    s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
+    NW: tl.constexpr,  # the launch's warps: each takes TILE / NW tokens of a tile
+):
+    """``int4_tokens_loop`` with each warp its own online softmax over its own share of every tile
+    (``[NW, R, TILE / NW]`` scores; the dots batched over the warps, which Triton gives a warp
+    each), merged once at the end. NOTE: the 2-D loop's warps split a tile's tokens between them,
+    so each row's max and sum cross the warps (shared memory and a barrier, twice a tile) and the
+    weights go through shared memory to the value dots, which need every token; here neither
+    does, at the cost of a whole ``[R, D]`` accumulator a warp, each rescaled every tile.
+    Compiled for sm_90 (``scripts/kernel_cost.py``, 128-token tiles): shared-memory traffic 3.1
+    bytes a KV byte where the 2-D loop moves 5.6, the same instruction count. Off by default
+    (``paged_decode.WARP_TILES``) until a GPU has timed it."""
+    TW: tl.constexpr = TILE // NW
+    k = tl.arange(0, D // 4)
+    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
+    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    q0, q1 = tl.broadcast_to(q0[None, :, :], [NW, R, D // 4]), tl.broadcast_to(q1[None, :, :], [NW, R, D // 4])
+    q2, q3 = tl.broadcast_to(q2[None, :, :], [NW, R, D // 4]), tl.broadcast_to(q3[None, :, :], [NW, R, D // 4])
+    zero = tl.zeros([NW, R, D // 4], tl.float32)
+    a0, a1, a2, a3 = zero, zero, zero, zero
+    mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
+    lw = tl.zeros([NW, R], tl.float32)
+    bw = tl.zeros([NW, R], tl.float32)
+    lanes = data_ptr.to(tl.pointer_type(tl.int16))
+    kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
+    vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
+    t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
+    blk_n = next_blocks(table, start, end, t, BS)
+    for s in range(start, end, TILE):
+        valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
+        lrow = (blk * s_dn + off * s_db + h * s_dh) >> 1  # [NW, TW], in lanes
+        kx = tl.load(lanes + lrow[:, :, None] + k[None, None, :], mask=valid[:, :, None], other=0)
+        vx = tl.load(lanes + (s_dc >> 1) + lrow[:, :, None] + k[None, None, :], mask=valid[:, :, None], other=0)
+        ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
+        vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
+        k0, k1, k2, k3 = lane_codes(kx, ASM)
+        scores = tl.dot(q0, tl.permute(k0.to(DOT), (0, 2, 1)), input_precision=PREC)
+        scores = tl.dot(q1, tl.permute(k1.to(DOT), (0, 2, 1)), scores, input_precision=PREC)
+        scores = tl.dot(q2, tl.permute(k2.to(DOT), (0, 2, 1)), scores, input_precision=PREC)
+        scores = tl.dot(q3, tl.permute(k3.to(DOT), (0, 2, 1)), scores, input_precision=PREC)
+        scores = scores * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
+        allowed = valid[:, None, :]
+        if CAUSAL:
+            allowed = allowed & ((s + t)[:, None, :] <= qpos[None, :, None])
+        scores = tl.where(allowed, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(mw, tl.max(scores, axis=2))
+        alpha = tl.exp2(mw - m_new)
+        p = tl.exp2(scores - m_new[:, :, None])
+        lw = lw * alpha + tl.sum(p, axis=2)
+        bw = bw * alpha + tl.sum(p * vm[:, None, :], axis=2)
+        w = (p * vs[:, None, :]).to(DOT)
+        v0, v1, v2, v3 = lane_codes(vx, ASM)
+        a0 = a0 * alpha[:, :, None] + tl.dot(w, v0.to(DOT), input_precision=PREC)
+        a1 = a1 * alpha[:, :, None] + tl.dot(w, v1.to(DOT), input_precision=PREC)
+        a2 = a2 * alpha[:, :, None] + tl.dot(w, v2.to(DOT), input_precision=PREC)
+        a3 = a3 * alpha[:, :, None] + tl.dot(w, v3.to(DOT), input_precision=PREC)
+        mw = m_new
+    # the warps' states merged, with the one passed in (whose accumulator is zero)
+    m_out = tl.maximum(m_i, tl.max(mw, axis=0))
+    f = tl.exp2(mw - m_out[None, :])  # [NW, R]
+    l_out = l_i * tl.exp2(m_i - m_out) + tl.sum(lw * f, axis=0)
+    f3 = f[:, :, None]
+    acc = join_classes(tl.sum(a0 * f3, axis=0), tl.sum(a1 * f3, axis=0), tl.sum(a2 * f3, axis=0),
+                       tl.sum(a3 * f3, axis=0))
+    return m_out, l_out, acc + tl.sum(bw * f, axis=0)[:, None]

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import attend_tile, int4_lanes_loop, int4_tokens_loop, int8_tile, int8_words_loop
+from kernels.decode_tiles import attend_tile, int4_lanes_loop, int4_tokens_loop, int4_tokens_warp_loop, int8_tile, int8_words_loop
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -45,6 +45,11 @@ STAGE_BUDGET = 160 * 1024
 # over B blocks' pages. Untested on a GPU as of 2026-11-30; bench_gpu's sweep measures both orders.
 # LLMBUS_TRITON_HEADS_FIRST=0 launches sequences first by default.
 HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
+# NOTE: LLMBUS_TRITON_WARP_TILES=1 runs INT4R decode through decode_tiles.int4_tokens_warp_loop (each
+# warp its own softmax over its share of a tile), where a warp's share is at least 16 tokens: less
+# shared-memory traffic, as many instructions (scripts/kernel_cost.py); untested on a GPU as of
+# 2026-12-01, so off by default (bench_gpu's sweep times it beside the default).
+WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "0") == "1"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
 
 
@@ -74,6 +79,7 @@ def paged_decode_kernel(
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
     LANES: tl.constexpr,  # INT4 / INT4R full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop, int4_tokens_loop)
     NW: tl.constexpr,  # the launch's num_warps
+    WARP_TILES: tl.constexpr,  # INT4R: decode_tiles.int4_tokens_warp_loop, not int4_tokens_loop
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, SPLITS), not (B, Hkv, SPLITS)
 ):
     if HEADS_FIRST:
@@ -131,11 +137,18 @@ def paged_decode_kernel(
         full_end = (seq_len // BS) * BS
         lim = tl.minimum(end, full_end)
         if LANES and FMT == 3:
-            m_i, l_i, acc = int4_tokens_loop(
-                q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
-                start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                GP, TILE, D, BS, DOT, PREC, ASM, False,
-            )
+            if WARP_TILES:
+                m_i, l_i, acc = int4_tokens_warp_loop(
+                    q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table,
+                    h, start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                    GP, TILE, D, BS, DOT, PREC, ASM, False, NW,
+                )
+            else:
+                m_i, l_i, acc = int4_tokens_loop(
+                    q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table,
+                    h, start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                    GP, TILE, D, BS, DOT, PREC, ASM, False,
+                )
         elif LANES:
             m_i, l_i, acc = int4_lanes_loop(
                 q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
@@ -378,7 +391,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
-    **options,  # decode_launch's: num_splits, max_seq_len, tile, num_warps, num_stages, max_registers, tail_rows, heads_first
+    **options,  # decode_launch's: num_splits, max_seq_len, tile, num_warps, num_stages, max_registers, tail_rows,
+    # heads_first, warp_tiles
 ) -> torch.Tensor:  # [B, Hq, D]
     """Triton twin of ``reference.paged_decode_attention_cache``, launched as ``decode_launch`` says."""
     out_dtype = query.dtype
@@ -437,6 +451,7 @@ def decode_launch(
     max_registers: int | None = None,
     tail_rows: torch.Tensor | None = None,
     heads_first: bool | None = None,
+    warp_tiles: bool | None = None,
 ) -> DecodeLaunch:
     """How ``paged_decode_attention`` launches (``query`` as it launches it: contiguous rows, the
     cache's dtype for model-dtype caches); ValueError on arguments it cannot take.
@@ -449,7 +464,9 @@ def decode_launch(
     ``num_warps``, ``num_stages`` and ``max_registers`` (per thread, 0: no cap) override the
     per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere). ``tail_rows`` ([B]
     int32) gives INT4 / INT4R sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
-    orders the grid's programs KV head first (``grid_order``)."""
+    orders the grid's programs KV head first (``grid_order``). ``warp_tiles`` (None: ``WARP_TILES``)
+    gives INT4R's warps a softmax each (``decode_tiles.int4_tokens_warp_loop``) where each warp's
+    share of a tile is 16 tokens or more."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -468,6 +485,8 @@ def decode_launch(
                 SPLIT=False, **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     meta["NW"] = num_warps or 4  # Triton's default
+    meta["WARP_TILES"] = (cache.fmt.name == "int4r" and meta["LANES"] and tile // meta["NW"] >= 16
+                          and (WARP_TILES if warp_tiles is None else warp_tiles))
     meta["HEADS_FIRST"] = grid_order(b, heads_first)
     if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs

@@ -125,10 +125,15 @@ def check_kernels() -> list[dict]:
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
                                    for t, w, st, r in SWEEP[fmt][1:]]
-        for splits, launch in launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]:
+        checks = launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]
+        if fmt == "int4r":
+            checks += [(None, dict(warp_tiles=not paged_decode.WARP_TILES))]
+        for splits, launch in checks:
             name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
             if "heads_first" in launch:
                 name = "paged_decode " + ("heads-first" if launch["heads_first"] else "seq-first")
+            if "warp_tiles" in launch:
+                name = "paged_decode split-K " + ("warp-tiles" if launch["warp_tiles"] else "shared tiles")
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
         # the same blocks stored head-major (kv_cache.allocate_cache): written by the kernel (as
@@ -213,11 +218,15 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         # once in one split (at the sweep's shapes, what choose_splits picked before it counted
         # waves: LLMBUS_TRITON_WAVE_SPLITS=0), for comparison
         default_asm, order = paged_decode.ASM, paged_decode.HEADS_FIRST
-        extra = [(launches[0], False, order, None)] if fmt != "model" and default_asm else []
-        extra += [(launches[0], default_asm, not order, None), (launches[0], default_asm, order, 1)]
-        for (tile, warps, stages, regs), asm, heads_first, splits in [(lc, default_asm, order, None) for lc in launches] + extra:
+        plain = paged_decode.WARP_TILES
+        extra = [(launches[0], False, order, None, plain)] if fmt != "model" and default_asm else []
+        extra += [(launches[0], default_asm, not order, None, plain), (launches[0], default_asm, order, 1, plain)]
+        if fmt == "int4r":  # each warp its own softmax (decode_tiles.int4_tokens_warp_loop), capped and not
+            extra += [(lc, default_asm, order, None, not plain) for lc in ((128, 4, 3, 168), (128, 4, 3, 0))]
+        rows_to_run = [(lc, default_asm, order, None, plain) for lc in launches] + extra
+        for (tile, warps, stages, regs), asm, heads_first, splits, warp_tiles in rows_to_run:
             launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs, heads_first=heads_first,
-                          num_splits=splits)
+                          num_splits=splits, warp_tiles=warp_tiles)
             paged_decode.ASM = asm
             try:
                 ms, ran = _time_decode(cache, perm, batch, context, launch)
@@ -228,7 +237,8 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
                              pct_peak=(100 * gbps / peak) if peak else None))
             print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}"
                   f" splits={ran:<2}{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'}"
-                  f"{'' if splits is None else ' forced'} {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
+                  f"{'' if splits is None else ' forced'}{' warp-tiles' if warp_tiles and fmt == 'int4r' else ''}"
+                  f" {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and splits is None and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = ({k: v for k, v in launch.items() if k != "num_splits"}, gbps)
         del cache

@@ -94,7 +94,7 @@ def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
     INT4 and INT4R also at 64 (their lane loops' narrowest: class dots of 16 channels) and 16 (the
     generic-tile path), with and without tail rows; INT8, INT4 and INT4R over head-major caches;
-    split-K on and off."""
+    split-K on and off; INT4R's loop with a softmax a warp."""
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
@@ -128,6 +128,9 @@ def variants():
             yield (f"decode {tag} splits={splits}",
                    lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
         yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
+        if fmt == "int4r" and d == 128 and tails:  # its loop with a softmax a warp (paged_decode.WARP_TILES)
+            yield (f"decode {tag} warp-tiles", lambda: paged_decode_attention(
+                q, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows, tile=128, warp_tiles=True))
     yield from fused_variants(cuda)
 
 

@@ -43,8 +43,9 @@ def test_every_kernel_compiles_for_sm90():
     lines = proc.stdout.splitlines()
     assert lines[-1] == "all compiled for sm_90"
     ok = [line for line in lines if line.startswith("ok ")]
-    assert len(ok) == 58 and sum("reduce_splits_kernel" in line for line in ok) == 13
+    assert len(ok) == 59 and sum("reduce_splits_kernel" in line for line in ok) == 14
     assert any(line.startswith("ok      decode int4r D=128 tails splits=2") for line in ok)  # the token loop
+    assert any(line.startswith("ok      decode int4r D=128 tails warp-tiles") for line in ok)
     assert any(line.startswith("ok      decode int4 D=128 head-major splits=1") for line in ok)
     assert sum(line.startswith(("ok      rms_norm", "ok      rotary", "ok      silu_mul")) for line in ok) == 6
     assert any(line.startswith("ok      decode int4 D=128 tails splits=2") for line in ok)

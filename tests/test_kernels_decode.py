@@ -33,7 +33,7 @@ def _fill(cache, lay, lens, num_blocks, seed):
 
 
 def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=None, scale_dtype="float16", num_warps=None,
-           heads_first=True, head_major=False):
+           heads_first=True, head_major=False, **launch):
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
     cache = allocate_cache(KVFormat(name, scale_dtype=scale_dtype), lay, nblocks, DEV, head_major=head_major)
@@ -43,7 +43,7 @@ def _check(name, dtype, hkv, group, head_dim, bs, lens, splits, seed=0, tile=Non
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, cache, tables, sl, head_dim**-0.5)
     got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile, num_warps=num_warps,
-                                 heads_first=heads_first)
+                                 heads_first=heads_first, **launch)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     empty = [i for i, n in enumerate(lens) if n == 0]
@@ -165,6 +165,24 @@ def test_decode_int4_lanes_shapes_at_the_cuda_tile(name, head_dim, bs):
     of 16), two-block tiles of 32-token blocks, and (INT4) four value groups per token (256 channels)."""
     _check(name, "float16", hkv=2, group=4, head_dim=head_dim, bs=bs, lens=[130, 64, 31, 1], splits=2, seed=head_dim,
            tile=64)
+
+
+@pytest.mark.parametrize("group,head_dim,splits", [(1, 64, 1), (4, 128, 3), (8, 64, 2)])
+@pytest.mark.parametrize("tile,num_warps", [(64, 4), (128, 4), (64, 2)])
+def test_decode_int4r_warp_tiles(group, head_dim, splits, tile, num_warps):
+    """INT4R's loop with a softmax a warp (decode_tiles.int4_tokens_warp_loop): each warp's share of
+    every tile (16 tokens and up), its state merged with the others' at the end, the partial block
+    after it; GQA ratios, split-K, empty and one-token sequences."""
+    from kernels.paged_decode import decode_launch
+
+    cache = _check("int4r", "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=16, lens=[150, 48, 0, 1, 33],
+                   splits=splits, seed=group + tile, tile=tile, num_warps=num_warps, warp_tiles=True)
+    q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    launch = decode_launch(q, cache, one[:, None], one, tile=tile, num_warps=num_warps, warp_tiles=True)
+    assert launch.meta["WARP_TILES"]
+    # a warp's share under 16 tokens (what a dot needs natively) takes the shared loop
+    assert not decode_launch(q, cache, one[:, None], one, tile=32, num_warps=4, warp_tiles=True).meta["WARP_TILES"]
 
 
 @pytest.mark.parametrize("bs,tile,num_warps", [(16, 128, 4), (16, 64, 2), (16, 128, 8), (16, 32, 2), (16, 64, 8),
