@@ -161,7 +161,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
         # NOTE: the chunks' context dequantized once, then attended as model-dtype context is: the
         # reference's padded fp32 score matrices made quantized prefill ~3x the bf16 one
-        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name == "int4" else None
+        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name in ("int4", "int4r") else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         qsl = qsl.to(torch.int32)
@@ -191,7 +191,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             out = cpu_native.paged_decode_int4(q, cache, block_tables, seq_lens, scale, tail_rows)
             if out is not None:
                 return out
-        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name == "int4" else None
+        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name in ("int4", "int4r") else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         return cpu_native.paged_decode(q.float(), kv, tables, seq_lens, scale).to(q.dtype)

@@ -145,9 +145,14 @@ typedef struct {
 
 /* Whether the int4 entries take this shape: even groups dividing head_dim (a byte's two nibbles
    share a group) and k_meta rows long enough for either key encoding. */
-static inline int int4_shape_ok(int64_t d, int64_t bs, int64_t key_slots, int64_t gk, int64_t gv) {
+/* An INT4 layout whose keys are per token only (INT4R's: no block holds per-channel ranges). */
+static inline int int4_token_shape_ok(int64_t d, int64_t bs, int64_t key_slots, int64_t gk, int64_t gv) {
     return d <= MAX_D && d % 2 == 0 && gk >= 2 && gv >= 2 && d % gk == 0 && d % gv == 0 && gk % 2 == 0
-           && gv % 2 == 0 && key_slots >= d + 2 && key_slots >= 2 * bs * (d / gk);
+           && gv % 2 == 0 && key_slots >= 2 * bs * (d / gk);
+}
+
+static inline int int4_shape_ok(int64_t d, int64_t bs, int64_t key_slots, int64_t gk, int64_t gv) {
+    return int4_token_shape_ok(d, bs, key_slots, gk, gv) && key_slots >= d + 2;
 }
 
 /* Where channel i goes in a widened row: its own place, or (parity) the even channels first, then
@@ -453,9 +458,12 @@ DEFINE_DECODE_INT4(paged_decode_int4_bf16, uint16_t, task_i4_bf16)
 int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_meta, const int64_t *ids,
                  const uint8_t *full, int64_t n, int64_t num_blocks, int64_t bs, int64_t hkv, int64_t d,
                  int64_t key_slots, int64_t gk, int64_t gv, float *out, int threads) {
-    for (int64_t i = 0; i < n; i++)
+    int any_full = 0;
+    for (int64_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= num_blocks) return 1;
-    if (!int4_shape_ok(d, bs, key_slots, gk, gv)) return 2;
+        any_full |= full[i];
+    }
+    if (!(any_full ? int4_shape_ok : int4_token_shape_ok)(d, bs, key_slots, gk, gv)) return 2;
     const int4_src c = {data, k_meta, v_meta, 0, 0, 0, num_blocks, bs, hkv, d, key_slots, gk, gv};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++)

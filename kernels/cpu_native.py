@@ -310,9 +310,9 @@ def int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
 
 
 def _int4_meta_shape(cache) -> tuple[int, int, int]:
-    """An INT4 cache's ``(key_slots, key group, value group)``, as the C entries take them."""
-    d = cache.layout.head_dim
-    return cache.k_meta.shape[-1], KVFormat.key_group(d, cache.layout.block_size), KVFormat.value_group(d)
+    """An INT4 (or INT4R) cache's ``(key_slots, key group, value group)``, as the C entries take them."""
+    gv, gk = cache.fmt.groups(cache.layout.head_dim, cache.layout.block_size)
+    return cache.k_meta.shape[-1], gk, gv
 
 
 def _int4_tail_slots(cache, slots: torch.Tensor, tail_slots: torch.Tensor | None) -> torch.Tensor | None:
@@ -367,17 +367,18 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
 
 
 def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """``reference.dequantize_blocks`` of an INT4 ``PagedKVCache`` in one C pass: fp32 ``[2, n, bs,
-    Hkv, D]`` (equal to the reference's up to fused multiply-adds). Falls back to the reference
-    where the library did not build, and for caches not stored contiguously (head-major ones:
-    ``kv_cache.allocate_cache``)."""
+    """``reference.dequantize_blocks`` of an INT4 (or INT4R) ``PagedKVCache`` in one C pass: fp32
+    ``[2, n, bs, Hkv, D]`` (equal to the reference's up to fused multiply-adds). INT4R's keys are
+    all per token, as INT4's partial blocks' are (``full`` does not matter). Falls back to the
+    reference where the library did not build, and for caches not stored contiguously (head-major
+    ones: ``kv_cache.allocate_cache``)."""
     lib = _load()
     lay = cache.layout
-    if (lib is None or cache.fmt.name != "int4" or cache.data.device.type != "cpu"
+    if (lib is None or cache.fmt.name not in ("int4", "int4r") or cache.data.device.type != "cpu"
             or not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta))):
         return reference.dequantize_blocks(cache, block_ids, full)
     ids = block_ids.to(torch.int64).contiguous()
-    flags = full.to(torch.uint8).contiguous()
+    flags = (full if cache.fmt.name == "int4" else torch.zeros_like(full)).to(torch.uint8).contiguous()
     if ids.dim() != 1 or flags.shape != ids.shape:
         raise ValueError(f"block ids {list(ids.shape)} and full flags {list(flags.shape)} must be matching vectors")
     bs, hkv, d = lay.block_size, lay.num_kv_heads, lay.head_dim

@@ -1,7 +1,7 @@
 """Decode step time of the in-process engine on CPU, two variants side by side.
 
 ``--compare native`` (default): the fused C kernels against the torch path (``LLMBUS_CPU_NATIVE=0``;
-for ``--kv-format int8|int4`` the torch path is the references). ``--compare gemm``: bf16 weights
+for ``--kv-format int8|int4|int4r`` the torch path is the references). ``--compare gemm``: bf16 weights
 in oneDNN's packed layout (``LLMBUS_CPU_GEMM=onednn``) against our blocked kernel's (the default).
 ``--compare layers``: a decode-only step's layers run module by module (``LLMBUS_CPU_FUSED_LAYERS=0``)
 against all of them in one C call (``cpu_native.decode_layers``, the default). ``--compare tails``
@@ -18,7 +18,7 @@ in one process and times them in alternating windows of 10 steps, ``--runs`` win
 tighter comparison where separate processes land on different machine states.
 
     python scripts/bench_cpu_decode.py [--model-dir DIR | --demo large] [--batch 32] [--runs 3] [--temperature 0]
-        [--kv-format model|int8|int4] [--compare native|gemm|layers|tails|int4] [--interleave] [--threads N]
+        [--kv-format model|int8|int4|int4r] [--compare native|gemm|layers|tails|int4] [--interleave] [--threads N]
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--kv-format", default="model", choices=("model", "int8", "int4"))
+    ap.add_argument("--kv-format", default="model", choices=("model", "int8", "int4", "int4r"))
     ap.add_argument("--compare", default="native", choices=tuple(VARIANTS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--interleave", action="store_true",

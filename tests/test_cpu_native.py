@@ -184,16 +184,19 @@ def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
 
 
 @needs_kernel
-@pytest.mark.parametrize("d,bs,hkv", [(64, 16, 4), (128, 32, 2), (16, 8, 1), (96, 16, 2), (256, 64, 1)])
-def test_int4_blocks_dequantize_as_the_reference(d, bs, hkv, threads):
+@pytest.mark.parametrize("fmt,d,bs,hkv", [("int4", 64, 16, 4), ("int4", 128, 32, 2), ("int4", 16, 8, 1),
+                                          ("int4", 96, 16, 2), ("int4", 256, 64, 1), ("int4r", 64, 16, 4),
+                                          ("int4r", 128, 32, 2), ("int4r", 16, 8, 1)])
+def test_int4_blocks_dequantize_as_the_reference(fmt, d, bs, hkv, threads, monkeypatch):
     """The C pass over INT4 blocks: full blocks per channel, partial ones per token, values per
-    token, repeated and shuffled ids; equal to the reference up to fused multiply-adds."""
+    token, repeated and shuffled ids; equal to the reference up to fused multiply-adds. INT4R's
+    blocks (every key per token, one pair a head) take the same pass, full or not."""
     from kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype="bfloat16")
-    cache = kv_cache.allocate_cache(KVFormat("int4"), lay, 12, "cpu")
+    cache = kv_cache.allocate_cache(KVFormat(fmt), lay, 12, "cpu")
     g = torch.Generator().manual_seed(d)
     n = 9 * bs + 3
     table = torch.randperm(12, generator=g)[:10]
@@ -202,8 +205,14 @@ def test_int4_blocks_dequantize_as_the_reference(d, bs, hkv, threads):
     reference.write_kv_cache(k, v, cache, torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(n)]))
     ids = torch.cat((table, table.flip(0)))
     full = torch.cat((torch.arange(10) < 9, torch.arange(10) > 0))
-    got = cpu_native.dequantize_int4_blocks(cache, ids, full)
     want = reference.dequantize_blocks(cache, ids, full)
+
+    def refuse(*args):
+        raise AssertionError("the C pass fell back to the reference")
+
+    with monkeypatch.context() as m:
+        m.setattr(reference, "dequantize_blocks", refuse)
+        got = cpu_native.dequantize_int4_blocks(cache, ids, full)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="block ids must lie in"):
         cpu_native.dequantize_int4_blocks(cache, torch.tensor([12]), torch.tensor([True]))
