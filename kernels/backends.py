@@ -125,7 +125,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     @staticmethod
     def _write(k, v, cache, slot_mapping, tail_slots=None):
         # NOTE: the quantizing writes in one C call, the same bytes as the reference's torch ops
-        if cache.fmt.name == "int4" and cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
+        if cache.fmt.name in ("int4", "int4r") and cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
             return
         if cache.fmt.name == "int8" and cpu_native.write_int8(k, v, cache, slot_mapping):
             return

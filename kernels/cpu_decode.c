@@ -579,13 +579,14 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
    [T] into the cache's N * bs slots; tail_slots [T] (row * bs + offset in k_tail / v_tail, -1:
    none) or null. Values, then the keys of blocks left filling (per token), then every block sealed
    by this call (per channel, from this call's keys and, for its other tokens, the sealing token's
-   tail row or else their per-token codes), then the filling blocks' tail rows. Returns 1 for a slot
-   outside the cache (nothing written), 2 for a shape it does not take, 3 if out of memory. */
+   tail row or else their per-token codes), then the filling blocks' tail rows. per_token (INT4R):
+   every key per token, no block sealed (the tail rows as before). Returns 1 for a slot outside the
+   cache (nothing written), 2 for a shape it does not take, 3 if out of memory. */
 #define DEFINE_WRITE_INT4(NAME, QT, LOADQ)                                                              \
     int NAME(const QT *key, const QT *value, int64_t t_count, const int64_t *slots, const int64_t *tail_slots, \
              uint8_t *data, uint16_t *k_meta, uint16_t *v_meta, QT *k_tail, QT *v_tail, int64_t num_blocks, \
-             int64_t bs, int64_t hkv, int64_t d, int64_t key_slots, int64_t gk, int64_t gv) {           \
-        if (bs > MAX_BS || !int4_shape_ok(d, bs, key_slots, gk, gv)) return 2;                         \
+             int64_t bs, int64_t hkv, int64_t d, int64_t key_slots, int64_t gk, int64_t gv, int per_token) { \
+        if (bs > MAX_BS || !(per_token ? int4_token_shape_ok : int4_shape_ok)(d, bs, key_slots, gk, gv)) return 2; \
         for (int64_t i = 0; i < t_count; i++)                                                           \
             if (slots[i] < 0 || slots[i] >= num_blocks * bs) return 1;                                  \
         const int64_t half = d / 2, row = hkv * half;                                                   \
@@ -613,7 +614,7 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
             if (slots[i] % bs == bs - 1) head[slots[i] / bs] = -1;                                      \
         for (int64_t i = 0; i < t_count; i++) {                                                         \
             const int64_t b = slots[i] / bs;                                                            \
-            if (head[b]) {                                                                              \
+            if (head[b] && !per_token) {                                                                \
                 nxt[i] = head[b] > 0 ? head[b] - 1 : -1;                                                \
                 head[b] = (int32_t)i + 1;                                                               \
                 continue;                                                                               \
@@ -624,7 +625,7 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                                   k_meta + (b * hkv + h) * key_slots + slots[i] % bs * 2 * (d / gk));   \
             }                                                                                           \
         }                                                                                               \
-        for (int64_t i = 0; i < t_count; i++) {                                                         \
+        for (int64_t i = 0; i < t_count && !per_token; i++) {                                           \
             const int64_t b = slots[i] / bs;                                                            \
             if (head[b] <= 0) continue; /* not sealed, or done */                                       \
             int64_t last_at[MAX_BS]; /* the last write of each slot in this call, -1: none */           \
@@ -1158,7 +1159,7 @@ DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
                                                 table_stride, lens, batch, hq, hkv, d, bs, num_blocks, scale, threads); \
         }                                                                                               \
         const int rc = write_int4_##SFX(k, v, batch, slots, tail_slots, (uint8_t *)c[0], (uint16_t *)c[1],     \
-                                        (uint16_t *)c[2], (T *)c[3], (T *)c[4], num_blocks, bs, hkv, d, key_slots, gk, gv); \
+                                        (uint16_t *)c[2], (T *)c[3], (T *)c[4], num_blocks, bs, hkv, d, key_slots, gk, gv, 0); \
         if (rc != 0) return rc == 1 ? 2 : rc == 2 ? -1 : 3;                                             \
         const int tails = tail_rows != 0;                                                               \
         return paged_decode_int4_##SFX((const uint8_t *)c[0], (const uint16_t *)c[1], (const uint16_t *)c[2], \

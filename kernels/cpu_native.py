@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 from kernels import reference
-from llmbus.kv.formats import KVFormat
 
 log = logging.getLogger("llmbus.kernels")
 
@@ -145,7 +144,8 @@ def _load() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         for fn in (lib.write_int4_f32, lib.write_int4_bf16):
             fn.restype = ctypes.c_int
-            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64]
+            fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
+                           ctypes.c_int]
         lib.dequant_int4.restype = ctypes.c_int
         lib.dequant_int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
         lib.prefill_attn_bf16.restype = lib.have_bf16_dot.restype = lib.linear_bf16.restype = ctypes.c_int
@@ -303,7 +303,7 @@ def int4_tensors_fit(cache, dtype: torch.dtype, tails: bool) -> bool:
     lay = cache.layout
     d, bs, h, n = lay.head_dim, lay.block_size, lay.num_kv_heads, cache.num_blocks
     want = [(cache.data, (2, n, bs, h, d // 2), torch.uint8), (cache.k_meta, (n, h, cache.fmt.key_meta_slots(d, bs)), torch.int16),
-            (cache.v_meta, (n, bs, h, d // KVFormat.value_group(d), 2), torch.float16)]  # fmt: skip
+            (cache.v_meta, (n, bs, h, d // cache.fmt.groups(d, bs)[0], 2), torch.float16)]  # fmt: skip
     if tails and cache.k_tail is not None:
         want += [(t, (cache.num_tail_rows * bs, h, d), dtype) for t in (cache.k_tail, cache.v_tail)]
     return all(t.is_contiguous() and tuple(t.shape) == shape and t.dtype == dt for t, shape, dt in want)
@@ -334,13 +334,14 @@ def _int4_tail_rows(cache, tail_rows: torch.Tensor | None, b: int) -> torch.Tens
 
 def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torch.Tensor,
                tail_slots: torch.Tensor | None = None) -> bool:
-    """``reference.write_kv_cache`` into an INT4 ``PagedKVCache`` in one C call, with the same bytes
-    as a result (up to the sign of a zero range end: ``write_int4_*`` in cpu_decode.c). False
+    """``reference.write_kv_cache`` into an INT4 (or INT4R: every key per token, nothing sealed)
+    ``PagedKVCache`` in one C call, with the same bytes as a result (up to the sign of a zero range
+    end: ``write_int4_*`` in cpu_decode.c). False
     (nothing written) where it does not apply: keys not float32 or bfloat16 or not the cache's model
     dtype, cache tensors not contiguous or not of its layout, a shape the kernel does not take, no
     library; the caller's path serves."""
     lay = cache.layout
-    if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or key.dtype != cache.model_dtype
+    if (not INT4_FUSED or _load() is None or cache.fmt.name not in ("int4", "int4r") or key.dtype != cache.model_dtype
             or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
             or slot_mapping.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
             or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
@@ -358,7 +359,7 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
             cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
             cache.k_tail.data_ptr() if cache.k_tail is not None else None,
             cache.v_tail.data_ptr() if cache.v_tail is not None else None, cache.num_blocks, bs, lay.num_kv_heads, d,
-            *_int4_meta_shape(cache))  # fmt: skip
+            *_int4_meta_shape(cache), int(cache.fmt.name == "int4r"))  # fmt: skip
     if rc == 1:
         raise ValueError(_bad_slot(slots, cache.num_blocks * bs))
     if rc == 3:

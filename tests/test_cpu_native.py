@@ -293,20 +293,22 @@ def test_int4_backend_decodes_in_the_kernel_and_bad_input_is_refused(monkeypatch
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int4r"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d,bs,hkv", [(64, 16, 2), (128, 32, 1), (32, 8, 4)])
-def test_int4_write_gives_the_references_bytes(dtype, d, bs, hkv):
+def test_int4_write_gives_the_references_bytes(fmt, dtype, d, bs, hkv):
     """The C INT4 write against reference.write_kv_cache, byte for byte: a prefill chunk that seals
     blocks and leaves one filling, then decode steps one token a sequence, sealing blocks from their
     tail rows (sequence 0), from their per-token codes (sequence 1, no row) and from a row some
     tokens of which this call overwrites (a chunk of 3 in sequence 2); values whose ranges vary a
-    lot per channel and token, with ties and constant rows."""
+    lot per channel and token, with ties and constant rows. INT4R: every key per token, nothing
+    sealed, the same tail rows."""
     from kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=str(dtype).removeprefix("torch."))
-    caches = [kv_cache.allocate_cache(KVFormat("int4"), lay, 12, "cpu", tail_rows=3) for _ in range(2)]
+    caches = [kv_cache.allocate_cache(KVFormat(fmt), lay, 12, "cpu", tail_rows=3) for _ in range(2)]
     g = torch.Generator().manual_seed(d * bs)
     tables = [[3, 7, 1, 9], [0, 5, 11, 2], [4, 6, 8, 10]]
     lens = [bs + 3, 2 * bs - 2, 5]
