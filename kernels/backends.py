@@ -125,7 +125,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     @staticmethod
     def _write(k, v, cache, slot_mapping, tail_slots=None):
         # NOTE: the quantizing writes in one C call, the same bytes as the reference's torch ops
-        if cache.fmt.name in ("int4", "int4r") and cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
+        if cache.fmt.int4_codes and cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
             return
         if cache.fmt.name == "int8" and cpu_native.write_int8(k, v, cache, slot_mapping):
             return
@@ -161,7 +161,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
         # NOTE: the chunks' context dequantized once, then attended as model-dtype context is: the
         # reference's padded fp32 score matrices made quantized prefill ~3x the bf16 one
-        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name in ("int4", "int4r") else None
+        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.int4_codes else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         qsl = qsl.to(torch.int32)
@@ -191,7 +191,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             out = cpu_native.paged_decode_int4(q, cache, block_tables, seq_lens, scale, tail_rows)
             if out is not None:
                 return out
-        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.name in ("int4", "int4r") else None
+        dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.int4_codes else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         return cpu_native.paged_decode(q.float(), kv, tables, seq_lens, scale).to(q.dtype)

@@ -341,7 +341,7 @@ def write_int4(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
     dtype, cache tensors not contiguous or not of its layout, a shape the kernel does not take, no
     library; the caller's path serves."""
     lay = cache.layout
-    if (not INT4_FUSED or _load() is None or cache.fmt.name not in ("int4", "int4r") or key.dtype != cache.model_dtype
+    if (not INT4_FUSED or _load() is None or not cache.fmt.int4_codes or key.dtype != cache.model_dtype
             or key.dtype not in _SUFFIX or value.dtype != key.dtype or key.device.type != "cpu"
             or slot_mapping.device.type != "cpu" or key.shape != value.shape or key.dim() != 3
             or tuple(key.shape[1:]) != (lay.num_kv_heads, lay.head_dim)):
@@ -375,7 +375,7 @@ def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -
     ones: ``kv_cache.allocate_cache``)."""
     lib = _load()
     lay = cache.layout
-    if (lib is None or cache.fmt.name not in ("int4", "int4r") or cache.data.device.type != "cpu"
+    if (lib is None or not cache.fmt.int4_codes or cache.data.device.type != "cpu"
             or not all(t.is_contiguous() for t in (cache.data, cache.k_meta, cache.v_meta))):
         return reference.dequantize_blocks(cache, block_ids, full)
     ids = block_ids.to(torch.int64).contiguous()

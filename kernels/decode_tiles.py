@@ -163,6 +163,14 @@ def scale_at(scale_ptr, idx, valid):
 
 
 @triton.jit
+def half_pair(w):
+    """The two fp16 halves of int32 words (low, high) as fp32."""
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def row_mask(pos, valid, qpos, CAUSAL: tl.constexpr):
     """Which of a tile's positions ``pos`` [TILE] (loaded where ``valid``) each row attends to:
     all valid ones (decode), or (CAUSAL: prefill) those up to the row's own position ``qpos`` [R]."""
@@ -407,8 +415,8 @@ def int4_lanes_loop(
         kwa = tl.load(kwords + kb[:, None] + 2 * k[None, :], mask=bval[:, None], other=0)  # [NB, D/4]
         kwb = tl.load(kwords + kb[:, None] + 2 * k[None, :] + 1, mask=bval[:, None], other=0)
         lohi = tl.load(kwords + kb + D // 2, mask=bval, other=0)  # (lo, hi)
-        lo = (lohi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-        hi = (lohi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        lo, hi = half_pair(lohi)
+        lo, hi = lo[:, None], hi[:, None]
         step = (hi - lo) / 255.0
         cm0, cs0, cm1, cs1, cm2, cs2, cm3, cs3 = key_ranges(kwa, kwb, lo, step, TILE, BS, NW, DQ)
         k0 = cm0 + k0.to(DQ) * cs0
@@ -444,34 +452,64 @@ def int4_lanes_loop(
 
 
 @triton.jit
-def half_pair(w):
-    """The two fp16 halves of int32 words (low, high) as fp32."""
-    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+def last_dim(x):
+    """``x`` (rank 1 or 2) with a last dimension of 1 added."""
+    return tl.expand_dims(x, len(x.shape))
 
 
 @triton.jit
-def class_scores(q0, q1, q2, q3, kx, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Raw scores ``[R, TILE]``: the queries' channel classes (``[R, D/4]`` each) against the codes
-    (lanes ``kx`` [TILE, D/4]), unscaled."""
+def swap_last(x):
+    """``x`` (rank 2 or 3: batched over warps) with its last two dimensions swapped."""
+    if len(x.shape) == 3:
+        y = tl.permute(x, (0, 2, 1))
+    else:
+        y = tl.trans(x)
+    return y
+
+
+@triton.jit
+def token_codes(lanes, kwords, vwords, blk, off, valid, k, h,
+                s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh):
+    """INT4R tokens (block ids ``blk``, offsets ``off``, where ``valid``; any shape ``S``) of KV head
+    ``h``: their key and value lanes ``[*S, D/4]`` (``k``: the lane indices, ``[*S, D/4]``-broadcastable)
+    and their keys' and values' (scale, min) as fp32 ``[*S]``."""
+    # NOTE: >> 1, not // 2, on these non-negative offsets: a signed division costs a correction
+    lrow = last_dim((blk * s_dn + off * s_db + h * s_dh) >> 1)  # in lanes
+    kx = tl.load(lanes + lrow + k, mask=last_dim(valid), other=0)
+    vx = tl.load(lanes + (s_dc >> 1) + lrow + k, mask=last_dim(valid), other=0)
+    ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
+    vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
+    return kx, vx, ks, km, vs, vm
+
+
+@triton.jit
+def class_scores(q0, q1, q2, q3, kx, ks, km, qsum, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """Scores ``[.., R, T]`` (unscaled by ``qk_scale``): the queries' channel classes (``[.., R, D/4]``
+    each) against the codes (lanes ``kx`` [.., T, D/4]), each token's pair (``ks``, ``km`` [.., T])
+    folded in: ``scale * (q . code) + min * sum(q)`` (``qsum`` [R])."""
     k0, k1, k2, k3 = lane_codes(kx, ASM)
-    scores = tl.dot(q0, tl.trans(k0.to(DOT)), input_precision=PREC)
-    scores = tl.dot(q1, tl.trans(k1.to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q2, tl.trans(k2.to(DOT)), scores, input_precision=PREC)
-    return tl.dot(q3, tl.trans(k3.to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q0, swap_last(k0.to(DOT)), input_precision=PREC)
+    scores = tl.dot(q1, swap_last(k1.to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q2, swap_last(k2.to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q3, swap_last(k3.to(DOT)), scores, input_precision=PREC)
+    return scores * tl.expand_dims(ks, len(ks.shape) - 1) + last_dim(qsum) * tl.expand_dims(km, len(km.shape) - 1)
 
 
 @triton.jit
-def class_values(p, vx, a0, a1, a2, a3, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """The class accumulators ``[R, D/4]`` rescaled by ``alpha`` and advanced by the weights ``p``
-    [R, TILE] (the tokens' value scales applied) times the codes (lanes ``vx`` [TILE, D/4])."""
+def class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """The class accumulators ``[.., R, D/4]`` and the sums ``b = sum_t p_t min_t`` ``[.., R]``,
+    rescaled by ``alpha`` [.., R] and advanced by the weights ``p`` [.., R, T] over the codes (lanes
+    ``vx`` [.., T, D/4]), each token's pair (``vs``, ``vm`` [.., T]) folded in:
+    ``(p * scale) . code`` and ``sum_t p_t min_t``."""
+    last: tl.constexpr = len(p.shape) - 1
+    w = (p * tl.expand_dims(vs, last - 1)).to(DOT)
     v0, v1, v2, v3 = lane_codes(vx, ASM)
-    a0 = a0 * alpha[:, None] + tl.dot(p, v0.to(DOT), input_precision=PREC)
-    a1 = a1 * alpha[:, None] + tl.dot(p, v1.to(DOT), input_precision=PREC)
-    a2 = a2 * alpha[:, None] + tl.dot(p, v2.to(DOT), input_precision=PREC)
-    a3 = a3 * alpha[:, None] + tl.dot(p, v3.to(DOT), input_precision=PREC)
-    return a0, a1, a2, a3
+    ae = last_dim(alpha)
+    a0 = a0 * ae + tl.dot(w, v0.to(DOT), input_precision=PREC)
+    a1 = a1 * ae + tl.dot(w, v1.to(DOT), input_precision=PREC)
+    a2 = a2 * ae + tl.dot(w, v2.to(DOT), input_precision=PREC)
+    a3 = a3 * ae + tl.dot(w, v3.to(DOT), input_precision=PREC)
+    return a0, a1, a2, a3, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
 
 
 @triton.jit
@@ -491,7 +529,7 @@ def int4_tokens_loop(
     ``sum_t p_t (min_t + scale_t * code_t) = (p scale) . code + sum_t p_t min_t``.
     The codes are read as 16-bit lanes by channel class (``lane_codes``). The data's strides
     (bytes) are even and the metadata word-aligned (``paged_decode.int4_lanes``)."""
-    k = tl.arange(0, D // 4)
+    k = tl.arange(0, D // 4)[None, :]
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
     a0, a1, a2, a3 = class_accumulators(R, D)
@@ -504,20 +542,14 @@ def int4_tokens_loop(
     blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
         valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        # NOTE: >> 1, not // 2, on these non-negative offsets: a signed division costs a correction
-        lrow = (blk * s_dn + off * s_db + h * s_dh) >> 1  # [TILE], in lanes
-        kx = tl.load(lanes + lrow[:, None] + k[None, :], mask=valid[:, None], other=0)
-        vx = tl.load(lanes + (s_dc >> 1) + lrow[:, None] + k[None, :], mask=valid[:, None], other=0)
-        ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
-        vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
-        scores = class_scores(q0, q1, q2, q3, kx, ASM, DOT, PREC) * ks[None, :] + qsum[:, None] * km[None, :]
+        kx, vx, ks, km, vs, vm = token_codes(lanes, kwords, vwords, blk, off, valid, k, h,
+                                             s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
+        scores = class_scores(q0, q1, q2, q3, kx, ks, km, qsum, ASM, DOT, PREC)
         scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * qk_scale, float("-inf"))
         m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
-        a0, a1, a2, a3 = class_values((p * vs[None, :]).to(DOT), vx, a0, a1, a2, a3, alpha, ASM, DOT, PREC)
-        b = b * alpha + tl.sum(p * vm[None, :], axis=1)
+        a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC)
         m_i = m_new
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
-
 
 
 @triton.jit
@@ -540,7 +572,7 @@ def int4_tokens_warp_loop(
     bytes a KV byte where the 2-D loop moves 5.6, the same instruction count. Off by default
     (``paged_decode.WARP_TILES``) until a GPU has timed it."""
     TW: tl.constexpr = TILE // NW
-    k = tl.arange(0, D // 4)
+    k = tl.arange(0, D // 4)[None, None, :]
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
     qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
     q0, q1 = tl.broadcast_to(q0[None, :, :], [NW, R, D // 4]), tl.broadcast_to(q1[None, :, :], [NW, R, D // 4])
@@ -557,17 +589,9 @@ def int4_tokens_warp_loop(
     blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
         valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        lrow = (blk * s_dn + off * s_db + h * s_dh) >> 1  # [NW, TW], in lanes
-        kx = tl.load(lanes + lrow[:, :, None] + k[None, None, :], mask=valid[:, :, None], other=0)
-        vx = tl.load(lanes + (s_dc >> 1) + lrow[:, :, None] + k[None, None, :], mask=valid[:, :, None], other=0)
-        ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
-        vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
-        k0, k1, k2, k3 = lane_codes(kx, ASM)
-        scores = tl.dot(q0, tl.permute(k0.to(DOT), (0, 2, 1)), input_precision=PREC)
-        scores = tl.dot(q1, tl.permute(k1.to(DOT), (0, 2, 1)), scores, input_precision=PREC)
-        scores = tl.dot(q2, tl.permute(k2.to(DOT), (0, 2, 1)), scores, input_precision=PREC)
-        scores = tl.dot(q3, tl.permute(k3.to(DOT), (0, 2, 1)), scores, input_precision=PREC)
-        scores = scores * ks[:, None, :] + qsum[None, :, None] * km[:, None, :]
+        kx, vx, ks, km, vs, vm = token_codes(lanes, kwords, vwords, blk, off, valid, k, h,
+                                             s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
+        scores = class_scores(q0, q1, q2, q3, kx, ks, km, qsum, ASM, DOT, PREC)
         allowed = valid[:, None, :]
         if CAUSAL:
             allowed = allowed & ((s + t)[:, None, :] <= qpos[None, :, None])
@@ -576,13 +600,7 @@ def int4_tokens_warp_loop(
         alpha = tl.exp2(mw - m_new)
         p = tl.exp2(scores - m_new[:, :, None])
         lw = lw * alpha + tl.sum(p, axis=2)
-        bw = bw * alpha + tl.sum(p * vm[:, None, :], axis=2)
-        w = (p * vs[:, None, :]).to(DOT)
-        v0, v1, v2, v3 = lane_codes(vx, ASM)
-        a0 = a0 * alpha[:, :, None] + tl.dot(w, v0.to(DOT), input_precision=PREC)
-        a1 = a1 * alpha[:, :, None] + tl.dot(w, v1.to(DOT), input_precision=PREC)
-        a2 = a2 * alpha[:, :, None] + tl.dot(w, v2.to(DOT), input_precision=PREC)
-        a3 = a3 * alpha[:, :, None] + tl.dot(w, v3.to(DOT), input_precision=PREC)
+        a0, a1, a2, a3, bw = class_values(p, vx, vs, vm, a0, a1, a2, a3, bw, alpha, ASM, DOT, PREC)
         mw = m_new
     # the warps' states merged, with the one passed in (whose accumulator is zero)
     m_out = tl.maximum(m_i, tl.max(mw, axis=0))

@@ -218,7 +218,7 @@ def int4_lanes(cache) -> bool:
     """Whether INT4 (or INT4R) decode reads full blocks as 16-bit lanes of four channels: from 64
     channels (each class's dots need 16), on a cache whose codes are 2-byte aligned and whose
     ``k_meta`` and ``v_meta`` are word-aligned (their 16-bit fields are read in pairs)."""
-    if cache.fmt.name not in ("int4", "int4r") or cache.layout.head_dim < 64:
+    if not cache.fmt.int4_codes or cache.layout.head_dim < 64:
         return False
     vm = cache.v_meta.view(torch.int16)
     return (_aligned(cache.data, 2, 4) and _aligned(cache.k_meta, 4, 2) and _aligned(vm, 4, 4)
@@ -231,7 +231,7 @@ def register_cap(cache, max_registers: int | None = None) -> int:
     16) it raised the registers used, from 72 to 114."""
     if max_registers is not None:
         return max_registers
-    fast = not cache.fmt.name.startswith("int4") or int4_lanes(cache)
+    fast = not cache.fmt.int4_codes or int4_lanes(cache)
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
 
@@ -264,7 +264,7 @@ def tile_size(cache, tile: int | None, cuda: bool, cuda_default: int) -> int:
     block; for INT4 at least two) and one block elsewhere; ValueError unless a power-of-two
     multiple of the block size (and, INT4 on CUDA, two blocks or more)."""
     bs = cache.layout.block_size
-    int4 = cuda and cache.fmt.name.startswith("int4")
+    int4 = cuda and cache.fmt.int4_codes
     tile = tile or (max(bs * (2 if int4 else 1), cuda_default) if cuda else bs)
     if tile % bs or tile & (tile - 1):
         raise ValueError(f"tile must be a power-of-two multiple of block_size {bs}, got {tile}")

@@ -185,17 +185,15 @@ def write_kv_cache(
     scatter_slots(cache.v_meta, (), at, torch.stack((s, mn), -1))
     slot_list = slots.tolist()
     row_of = {sl: i for i, sl in enumerate(slot_list)}
-    sealed = sorted({sl // bs for sl in slot_list if sl % bs == bs - 1})
-    sealed_set = set(sealed)
-    tail = [i for i, sl in enumerate(slot_list) if sl // bs not in sealed_set]
-    per_token = cache.fmt.name == "int4r"  # NOTE: INT4R keys stay per token: no block is sealed
-    if per_token:
-        sealed = []
-    if tail or per_token:
-        idx = torch.tensor(tail, dtype=torch.long, device=key.device)
-        # the filling blocks' (INT4R: all) per-token keys, each slot's last write (the tail rows below take them all)
-        kl = last if per_token else torch.tensor(
-            [i for i in last.tolist() if slot_list[i] // bs not in sealed_set], dtype=torch.long, device=key.device)
+    completed = {sl // bs for sl in slot_list if sl % bs == bs - 1}  # blocks whose last slot this call writes
+    tail = [i for i, sl in enumerate(slot_list) if sl // bs not in completed]
+    # NOTE: INT4R keeps every key per token, so it seals nothing; INT4 seals the completed blocks
+    per_token = cache.fmt.name == "int4r"
+    sealed = [] if per_token else sorted(completed)
+    # the keys stored per token, each slot's last write: the filling blocks' (INT4R: every block's)
+    kl = last if per_token else torch.tensor(
+        [i for i in last.tolist() if slot_list[i] // bs not in completed], dtype=torch.long, device=key.device)
+    if kl.numel():
         q, s, mn = qr.int4_group_quantize(key[kl], gk)
         scatter_slots(cache.data, (0,), slots[kl], qr.pack_nibbles(q))
         meta = torch.stack((s, mn), -1).view(torch.int16).flatten(-2)  # [t, H, 2 * D/gk]
@@ -217,6 +215,7 @@ def write_kv_cache(
         cache.k_meta[b, :, d] = lo.view(torch.int16)
         cache.k_meta[b, :, d + 1] = hi.view(torch.int16)
     if tail and tails is not None:  # NOTE: after sealing, which reads rows earlier calls wrote
+        idx = torch.tensor(tail, dtype=torch.long, device=key.device)
         rows, ks, vs = tails[idx], key[idx], value[idx]
         keep = rows >= 0
         if not bool(keep.all()):

@@ -67,7 +67,7 @@ class KVFormat:
             raise ValueError(f"unknown KV format {self.name!r}: expected one of {', '.join(KV_FORMATS)}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"KVFormat.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
-        if self.name.startswith("int4") and self.scale_dtype != "float16":
+        if self.int4_codes and self.scale_dtype != "float16":
             raise ValueError(f"{self.name} KV stores its scales as float16; scale_dtype must be 'float16'")
 
     @property
@@ -80,9 +80,15 @@ class KVFormat:
         return self.name == "int4r"
 
     @property
+    def int4_codes(self) -> bool:
+        """INT4 and INT4R: nibble-packed codes with ``k_meta`` / ``v_meta`` (one tensor layout, read
+        and written by the same kernels and C passes, which tell the two apart by their groups)."""
+        return self.name in ("int4", "int4r")
+
+    @property
     def keeps_tails(self) -> bool:
         """The format may keep exact tail rows of filling blocks (INT4's two formats)."""
-        return self.name.startswith("int4")
+        return self.int4_codes
 
     def check(self, layout: KVLayout) -> None:
         """Raise ValueError if this format cannot store ``layout``."""
