@@ -165,6 +165,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         qsl = qsl.to(torch.int32)
+        q = reference.cache_query(q, cache).to(q.dtype)
         if q.dtype == torch.bfloat16 and cpu_native.available() and cpu_native.prefill_supports(
                 q.dtype, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size):
             # the C prefill kernel reads bf16 (as the GPU kernels round the context to fp16)
@@ -194,7 +195,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.int4_codes else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
-        return cpu_native.paged_decode(q.float(), kv, tables, seq_lens, scale).to(q.dtype)
+        return cpu_native.paged_decode(reference.cache_query(q, cache).float(), kv, tables, seq_lens, scale).to(q.dtype)
 
 
 class TritonAttentionBackend(_PagedBackend):

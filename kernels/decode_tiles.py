@@ -32,7 +32,14 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   columns are whole blocks (``warp_rows``), which halves the blocks whose ranges a thread takes
   (one instead of two at the default launch). Each
   token's value (scale, min) pairs are read in the operand's layout and broadcast over its group.
-- Both quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
+- INT4R (per-token pairs, rotated keys) folds each token's (scale, min) into the scores and weights
+  as INT8 does, and rounds its queries to int8 per row, so its key dots are integer ones: the key
+  codes are read as bytes and split by channel parity into int8 codes (three instructions a word,
+  where fp16 codes take nine), two ``mma`` s8 dots of ``D/2`` channels each (IMMA, twice HMMA's
+  rate). The one conversion is of the int32 scores, ``[R, TILE]``, not of the codes. Its values
+  take INT4's lanes. Compiled for sm_90 this took the 128-token loop from 837 instructions to
+  724 (``scripts/kernel_cost.py``).
+- The quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
   codes take their addresses from its ids; loaded in the same iteration, the ids left Triton's
   pipeliner one shared-memory buffer a load whatever ``num_stages`` said, and each tile's copy was
   issued just before it was needed (8 KB for INT4's 64-token tiles: ~32 KB an SM, about what the
@@ -468,31 +475,88 @@ def swap_last(x):
 
 
 @triton.jit
-def token_codes(lanes, kwords, vwords, blk, off, valid, k, h,
+def token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
                 s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh):
     """INT4R tokens (block ids ``blk``, offsets ``off``, where ``valid``; any shape ``S``) of KV head
-    ``h``: their key and value lanes ``[*S, D/4]`` (``k``: the lane indices, ``[*S, D/4]``-broadcastable)
-    and their keys' and values' (scale, min) as fp32 ``[*S]``."""
+    ``h``: their key bytes ``[*S, D/2]`` (``kc``: the byte indices), value lanes ``[*S, D/4]`` (``vc``:
+    the lane indices; both ``[*S, n]``-broadcastable), and their keys' and values' (scale, min) as
+    fp32 ``[*S]``."""
+    row = blk * s_dn + off * s_db + h * s_dh  # in bytes
+    kb = tl.load(kbytes + last_dim(row) + kc, mask=last_dim(valid), other=0)
     # NOTE: >> 1, not // 2, on these non-negative offsets: a signed division costs a correction
-    lrow = last_dim((blk * s_dn + off * s_db + h * s_dh) >> 1)  # in lanes
-    kx = tl.load(lanes + lrow + k, mask=last_dim(valid), other=0)
-    vx = tl.load(lanes + (s_dc >> 1) + lrow + k, mask=last_dim(valid), other=0)
+    vx = tl.load(lanes + last_dim((s_dc + row) >> 1) + vc, mask=last_dim(valid), other=0)
     ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
     vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
-    return kx, vx, ks, km, vs, vm
+    return kb, vx, ks, km, vs, vm
+
+
+# Four bytes of packed INT4 codes ($2; byte j: channel 2j in its low nibble, 2j + 1 in its high)
+# -> the even channels' codes ($0) and the odd channels' ($1), four int8 codes a word each.
+U4_BYTES = tl.constexpr("{ .reg .b32 u; shr.b32 u, $2, 4; and.b32 $0, $2, 0x0f0f0f0f; and.b32 $1, u, 0x0f0f0f0f; }")
 
 
 @triton.jit
-def class_scores(q0, q1, q2, q3, kx, ks, km, qsum, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
-    """Scores ``[.., R, T]`` (unscaled by ``qk_scale``): the queries' channel classes (``[.., R, D/4]``
-    each) against the codes (lanes ``kx`` [.., T, D/4]), each token's pair (``ks``, ``km`` [.., T])
-    folded in: ``scale * (q . code) + min * sum(q)`` (``qsum`` [R])."""
-    k0, k1, k2, k3 = lane_codes(kx, ASM)
-    scores = tl.dot(q0, swap_last(k0.to(DOT)), input_precision=PREC)
-    scores = tl.dot(q1, swap_last(k1.to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q2, swap_last(k2.to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q3, swap_last(k3.to(DOT)), scores, input_precision=PREC)
-    return scores * tl.expand_dims(ks, len(ks.shape) - 1) + last_dim(qsum) * tl.expand_dims(km, len(km.shape) - 1)
+def byte_codes(x, ASM: tl.constexpr):
+    """Bytes of packed INT4 codes (int8) -> the codes of their even channels and of their odd ones
+    (int8 each), without a conversion. With ASM (CUDA only) a word of bytes takes three instructions."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(U4_BYTES, "=r,=r,r", [x], dtype=(tl.int8, tl.int8), is_pure=True, pack=4)
+    else:
+        lo = x & 15
+        hi = (x >> 4) & 15
+    return lo, hi
+
+
+@triton.jit
+def int8_codes(x, amax):
+    """Rows ``x [R, n]`` (fp32) rounded to int8 steps of ``amax / 127`` (``amax [R]``: the rows'
+    largest magnitudes), as fp32 (``kernels.quant_reference.round_query``). NOTE: ``x * 127 / amax``
+    correctly rounded, not ``x * (127 / amax)``: a half-precision row's channel at half its largest
+    magnitude lands on a tie (63.5), where an ulp of the reciprocal, or a fused multiply-add, would
+    decide the rounding."""
+    a = tl.broadcast_to(tl.maximum(amax, 1e-30)[:, None], x.shape)
+    return tl.floor(tl.math.div_rn(x * 127.0, a) + 0.5)
+
+
+@triton.jit
+def int8_step(amax):
+    """The step of ``int8_codes`` (correctly rounded; 1e-30 for an all-zero row)."""
+    return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1e-30)
+
+
+@triton.jit
+def int8_rows(q):
+    """Query rows ``[R, D]`` rounded to int8 (``int8_codes``): their codes (as fp32: exact in any dot
+    dtype) and each row's step. INT4R attends with ``codes * step``."""
+    x = q.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    return int8_codes(x, amax), int8_step(amax)
+
+
+@triton.jit
+def query_bytes(q_ptr, qrows, rmask, D: tl.constexpr):
+    """The query rows (``q_ptr + qrows``, where ``rmask``) rounded to int8 (``int8_rows``): their
+    even and their odd channels (``[R, D/2]`` int8 each), each row's step, and the sum of its codes."""
+    qrow = q_ptr + qrows[:, None] + 2 * tl.arange(0, D // 2)[None, :]
+    qe = tl.load(qrow, mask=rmask[:, None], other=0.0).to(tl.float32)
+    qo = tl.load(qrow + 1, mask=rmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(qe), axis=1), tl.max(tl.abs(qo), axis=1))
+    qe = int8_codes(qe, amax)
+    qo = int8_codes(qo, amax)
+    return qe.to(tl.int8), qo.to(tl.int8), int8_step(amax), tl.sum(qe + qo, axis=1)
+
+
+@triton.jit
+def byte_scores(qe, qo, qsum, kb, ks, km, ASM: tl.constexpr):
+    """Scores ``[.., R, T]`` in units of the rows' steps (unscaled by ``qk_scale``): the int8 queries'
+    even and odd channels (``[.., R, D/2]``) against the key bytes ``kb`` [.., T, D/2] in integer dots,
+    each token's pair (``ks``, ``km`` [.., T]) folded in: ``scale * (q . code) + min * sum(q)``
+    (``qsum`` [R]: the rows' code sums)."""
+    k0, k1 = byte_codes(kb, ASM)
+    acc = tl.dot(qe, swap_last(k0), out_dtype=tl.int32)
+    acc = tl.dot(qo, swap_last(k1), acc, out_dtype=tl.int32)
+    last: tl.constexpr = len(ks.shape) - 1
+    return acc.to(tl.float32) * tl.expand_dims(ks, last) + last_dim(qsum) * tl.expand_dims(km, last)
 
 
 @triton.jit
@@ -527,13 +591,18 @@ def int4_tokens_loop(
     INT8's scales do, so the codes go into the dots as they are:
     ``q . (min + scale * code) = scale * (q . code) + min * sum(q)``, and
     ``sum_t p_t (min_t + scale_t * code_t) = (p scale) . code + sum_t p_t min_t``.
-    The codes are read as 16-bit lanes by channel class (``lane_codes``). The data's strides
-    (bytes) are even and the metadata word-aligned (``paged_decode.int4_lanes``)."""
-    k = tl.arange(0, D // 4)[None, :]
-    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
-    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    The queries are rounded to int8 (``query_bytes``), so the key dots are integer ones (IMMA on
+    CUDA, twice fp16's rate) over the codes as bytes split by channel parity (``byte_codes``: three
+    instructions a word where fp16 codes take nine), and each row's step joins ``qk_scale`` in the
+    exponent. The values' codes are read as 16-bit lanes by channel class (``lane_codes``). The
+    data's strides (bytes) are even and the metadata word-aligned (``paged_decode.int4_lanes``)."""
+    kc = tl.arange(0, D // 2)[None, :]
+    vc = tl.arange(0, D // 4)[None, :]
+    qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
+    cs = step * qk_scale  # a score unit in the exponent's (log2) units, per row
     a0, a1, a2, a3 = class_accumulators(R, D)
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
+    kbytes = data_ptr.to(tl.pointer_type(tl.int8))
     lanes = data_ptr.to(tl.pointer_type(tl.int16))
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
@@ -542,11 +611,15 @@ def int4_tokens_loop(
     blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
         valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        kx, vx, ks, km, vs, vm = token_codes(lanes, kwords, vwords, blk, off, valid, k, h,
+        kb, vx, ks, km, vs, vm = token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
                                              s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-        scores = class_scores(q0, q1, q2, q3, kx, ks, km, qsum, ASM, DOT, PREC)
-        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * qk_scale, float("-inf"))
-        m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
+        x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
+        x = tl.where(row_mask(s + t, valid, qpos, CAUSAL), x, float("-inf"))
+        # NOTE: softmax_step's, with each row's unit folded into the exponent's one multiply-add
+        m_new = tl.maximum(m_i, tl.max(x, axis=1) * cs)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(x * cs[:, None] - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC)
         m_i = m_new
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
@@ -568,20 +641,20 @@ def int4_tokens_warp_loop(
     so each row's max and sum cross the warps (shared memory and a barrier, twice a tile) and the
     weights go through shared memory to the value dots, which need every token; here neither
     does, at the cost of a whole ``[R, D]`` accumulator a warp, each rescaled every tile.
-    Compiled for sm_90 (``scripts/kernel_cost.py``, 128-token tiles): shared-memory traffic 3.1
-    bytes a KV byte where the 2-D loop moves 5.6, the same instruction count. Off by default
-    (``paged_decode.WARP_TILES``) until a GPU has timed it."""
+    Off by default (``paged_decode.WARP_TILES``) until a GPU has timed it."""
     TW: tl.constexpr = TILE // NW
-    k = tl.arange(0, D // 4)[None, None, :]
-    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
-    qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
-    q0, q1 = tl.broadcast_to(q0[None, :, :], [NW, R, D // 4]), tl.broadcast_to(q1[None, :, :], [NW, R, D // 4])
-    q2, q3 = tl.broadcast_to(q2[None, :, :], [NW, R, D // 4]), tl.broadcast_to(q3[None, :, :], [NW, R, D // 4])
+    kc = tl.arange(0, D // 2)[None, None, :]
+    vc = tl.arange(0, D // 4)[None, None, :]
+    qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
+    cs = (step * qk_scale)[None, :]
+    qe = tl.broadcast_to(qe[None, :, :], [NW, R, D // 2])
+    qo = tl.broadcast_to(qo[None, :, :], [NW, R, D // 2])
     zero = tl.zeros([NW, R, D // 4], tl.float32)
     a0, a1, a2, a3 = zero, zero, zero, zero
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
     lw = tl.zeros([NW, R], tl.float32)
     bw = tl.zeros([NW, R], tl.float32)
+    kbytes = data_ptr.to(tl.pointer_type(tl.int8))
     lanes = data_ptr.to(tl.pointer_type(tl.int16))
     kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
     vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
@@ -589,16 +662,16 @@ def int4_tokens_warp_loop(
     blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):
         valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        kx, vx, ks, km, vs, vm = token_codes(lanes, kwords, vwords, blk, off, valid, k, h,
+        kb, vx, ks, km, vs, vm = token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
                                              s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-        scores = class_scores(q0, q1, q2, q3, kx, ks, km, qsum, ASM, DOT, PREC)
+        x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
         allowed = valid[:, None, :]
         if CAUSAL:
             allowed = allowed & ((s + t)[:, None, :] <= qpos[None, :, None])
-        scores = tl.where(allowed, scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(mw, tl.max(scores, axis=2))
+        x = tl.where(allowed, x, float("-inf"))
+        m_new = tl.maximum(mw, tl.max(x, axis=2) * cs)
         alpha = tl.exp2(mw - m_new)
-        p = tl.exp2(scores - m_new[:, :, None])
+        p = tl.exp2(x * cs[:, :, None] - m_new[:, :, None])
         lw = lw * alpha + tl.sum(p, axis=2)
         a0, a1, a2, a3, bw = class_values(p, vx, vs, vm, a0, a1, a2, a3, bw, alpha, ASM, DOT, PREC)
         mw = m_new

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import attend_tile, int4_lanes_loop, int4_tokens_loop, int4_tokens_warp_loop, int8_tile, int8_words_loop
+from kernels.decode_tiles import (attend_tile, int4_lanes_loop, int4_tokens_loop, int4_tokens_warp_loop, int8_tile,
+                                  int8_rows, int8_words_loop)
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -98,8 +99,14 @@ def paged_decode_kernel(
     heads = h * G + g
     gmask = g < G
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None], other=0.0)
-    q = q.to(DOT)
     qk_scale = sm_scale * 1.4426950408889634
+    tile_scale = qk_scale  # the scores' scale where a whole tile is loaded (load_kv_tile)
+    if FMT == 3:
+        # INT4R attends with its queries rounded to int8 (decode_tiles.int4_tokens_loop's integer
+        # dots); loaded tiles dot the codes, each row's step joining its scale
+        q, step = int8_rows(q)
+        tile_scale = (step * qk_scale)[:, None]
+    q = q.to(DOT)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -167,7 +174,7 @@ def paged_decode_kernel(
                     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
                     tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
                 )
-                m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+                m_i, l_i, acc = attend_tile(q, k, v, pos < lim, m_i, m_i, m_i, l_i, acc, tile_scale, False, DOT, PREC)
         if (full_end < end) & (full_end >= start):
             pos = full_end + tl.arange(0, TAIL)
             k, v = load_kv_tile(
@@ -175,7 +182,7 @@ def paged_decode_kernel(
                 s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
                 tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
-            m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+            m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, tile_scale, False, DOT, PREC)
     if not SPLIT:
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o = out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + c[None, :]

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_words_loop
+from kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_rows, int8_words_loop
 from kernels.kv_tile import load_kv_tile, softmax_step, tile_args
 from kernels.paged_decode import code_args, pipeline_stages, tile_size
 
@@ -79,8 +79,13 @@ def paged_prefill_kernel(
     qpos = seq_len - q_len + rows  # [BLOCK_M]
     c = tl.arange(0, D)
     tok = (q0 + rows).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * s_qt + hq * s_qh + c[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + hq * s_qh + c[None, :], mask=rmask[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634
+    tile_scale = qk_scale  # generic_tile's
+    if FMT == 3:  # INT4R: as paged_decode_kernel's
+        q, step = int8_rows(q)
+        tile_scale = (step * qk_scale)[:, None]
+    q = q.to(DOT)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -116,11 +121,11 @@ def paged_prefill_kernel(
                 1,  # NOTE: the warps split the query rows (BLOCK_M), each holding every column of the scores
             )
         if full < kv_end:
-            m_i, l_i, acc = generic_tile(full, q, qpos, m_i, l_i, acc, qk_scale, cache_args,
+            m_i, l_i, acc = generic_tile(full, q, qpos, m_i, l_i, acc, tile_scale, cache_args,
                                          TILE, DOT, PREC, FMT, D, BS, GV, GK)
     else:
         for s in range(0, kv_end, TILE):
-            m_i, l_i, acc = generic_tile(s, q, qpos, m_i, l_i, acc, qk_scale, cache_args,
+            m_i, l_i, acc = generic_tile(s, q, qpos, m_i, l_i, acc, tile_scale, cache_args,
                                          TILE, DOT, PREC, FMT, D, BS, GV, GK)
     res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + c[None, :], res.to(out_ptr.dtype.element_ty), mask=rmask[:, None])

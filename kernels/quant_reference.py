@@ -119,6 +119,17 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
 
 
+def round_query(q: torch.Tensor) -> torch.Tensor:
+    """``q [..., D]`` rounded to int8 symmetrically per row and back, fp32: how INT4R attends (its
+    kernels' key dots are integer ones: ``kernels.decode_tiles.int4_tokens_loop``). Codes are
+    ``floor(q * 127 / amax + 0.5)``, the division correctly rounded (a tie, common in half-precision
+    rows, comes out the same everywhere); the rounding adds at most amax / 254 a channel, little
+    beside INT4 keys' error."""
+    x = q.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    return _round((x * INT8_MAX) / amax.clamp_min(1e-30)) * (amax / INT8_MAX).clamp_min(1e-30)
+
+
 # -- nibble packing ------------------------------------------------------------------------------
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """``uint8 [..., D]`` (values 0..15) -> ``uint8 [..., D/2]``, even channel in the low nibble."""

@@ -332,6 +332,12 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
     return kv, table
 
 
+def cache_query(query: torch.Tensor, cache: "PagedKVCache") -> torch.Tensor:
+    """The query as attention over ``cache`` meets it: rounded to int8 per row for a format whose
+    kernels dot integers (INT4R: ``quant_reference.round_query``), else as it is."""
+    return qr.round_query(query) if cache.fmt.rotates_keys else query
+
+
 def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, scale: float,
                                  tail_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_decode_attention`` over a cache of any format; ``tail_rows`` as in
@@ -341,7 +347,7 @@ def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq
     if query.shape[0] == 0:
         return torch.empty_like(query)
     kv, tables = dequantized_context(cache, block_tables, seq_lens, tail_rows=tail_rows)
-    return paged_decode_attention(query, kv, tables, seq_lens, scale)
+    return paged_decode_attention(cache_query(query, cache), kv, tables, seq_lens, scale).to(query.dtype)
 
 
 def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, query_start_loc, scale: float,
@@ -353,7 +359,8 @@ def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, se
     if block_tables.shape[0] == 0:
         return torch.empty_like(query)
     kv, tables = dequantized_context(cache, block_tables, seq_lens, tail_rows=tail_rows)
-    return paged_prefill_attention(query, kv, tables, seq_lens, query_start_loc, scale)
+    return paged_prefill_attention(cache_query(query, cache), kv, tables, seq_lens, query_start_loc,
+                                   scale).to(query.dtype)
 
 
 # --- a decoder layer's element-wise glue (kernels.fused on CUDA) --------------------------------

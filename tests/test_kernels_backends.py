@@ -141,9 +141,10 @@ def test_int4r_backends_rotate_queries_and_keys(backend):
 
 @pytest.mark.skipif(not cpu_native.available(), reason="the fused CPU decode kernel did not build here")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4r"])
 def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
-    """The CPU engine's backend for int8/int4 (dequantized inside the fused kernel) against the
+    """The CPU engine's backend for int8/int4 (dequantized inside the fused kernel; int4r's blocks
+    dequantized in C, its queries rounded to int8 as the reference rounds them) against the
     reference, with identical cache bytes after every step."""
     ours, ref = CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
     ca, cb = _agree_over_steps(ours, ref, dtype, atol=2e-2 if dtype == "bfloat16" else 2e-5, device="cpu")
@@ -172,7 +173,7 @@ def test_cpu_backend_over_head_major_caches(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4r"])
 def test_cpu_backend_prefills_quantized_caches_without_the_reference(fmt, dtype, monkeypatch):
     """Prefill chunks over int8/int4 caches (a fresh prompt, one after a cached prefix, then
     decodes) over their context dequantized once: bf16 through the C prefill kernel (where the CPU
@@ -190,7 +191,7 @@ def test_cpu_backend_prefills_quantized_caches_without_the_reference(fmt, dtype,
 
     monkeypatch.setattr(reference, "paged_prefill_attention_cache", refuse)
     _agree_over_steps(CpuPagedAttentionBackend(fmt), Reference(fmt), dtype,
-                      atol={"bfloat16": 2e-2, "float16": 2e-3}.get(dtype, 2e-5), device="cpu", tails=fmt == "int4")
+                      atol={"bfloat16": 2e-2, "float16": 2e-3}.get(dtype, 2e-5), device="cpu", tails=fmt != "int8")
 
 
 @pytest.mark.parametrize("dtype,path", [("float32", "sdpa"), ("bfloat16", "sdpa"), ("bfloat16", "c-kernel")])

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernels import quant_reference as qr  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
 from kernels.paged_decode import int4_lanes, int8_words, paged_decode_attention  # noqa: E402
@@ -359,6 +360,62 @@ def test_int4_lanes_ptx_reads_the_right_nibbles_and_values():
             lanes = (word[0] | word[1] << 8, word[2] | word[3] << 8)
             for r in range(4):
                 assert _f16x2(regs[f"${r}"]) == [float(x >> 4 * r & 15) for x in lanes], (byte, pos, r)
+
+
+def test_int4_bytes_ptx_splits_nibbles_by_channel_parity():
+    """What the GPU-only split (decode_tiles.U4_BYTES) computes, instruction by instruction as the
+    PTX ISA defines them, for every byte value in every position of a word: output $0 holds each
+    byte's low nibble (its even channel's code), $1 its high nibble (the odd channel's), in place."""
+    import re
+
+    from kernels import decode_tiles
+
+    text = decode_tiles.U4_BYTES.value
+    statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
+    assert statements[0].startswith(".reg ") and all(x.startswith(("shr.b32", "and.b32")) for x in statements[1:])
+    for byte in range(256):
+        for pos in range(4):
+            word = [0x5A, 0xC3, 0x0F, 0xF0]
+            word[pos] = byte
+            regs = {"$2": int.from_bytes(bytes(word), "little")}
+            for op, args in re.findall(r"(shr\.b32|and\.b32) ([^;]+);", text):
+                d, *src = [a.strip() for a in args.split(",")]
+                a, b = [regs[x] if x in regs else int(x, 0) for x in src]
+                regs[d] = a >> b if op == "shr.b32" else a & b
+            assert list(regs["$0"].to_bytes(4, "little")) == [x & 15 for x in word], (byte, pos)
+            assert list(regs["$1"].to_bytes(4, "little")) == [x >> 4 for x in word], (byte, pos)
+
+
+def _tie_queries(shape, seed):
+    """Queries (fp32) of multiples of 2.375 / 8, each row's largest exactly 2.375: a channel at +-1.1875 is
+    a tie of the int8 rounding (63.5 steps), which ``x * (127 / 2.375)`` misses by an ulp (63.499996,
+    rounding to 63, not 64)."""
+    q = torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).float() * (2.375 / 8)
+    q[..., 0] = 2.375
+    return q
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim):
+    """INT4R attends with its queries rounded to int8 per row (quant_reference.round_query), through
+    the fast loop (head_dim 64) and the generic tile load (32): ties go half up in both."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
+    lens = [37, 16, 50]
+    nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
+    cache = allocate_cache(KVFormat("int4r"), lay, nblocks, DEV)
+    tables = _fill(cache, lay, lens, nblocks, seed=5)
+    q = _tie_queries((3, 8, head_dim), seed=6).to(DEV)
+    assert ((q == 1.1875).sum() > 20) and int4_lanes(cache) == (head_dim == 64)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    want = ref.paged_decode_attention_cache(q, cache, tables, sl, 0.3)
+    torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.3, num_splits=2), want,
+                               atol=TOL["float32"], rtol=TOL["float32"])
+    # the rounding is the reference's: ties half up, and it shows in the output
+    codes = (qr.round_query(q) * 127 / 2.375).round()
+    assert (codes[q == 1.1875] == 64).all() and (codes[q == -1.1875] == -63).all()
+    plain = ref.paged_decode_attention(q, ref.dequantized_context(cache, tables, sl)[0],
+                                       ref.dequantized_context(cache, tables, sl)[1], sl, 0.3)
+    assert (want - plain).abs().max() > 1e-4
 
 
 def test_decode_bad_tile_is_a_value_error():

@@ -152,3 +152,25 @@ def test_prefill_reads_partial_int4_blocks_from_tail_rows(name, head_dim):
     plain = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.25)
     moved = [bool((want[a:b] - plain[a:b]).abs().max() > 1e-2) for a, b in zip(qsl[:-1].tolist(), qsl[1:].tolist())]
     assert moved == [True, False, False, True]
+
+
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64: full blocks through the decode loop
+def test_prefill_int4r_rounds_queries_as_the_reference_ties_included(head_dim):
+    """The chunk's rows rounded to int8 as quant_reference.round_query rounds them, ties (a channel at
+    half its row's largest magnitude) half up, as in the decode kernel (tests/test_kernels_decode.py)."""
+    from tests.test_kernels_decode import _tie_queries
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
+    ctx, qlens = [45, 19, 32], [21, 19, 4]
+    cache = allocate_cache(KVFormat("int4r"), lay, 8, DEV)
+    g = torch.Generator().manual_seed(8)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 0]], dtype=torch.int32, device=DEV)
+    for i, n in enumerate(ctx):
+        kv = torch.randn(2, n, 2, head_dim, generator=g).to(DEV)
+        blocks = tables[i, : lay.num_blocks_for(n)].tolist()
+        ref.write_kv_cache(kv[0], kv[1], cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = _tie_queries((int(qsl[-1]), 4, head_dim), seed=9).to(DEV)
+    sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.3)
+    torch.testing.assert_close(paged_prefill_attention(q, cache, tables, sl, qsl, 0.3), want, atol=2e-5, rtol=2e-5)

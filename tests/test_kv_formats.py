@@ -266,6 +266,22 @@ def test_int4r_stores_every_key_per_token_within_half_a_step():
     assert torch.allclose(pair, torch.stack(((k[0, 0].max() - k[0, 0].min()) / 15, k[0, 0].min())), rtol=2e-3)
 
 
+def test_round_query_rounds_rows_to_int8_half_up():
+    """INT4R's queries (quant_reference.round_query): per row, codes of max |q| / 127, ties half up
+    (2.375 / 2 is 63.5 steps, which 2.375 / 2 * (127 / 2.375) in fp32 misses by an ulp), within half
+    a step, zero rows zero, and rounding twice changes nothing."""
+    q = torch.tensor([[2.375, 1.1875, -1.1875, 0.59375, -2.0], [0.0] * 5])
+    got = qr.round_query(q)
+    step = 2.375 / 127
+    assert (got[0] / step).round().tolist() == [127, 64, -63, 32, -107]
+    assert torch.equal(got[1], torch.zeros(5)) and got.dtype == torch.float32
+    x = torch.randn(6, 3, 64, dtype=torch.bfloat16)
+    r = qr.round_query(x)
+    amax = x.float().abs().amax(-1, keepdim=True)
+    assert ((r - x.float()).abs() <= amax / 254 * (1 + 1e-5)).all()
+    assert torch.equal(qr.round_query(r), r)
+
+
 def test_int4r_tier_conversion_rotates_keys_back():
     """Blocks converted from INT4R to another format (a tier's) hold the keys, not their rotation;
     and back, the rotation again."""

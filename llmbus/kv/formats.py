@@ -28,8 +28,10 @@ Four formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N`` 
   unchanged when the query is rotated the same way (``q . k = q Hd . k Hd``): the attention
   backends rotate queries and keys on the way in, so everything that reads the cache sees
   rotated keys. With per-token scales a decode kernel applies them to a tile's scores and
-  probabilities, as INT8's, instead of to every code. Tail rows as INT4's (holding rotated keys).
-  ``head_dim`` must be a power of two.
+  probabilities, as INT8's, instead of to every code. Attention over an INT4R cache meets it
+  with each query row (token, head) rounded to int8, symmetrically (step ``max |q| / 127``;
+  ``kernels.quant_reference.round_query``): the kernels' key dots are integer ones. Tail rows as
+  INT4's (holding rotated keys). ``head_dim`` must be a power of two.
 
 NOTE: whether an INT4 block is full is not stored: a reader knows it from the sequence length
 (block ``j`` of a sequence of ``L`` tokens is full iff ``(j + 1) * bs <= L``), and the writer
