@@ -475,18 +475,28 @@ def swap_last(x):
 
 
 @triton.jit
+def load_rows(ptr, valid, MASKED: tl.constexpr):
+    """``tl.load(ptr)``, 0 where not ``valid`` (broadcast to ``ptr``'s shape) when MASKED."""
+    if MASKED:
+        x = tl.load(ptr, mask=valid, other=0)
+    else:
+        x = tl.load(ptr)
+    return x
+
+
+@triton.jit
 def token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
-                s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh):
+                s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED: tl.constexpr = True):
     """INT4R tokens (block ids ``blk``, offsets ``off``, where ``valid``; any shape ``S``) of KV head
     ``h``: their key bytes ``[*S, D/2]`` (``kc``: the byte indices), value lanes ``[*S, D/4]`` (``vc``:
     the lane indices; both ``[*S, n]``-broadcastable), and their keys' and values' (scale, min) as
-    fp32 ``[*S]``."""
+    fp32 ``[*S]``. Without MASKED every token is read (``valid`` unused)."""
     row = blk * s_dn + off * s_db + h * s_dh  # in bytes
-    kb = tl.load(kbytes + last_dim(row) + kc, mask=last_dim(valid), other=0)
+    kb = load_rows(kbytes + last_dim(row) + kc, last_dim(valid), MASKED)
     # NOTE: >> 1, not // 2, on these non-negative offsets: a signed division costs a correction
-    vx = tl.load(lanes + last_dim((s_dc + row) >> 1) + vc, mask=last_dim(valid), other=0)
-    ks, km = half_pair(tl.load(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), mask=valid, other=0))
-    vs, vm = half_pair(tl.load(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), mask=valid, other=0))
+    vx = load_rows(lanes + last_dim((s_dc + row) >> 1) + vc, last_dim(valid), MASKED)
+    ks, km = half_pair(load_rows(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), valid, MASKED))
+    vs, vm = half_pair(load_rows(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), valid, MASKED))
     return kb, vx, ks, km, vs, vm
 
 
@@ -602,27 +612,55 @@ def int4_tokens_loop(
     cs = step * qk_scale  # a score unit in the exponent's (log2) units, per row
     a0, a1, a2, a3 = class_accumulators(R, D)
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
-    kbytes = data_ptr.to(tl.pointer_type(tl.int8))
-    lanes = data_ptr.to(tl.pointer_type(tl.int16))
-    kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
-    vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
+    ptrs = (data_ptr.to(tl.pointer_type(tl.int8)), data_ptr.to(tl.pointer_type(tl.int16)),
+            kmeta_ptr.to(tl.pointer_type(tl.int32)), vmeta_ptr.to(tl.pointer_type(tl.int32)))
+    strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     t = tl.arange(0, TILE)
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
     blk_n = next_blocks(table, start, end, t, BS)
-    for s in range(start, end, TILE):
-        valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        kb, vx, ks, km, vs, vm = token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
-                                             s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-        x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
-        x = tl.where(row_mask(s + t, valid, qpos, CAUSAL), x, float("-inf"))
-        # NOTE: softmax_step's, with each row's unit folded into the exponent's one multiply-add
-        m_new = tl.maximum(m_i, tl.max(x, axis=1) * cs)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(x * cs[:, None] - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC)
-        m_i = m_new
+    if CAUSAL:
+        for s in range(start, end, TILE):
+            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
+                s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
+    else:
+        # NOTE: a decode's tiles are whole but its split's last: they read and score every token
+        # unmasked (the masks and selects were a tenth of the loop's instructions), the last one
+        # masked, once
+        whole = start + (end - start) // TILE * TILE
+        for s in range(start, whole, TILE):
+            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
+                s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False)
+        if whole < end:
+            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
+                whole, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
+
+
+@triton.jit
+def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+                     m_i, l_i, a0, a1, a2, a3, b,
+                     TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                     ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of ``int4_tokens_loop`` (tokens ``s + t``): the next tile's block ids and the
+    updated state. Without MASKED every token of the tile is below ``end``."""
+    kbytes, lanes, kwords, vwords = ptrs
+    s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh = strides
+    valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
+    kb, vx, ks, km, vs, vm = token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
+                                         s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED)
+    x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
+    if MASKED:
+        x = tl.where(row_mask(s + t, valid, qpos, CAUSAL), x, float("-inf"))
+    # NOTE: softmax_step's, with each row's unit folded into the exponent's one multiply-add
+    m_new = tl.maximum(m_i, tl.max(x, axis=1) * cs)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(x * cs[:, None] - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC)
+    return blk_n, m_new, l_i, a0, a1, a2, a3, b
 
 
 @triton.jit

@@ -34,7 +34,7 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # default now takes 75.8 KB of shared memory a program, so 12 warps an SM; to be re-swept.
 # int4r: not yet measured on a GPU (2026-12-01); the launch with the highest static bound
 # (scripts/kernel_cost.py: 128-token tiles, 153 registers uncapped) until the sweep runs.
-CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128), "int4r": (128, 4, 3, 168)}
+CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128), "int4r": (128, 4, 3, 128)}
 # What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
 # launch that would take more gets fewer stages (``pipeline_stages``).
 STAGE_BUDGET = 160 * 1024
