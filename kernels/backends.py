@@ -84,14 +84,14 @@ class TorchPagedAttentionBackend(_PagedBackend):
         return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
 
 
-def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale) -> torch.Tensor:
+def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Prefill chunks over an fp32 context ``kv [2, n, bs, Hkv, D]`` with ``tables`` into it as
     ``reference.dequantized_context`` returns them (row i: consecutive ids), each by torch's SDPA in
-    fp32: chunk i's queries ``q[qsl[i]:qsl[i+1]]`` end at position ``seq_lens[i]``. NOTE: each chunk
-    sees its context cut at ``seq_lens[i]``: slots past a sequence's end may decode to inf/NaN, which
-    SDPA would spread even from masked positions."""
+    fp32: chunk i's queries ``q[qsl[i]:qsl[i+1]]`` end at position ``seq_lens[i]``; the output in
+    ``out_dtype`` (default ``q``'s). NOTE: each chunk sees its context cut at ``seq_lens[i]``: slots
+    past a sequence's end may decode to inf/NaN, which SDPA would spread even from masked positions."""
     bs, hq, hkv = kv.shape[2], q.shape[1], kv.shape[3]
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype)
     for i, (q0, q1, ctx) in enumerate(zip(qsl[:-1].tolist(), qsl[1:].tolist(), seq_lens.tolist())):
         if q1 == q0:
             continue
@@ -105,7 +105,7 @@ def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale) -> torch.Tensor:
             allowed = torch.arange(ctx)[None, :] <= torch.arange(ctx - (q1 - q0), ctx)[:, None]
             res = F.scaled_dot_product_attention(qc, ctx_kv[0][None], ctx_kv[1][None], attn_mask=allowed, scale=scale,
                                                  enable_gqa=hq != hkv)
-        out[q0:q1] = res[0].transpose(0, 1).to(q.dtype)
+        out[q0:q1] = res[0].transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -165,17 +165,20 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
         qsl = qsl.to(torch.int32)
-        q = reference.cache_query(q, cache).to(q.dtype)
-        if q.dtype == torch.bfloat16 and cpu_native.available() and cpu_native.prefill_supports(
-                q.dtype, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size):
+        # NOTE: INT4R's rounded query (fp32) goes to SDPA as it is; the C kernel takes it in bf16,
+        # as it takes the context (a bf16 rounding of each, within the model dtype's tolerance)
+        q, dtype = reference.cache_query(q, cache), q.dtype
+        if dtype == torch.bfloat16 and cpu_native.available() and cpu_native.prefill_supports(
+                dtype, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size):
             # the C prefill kernel reads bf16 (as the GPU kernels round the context to fp16)
+            q = q.to(dtype)
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
-            out = torch.empty(q.shape, dtype=q.dtype)
+            out = torch.empty(q.shape, dtype=dtype)
             cpu_native.prefill_into(out, q, kv.to(torch.bfloat16), tables, qsl[:-1].contiguous(),
                                     (qsl[1:] - qsl[:-1]).contiguous(), seq_lens.to(torch.int32).contiguous(), scale)
             return out
-        return _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale)
+        return _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale, dtype)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):

@@ -2,9 +2,10 @@
 (decode's, which prefill runs too with a causal mask per row).
 
 Bandwidth is the point here, so the quantized paths never gather metadata per element and never
-convert integers with conversion instructions (a quarter of the FP32 rate on recent GPUs, which
+convert codes with conversion instructions (a quarter of the FP32 rate on recent GPUs, which
 capped INT8 decode near a quarter of peak bandwidth): ``codes_f16`` builds the fp16 value of a
 code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for codes below 1024).
+(INT4R's integer key dots convert their int32 scores, a tile's ``[R, TILE]``, not its codes.)
 
 - INT8 feeds its codes (exact in fp16) straight into the dot and applies the per-token scales to
   the ``[G, TILE]`` scores and probabilities instead of the ``[TILE, D]`` tiles. From 64 channels
@@ -37,8 +38,8 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   codes are read as bytes and split by channel parity into int8 codes (three instructions a word,
   where fp16 codes take nine), two ``mma`` s8 dots of ``D/2`` channels each (IMMA, twice HMMA's
   rate). The one conversion is of the int32 scores, ``[R, TILE]``, not of the codes. Its values
-  take INT4's lanes. Compiled for sm_90 this took the 128-token loop from 837 instructions to
-  724 (``scripts/kernel_cost.py``).
+  take INT4's lanes. A decode's whole tiles go unmasked (``int4_tokens_tile``). Compiled for
+  sm_90 the two took the 128-token loop from 837 instructions to 658 (``scripts/kernel_cost.py``).
 - The quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
   codes take their addresses from its ids; loaded in the same iteration, the ids left Triton's
   pipeliner one shared-memory buffer a load whatever ``num_stages`` said, and each tile's copy was
@@ -520,18 +521,18 @@ def byte_codes(x, ASM: tl.constexpr):
 @triton.jit
 def int8_codes(x, amax):
     """Rows ``x [R, n]`` (fp32) rounded to int8 steps of ``amax / 127`` (``amax [R]``: the rows'
-    largest magnitudes), as fp32 (``kernels.quant_reference.round_query``). NOTE: ``x * 127 / amax``
-    correctly rounded, not ``x * (127 / amax)``: a half-precision row's channel at half its largest
-    magnitude lands on a tie (63.5), where an ulp of the reciprocal, or a fused multiply-add, would
-    decide the rounding."""
-    a = tl.broadcast_to(tl.maximum(amax, 1e-30)[:, None], x.shape)
+    largest magnitudes, at least 127e-30), as fp32 (``kernels.quant_reference.round_query``). NOTE:
+    ``x * 127 / amax`` correctly rounded, not ``x * (127 / amax)``: a half-precision row's channel at
+    half its largest magnitude lands on a tie (63.5), where an ulp of the reciprocal, or a fused
+    multiply-add, would decide the rounding."""
+    a = tl.broadcast_to(tl.maximum(amax, 127e-30)[:, None], x.shape)
     return tl.floor(tl.math.div_rn(x * 127.0, a) + 0.5)
 
 
 @triton.jit
 def int8_step(amax):
     """The step of ``int8_codes`` (correctly rounded; 1e-30 for an all-zero row)."""
-    return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1e-30)
+    return tl.math.div_rn(tl.maximum(amax, 127e-30), tl.full(amax.shape, 127.0, tl.float32))
 
 
 @triton.jit
@@ -609,7 +610,7 @@ def int4_tokens_loop(
     kc = tl.arange(0, D // 2)[None, :]
     vc = tl.arange(0, D // 4)[None, :]
     qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
-    cs = step * qk_scale  # a score unit in the exponent's (log2) units, per row
+    cs = tl.maximum(step * qk_scale, 1e-30)  # a score unit in the exponent's (log2) units, per row (> 0)
     a0, a1, a2, a3 = class_accumulators(R, D)
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
     ptrs = (data_ptr.to(tl.pointer_type(tl.int8)), data_ptr.to(tl.pointer_type(tl.int16)),
@@ -627,7 +628,7 @@ def int4_tokens_loop(
         # NOTE: a decode's tiles are whole but its split's last: they read and score every token
         # unmasked (the masks and selects were a tenth of the loop's instructions), the last one
         # masked, once
-        whole = start + (end - start) // TILE * TILE
+        whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
         for s in range(start, whole, TILE):
             blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
@@ -684,7 +685,7 @@ def int4_tokens_warp_loop(
     kc = tl.arange(0, D // 2)[None, None, :]
     vc = tl.arange(0, D // 4)[None, None, :]
     qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
-    cs = (step * qk_scale)[None, :]
+    cs = tl.maximum(step * qk_scale, 1e-30)[None, :]
     qe = tl.broadcast_to(qe[None, :, :], [NW, R, D // 2])
     qo = tl.broadcast_to(qo[None, :, :], [NW, R, D // 2])
     zero = tl.zeros([NW, R, D // 4], tl.float32)

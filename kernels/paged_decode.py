@@ -32,8 +32,9 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # the lane loop only, see register_cap) doubled the warps an SM holds (8 -> 16). NOTE: measured
 # before the quantized loops double-buffered their codes (decode_tiles.next_blocks): int8's
 # default now takes 75.8 KB of shared memory a program, so 12 warps an SM; to be re-swept.
-# int4r: not yet measured on a GPU (2026-12-01); the launch with the highest static bound
-# (scripts/kernel_cost.py: 128-token tiles, 153 registers uncapped) until the sweep runs.
+# int4r: not yet measured on a GPU (2026-12-01): 128-token tiles, whose static bound is the highest
+# of the 4-warp launches (scripts/kernel_cost.py), capped at 128 registers (its loop does not spill;
+# 151 uncapped) so an SM holds 16 warps, until the sweep runs.
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128), "int4r": (128, 4, 3, 128)}
 # What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
 # launch that would take more gets fewer stages (``pipeline_stages``).
@@ -48,9 +49,12 @@ STAGE_BUDGET = 160 * 1024
 HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
 # NOTE: LLMBUS_TRITON_WARP_TILES=1 runs INT4R decode through decode_tiles.int4_tokens_warp_loop (each
 # warp its own softmax over its share of a tile), where a warp's share is at least 16 tokens: less
-# shared-memory traffic, as many instructions (scripts/kernel_cost.py); untested on a GPU as of
-# 2026-12-01, so off by default (bench_gpu's sweep times it beside the default).
+# shared-memory traffic, more instructions (scripts/kernel_cost.py: 749 against 658); untested on a
+# GPU as of 2026-12-01, so off by default (bench_gpu's sweep times it beside the default).
 WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "0") == "1"
+# the per-warp loop's default register cap: its accumulators are a warp's each, and at INT4R's
+# default cap (128) it spilled inside its loop (scripts/kernel_cost.py: 22 local loads and stores)
+WARP_TILES_REGS = 168
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
 
 
@@ -232,12 +236,15 @@ def int4_lanes(cache) -> bool:
             and vm.stride(4) == 1 and vm.stride(3) == 2)
 
 
-def register_cap(cache, max_registers: int | None = None) -> int:
+def register_cap(cache, max_registers: int | None = None, warp_tiles: bool = False) -> int:
     """The CUDA launch's registers per thread (0: no cap): ``max_registers``, else the format's
-    default where its fast loop runs. INT4's cap is for its lane loop: on the generic one (head_dim
-    16) it raised the registers used, from 72 to 114."""
+    default where its fast loop runs (INT4R's per-warp loop, ``warp_tiles``: ``WARP_TILES_REGS``).
+    INT4's cap is for its lane loop: on the generic one (head_dim 16) it raised the registers
+    used, from 72 to 114."""
     if max_registers is not None:
         return max_registers
+    if warp_tiles:
+        return WARP_TILES_REGS
     fast = not cache.fmt.int4_codes or int4_lanes(cache)
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
@@ -495,7 +502,7 @@ def decode_launch(
     meta["WARP_TILES"] = (cache.fmt.name == "int4r" and meta["LANES"] and tile // meta["NW"] >= 16
                           and (WARP_TILES if warp_tiles is None else warp_tiles))
     meta["HEADS_FIRST"] = grid_order(b, heads_first)
-    if query.is_cuda and (regs := register_cap(cache, max_registers)):
+    if query.is_cuda and (regs := register_cap(cache, max_registers, meta["WARP_TILES"])):
         meta["maxnreg"] = regs
     launch = DecodeLaunch(num_splits or 1, meta, None, ptrs, strides)
     if num_splits is None and query.device.type == "cuda" and b:

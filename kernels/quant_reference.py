@@ -126,8 +126,8 @@ def round_query(q: torch.Tensor) -> torch.Tensor:
     rows, comes out the same everywhere); the rounding adds at most amax / 254 a channel, little
     beside INT4 keys' error."""
     x = q.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    return _round((x * INT8_MAX) / amax.clamp_min(1e-30)) * (amax / INT8_MAX).clamp_min(1e-30)
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(INT8_MAX * 1e-30)  # an all-zero row: step 1e-30
+    return _round((x * INT8_MAX) / amax) * (amax / INT8_MAX)
 
 
 # -- nibble packing ------------------------------------------------------------------------------

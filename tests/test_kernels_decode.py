@@ -196,6 +196,17 @@ def test_decode_int4_lanes_rows_in_warp_order(bs, tile, num_warps):
            tile=tile, num_warps=num_warps)
 
 
+def test_int4r_per_warp_loop_takes_its_own_register_cap():
+    """At INT4R's default cap the per-warp loop spilled inside its loop (scripts/kernel_cost.py)."""
+    from kernels.paged_decode import CUDA_LAUNCH, WARP_TILES_REGS, register_cap
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    cache = allocate_cache(KVFormat("int4r"), lay, 2, DEV)
+    assert register_cap(cache) == CUDA_LAUNCH["int4r"][3] != WARP_TILES_REGS
+    assert register_cap(cache, warp_tiles=True) == WARP_TILES_REGS
+    assert register_cap(cache, 0, warp_tiles=True) == 0
+
+
 def test_pipeline_stages_keep_buffered_tiles_within_budget():
     """The pipeliner buffers ``stages - 1`` tiles of codes: launches whose tiles would pass the
     budget get fewer stages, never under two (one buffer)."""
@@ -395,10 +406,12 @@ def _tie_queries(shape, seed):
     return q
 
 
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim):
+@pytest.mark.parametrize("head_dim,launch", [(32, {}), (64, {}), (64, dict(tile=32)),
+                                             (64, dict(tile=64, num_warps=4, warp_tiles=True))])
+def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim, launch):
     """INT4R attends with its queries rounded to int8 per row (quant_reference.round_query), through
-    the fast loop (head_dim 64) and the generic tile load (32): ties go half up in both."""
+    the fast loop (head_dim 64: whole tiles, and at tile 32 a masked last one; a softmax a warp) and
+    the generic tile load (32): ties go half up in all."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
     lens = [37, 16, 50]
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 3
@@ -408,7 +421,7 @@ def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim):
     assert ((q == 1.1875).sum() > 20) and int4_lanes(cache) == (head_dim == 64)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     want = ref.paged_decode_attention_cache(q, cache, tables, sl, 0.3)
-    torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.3, num_splits=2), want,
+    torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.3, num_splits=2, **launch), want,
                                atol=TOL["float32"], rtol=TOL["float32"])
     # the rounding is the reference's: ties half up, and it shows in the output
     codes = (qr.round_query(q) * 127 / 2.375).round()
