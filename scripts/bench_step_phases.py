@@ -23,6 +23,7 @@ from llmbus.engine import sampler as sampler_module
 from llmbus.engine import scheduler as scheduler_module
 from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
+from llmbus.kv.formats import KV_FORMATS
 from llmbus.model import llama
 from llmbus.model.demo import ensure_demo_model
 
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=100, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, one after another (contexts grow)")
-    ap.add_argument("--kv-format", default="model", choices=["model", "int8", "int4"])
+    ap.add_argument("--kv-format", default="model", choices=KV_FORMATS)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model_dir = args.model_dir or ensure_demo_model(args.demo)
