@@ -486,6 +486,14 @@ def load_rows(ptr, valid, MASKED: tl.constexpr):
 
 
 @triton.jit
+def token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr):
+    """An INT4R cache's pointers as ``token_codes`` reads them: the data as bytes (keys) and 16-bit
+    lanes (values), the metadata as 32-bit (scale, min) words."""
+    return (data_ptr.to(tl.pointer_type(tl.int8)), data_ptr.to(tl.pointer_type(tl.int16)),
+            kmeta_ptr.to(tl.pointer_type(tl.int32)), vmeta_ptr.to(tl.pointer_type(tl.int32)))
+
+
+@triton.jit
 def token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
                 s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED: tl.constexpr = True):
     """INT4R tokens (block ids ``blk``, offsets ``off``, where ``valid``; any shape ``S``) of KV head
@@ -542,6 +550,19 @@ def int8_rows(q):
     x = q.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     return int8_codes(x, amax), int8_step(amax)
+
+
+@triton.jit
+def tile_query(q, qk_scale, FMT: tl.constexpr, DOT: tl.constexpr):
+    """Query rows ``[R, D]`` as the kernels' whole-tile loads (``kv_tile.load_kv_tile``) meet them, in
+    ``DOT``, and the scale of their scores (``[R, 1]`` or a scalar): INT4R's rounded to int8 as
+    ``int4_tokens_loop`` rounds them (the codes, each row's step joining ``qk_scale``), others as
+    they are."""
+    scale = qk_scale
+    if FMT == 3:
+        q, step = int8_rows(q)
+        scale = (step * qk_scale)[:, None]
+    return q.to(DOT), scale
 
 
 @triton.jit
@@ -613,8 +634,7 @@ def int4_tokens_loop(
     cs = tl.maximum(step * qk_scale, 1e-30)  # a score unit in the exponent's (log2) units, per row (> 0)
     a0, a1, a2, a3 = class_accumulators(R, D)
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
-    ptrs = (data_ptr.to(tl.pointer_type(tl.int8)), data_ptr.to(tl.pointer_type(tl.int16)),
-            kmeta_ptr.to(tl.pointer_type(tl.int32)), vmeta_ptr.to(tl.pointer_type(tl.int32)))
+    ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     t = tl.arange(0, TILE)
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
@@ -693,10 +713,7 @@ def int4_tokens_warp_loop(
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
     lw = tl.zeros([NW, R], tl.float32)
     bw = tl.zeros([NW, R], tl.float32)
-    kbytes = data_ptr.to(tl.pointer_type(tl.int8))
-    lanes = data_ptr.to(tl.pointer_type(tl.int16))
-    kwords = kmeta_ptr.to(tl.pointer_type(tl.int32))
-    vwords = vmeta_ptr.to(tl.pointer_type(tl.int32))
+    kbytes, lanes, kwords, vwords = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
     blk_n = next_blocks(table, start, end, t, BS)
     for s in range(start, end, TILE):

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_tiles import (attend_tile, int4_lanes_loop, int4_tokens_loop, int4_tokens_warp_loop, int8_tile,
-                                  int8_rows, int8_words_loop)
+                                  int8_words_loop, tile_query)
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -104,13 +104,8 @@ def paged_decode_kernel(
     gmask = g < G
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + c[None, :], mask=gmask[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634
-    tile_scale = qk_scale  # the scores' scale where a whole tile is loaded (load_kv_tile)
-    if FMT == 3:
-        # INT4R attends with its queries rounded to int8 (decode_tiles.int4_tokens_loop's integer
-        # dots); loaded tiles dot the codes, each row's step joining its scale
-        q, step = int8_rows(q)
-        tile_scale = (step * qk_scale)[:, None]
-    q = q.to(DOT)
+    # NOTE: INT4R attends with its queries rounded to int8, whole-tile loads too
+    q, tile_scale = tile_query(q, qk_scale, FMT, DOT)
     m_i = tl.full([GP], -1.0e30, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)

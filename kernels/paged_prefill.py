@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_rows, int8_words_loop
+from kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_words_loop, tile_query
 from kernels.kv_tile import load_kv_tile, softmax_step, tile_args
 from kernels.paged_decode import code_args, pipeline_stages, tile_size
 
@@ -81,11 +81,7 @@ def paged_prefill_kernel(
     tok = (q0 + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * s_qt + hq * s_qh + c[None, :], mask=rmask[:, None], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634
-    tile_scale = qk_scale  # generic_tile's
-    if FMT == 3:  # INT4R: as paged_decode_kernel's
-        q, step = int8_rows(q)
-        tile_scale = (step * qk_scale)[:, None]
-    q = q.to(DOT)
+    q, tile_scale = tile_query(q, qk_scale, FMT, DOT)  # generic_tile's (INT4R's rounded to int8)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
