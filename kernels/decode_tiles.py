@@ -157,16 +157,16 @@ def word_codes(w, SHIFT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def scale_at(scale_ptr, idx, valid):
-    """``scale_ptr[idx]`` as fp32 (0 where not ``valid``). NOTE: an fp16 scale comes out of the
+def scale_at(scale_ptr, idx, valid, MASKED: tl.constexpr = True):
+    """``scale_ptr[idx]`` as fp32 (0 where not ``valid``; without MASKED every index is read). NOTE: an fp16 scale comes out of the
     32-bit word that holds it and a neighbour (the scales must be word-aligned): Triton pipelines no
     load narrower than 4 bytes (cp.async), and a 16-bit one left in the loop waits out global
     memory's latency every iteration."""
     if scale_ptr.dtype.element_ty == tl.float16:
-        w = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + (idx >> 1), mask=valid, other=0)
+        w = load_rows(scale_ptr.to(tl.pointer_type(tl.int32)) + (idx >> 1), valid, MASKED)
         x = (w >> ((idx & 1).to(tl.int32) << 4)).to(tl.int16).to(tl.float16, bitcast=True)
     else:
-        x = tl.load(scale_ptr + idx, mask=valid, other=0.0)
+        x = load_rows(scale_ptr + idx, valid, MASKED)
     return x.to(tl.float32)
 
 
@@ -245,35 +245,64 @@ def int8_words_loop(
     """INT8 attention over positions ``[start, end)`` by channel class (module docstring), from the
     initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns
     ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
-    j = tl.arange(0, D // 4)
-    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
+    j = tl.arange(0, D // 4)[None, :]
+    qs = class_queries(q_ptr, qrows, rmask, D, DOT)
     a0, a1, a2, a3 = class_accumulators(GP, D)
     words = data_ptr.to(tl.pointer_type(tl.int32))
+    strides = (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh)
     t = tl.arange(0, TILE)
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
     blk_n = next_blocks(table, start, end, t, BS)
-    for s in range(start, end, TILE):
-        valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        row = blk * s_dn + off * s_db + h * s_dh
-        wrow = (row // 4)[:, None] + j[None, :]
-        kw = tl.load(words + wrow, mask=valid[:, None], other=0)
-        vw = tl.load(words + s_dc // 4 + wrow, mask=valid[:, None], other=0)
-        srow = blk * s_sn + off * s_sb + h * s_sh
-        ks = compact(scale_at(scale_ptr, srow, valid))
-        vs = compact(scale_at(scale_ptr, s_sc + srow, valid))
-        scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM).to(DOT)), input_precision=PREC)
-        scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM).to(DOT)), scores, input_precision=PREC)
-        scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
-        scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM).to(DOT)), scores, input_precision=PREC)
-        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores * (ks * qk_scale)[None, :], float("-inf"))
-        m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
-        p = (p * vs[None, :]).to(DOT)
-        a0 = a0 * alpha[:, None] + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
-        a1 = a1 * alpha[:, None] + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)
-        a2 = a2 * alpha[:, None] + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
-        a3 = a3 * alpha[:, None] + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
-        m_i = m_new
+    if CAUSAL:
+        for s in range(start, end, TILE):
+            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
+                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
+    else:
+        # NOTE: as int4_tokens_loop's: whole tiles unmasked, the split's last one masked, once
+        whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
+        for s in range(start, whole, TILE):
+            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
+                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, False)
+        if whole < end:
+            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
+                whole, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
     return m_i, l_i, join_classes(a0, a1, a2, a3)
+
+
+@triton.jit
+def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
+                    m_i, l_i, a0, a1, a2, a3,
+                    TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                    ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of ``int8_words_loop`` (tokens ``s + t``): the next tile's block ids and the updated
+    state. Without MASKED every token of the tile is below ``end``."""
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh = strides
+    q0, q1, q2, q3 = qs
+    valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
+    # NOTE: >> 2, not // 4, on these non-negative offsets: a signed division costs a correction
+    wrow = last_dim((blk * s_dn + off * s_db + h * s_dh) >> 2) + j
+    kw = load_rows(words + wrow, last_dim(valid), MASKED)
+    vw = load_rows(words + (s_dc >> 2) + wrow, last_dim(valid), MASKED)
+    srow = blk * s_sn + off * s_sb + h * s_sh
+    ks = compact(scale_at(scale_ptr, srow, valid, MASKED))
+    vs = compact(scale_at(scale_ptr, s_sc + srow, valid, MASKED))
+    scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM).to(DOT)), input_precision=PREC)
+    scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM).to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM).to(DOT)), scores, input_precision=PREC)
+    scores = scores * (ks * qk_scale)[None, :]
+    if MASKED:
+        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores, float("-inf"))
+    m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
+    p = (p * vs[None, :]).to(DOT)
+    a0 = a0 * alpha[:, None] + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
+    a1 = a1 * alpha[:, None] + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)
+    a2 = a2 * alpha[:, None] + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
+    a3 = a3 * alpha[:, None] + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
+    return blk_n, m_new, l_i, a0, a1, a2, a3
 
 
 @triton.jit
@@ -569,13 +598,13 @@ def tile_query(q, qk_scale, FMT: tl.constexpr, DOT: tl.constexpr):
 def query_bytes(q_ptr, qrows, rmask, D: tl.constexpr):
     """The query rows (``q_ptr + qrows``, where ``rmask``) rounded to int8 (``int8_rows``): their
     even and their odd channels (``[R, D/2]`` int8 each), each row's step, and the sum of its codes."""
-    qrow = q_ptr + qrows[:, None] + 2 * tl.arange(0, D // 2)[None, :]
-    qe = tl.load(qrow, mask=rmask[:, None], other=0.0).to(tl.float32)
-    qo = tl.load(qrow + 1, mask=rmask[:, None], other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(qe), axis=1), tl.max(tl.abs(qo), axis=1))
-    qe = int8_codes(qe, amax)
-    qo = int8_codes(qo, amax)
-    return qe.to(tl.int8), qo.to(tl.int8), int8_step(amax), tl.sum(qe + qo, axis=1)
+    # NOTE: whole rows, split by channel parity in registers: two strided loads of the parities
+    # gave the rows a column-major layout, which Triton 3.6 then fed the key dots byte by byte
+    x = tl.load(q_ptr + qrows[:, None] + tl.arange(0, D)[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    codes = int8_codes(x, amax)
+    qe, qo = tl.split(tl.reshape(codes, [codes.shape[0], D // 2, 2]))
+    return qe.to(tl.int8), qo.to(tl.int8), int8_step(amax), tl.sum(codes, axis=1)
 
 
 @triton.jit
