@@ -181,11 +181,14 @@ def half_pair(w):
 @triton.jit
 def row_mask(pos, valid, qpos, CAUSAL: tl.constexpr):
     """Which of a tile's positions ``pos`` [TILE] (loaded where ``valid``) each row attends to:
-    all valid ones (decode), or (CAUSAL: prefill) those up to the row's own position ``qpos`` [R]."""
+    all valid ones (decode), or (CAUSAL: prefill) those up to the row's own position ``qpos`` [R].
+    ``[R, TILE]``; for a tile split between warps (``pos``, ``valid`` [NW, TILE / NW]),
+    ``[NW, R, TILE / NW]``."""
+    rows: tl.constexpr = len(pos.shape) - 1
+    allowed = tl.expand_dims(valid, rows)
     if CAUSAL:
-        return valid[None, :] & (pos[None, :] <= qpos[:, None])
-    else:
-        return valid[None, :]
+        allowed = allowed & (tl.expand_dims(pos, rows) <= last_dim(qpos))
+    return allowed
 
 
 @triton.jit
@@ -665,7 +668,19 @@ def int4_tokens_loop(
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
     ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-    t = tl.arange(0, TILE)
+    m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tiles(
+        start, end, tl.arange(0, TILE), table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+        m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL)
+    return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
+
+
+@triton.jit
+def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+                      m_i, l_i, a0, a1, a2, a3, b,
+                      TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                      ASM: tl.constexpr, CAUSAL: tl.constexpr):
+    """``int4_tokens_tile`` over the tiles of ``[start, end)`` (``t``: a tile's token offsets,
+    ``[TILE]`` or split between warps ``[NW, TILE / NW]``); returns the state."""
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
     blk_n = next_blocks(table, start, end, t, BS)
     if CAUSAL:
@@ -686,7 +701,7 @@ def int4_tokens_loop(
             blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 whole, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
                 m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
-    return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
+    return m_i, l_i, a0, a1, a2, a3, b
 
 
 @triton.jit
@@ -705,10 +720,11 @@ def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, 
     if MASKED:
         x = tl.where(row_mask(s + t, valid, qpos, CAUSAL), x, float("-inf"))
     # NOTE: softmax_step's, with each row's unit folded into the exponent's one multiply-add
-    m_new = tl.maximum(m_i, tl.max(x, axis=1) * cs)
+    last: tl.constexpr = len(x.shape) - 1
+    m_new = tl.maximum(m_i, tl.max(x, axis=last) * cs)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(x * cs[:, None] - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = tl.exp2(x * last_dim(cs) - last_dim(m_new))
+    l_i = l_i * alpha + tl.sum(p, axis=last)
     a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC)
     return blk_n, m_new, l_i, a0, a1, a2, a3, b
 
@@ -742,24 +758,12 @@ def int4_tokens_warp_loop(
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
     lw = tl.zeros([NW, R], tl.float32)
     bw = tl.zeros([NW, R], tl.float32)
-    kbytes, lanes, kwords, vwords = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
+    ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
+    strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
-    blk_n = next_blocks(table, start, end, t, BS)
-    for s in range(start, end, TILE):
-        valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-        kb, vx, ks, km, vs, vm = token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
-                                             s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-        x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
-        allowed = valid[:, None, :]
-        if CAUSAL:
-            allowed = allowed & ((s + t)[:, None, :] <= qpos[None, :, None])
-        x = tl.where(allowed, x, float("-inf"))
-        m_new = tl.maximum(mw, tl.max(x, axis=2) * cs)
-        alpha = tl.exp2(mw - m_new)
-        p = tl.exp2(x * cs[:, :, None] - m_new[:, :, None])
-        lw = lw * alpha + tl.sum(p, axis=2)
-        a0, a1, a2, a3, bw = class_values(p, vx, vs, vm, a0, a1, a2, a3, bw, alpha, ASM, DOT, PREC)
-        mw = m_new
+    mw, lw, a0, a1, a2, a3, bw = int4_tokens_tiles(
+        start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
+        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, CAUSAL)
     # the warps' states merged, with the one passed in (whose accumulator is zero)
     m_out = tl.maximum(m_i, tl.max(mw, axis=0))
     f = tl.exp2(mw - m_out[None, :])  # [NW, R]
