@@ -60,9 +60,10 @@ SWEEP = {
              (128, 4, 4, 128)],
     "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
     # int4r (2026-12-01, not yet run on a GPU): kernel_cost's static bound rises with 128-token tiles;
-    # capped at 128 registers an SM holds 16 warps, not 12, its loop unspilled. Two warps a program
-    # broadcast the weights to half as many warps: bounds 143% (64-token tiles, 12 warps an SM) and
-    # 159% (128, 8 warps), against the default's 136% (16)
+    # capped at 128 registers an SM holds 16 warps, not 12. Two warps a program broadcast the
+    # weights to half as many warps. Bounds under Triton 3.6 (the H200's): 131% (default, 16 warps
+    # an SM), 137% (cap 168, 12), 136% (64, 2 warps, 12), 153% (128, 2 warps, 8); the per-warp
+    # loop's rows (below) 141% at 12 warps an SM
     "int4r": [(128, 4, 3, 128), (64, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 168), (128, 2, 3, 0)],
 }
 
@@ -225,7 +226,8 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         extra = [(launches[0], False, order, None, plain)] if fmt != "model" and default_asm else []
         extra += [(launches[0], default_asm, not order, None, plain), (launches[0], default_asm, order, 1, plain)]
         if fmt == "int4r":  # each warp its own softmax (decode_tiles.int4_tokens_warp_loop), capped and not
-            extra += [(lc, default_asm, order, None, not plain) for lc in ((128, 4, 3, 168), (128, 4, 3, 0))]
+            extra += [(lc, default_asm, order, None, not plain) for lc in ((128, 4, 3, 168), (128, 4, 3, 0),
+                                                                            (64, 2, 3, 168))]
         rows_to_run = [(lc, default_asm, order, None, plain) for lc in launches] + extra
         for (tile, warps, stages, regs), asm, heads_first, splits, warp_tiles in rows_to_run:
             launch = dict(tile=tile, num_warps=warps, num_stages=stages, max_registers=regs, heads_first=heads_first,
