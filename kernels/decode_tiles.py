@@ -13,6 +13,7 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   classes ``c % 4``, one word byte each: four dots of ``D/4`` channels replace one of ``D`` (a dot
   sums over channels in any order), so no byte is gathered on its own. Compiled for sm_90 this
   halves the registers and cuts the loop's instructions by a third (``scripts/kernel_cost.py``).
+  A decode's whole tiles go unmasked (``int8_words_tile``), as INT4R's do.
 - INT4 full blocks read their packed bytes as 16-bit lanes of four channels (``4k .. 4k + 3``,
   low nibble first) and split the channels into the four classes ``c % 4``, one nibble of each
   lane, as INT8 splits bytes: four dots of ``D/4`` channels, nothing interleaved. Reading lanes,
@@ -731,12 +732,12 @@ def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, 
 
 @triton.jit
 def int4_tokens_warp_loop(
-    q_ptr, qrows, rmask, qpos,  # as int4_tokens_loop's
+    q_ptr, qrows, rmask,  # as int4_tokens_loop's
     data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,
     m_i, l_i, qk_scale,
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
     R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
     NW: tl.constexpr,  # the launch's warps: each takes TILE / NW tokens of a tile
 ):
     """``int4_tokens_loop`` with each warp its own online softmax over its own share of every tile
@@ -761,9 +762,9 @@ def int4_tokens_warp_loop(
     ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
-    mw, lw, a0, a1, a2, a3, bw = int4_tokens_tiles(
-        start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, CAUSAL)
+    mw, lw, a0, a1, a2, a3, bw = int4_tokens_tiles(  # decode only: not causal (no query positions)
+        start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, None,
+        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, False)
     # the warps' states merged, with the one passed in (whose accumulator is zero)
     m_out = tl.maximum(m_i, tl.max(mw, axis=0))
     f = tl.exp2(mw - m_out[None, :])  # [NW, R]

@@ -49,8 +49,10 @@ STAGE_BUDGET = 160 * 1024
 HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
 # NOTE: LLMBUS_TRITON_WARP_TILES=1 runs INT4R decode through decode_tiles.int4_tokens_warp_loop (each
 # warp its own softmax over its share of a tile), where a warp's share is at least 16 tokens: less
-# shared-memory traffic, more instructions (scripts/kernel_cost.py: 749 against 658); untested on a
-# GPU as of 2026-12-01, so off by default (bench_gpu's sweep times it beside the default).
+# shared-memory traffic, no cross-warp reduction in the loop, 12 warps an SM instead of 16
+# (scripts/kernel_cost.py under the H200's Triton 3.6: 673 loop instructions against the default's
+# 725, bound 141% against 131%); untested on a GPU as of 2026-12-01, so off by default (bench_gpu's
+# sweep times it beside the default).
 WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "0") == "1"
 # the per-warp loop's default register cap: its accumulators are a warp's each, and at INT4R's
 # default cap (128) it spilled inside its loop (scripts/kernel_cost.py: 22 local loads and stores)
@@ -145,9 +147,9 @@ def paged_decode_kernel(
         if LANES and FMT == 3:
             if WARP_TILES:
                 m_i, l_i, acc = int4_tokens_warp_loop(
-                    q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table,
+                    q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, data_ptr, kmeta_ptr, vmeta_ptr, table,
                     h, start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                    GP, TILE, D, BS, DOT, PREC, ASM, False, NW,
+                    GP, TILE, D, BS, DOT, PREC, ASM, NW,
                 )
             else:
                 m_i, l_i, acc = int4_tokens_loop(

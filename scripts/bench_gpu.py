@@ -62,8 +62,8 @@ SWEEP = {
     # int4r (2026-12-01, not yet run on a GPU): kernel_cost's static bound rises with 128-token tiles;
     # capped at 128 registers an SM holds 16 warps, not 12. Two warps a program broadcast the
     # weights to half as many warps. Bounds under Triton 3.6 (the H200's): 131% (default, 16 warps
-    # an SM), 137% (cap 168, 12), 136% (64, 2 warps, 12), 153% (128, 2 warps, 8); the per-warp
-    # loop's rows (below) 141% at 12 warps an SM
+    # an SM), 79% (64-token tiles, 16), 137% (cap 168, 12), 136% (64, 2 warps, 12), 153% (128, 2
+    # warps, 8); the per-warp loop's rows (below) 141% (12 warps an SM; uncapped, 8)
     "int4r": [(128, 4, 3, 128), (64, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 168), (128, 2, 3, 0)],
 }
 

@@ -431,6 +431,46 @@ def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim, la
     assert (want - plain).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("name,group,head_dim,lens,splits,tile,warp_tiles,num_warps", [
+    ("int8", 4, 64, [64, 48, 0, 1, 17, 33], 1, 16, None, None),  # whole tiles only, whole + partial
+    ("int8", 8, 128, [96, 5, 64], 16, 32, None, None),  # more splits than tiles: idle splits
+    ("int4r", 4, 64, [128, 48, 0, 1, 17, 64], 1, 64, False, None),
+    ("int4r", 8, 64, [160, 130, 31], 3, 64, True, 2),  # a softmax a warp
+    ("int4r", 1, 128, [96, 5, 64, 200], 16, 64, True, 4),
+])
+def test_decode_reads_nothing_past_a_sequence(name, group, head_dim, lens, splits, tile, warp_tiles, num_warps):
+    """The fast loops read whole tiles unmasked and mask only a split's last: every byte no token
+    owns holds NaN codes or metadata, and the tables point past each sequence's blocks at such a
+    block, so one read past a sequence's end shows in the output."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="bfloat16")
+    nblocks = sum(lay.num_blocks_for(n) for n in lens) + 2
+    cache = allocate_cache(KVFormat(name), lay, nblocks, DEV)
+    assert int8_words(cache) if name == "int8" else int4_lanes(cache)
+    cache.data.fill_(127 if name == "int8" else 255)
+    for meta in (cache.scale, cache.k_meta, cache.v_meta):
+        if meta is not None:  # NaN, or an fp16 NaN's bits where the metadata is stored as int16
+            meta.fill_(float("nan") if meta.is_floating_point() else 0x7E00)
+    g = torch.Generator().manual_seed(3)
+    free = (torch.randperm(nblocks - 1, generator=g) + 1).tolist()  # block 0 stays poisoned
+    tables = torch.zeros(len(lens), max(lay.num_blocks_for(n) for n in lens) + 2, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        blocks = [free.pop() for _ in range(lay.num_blocks_for(n))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if n:
+            k = torch.randn(n, 2, head_dim, generator=g) + 0.5
+            v = torch.randn(n, 2, head_dim, generator=g)
+            ref.write_kv_cache(k.to(DEV, torch.bfloat16), v.to(DEV, torch.bfloat16), cache,
+                               torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
+    q = torch.randn(len(lens), 2 * group, head_dim, generator=g).to(DEV, torch.bfloat16)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    tables = tables.to(DEV)
+    want = ref.paged_decode_attention_cache(q, cache, tables, sl, head_dim**-0.5)
+    got = paged_decode_attention(q, cache, tables, sl, head_dim**-0.5, num_splits=splits, tile=tile,
+                                 warp_tiles=warp_tiles, num_warps=num_warps)
+    assert not want.isnan().any() and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL["bfloat16"], rtol=TOL["bfloat16"])
+
+
 def test_decode_bad_tile_is_a_value_error():
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16)
     cache = allocate_cache(KVFormat("int4"), lay, 2, DEV)
