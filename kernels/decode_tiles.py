@@ -199,7 +199,8 @@ def next_blocks(table, s, end, t, BS: tl.constexpr):
     another load of the same iteration: Triton's pipeliner then keeps two tiles of codes in flight
     (``num_stages`` 3), where it kept one (the KV cache's codes took a buffer each in shared memory,
     not two). The ids are plain loads, used an iteration after they are issued."""
-    return tl.load(table + (s + t) // BS, mask=s + t < end, other=0)
+    # NOTE: unsigned, as positions are: a signed // costs a correction (21 of prefill's INT4R loop)
+    return tl.load(table + ((s + t).to(tl.uint32) // BS).to(tl.int32), mask=s + t < end, other=0)
 
 
 @triton.jit
