@@ -56,8 +56,10 @@ def peak_for(name: str) -> float | None:
 # every launch had before 2026-11-30 (night), so those rows compare the two.
 SWEEP = {
     "model": [(64, 4, 3, 0)],
-    "int8": [(128, 4, 3, 128), (128, 4, 2, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128), (128, 8, 3, 128),
-             (128, 4, 4, 128)],
+    # int8: shared memory holds 3 of its default programs an SM (12 warps) whatever the cap, and at
+    # 128 registers Triton 3.6 spills 144 bytes; at 168 it spills none (926 loop instructions, not 946)
+    "int8": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 4, 2, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128),
+             (128, 8, 3, 128), (128, 4, 4, 128)],
     "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
     # int4r (2026-12-01, not yet run on a GPU): kernel_cost's static bound rises with 128-token tiles;
     # capped at 128 registers an SM holds 16 warps, not 12. Two warps a program broadcast the
