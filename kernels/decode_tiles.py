@@ -39,7 +39,10 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   codes are read as bytes and split by channel parity into int8 codes (three instructions a word,
   where fp16 codes take nine), two ``mma`` s8 dots of ``D/2`` channels each (IMMA, twice HMMA's
   rate). The one conversion is of the int32 scores, ``[R, TILE]``, not of the codes. Its values
-  take INT4's lanes. A decode's whole tiles go unmasked (``int4_tokens_tile``). Compiled for
+  take INT4's lanes; in fp16 dots (CUDA) a decode leaves them biased (``1024 + code``: five
+  instructions a pair of lanes, not nine) and takes the bias off its sums at the end (``unbias``),
+  after one more dot, of the weights against 1024. A decode's whole tiles go unmasked
+  (``int4_tokens_tile``). Compiled for
   sm_90 the two took the 128-token loop from 837 instructions to 658 (``scripts/kernel_cost.py``).
 - The quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
   codes take their addresses from its ids; loaded in the same iteration, the ids left Triton's
@@ -110,21 +113,50 @@ U4_LANES = tl.constexpr(
 )
 
 
+# U4_LANES without its last four instructions: classes 0 and 2 as 1024 + code, 1 and 3 as 1024 + 16 code
+U4_LANES_BIASED = tl.constexpr(
+    "{ .reg .b32 c, u; mov.b32 c, 0x64006400; shr.b32 u, $4, 8; "
+    "lop3.b32 $0, $4, 0x000f000f, c, 0xea; lop3.b32 $1, $4, 0x00f000f0, c, 0xea; "
+    "lop3.b32 $2, u, 0x000f000f, c, 0xea; lop3.b32 $3, u, 0x00f000f0, c, 0xea; }"
+)
+
+
 @triton.jit
-def lane_codes(x, ASM: tl.constexpr):
+def lane_codes(x, ASM: tl.constexpr, BIASED: tl.constexpr = False):
     """16-bit lanes of packed INT4 codes (int16; channels ``4k .. 4k + 3``, low nibble first) -> the
     codes of each channel class ``c % 4`` as fp16, without a conversion. With ASM (CUDA only) two
-    lanes make a fp16 pair of each class in nine instructions."""
+    lanes make a fp16 pair of each class in nine instructions. BIASED leaves the values as the bits
+    make them, ``1024 + code`` (classes 0 and 2) and ``1024 + 16 code`` (1 and 3), for a caller that
+    takes the bias off its sums instead (``unbias``): five instructions, not nine."""
     if ASM:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            U4_LANES, "=&r,=&r,=&r,=&r,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True, pack=2)
+        if BIASED:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                U4_LANES_BIASED, "=&r,=&r,=&r,=&r,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=2)
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                U4_LANES, "=&r,=&r,=&r,=&r,r", [x], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=2)
+    elif BIASED:
+        c0 = ((x & 0x000F) | 0x6400).to(tl.float16, bitcast=True)
+        c1 = ((x & 0x00F0) | 0x6400).to(tl.float16, bitcast=True)
+        c2 = (((x >> 8) & 0x000F) | 0x6400).to(tl.float16, bitcast=True)
+        c3 = (((x >> 8) & 0x00F0) | 0x6400).to(tl.float16, bitcast=True)
     else:
         c0 = codes_f16(x & 15)
         c1 = codes_f16((x >> 4) & 15)
         c2 = codes_f16((x >> 8) & 15)
         c3 = codes_f16((x >> 12) & 15)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def unbias(a0, a1, a2, a3, a4, BIASED: tl.constexpr):
+    """Class accumulators of ``lane_codes``' biased values -> of the codes: ``a4`` holds each row's
+    ``1024 * sum(w)`` (the same dots against a constant 1024)."""
+    if BIASED:
+        a0, a1, a2, a3 = a0 - a4, (a1 - a4) * 0.0625, a2 - a4, (a3 - a4) * 0.0625
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -626,20 +658,24 @@ def byte_scores(qe, qo, qsum, kb, ks, km, ASM: tl.constexpr):
 
 
 @triton.jit
-def class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+def class_values(p, vx, vs, vm, a0, a1, a2, a3, a4, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 BIASED: tl.constexpr):
     """The class accumulators ``[.., R, D/4]`` and the sums ``b = sum_t p_t min_t`` ``[.., R]``,
     rescaled by ``alpha`` [.., R] and advanced by the weights ``p`` [.., R, T] over the codes (lanes
     ``vx`` [.., T, D/4]), each token's pair (``vs``, ``vm`` [.., T]) folded in:
-    ``(p * scale) . code`` and ``sum_t p_t min_t``."""
+    ``(p * scale) . code`` and ``sum_t p_t min_t``. BIASED (fp16 dots): the codes come biased
+    (``lane_codes``) and ``a4`` sums the weights times 1024 in the same dots, for ``unbias``."""
     last: tl.constexpr = len(p.shape) - 1
     w = (p * tl.expand_dims(vs, last - 1)).to(DOT)
-    v0, v1, v2, v3 = lane_codes(vx, ASM)
+    v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
     ae = last_dim(alpha)
     a0 = a0 * ae + tl.dot(w, v0.to(DOT), input_precision=PREC)
     a1 = a1 * ae + tl.dot(w, v1.to(DOT), input_precision=PREC)
     a2 = a2 * ae + tl.dot(w, v2.to(DOT), input_precision=PREC)
     a3 = a3 * ae + tl.dot(w, v3.to(DOT), input_precision=PREC)
-    return a0, a1, a2, a3, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
+    if BIASED:
+        a4 = a4 * ae + tl.dot(w, tl.full(v0.shape, 1024.0, DOT), input_precision=PREC)
+    return a0, a1, a2, a3, a4, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
 
 
 @triton.jit
@@ -650,6 +686,7 @@ def int4_tokens_loop(
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
     R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, CAUSAL: tl.constexpr,
+    BIASED: tl.constexpr,  # the value codes biased (lane_codes; paged_decode.BIASED_VALUES)
 ):
     """INT4R attention over the full blocks in ``[start, end)`` from the initial state ``m_i``,
     ``l_i``; returns ``(m_i, l_i, acc [R, D])``. Each token's keys and values have one (scale,
@@ -667,50 +704,52 @@ def int4_tokens_loop(
     qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
     cs = tl.maximum(step * qk_scale, 1e-30)  # a score unit in the exponent's (log2) units, per row (> 0)
     a0, a1, a2, a3 = class_accumulators(R, D)
+    a4 = a0  # BIASED: 1024 sum_t w_t (class_values)
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
     ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-    m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tiles(
+    m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tiles(
         start, end, tl.arange(0, TILE), table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-        m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL)
+        m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, BIASED)
+    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, a4, BIASED)
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
 
 
 @triton.jit
 def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                      m_i, l_i, a0, a1, a2, a3, b,
+                      m_i, l_i, a0, a1, a2, a3, a4, b,
                       TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                      ASM: tl.constexpr, CAUSAL: tl.constexpr):
+                      ASM: tl.constexpr, CAUSAL: tl.constexpr, BIASED: tl.constexpr):
     """``int4_tokens_tile`` over the tiles of ``[start, end)`` (``t``: a tile's token offsets,
     ``[TILE]`` or split between warps ``[NW, TILE / NW]``); returns the state."""
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
     blk_n = next_blocks(table, start, end, t, BS)
     if CAUSAL:
         for s in range(start, end, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
+                m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
     else:
         # NOTE: a decode's tiles are whole but its split's last: they read and score every token
         # unmasked (the masks and selects were a tenth of the loop's instructions), the last one
         # masked, once
         whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
         for s in range(start, whole, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False)
+                m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
         if whole < end:
-            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tile(
                 whole, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
-    return m_i, l_i, a0, a1, a2, a3, b
+                m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+    return m_i, l_i, a0, a1, a2, a3, a4, b
 
 
 @triton.jit
 def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                     m_i, l_i, a0, a1, a2, a3, b,
+                     m_i, l_i, a0, a1, a2, a3, a4, b,
                      TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+                     ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
     """One tile of ``int4_tokens_loop`` (tokens ``s + t``): the next tile's block ids and the
     updated state. Without MASKED every token of the tile is below ``end``."""
     kbytes, lanes, kwords, vwords = ptrs
@@ -727,8 +766,8 @@ def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(x * last_dim(cs) - last_dim(m_new))
     l_i = l_i * alpha + tl.sum(p, axis=last)
-    a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC)
-    return blk_n, m_new, l_i, a0, a1, a2, a3, b
+    a0, a1, a2, a3, a4, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, a4, b, alpha, ASM, DOT, PREC, BIASED)
+    return blk_n, m_new, l_i, a0, a1, a2, a3, a4, b
 
 
 @triton.jit
@@ -738,7 +777,7 @@ def int4_tokens_warp_loop(
     m_i, l_i, qk_scale,
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
     R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
     NW: tl.constexpr,  # the launch's warps: each takes TILE / NW tokens of a tile
 ):
     """``int4_tokens_loop`` with each warp its own online softmax over its own share of every tile
@@ -756,16 +795,17 @@ def int4_tokens_warp_loop(
     qe = tl.broadcast_to(qe[None, :, :], [NW, R, D // 2])
     qo = tl.broadcast_to(qo[None, :, :], [NW, R, D // 2])
     zero = tl.zeros([NW, R, D // 4], tl.float32)
-    a0, a1, a2, a3 = zero, zero, zero, zero
+    a0, a1, a2, a3, a4 = zero, zero, zero, zero, zero
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
     lw = tl.zeros([NW, R], tl.float32)
     bw = tl.zeros([NW, R], tl.float32)
     ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
-    mw, lw, a0, a1, a2, a3, bw = int4_tokens_tiles(  # decode only: not causal (no query positions)
+    mw, lw, a0, a1, a2, a3, a4, bw = int4_tokens_tiles(  # decode only: not causal (no query positions)
         start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, None,
-        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, False)
+        mw, lw, a0, a1, a2, a3, a4, bw, TILE, BS, DOT, PREC, ASM, False, BIASED)
+    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, a4, BIASED)
     # the warps' states merged, with the one passed in (whose accumulator is zero)
     m_out = tl.maximum(m_i, tl.max(mw, axis=0))
     f = tl.exp2(mw - m_out[None, :])  # [NW, R]

@@ -25,6 +25,12 @@ from kernels.reduce_splits import reduce_splits
 LOG2E = 1.4426950408889634
 # NOTE: LLMBUS_TRITON_ASM=0 swaps the inline-PTX code conversions for their plain Triton twins.
 ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
+# NOTE: INT4R's decode loops take their value codes biased in fp16 dots (decode_tiles.lane_codes,
+# unbias): four instructions fewer a pair of lanes, for one more dot. LLMBUS_TRITON_BIASED_VALUES=0
+# turns that off; =1 turns it on in any dot dtype but bf16 (which cannot hold 1024 + code), fp32 off
+# CUDA included (what the CPU tests force; in fp32 the bias costs ~1e-4 of a value's scale, which
+# fp32 tolerances see). None: fp16 dots only.
+BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED_VALUES", ""))
 # (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA: each the best of
 # scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
 # channels, 16-token blocks; 2026-11-30 for int8 and int4, docs/benchmarks.md): int8 at 128-token
@@ -84,6 +90,7 @@ def paged_decode_kernel(
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
     WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
+    BIASED: tl.constexpr,  # INT4R's value codes biased (decode_tiles.lane_codes)
     LANES: tl.constexpr,  # INT4 / INT4R full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop, int4_tokens_loop)
     NW: tl.constexpr,  # the launch's num_warps
     WARP_TILES: tl.constexpr,  # INT4R: decode_tiles.int4_tokens_warp_loop, not int4_tokens_loop
@@ -149,13 +156,13 @@ def paged_decode_kernel(
                 m_i, l_i, acc = int4_tokens_warp_loop(
                     q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, data_ptr, kmeta_ptr, vmeta_ptr, table,
                     h, start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                    GP, TILE, D, BS, DOT, PREC, ASM, NW,
+                    GP, TILE, D, BS, DOT, PREC, ASM, BIASED, NW,
                 )
             else:
                 m_i, l_i, acc = int4_tokens_loop(
                     q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table,
                     h, start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                    GP, TILE, D, BS, DOT, PREC, ASM, False,
+                    GP, TILE, D, BS, DOT, PREC, ASM, False, BIASED,
                 )
         elif LANES:
             m_i, l_i, acc = int4_lanes_loop(
@@ -256,6 +263,8 @@ def code_args(cache, query: torch.Tensor) -> dict:
         # whatever the model dtype: no per-element conversion to bf16. Values the generic tile load
         # dequantizes round to fp16 too (three more bits than bf16 keeps; KV never nears its range).
         args.update(DOT=tl.float16, DQ=tl.float16)
+    dot = args["DOT"]
+    args["BIASED"] = dot == tl.float16 if BIASED_VALUES is None else BIASED_VALUES and dot != tl.bfloat16
     return args
 
 

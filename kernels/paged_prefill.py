@@ -62,7 +62,7 @@ def paged_prefill_kernel(
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, s_tt, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
-    WORDS: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, DQ: tl.constexpr,  # the decode loops' (paged_decode)
+    WORDS: tl.constexpr, LANES: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr, DQ: tl.constexpr,  # the decode loops' (paged_decode; BIASED: decode's alone)
 ):
     mt = tl.program_id(0)
     b = tl.program_id(1)
@@ -107,7 +107,8 @@ def paged_prefill_kernel(
             m_i, l_i, acc = int4_tokens_loop(
                 q_ptr, tok * s_qt + hq * s_qh, rmask, qpos, data_ptr, kmeta_ptr, vmeta_ptr, table, h, 0, full,
                 m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
-                BLOCK_M, TILE, D, BS, DOT, PREC, ASM, True,
+                # NOTE: unbiased: the bias's extra dot costs more than it saves over 64 query rows
+                BLOCK_M, TILE, D, BS, DOT, PREC, ASM, True, False,
             )
         else:
             m_i, l_i, acc = int4_lanes_loop(

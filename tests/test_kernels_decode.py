@@ -335,18 +335,20 @@ def _f16x2(word: int) -> list[float]:
     return np.frombuffer(word.to_bytes(4, "little"), np.float16).astype(float).tolist()
 
 
-def test_int4_lanes_ptx_reads_the_right_nibbles_and_values():
+@pytest.mark.parametrize("biased", [False, True])
+def test_int4_lanes_ptx_reads_the_right_nibbles_and_values(biased):
     """What the GPU-only conversion (decode_tiles.U4_LANES) computes, instruction by instruction as the
     PTX ISA defines them, for every byte value in every position of two 16-bit lanes with other bytes
     around it: output $r holds channel class r of both lanes (class 0, 1: the low byte's low and high
-    nibble; 2, 3: the high byte's)."""
+    nibble; 2, 3: the high byte's); U4_LANES_BIASED, the same as 1024 + code (classes 0, 2) and 1024 +
+    16 code (1, 3)."""
     import re
 
     import numpy as np
 
     from kernels import decode_tiles
 
-    text = decode_tiles.U4_LANES.value
+    text = (decode_tiles.U4_LANES_BIASED if biased else decode_tiles.U4_LANES).value
     statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
     interpreted = ("mov.b32", "shr.b32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2")
     assert statements[0].startswith(".reg ") and all(x.startswith(interpreted) for x in statements[1:]), statements
@@ -370,7 +372,10 @@ def test_int4_lanes_ptx_reads_the_right_nibbles_and_values():
                     regs[d] = int.from_bytes(np.array(out, np.float16).tobytes(), "little")
             lanes = (word[0] | word[1] << 8, word[2] | word[3] << 8)
             for r in range(4):
-                assert _f16x2(regs[f"${r}"]) == [float(x >> 4 * r & 15) for x in lanes], (byte, pos, r)
+                want = [float(x >> 4 * r & 15) for x in lanes]
+                if biased:
+                    want = [1024.0 + (16 if r % 2 else 1) * c for c in want]
+                assert _f16x2(regs[f"${r}"]) == want, (byte, pos, r)
 
 
 def test_int4_bytes_ptx_splits_nibbles_by_channel_parity():
@@ -469,6 +474,26 @@ def test_decode_reads_nothing_past_a_sequence(name, group, head_dim, lens, split
                                  warp_tiles=warp_tiles, num_warps=num_warps)
     assert not want.isnan().any() and not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=TOL["bfloat16"], rtol=TOL["bfloat16"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("warp_tiles,num_warps", [(False, None), (True, 2)])
+def test_decode_int4r_biased_value_codes(monkeypatch, dtype, warp_tiles, num_warps):
+    """INT4R's loops with their value codes biased (decode_tiles.lane_codes: 1024 + code, 1024 + 16
+    code), as fp16 dots on CUDA take them, the bias taken off the sums at the end (unbias). Off CUDA
+    the dots run in fp32, so the path is forced here (paged_decode.BIASED_VALUES)."""
+    from kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "BIASED_VALUES", True)
+    cache = _check("int4r", dtype, hkv=2, group=4, head_dim=64, bs=16, lens=[130, 64, 31, 1, 0], splits=2, seed=7,
+                   tile=64, warp_tiles=warp_tiles, num_warps=num_warps)
+    q = torch.zeros(1, 8, 64, dtype=cache.model_dtype, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    meta = paged_decode.decode_launch(q, cache, one[:, None], one, tile=64, warp_tiles=warp_tiles,
+                                      num_warps=num_warps).meta
+    assert meta["BIASED"] and meta["LANES"] and meta["WARP_TILES"] == warp_tiles
+    monkeypatch.setattr(paged_decode, "BIASED_VALUES", None)  # by default only fp16 dots (CUDA) take it
+    assert not paged_decode.decode_launch(q, cache, one[:, None], one, tile=64).meta["BIASED"]
 
 
 def test_decode_bad_tile_is_a_value_error():
