@@ -13,7 +13,9 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   classes ``c % 4``, one word byte each: four dots of ``D/4`` channels replace one of ``D`` (a dot
   sums over channels in any order), so no byte is gathered on its own. Compiled for sm_90 this
   halves the registers and cuts the loop's instructions by a third (``scripts/kernel_cost.py``).
-  A decode's whole tiles go unmasked (``int8_words_tile``), as INT4R's do.
+  A decode's whole tiles go unmasked (``int8_words_tile``), as INT4R's do. In fp16 dots (CUDA) a
+  decode leaves its codes biased (``1152 + code``: two instructions a pair, not three) and takes the
+  bias off the scores (``1152 * sum(q)`` a row) and, after one more dot, off the value sums.
 - INT4 full blocks read their packed bytes as 16-bit lanes of four channels (``4k .. 4k + 3``,
   low nibble first) and split the channels into the four classes ``c % 4``, one nibble of each
   lane, as INT8 splits bytes: four dots of ``D/4`` channels, nothing interleaved. Reading lanes,
@@ -85,18 +87,21 @@ def codes_f16(x):
     return ((x.to(tl.int16) & 1023) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
-def _s8_pair_ptx(byte: int) -> tl.constexpr:
+def _s8_pair_ptx(byte: int, biased: bool = False) -> tl.constexpr:
     """PTX turning byte ``byte`` of two words ($1, $2) of signed int8 codes into one fp16 pair ($0):
     ``prmt`` puts the two bytes in the pair's low bytes (selector nibbles 0 and 2), ``lop3`` keeps
-    them, flips their sign bits (+128) and sets 0x64 above each, ``sub.f16x2`` takes 1152 off."""
+    them, flips their sign bits (+128) and sets 0x64 above each, ``sub.f16x2`` takes 1152 off
+    (``biased``: left on, ``1152 + code``)."""
     return tl.constexpr(
         "{ .reg .b32 t, c; mov.b32 c, 0x64806480; "
         f"prmt.b32 t, $1, $2, {byte | (4 + byte) << 8:#06x}; "
-        "lop3.b32 t, t, 0x00ff00ff, c, 0x6a; sub.f16x2 $0, t, c; }"
+        + ("lop3.b32 $0, t, 0x00ff00ff, c, 0x6a; }" if biased else
+           "lop3.b32 t, t, 0x00ff00ff, c, 0x6a; sub.f16x2 $0, t, c; }")
     )
 
 
 S8_PAIR_0, S8_PAIR_1, S8_PAIR_2, S8_PAIR_3 = (_s8_pair_ptx(b) for b in range(4))
+S8_BIASED_0, S8_BIASED_1, S8_BIASED_2, S8_BIASED_3 = (_s8_pair_ptx(b, True) for b in range(4))
 
 
 # Two 16-bit lanes ($4: x0 low, x1 high) -> each channel class r's codes as one fp16 pair ($r: x0's,
@@ -170,22 +175,31 @@ def compact(x):
 
 
 @triton.jit
-def word_codes(w, SHIFT: tl.constexpr, ASM: tl.constexpr):
+def s8_pair(w, PTX: tl.constexpr):
+    """Two int32 words -> one fp16 pair by ``PTX`` (``_s8_pair_ptx``)."""
+    return tl.inline_asm_elementwise(PTX, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def word_codes(w, SHIFT: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr = False):
     """Signed int8 codes at bit ``SHIFT`` of int32 words -> their values as fp16, without a conversion:
-    the byte offset by 128 goes into the mantissa of 1024.0, then 1024 + 128 comes off. With ASM
-    (CUDA only: the interpreter runs no PTX) two words make one fp16 pair in three instructions."""
+    the byte offset by 128 goes into the mantissa of 1024.0, then 1024 + 128 comes off (BIASED: left
+    on, ``1152 + code``, for a caller that takes it off its sums). With ASM (CUDA only: the
+    interpreter runs no PTX) two words make one fp16 pair in three instructions (BIASED: two)."""
     if ASM:
         if SHIFT == 0:
-            x = tl.inline_asm_elementwise(S8_PAIR_0, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+            x = s8_pair(w, S8_BIASED_0 if BIASED else S8_PAIR_0)
         elif SHIFT == 8:
-            x = tl.inline_asm_elementwise(S8_PAIR_1, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+            x = s8_pair(w, S8_BIASED_1 if BIASED else S8_PAIR_1)
         elif SHIFT == 16:
-            x = tl.inline_asm_elementwise(S8_PAIR_2, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+            x = s8_pair(w, S8_BIASED_2 if BIASED else S8_PAIR_2)
         else:
-            x = tl.inline_asm_elementwise(S8_PAIR_3, "=r,r,r", [w], dtype=tl.float16, is_pure=True, pack=2)
+            x = s8_pair(w, S8_BIASED_3 if BIASED else S8_PAIR_3)
     else:
         u = ((w >> SHIFT) & 0xFF) ^ 0x6480  # 0x64 above, the byte + 128 (mod 256) below
-        x = u.to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+        x = u.to(tl.int16).to(tl.float16, bitcast=True)
+        if not BIASED:
+            x = x - 1152.0
     return x
 
 
@@ -278,13 +292,18 @@ def int8_words_loop(
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh,
     GP: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     ASM: tl.constexpr, CAUSAL: tl.constexpr,
+    BIASED: tl.constexpr = False,  # the codes biased (word_codes; paged_decode.BIASED_VALUES)
 ):
     """INT8 attention over positions ``[start, end)`` by channel class (module docstring), from the
     initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns
     ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
     j = tl.arange(0, D // 4)[None, :]
     qs = class_queries(q_ptr, qrows, rmask, D, DOT)
+    q0, q1, q2, q3 = qs
+    # BIASED: each row's scores carry 1152 * sum(q) (the queries as the dots take them)
+    qbias = 1152.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
     a0, a1, a2, a3 = class_accumulators(GP, D)
+    a4 = a0  # BIASED: 1152 sum_t p_t scale_t (class_values' a4)
     words = data_ptr.to(tl.pointer_type(tl.int32))
     strides = (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh)
     t = tl.arange(0, TILE)
@@ -292,28 +311,30 @@ def int8_words_loop(
     blk_n = next_blocks(table, start, end, t, BS)
     if CAUSAL:
         for s in range(start, end, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
-                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
+            blk_n, m_i, l_i, a0, a1, a2, a3, a4 = int8_words_tile(
+                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, a4, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
     else:
         # NOTE: as int4_tokens_loop's: whole tiles unmasked, the split's last one masked, once
         whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
         for s in range(start, whole, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
-                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, False)
+            blk_n, m_i, l_i, a0, a1, a2, a3, a4 = int8_words_tile(
+                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, a4, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
         if whole < end:
-            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
-                whole, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True)
+            blk_n, m_i, l_i, a0, a1, a2, a3, a4 = int8_words_tile(
+                whole, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, a4, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+    if BIASED:
+        a0, a1, a2, a3 = a0 - a4, a1 - a4, a2 - a4, a3 - a4
     return m_i, l_i, join_classes(a0, a1, a2, a3)
 
 
 @triton.jit
-def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qk_scale, qpos,
-                    m_i, l_i, a0, a1, a2, a3,
+def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
+                    m_i, l_i, a0, a1, a2, a3, a4,
                     TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                    ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+                    ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
     """One tile of ``int8_words_loop`` (tokens ``s + t``): the next tile's block ids and the updated
     state. Without MASKED every token of the tile is below ``end``."""
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh = strides
@@ -326,20 +347,25 @@ def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs
     srow = blk * s_sn + off * s_sb + h * s_sh
     ks = compact(scale_at(scale_ptr, srow, valid, MASKED))
     vs = compact(scale_at(scale_ptr, s_sc + srow, valid, MASKED))
-    scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM).to(DOT)), input_precision=PREC)
-    scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM).to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM).to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM).to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM, BIASED).to(DOT)), input_precision=PREC)
+    scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
+    scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
+    if BIASED:
+        scores = scores - qbias[:, None]
     scores = scores * (ks * qk_scale)[None, :]
     if MASKED:
         scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores, float("-inf"))
     m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
     p = (p * vs[None, :]).to(DOT)
-    a0 = a0 * alpha[:, None] + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
-    a1 = a1 * alpha[:, None] + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)
-    a2 = a2 * alpha[:, None] + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
-    a3 = a3 * alpha[:, None] + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
-    return blk_n, m_new, l_i, a0, a1, a2, a3
+    ae = alpha[:, None]
+    a0 = a0 * ae + tl.dot(p, word_codes(vw, 0, ASM, BIASED).to(DOT), input_precision=PREC)
+    a1 = a1 * ae + tl.dot(p, word_codes(vw, 8, ASM, BIASED).to(DOT), input_precision=PREC)
+    a2 = a2 * ae + tl.dot(p, word_codes(vw, 16, ASM, BIASED).to(DOT), input_precision=PREC)
+    a3 = a3 * ae + tl.dot(p, word_codes(vw, 24, ASM, BIASED).to(DOT), input_precision=PREC)
+    if BIASED:  # 1152 sum_t p_t scale_t, in the accumulators' layout
+        a4 = a4 * ae + tl.dot(p, tl.full([TILE, a0.shape[1]], 1152.0, DOT), input_precision=PREC)
+    return blk_n, m_new, l_i, a0, a1, a2, a3, a4
 
 
 @triton.jit

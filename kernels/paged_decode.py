@@ -25,11 +25,12 @@ from kernels.reduce_splits import reduce_splits
 LOG2E = 1.4426950408889634
 # NOTE: LLMBUS_TRITON_ASM=0 swaps the inline-PTX code conversions for their plain Triton twins.
 ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
-# NOTE: INT4R's decode loops take their value codes biased in fp16 dots (decode_tiles.lane_codes,
-# unbias): four instructions fewer a pair of lanes, for one more dot. LLMBUS_TRITON_BIASED_VALUES=0
-# turns that off; =1 turns it on in any dot dtype but bf16 (which cannot hold 1024 + code), fp32 off
-# CUDA included (what the CPU tests force; in fp32 the bias costs ~1e-4 of a value's scale, which
-# fp32 tolerances see). None: fp16 dots only.
+# NOTE: in fp16 dots the decode loops take their codes biased, as the bit tricks make them: INT4R's
+# values (decode_tiles.lane_codes, unbias: four instructions fewer a pair of lanes), INT8's keys and
+# values (word_codes: one fewer a pair), for one more dot each and a bias off the scores.
+# LLMBUS_TRITON_BIASED_VALUES=0 turns that off; =1 turns it on in any dot dtype but bf16 (which
+# cannot hold 1024 + code), fp32 off CUDA included (what the CPU tests force; in fp32 INT4R's bias
+# costs ~1e-4 of a value's scale, which fp32 tolerances see). None: fp16 dots only.
 BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED_VALUES", ""))
 # (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA: each the best of
 # scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
@@ -90,7 +91,7 @@ def paged_decode_kernel(
     FMT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr, GK: tl.constexpr, HAS_TAIL: tl.constexpr,
     WORDS: tl.constexpr,  # INT8 read as 32-bit words (decode_tiles.int8_words_loop)
     ASM: tl.constexpr,  # inline PTX conversions (CUDA only)
-    BIASED: tl.constexpr,  # INT4R's value codes biased (decode_tiles.lane_codes)
+    BIASED: tl.constexpr,  # codes biased (BIASED_VALUES)
     LANES: tl.constexpr,  # INT4 / INT4R full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop, int4_tokens_loop)
     NW: tl.constexpr,  # the launch's num_warps
     WARP_TILES: tl.constexpr,  # INT4R: decode_tiles.int4_tokens_warp_loop, not int4_tokens_loop
@@ -138,6 +139,7 @@ def paged_decode_kernel(
         m_i, l_i, acc = int8_words_loop(
             q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, scale_ptr, table, h, start, end,
             m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, GP, TILE, D, BS, DOT, PREC, ASM, False,
+            BIASED,
         )
     elif FMT == 1:
         for s in range(start, end, TILE):

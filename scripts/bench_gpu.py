@@ -229,10 +229,10 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         extra = [(launches[0], False, order, None, plain, biased)] if fmt != "model" and default_asm else []
         extra += [(launches[0], default_asm, not order, None, plain, biased),
                   (launches[0], default_asm, order, 1, plain, biased)]
-        if fmt == "int4r":  # each warp its own softmax (decode_tiles.int4_tokens_warp_loop), capped and not;
-            # and the default with its value codes converted exactly, not biased (paged_decode.BIASED_VALUES)
+        if fmt == "int4r":  # each warp its own softmax (decode_tiles.int4_tokens_warp_loop), capped and not
             extra += [(lc, default_asm, order, None, not plain, biased) for lc in ((128, 4, 3, 168), (128, 4, 3, 0),
                                                                                     (64, 2, 3, 168))]
+        if fmt in ("int8", "int4r"):  # the default with its codes converted exactly (paged_decode.BIASED_VALUES)
             extra += [(launches[0], default_asm, order, None, plain, False)]
         rows_to_run = [(lc, default_asm, order, None, plain, biased) for lc in launches] + extra
         for (tile, warps, stages, regs), asm, heads_first, splits, warp_tiles, bias in rows_to_run:
@@ -249,7 +249,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
             print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}"
                   f" splits={ran:<2}{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'}"
                   f"{'' if splits is None else ' forced'}{' warp-tiles' if warp_tiles and fmt == 'int4r' else ''}"
-                  f"{' unbiased' if bias is False and fmt == 'int4r' else ''}"
+                  f"{' unbiased' if bias is False and fmt in ('int8', 'int4r') else ''}"
                   f" {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and splits is None and bias == biased and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = ({k: v for k, v in launch.items() if k != "num_splits"}, gbps)

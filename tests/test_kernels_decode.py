@@ -301,10 +301,12 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return sum(((lut >> ((a >> k & 1) << 2 | (b >> k & 1) << 1 | (c >> k & 1))) & 1) << k for k in range(32))
 
 
-def test_int8_pair_ptx_reads_the_right_bytes_and_values():
+@pytest.mark.parametrize("biased", [False, True])
+def test_int8_pair_ptx_reads_the_right_bytes_and_values(biased):
     """What the GPU-only conversion (decode_tiles.S8_PAIR_*) computes, instruction by instruction as
     the PTX ISA defines them, for every code in every byte of two words. It runs natively in the kernel
-    tests on a GPU (scripts/gpu_check.sh); here the selector and truth table are checked."""
+    tests on a GPU (scripts/gpu_check.sh); here the selector and truth table are checked. S8_BIASED_*
+    stop before the subtract: 1152 + code."""
     import re
 
     import numpy as np
@@ -312,21 +314,27 @@ def test_int8_pair_ptx_reads_the_right_bytes_and_values():
     from kernels import decode_tiles
 
     codes = np.arange(-127, 128, dtype=np.int8)
-    for byte, ptx in enumerate((decode_tiles.S8_PAIR_0, decode_tiles.S8_PAIR_1, decode_tiles.S8_PAIR_2,
-                                decode_tiles.S8_PAIR_3)):
+    names = [f"S8_{'BIASED' if biased else 'PAIR'}_{b}" for b in range(4)]
+    for byte, ptx in enumerate(getattr(decode_tiles, n) for n in names):
         ops = dict(re.findall(r"(\w+)\.\w+ ([^;]+);", ptx.value))
         sel = int(ops["prmt"].split(",")[-1], 16)
-        *_, mask, bias_reg, lut = [x.strip() for x in ops["lop3"].split(",")]
+        out, *_, mask, bias_reg, lut = [x.strip() for x in ops["lop3"].split(",")]
         bias = int(ops["mov"].split(",")[-1], 16)
-        assert bias_reg == "c" and ops["sub"].replace(" ", "") == "$0,t,c"
+        if biased:  # the lop3 writes the output, and nothing else follows it
+            assert bias_reg == "c" and out == "$0" and "sub" not in ops, ptx.value
+        else:
+            assert bias_reg == "c" and ops["sub"].replace(" ", "") == "$0,t,c"
         for lo_code, hi_code in zip(codes, codes[::-1]):
             # the other bytes hold other codes, which must not leak in
             b1, b2 = np.array([90, -17, 3, -128], np.int8), np.array([-90, 17, -3, 127], np.int8)
             b1[byte], b2[byte] = lo_code, hi_code
             w1, w2 = (int.from_bytes(b.tobytes(), "little") for b in (b1, b2))
             t = _lop3(_prmt(w1, w2, sel), int(mask, 16), bias, int(lut, 16))
-            pair = np.frombuffer(t.to_bytes(4, "little"), np.float16) - np.frombuffer(bias.to_bytes(4, "little"), np.float16)
-            assert pair.tolist() == [float(lo_code), float(hi_code)], (byte, lo_code, hi_code)
+            pair = np.frombuffer(t.to_bytes(4, "little"), np.float16)
+            if not biased:
+                pair = pair - np.frombuffer(bias.to_bytes(4, "little"), np.float16)
+            want = [float(lo_code), float(hi_code)]
+            assert pair.tolist() == ([1152.0 + x for x in want] if biased else want), (byte, lo_code, hi_code)
 
 
 def _f16x2(word: int) -> list[float]:
@@ -477,21 +485,23 @@ def test_decode_reads_nothing_past_a_sequence(name, group, head_dim, lens, split
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("warp_tiles,num_warps", [(False, None), (True, 2)])
-def test_decode_int4r_biased_value_codes(monkeypatch, dtype, warp_tiles, num_warps):
-    """INT4R's loops with their value codes biased (decode_tiles.lane_codes: 1024 + code, 1024 + 16
-    code), as fp16 dots on CUDA take them, the bias taken off the sums at the end (unbias). Off CUDA
-    the dots run in fp32, so the path is forced here (paged_decode.BIASED_VALUES)."""
+@pytest.mark.parametrize("name,warp_tiles,num_warps", [("int4r", False, None), ("int4r", True, 2), ("int8", None, None)])
+def test_decode_biased_codes(monkeypatch, name, dtype, warp_tiles, num_warps):
+    """The decode loops with their codes biased, as fp16 dots on CUDA take them: INT4R's values
+    (decode_tiles.lane_codes: 1024 + code, 1024 + 16 code), INT8's keys and values (word_codes:
+    1152 + code), the bias taken off the scores (INT8's keys: 1152 * sum(q) a row) and off the sums
+    at the end (values). Off CUDA the dots run in fp32, so the path is forced here
+    (paged_decode.BIASED_VALUES)."""
     from kernels import paged_decode
 
     monkeypatch.setattr(paged_decode, "BIASED_VALUES", True)
-    cache = _check("int4r", dtype, hkv=2, group=4, head_dim=64, bs=16, lens=[130, 64, 31, 1, 0], splits=2, seed=7,
+    cache = _check(name, dtype, hkv=2, group=4, head_dim=64, bs=16, lens=[130, 64, 31, 1, 0], splits=2, seed=7,
                    tile=64, warp_tiles=warp_tiles, num_warps=num_warps)
     q = torch.zeros(1, 8, 64, dtype=cache.model_dtype, device=DEV)
     one = torch.ones(1, dtype=torch.int32, device=DEV)
     meta = paged_decode.decode_launch(q, cache, one[:, None], one, tile=64, warp_tiles=warp_tiles,
                                       num_warps=num_warps).meta
-    assert meta["BIASED"] and meta["LANES"] and meta["WARP_TILES"] == warp_tiles
+    assert meta["BIASED"] and (meta["LANES"] or meta["WORDS"]) and meta["WARP_TILES"] == bool(warp_tiles)
     monkeypatch.setattr(paged_decode, "BIASED_VALUES", None)  # by default only fp16 dots (CUDA) take it
     assert not paged_decode.decode_launch(q, cache, one[:, None], one, tile=64).meta["BIASED"]
 
