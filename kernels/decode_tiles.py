@@ -15,7 +15,7 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   halves the registers and cuts the loop's instructions by a third (``scripts/kernel_cost.py``).
   A decode's whole tiles go unmasked (``int8_words_tile``), as INT4R's do. In fp16 dots (CUDA) a
   decode leaves its codes biased (``1152 + code``: two instructions a pair, not three) and takes the
-  bias off the scores (``1152 * sum(q)`` a row) and, after one more dot, off the value sums.
+  bias off the scores (``1152 * sum(q)`` a row) and, tile by tile, off the value sums.
 - INT4 full blocks read their packed bytes as 16-bit lanes of four channels (``4k .. 4k + 3``,
   low nibble first) and split the channels into the four classes ``c % 4``, one nibble of each
   lane, as INT8 splits bytes: four dots of ``D/4`` channels, nothing interleaved. Reading lanes,
@@ -41,9 +41,10 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   codes are read as bytes and split by channel parity into int8 codes (three instructions a word,
   where fp16 codes take nine), two ``mma`` s8 dots of ``D/2`` channels each (IMMA, twice HMMA's
   rate). The one conversion is of the int32 scores, ``[R, TILE]``, not of the codes. Its values
-  take INT4's lanes; in fp16 dots (CUDA) a decode leaves them biased (``1024 + code``: five
-  instructions a pair of lanes, not nine) and takes the bias off its sums at the end (``unbias``),
-  after one more dot, of the weights against 1024. A decode's whole tiles go unmasked
+  take INT4's lanes; in fp16 dots (CUDA) a decode leaves them biased (``1024 + code``, ``1024 +
+  16 code`` in the high classes: five instructions a pair of lanes, not nine) and takes each
+  tile's bias off its sums as they grow (``class_values``: one more dot, of the weights against
+  1024). A decode's whole tiles go unmasked
   (``int4_tokens_tile``). Compiled for
   sm_90 the two took the 128-token loop from 837 instructions to 658 (``scripts/kernel_cost.py``).
 - The quantized loops load each tile's block ids an iteration ahead (``next_blocks``). A tile's
@@ -156,11 +157,11 @@ def lane_codes(x, ASM: tl.constexpr, BIASED: tl.constexpr = False):
 
 
 @triton.jit
-def unbias(a0, a1, a2, a3, a4, BIASED: tl.constexpr):
-    """Class accumulators of ``lane_codes``' biased values -> of the codes: ``a4`` holds each row's
-    ``1024 * sum(w)`` (the same dots against a constant 1024)."""
+def unbias(a0, a1, a2, a3, BIASED: tl.constexpr):
+    """Class accumulators of ``lane_codes``' biased values (their bias taken off tile by tile,
+    ``class_values``) -> of the codes: the high classes' come 16 times over."""
     if BIASED:
-        a0, a1, a2, a3 = a0 - a4, (a1 - a4) * 0.0625, a2 - a4, (a3 - a4) * 0.0625
+        a1, a3 = a1 * 0.0625, a3 * 0.0625
     return a0, a1, a2, a3
 
 
@@ -303,7 +304,6 @@ def int8_words_loop(
     # BIASED: each row's scores carry 1152 * sum(q) (the queries as the dots take them)
     qbias = 1152.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
     a0, a1, a2, a3 = class_accumulators(GP, D)
-    a4 = a0  # BIASED: 1152 sum_t p_t scale_t (class_values' a4)
     words = data_ptr.to(tl.pointer_type(tl.int32))
     strides = (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh)
     t = tl.arange(0, TILE)
@@ -311,28 +311,26 @@ def int8_words_loop(
     blk_n = next_blocks(table, start, end, t, BS)
     if CAUSAL:
         for s in range(start, end, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3, a4 = int8_words_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
                 s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, a4, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
     else:
         # NOTE: as int4_tokens_loop's: whole tiles unmasked, the split's last one masked, once
         whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
         for s in range(start, whole, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3, a4 = int8_words_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
                 s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, a4, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
         if whole < end:
-            blk_n, m_i, l_i, a0, a1, a2, a3, a4 = int8_words_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
                 whole, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, a4, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
-    if BIASED:
-        a0, a1, a2, a3 = a0 - a4, a1 - a4, a2 - a4, a3 - a4
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
     return m_i, l_i, join_classes(a0, a1, a2, a3)
 
 
 @triton.jit
 def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                    m_i, l_i, a0, a1, a2, a3, a4,
+                    m_i, l_i, a0, a1, a2, a3,
                     TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                     ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
     """One tile of ``int8_words_loop`` (tokens ``s + t``): the next tile's block ids and the updated
@@ -359,13 +357,18 @@ def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs
     m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
     p = (p * vs[None, :]).to(DOT)
     ae = alpha[:, None]
-    a0 = a0 * ae + tl.dot(p, word_codes(vw, 0, ASM, BIASED).to(DOT), input_precision=PREC)
-    a1 = a1 * ae + tl.dot(p, word_codes(vw, 8, ASM, BIASED).to(DOT), input_precision=PREC)
-    a2 = a2 * ae + tl.dot(p, word_codes(vw, 16, ASM, BIASED).to(DOT), input_precision=PREC)
-    a3 = a3 * ae + tl.dot(p, word_codes(vw, 24, ASM, BIASED).to(DOT), input_precision=PREC)
-    if BIASED:  # 1152 sum_t p_t scale_t, in the accumulators' layout
-        a4 = a4 * ae + tl.dot(p, tl.full([TILE, a0.shape[1]], 1152.0, DOT), input_precision=PREC)
-    return blk_n, m_new, l_i, a0, a1, a2, a3, a4
+    if BIASED:  # each dot from its accumulator less the tile's bias (class_values' NOTE)
+        bias = tl.dot(p, tl.full([TILE, a0.shape[1]], 1152.0, DOT), input_precision=PREC)
+        a0 = tl.dot(p, word_codes(vw, 0, ASM, BIASED).to(DOT), a0 * ae - bias, input_precision=PREC)
+        a1 = tl.dot(p, word_codes(vw, 8, ASM, BIASED).to(DOT), a1 * ae - bias, input_precision=PREC)
+        a2 = tl.dot(p, word_codes(vw, 16, ASM, BIASED).to(DOT), a2 * ae - bias, input_precision=PREC)
+        a3 = tl.dot(p, word_codes(vw, 24, ASM, BIASED).to(DOT), a3 * ae - bias, input_precision=PREC)
+    else:
+        a0 = a0 * ae + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
+        a1 = a1 * ae + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)
+        a2 = a2 * ae + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
+        a3 = a3 * ae + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
+    return blk_n, m_new, l_i, a0, a1, a2, a3
 
 
 @triton.jit
@@ -684,24 +687,32 @@ def byte_scores(qe, qo, qsum, kb, ks, km, ASM: tl.constexpr):
 
 
 @triton.jit
-def class_values(p, vx, vs, vm, a0, a1, a2, a3, a4, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+def class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  BIASED: tl.constexpr):
     """The class accumulators ``[.., R, D/4]`` and the sums ``b = sum_t p_t min_t`` ``[.., R]``,
     rescaled by ``alpha`` [.., R] and advanced by the weights ``p`` [.., R, T] over the codes (lanes
     ``vx`` [.., T, D/4]), each token's pair (``vs``, ``vm`` [.., T]) folded in:
     ``(p * scale) . code`` and ``sum_t p_t min_t``. BIASED (fp16 dots): the codes come biased
-    (``lane_codes``) and ``a4`` sums the weights times 1024 in the same dots, for ``unbias``."""
+    (``lane_codes``), and each dot starts from its accumulator less the tile's bias,
+    ``1024 * sum_t w_t`` (one more dot, against a constant), so the accumulators never hold more
+    than a tile's bias: tensor cores truncate what they add, and a bias carried over a long split
+    would grow the error with it. The high classes come 16 times over (``unbias``)."""
     last: tl.constexpr = len(p.shape) - 1
     w = (p * tl.expand_dims(vs, last - 1)).to(DOT)
     v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
     ae = last_dim(alpha)
-    a0 = a0 * ae + tl.dot(w, v0.to(DOT), input_precision=PREC)
-    a1 = a1 * ae + tl.dot(w, v1.to(DOT), input_precision=PREC)
-    a2 = a2 * ae + tl.dot(w, v2.to(DOT), input_precision=PREC)
-    a3 = a3 * ae + tl.dot(w, v3.to(DOT), input_precision=PREC)
     if BIASED:
-        a4 = a4 * ae + tl.dot(w, tl.full(v0.shape, 1024.0, DOT), input_precision=PREC)
-    return a0, a1, a2, a3, a4, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
+        t = tl.dot(w, tl.full(v0.shape, 1024.0, DOT), input_precision=PREC)
+        a0 = tl.dot(w, v0.to(DOT), a0 * ae - t, input_precision=PREC)
+        a1 = tl.dot(w, v1.to(DOT), a1 * ae - t, input_precision=PREC)
+        a2 = tl.dot(w, v2.to(DOT), a2 * ae - t, input_precision=PREC)
+        a3 = tl.dot(w, v3.to(DOT), a3 * ae - t, input_precision=PREC)
+    else:
+        a0 = a0 * ae + tl.dot(w, v0.to(DOT), input_precision=PREC)
+        a1 = a1 * ae + tl.dot(w, v1.to(DOT), input_precision=PREC)
+        a2 = a2 * ae + tl.dot(w, v2.to(DOT), input_precision=PREC)
+        a3 = a3 * ae + tl.dot(w, v3.to(DOT), input_precision=PREC)
+    return a0, a1, a2, a3, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
 
 
 @triton.jit
@@ -730,20 +741,19 @@ def int4_tokens_loop(
     qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
     cs = tl.maximum(step * qk_scale, 1e-30)  # a score unit in the exponent's (log2) units, per row (> 0)
     a0, a1, a2, a3 = class_accumulators(R, D)
-    a4 = a0  # BIASED: 1024 sum_t w_t (class_values)
     b = tl.zeros([R], tl.float32)  # sum_t p_t min_t, rescaled as the accumulators are
     ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
-    m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tiles(
+    m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tiles(
         start, end, tl.arange(0, TILE), table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-        m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, BIASED)
-    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, a4, BIASED)
+        m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, BIASED)
+    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, BIASED)
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
 
 
 @triton.jit
 def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                      m_i, l_i, a0, a1, a2, a3, a4, b,
+                      m_i, l_i, a0, a1, a2, a3, b,
                       TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                       ASM: tl.constexpr, CAUSAL: tl.constexpr, BIASED: tl.constexpr):
     """``int4_tokens_tile`` over the tiles of ``[start, end)`` (``t``: a tile's token offsets,
@@ -752,28 +762,28 @@ def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qs
     blk_n = next_blocks(table, start, end, t, BS)
     if CAUSAL:
         for s in range(start, end, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
     else:
         # NOTE: a decode's tiles are whole but its split's last: they read and score every token
         # unmasked (the masks and selects were a tenth of the loop's instructions), the last one
         # masked, once
         whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
         for s in range(start, whole, TILE):
-            blk_n, m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
         if whole < end:
-            blk_n, m_i, l_i, a0, a1, a2, a3, a4, b = int4_tokens_tile(
+            blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 whole, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, a4, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
-    return m_i, l_i, a0, a1, a2, a3, a4, b
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+    return m_i, l_i, a0, a1, a2, a3, b
 
 
 @triton.jit
 def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                     m_i, l_i, a0, a1, a2, a3, a4, b,
+                     m_i, l_i, a0, a1, a2, a3, b,
                      TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                      ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
     """One tile of ``int4_tokens_loop`` (tokens ``s + t``): the next tile's block ids and the
@@ -792,8 +802,8 @@ def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(x * last_dim(cs) - last_dim(m_new))
     l_i = l_i * alpha + tl.sum(p, axis=last)
-    a0, a1, a2, a3, a4, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, a4, b, alpha, ASM, DOT, PREC, BIASED)
-    return blk_n, m_new, l_i, a0, a1, a2, a3, a4, b
+    a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC, BIASED)
+    return blk_n, m_new, l_i, a0, a1, a2, a3, b
 
 
 @triton.jit
@@ -821,17 +831,17 @@ def int4_tokens_warp_loop(
     qe = tl.broadcast_to(qe[None, :, :], [NW, R, D // 2])
     qo = tl.broadcast_to(qo[None, :, :], [NW, R, D // 2])
     zero = tl.zeros([NW, R, D // 4], tl.float32)
-    a0, a1, a2, a3, a4 = zero, zero, zero, zero, zero
+    a0, a1, a2, a3 = zero, zero, zero, zero
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
     lw = tl.zeros([NW, R], tl.float32)
     bw = tl.zeros([NW, R], tl.float32)
     ptrs = token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr)
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
-    mw, lw, a0, a1, a2, a3, a4, bw = int4_tokens_tiles(  # decode only: not causal (no query positions)
+    mw, lw, a0, a1, a2, a3, bw = int4_tokens_tiles(  # decode only: not causal (no query positions)
         start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, None,
-        mw, lw, a0, a1, a2, a3, a4, bw, TILE, BS, DOT, PREC, ASM, False, BIASED)
-    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, a4, BIASED)
+        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, False, BIASED)
+    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, BIASED)
     # the warps' states merged, with the one passed in (whose accumulator is zero)
     m_out = tl.maximum(m_i, tl.max(mw, axis=0))
     f = tl.exp2(mw - m_out[None, :])  # [NW, R]

@@ -27,7 +27,8 @@ LOG2E = 1.4426950408889634
 ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # NOTE: in fp16 dots the decode loops take their codes biased, as the bit tricks make them: INT4R's
 # values (decode_tiles.lane_codes, unbias: four instructions fewer a pair of lanes), INT8's keys and
-# values (word_codes: one fewer a pair), for one more dot each and a bias off the scores.
+# values (word_codes: one fewer a pair), for one more dot each (the tile's bias, off the sums as
+# they grow) and a bias off INT8's scores.
 # LLMBUS_TRITON_BIASED_VALUES=0 turns that off; =1 turns it on in any dot dtype but bf16 (which
 # cannot hold 1024 + code), fp32 off CUDA included (what the CPU tests force; in fp32 INT4R's bias
 # costs ~1e-4 of a value's scale, which fp32 tolerances see). None: fp16 dots only.

@@ -163,6 +163,30 @@ def check_kernels() -> list[dict]:
             qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
         _measure(rows, "paged_prefill head-major", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, hm_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
+    # one long split: fp16 dots take the codes biased (paged_decode.BIASED_VALUES), and tensor
+    # cores truncate what they add, so a bias carried over many tiles would grow the error with the
+    # split's length; flat softmax (zero queries: every token weighs alike) and random queries, the
+    # exact conversion beside them
+    n = 32768 + 5
+    for fmt in ("int8", "int4r"):
+        _, tables, slots, k, v = _filled(fmt, lay, [n], gen)
+        long_cache = allocate_cache(KVFormat(fmt), lay, lay.num_blocks_for(n) + 1, "cuda")
+        ref.write_kv_cache(k, v, long_cache, slots)
+        sl = torch.tensor([n], dtype=torch.int32, device="cuda")
+        for qname, q in (("flat", torch.zeros(1, HQ, D, device="cuda").bfloat16()),
+                         ("random", torch.randn(1, HQ, D, device="cuda").bfloat16())):
+            want = ref.paged_decode_attention_cache(q, long_cache, tables, sl, D**-0.5).float()
+            for bias in (paged_decode.BIASED_VALUES, False):
+                def long_err(q=q, want=want, bias=bias):
+                    saved, paged_decode.BIASED_VALUES = paged_decode.BIASED_VALUES, bias
+                    try:
+                        got = paged_decode_attention(q, long_cache, tables, sl, D**-0.5, num_splits=1).float()
+                    finally:
+                        paged_decode.BIASED_VALUES = saved
+                    return (got - want).abs().max()
+
+                _measure(rows, f"paged_decode 32k 1 split {qname}{' unbiased' if bias is False else ''}", fmt, 4e-2,
+                         long_err)
     for r in rows:
         r["ok"] = r["max_err"] <= r["tol"]
         extra = f" {r['error']}" if "error" in r else ""

@@ -301,14 +301,45 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return sum(((lut >> ((a >> k & 1) << 2 | (b >> k & 1) << 1 | (c >> k & 1))) & 1) << k for k in range(32))
 
 
+def _run_ptx(text: str, regs: dict) -> dict:
+    """The PTX statements of ``text`` (an inline-asm block) run in order on ``regs`` (name -> 32-bit
+    int), as the PTX ISA defines them: mov.b32, shr.b32, prmt.b32 (default mode), lop3.b32,
+    sub.f16x2 and fma.rn.f16x2 (each half rounded once to fp16); anything else fails."""
+    import re
+
+    import numpy as np
+
+    statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
+    assert statements[0].startswith(".reg "), statements
+    regs = dict(regs)
+    for st in statements[1:]:
+        op, args = st.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        val = [regs[a] if a in regs else int(a, 0) for a in src]
+        if op == "mov.b32":
+            regs[d] = val[0]
+        elif op == "shr.b32":
+            regs[d] = val[0] >> val[1]
+        elif op == "prmt.b32":
+            regs[d] = _prmt(*val)
+        elif op == "lop3.b32":
+            regs[d] = _lop3(*val)
+        elif op in ("sub.f16x2", "fma.rn.f16x2"):
+            halves = [_f16x2(v) for v in val]
+            out = [x - y for x, y in zip(*halves)] if op == "sub.f16x2" else [x * y + z for x, y, z in zip(*halves)]
+            regs[d] = int.from_bytes(np.array(out, np.float16).tobytes(), "little")
+        else:
+            raise AssertionError(f"not emulated: {st}")
+        assert re.fullmatch(r"\$\d|\w+", d) and regs[d] >> 32 == 0, st
+    return regs
+
+
 @pytest.mark.parametrize("biased", [False, True])
 def test_int8_pair_ptx_reads_the_right_bytes_and_values(biased):
     """What the GPU-only conversion (decode_tiles.S8_PAIR_*) computes, instruction by instruction as
-    the PTX ISA defines them, for every code in every byte of two words. It runs natively in the kernel
-    tests on a GPU (scripts/gpu_check.sh); here the selector and truth table are checked. S8_BIASED_*
-    stop before the subtract: 1152 + code."""
-    import re
-
+    the PTX ISA defines them (``_run_ptx``), for every code in every byte of two words ($1, $2), with
+    other codes around it that must not leak in: $0, the fp16 pair of the two words' codes
+    (S8_BIASED_*: 1152 + code). It runs natively in the kernel tests on a GPU (scripts/gpu_check.sh)."""
     import numpy as np
 
     from kernels import decode_tiles
@@ -316,25 +347,13 @@ def test_int8_pair_ptx_reads_the_right_bytes_and_values(biased):
     codes = np.arange(-127, 128, dtype=np.int8)
     names = [f"S8_{'BIASED' if biased else 'PAIR'}_{b}" for b in range(4)]
     for byte, ptx in enumerate(getattr(decode_tiles, n) for n in names):
-        ops = dict(re.findall(r"(\w+)\.\w+ ([^;]+);", ptx.value))
-        sel = int(ops["prmt"].split(",")[-1], 16)
-        out, *_, mask, bias_reg, lut = [x.strip() for x in ops["lop3"].split(",")]
-        bias = int(ops["mov"].split(",")[-1], 16)
-        if biased:  # the lop3 writes the output, and nothing else follows it
-            assert bias_reg == "c" and out == "$0" and "sub" not in ops, ptx.value
-        else:
-            assert bias_reg == "c" and ops["sub"].replace(" ", "") == "$0,t,c"
         for lo_code, hi_code in zip(codes, codes[::-1]):
-            # the other bytes hold other codes, which must not leak in
             b1, b2 = np.array([90, -17, 3, -128], np.int8), np.array([-90, 17, -3, 127], np.int8)
             b1[byte], b2[byte] = lo_code, hi_code
             w1, w2 = (int.from_bytes(b.tobytes(), "little") for b in (b1, b2))
-            t = _lop3(_prmt(w1, w2, sel), int(mask, 16), bias, int(lut, 16))
-            pair = np.frombuffer(t.to_bytes(4, "little"), np.float16)
-            if not biased:
-                pair = pair - np.frombuffer(bias.to_bytes(4, "little"), np.float16)
+            regs = _run_ptx(ptx.value, {"$0": 0, "$1": w1, "$2": w2})
             want = [float(lo_code), float(hi_code)]
-            assert pair.tolist() == ([1152.0 + x for x in want] if biased else want), (byte, lo_code, hi_code)
+            assert _f16x2(regs["$0"]) == ([1152.0 + x for x in want] if biased else want), (byte, lo_code, hi_code)
 
 
 def _f16x2(word: int) -> list[float]:
@@ -350,34 +369,14 @@ def test_int4_lanes_ptx_reads_the_right_nibbles_and_values(biased):
     around it: output $r holds channel class r of both lanes (class 0, 1: the low byte's low and high
     nibble; 2, 3: the high byte's); U4_LANES_BIASED, the same as 1024 + code (classes 0, 2) and 1024 +
     16 code (1, 3)."""
-    import re
-
-    import numpy as np
-
     from kernels import decode_tiles
 
     text = (decode_tiles.U4_LANES_BIASED if biased else decode_tiles.U4_LANES).value
-    statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
-    interpreted = ("mov.b32", "shr.b32", "lop3.b32", "sub.f16x2", "fma.rn.f16x2")
-    assert statements[0].startswith(".reg ") and all(x.startswith(interpreted) for x in statements[1:]), statements
-    consts = {r: int(v, 16) for r, v in re.findall(r"mov\.b32 (\w+), (0x[0-9a-f]+);", text)}
     for byte in range(256):
         for pos in range(4):
             word = [0x5A, 0xC3, 0x0F, 0xF0]
             word[pos] = byte
-            regs = dict(consts, **{"$4": int.from_bytes(bytes(word), "little")})
-            for op, args in re.findall(r"(shr\.b32|lop3\.b32|sub\.f16x2|fma\.rn\.f16x2) ([^;]+);", text):
-                d, *src = [a.strip() for a in args.split(",")]
-                val = [regs[a] if a in regs else int(a, 0) for a in src]
-                if op == "shr.b32":
-                    regs[d] = val[0] >> val[1]
-                elif op == "lop3.b32":
-                    regs[d] = _lop3(*val)
-                else:  # the f16x2 arithmetic, each half rounded once to fp16 (exact here)
-                    halves = [_f16x2(v) for v in val]
-                    out = [a - b for a, b in zip(*halves)] if op == "sub.f16x2" else [
-                        a * b + c for a, b, c in zip(*halves)]
-                    regs[d] = int.from_bytes(np.array(out, np.float16).tobytes(), "little")
+            regs = _run_ptx(text, {"$4": int.from_bytes(bytes(word), "little")})
             lanes = (word[0] | word[1] << 8, word[2] | word[3] << 8)
             for r in range(4):
                 want = [float(x >> 4 * r & 15) for x in lanes]
@@ -503,7 +502,7 @@ def test_decode_biased_codes(monkeypatch, name, dtype, warp_tiles, num_warps):
                                       num_warps=num_warps).meta
     assert meta["BIASED"] and (meta["LANES"] or meta["WORDS"]) and meta["WARP_TILES"] == bool(warp_tiles)
     monkeypatch.setattr(paged_decode, "BIASED_VALUES", None)  # by default only fp16 dots (CUDA) take it
-    assert not paged_decode.decode_launch(q, cache, one[:, None], one, tile=64).meta["BIASED"]
+    assert paged_decode.decode_launch(q, cache, one[:, None], one, tile=64).meta["BIASED"] == (DEV == "cuda")
 
 
 def test_decode_bad_tile_is_a_value_error():
