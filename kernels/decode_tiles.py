@@ -372,6 +372,95 @@ def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs
 
 
 @triton.jit
+def int8_words_warp_loop(
+    q_ptr, qrows, rmask,  # as int8_words_loop's (decode only: not causal)
+    data_ptr, scale_ptr, table, h, start, end,
+    m_i, l_i, qk_scale,
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh,
+    R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    ASM: tl.constexpr, BIASED: tl.constexpr,
+    NW: tl.constexpr,  # the launch's warps: each takes TILE / NW tokens of a tile
+):
+    """``int8_words_loop`` with each warp its own online softmax over its own share of every tile,
+    tokens down the dots' rows, merged once at the end (``int4_tokens_warp_loop``'s NOTE): the
+    key words are the score dots' left operands as they are, the value words load transposed
+    (``[NW, D/4, TILE / NW]``) to be the value dots' left operands, the query rows are the right
+    operands' columns."""
+    TW: tl.constexpr = TILE // NW
+    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
+    # BIASED: each row's scores carry 1152 * sum(q) (the queries as the dots take them)
+    qbias = 1152.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    qs = (tl.broadcast_to(tl.trans(q0)[None, :, :], [NW, D // 4, R]),
+          tl.broadcast_to(tl.trans(q1)[None, :, :], [NW, D // 4, R]),
+          tl.broadcast_to(tl.trans(q2)[None, :, :], [NW, D // 4, R]),
+          tl.broadcast_to(tl.trans(q3)[None, :, :], [NW, D // 4, R]))
+    cs = tl.zeros([1, R], tl.float32) + qk_scale
+    zero = tl.zeros([NW, D // 4, R], tl.float32)
+    a0, a1, a2, a3 = zero, zero, zero, zero
+    mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max and denominator
+    lw = tl.zeros([NW, R], tl.float32)
+    words = data_ptr.to(tl.pointer_type(tl.int32))
+    strides = (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh)
+    t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
+    blk_n = next_blocks(table, start, end, t, BS)
+    whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
+    for s in range(start, whole, TILE):
+        blk_n, mw, lw, a0, a1, a2, a3 = int8_words_warp_tile(
+            s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, cs,
+            mw, lw, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, False, BIASED)
+    if whole < end:
+        blk_n, mw, lw, a0, a1, a2, a3 = int8_words_warp_tile(
+            whole, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, cs,
+            mw, lw, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, True, BIASED)
+    m_out, l_out, acc, _ = merge_warps(m_i, l_i, mw, lw, a0, a1, a2, a3)
+    return m_out, l_out, acc
+
+
+@triton.jit
+def int8_words_warp_tile(s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, cs,
+                         m_i, l_i, a0, a1, a2, a3,
+                         TILE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+                         PREC: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
+    """One tile of ``int8_words_warp_loop`` (tokens ``s + t``, ``[NW, TILE / NW]``): the next tile's
+    block ids and the updated state. Without MASKED every token of the tile is below ``end``."""
+    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh = strides
+    q0, q1, q2, q3 = qs
+    valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
+    # NOTE: >> 2, not // 4, on these non-negative offsets: a signed division costs a correction
+    wrow = (blk * s_dn + off * s_db + h * s_dh) >> 2
+    j = tl.arange(0, D // 4)
+    kw = load_rows(words + last_dim(wrow) + j[None, None, :], last_dim(valid), MASKED)
+    vw = load_rows(words + (s_dc >> 2) + wrow[:, None, :] + j[None, :, None], valid[:, None, :], MASKED)
+    srow = blk * s_sn + off * s_sb + h * s_sh
+    ks = scale_at(scale_ptr, srow, valid, MASKED)
+    vs = scale_at(scale_ptr, s_sc + srow, valid, MASKED)
+    x = tl.dot(word_codes(kw, 0, ASM, BIASED).to(DOT), q0, input_precision=PREC)
+    x = tl.dot(word_codes(kw, 8, ASM, BIASED).to(DOT), q1, x, input_precision=PREC)
+    x = tl.dot(word_codes(kw, 16, ASM, BIASED).to(DOT), q2, x, input_precision=PREC)
+    x = tl.dot(word_codes(kw, 24, ASM, BIASED).to(DOT), q3, x, input_precision=PREC)
+    if BIASED:
+        x = x - qbias
+    x = x * last_dim(ks)
+    if MASKED:
+        x = tl.where(last_dim(valid), x, float("-inf"))
+    m_new, alpha, p, l_i = scaled_softmax_step(x, m_i, l_i, cs, 1)
+    w = (p * last_dim(vs)).to(DOT)
+    ae = alpha[:, None, :]
+    if BIASED:  # each dot from its accumulator less the tile's bias (class_values' NOTE)
+        bias = tl.dot(tl.full(vw.shape, 1152.0, DOT), w, input_precision=PREC)
+        a0 = tl.dot(word_codes(vw, 0, ASM, BIASED).to(DOT), w, a0 * ae - bias, input_precision=PREC)
+        a1 = tl.dot(word_codes(vw, 8, ASM, BIASED).to(DOT), w, a1 * ae - bias, input_precision=PREC)
+        a2 = tl.dot(word_codes(vw, 16, ASM, BIASED).to(DOT), w, a2 * ae - bias, input_precision=PREC)
+        a3 = tl.dot(word_codes(vw, 24, ASM, BIASED).to(DOT), w, a3 * ae - bias, input_precision=PREC)
+    else:
+        a0 = a0 * ae + tl.dot(word_codes(vw, 0, ASM).to(DOT), w, input_precision=PREC)
+        a1 = a1 * ae + tl.dot(word_codes(vw, 8, ASM).to(DOT), w, input_precision=PREC)
+        a2 = a2 * ae + tl.dot(word_codes(vw, 16, ASM).to(DOT), w, input_precision=PREC)
+        a3 = a3 * ae + tl.dot(word_codes(vw, 24, ASM).to(DOT), w, input_precision=PREC)
+    return blk_n, m_new, l_i, a0, a1, a2, a3
+
+
+@triton.jit
 def int8_tile(
     data_ptr,  # int8 [2, N, BS, H, D]
     scale_ptr,  # [2, N, BS, H] fp16 | fp32
@@ -590,15 +679,21 @@ def token_ptrs(data_ptr, kmeta_ptr, vmeta_ptr):
 
 @triton.jit
 def token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
-                s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED: tl.constexpr = True):
+                s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED: tl.constexpr = True,
+                VT: tl.constexpr = False):
     """INT4R tokens (block ids ``blk``, offsets ``off``, where ``valid``; any shape ``S``) of KV head
     ``h``: their key bytes ``[*S, D/2]`` (``kc``: the byte indices), value lanes ``[*S, D/4]`` (``vc``:
-    the lane indices; both ``[*S, n]``-broadcastable), and their keys' and values' (scale, min) as
-    fp32 ``[*S]``. Without MASKED every token is read (``valid`` unused)."""
+    the lane indices; both ``[*S, n]``-broadcastable; VT: the lanes transposed, ``[.., D/4, T]``
+    from ``vc`` ``[.., D/4, 1]``), and their keys' and values' (scale, min) as fp32 ``[*S]``. Without
+    MASKED every token is read (``valid`` unused)."""
     row = blk * s_dn + off * s_db + h * s_dh  # in bytes
     kb = load_rows(kbytes + last_dim(row) + kc, last_dim(valid), MASKED)
     # NOTE: >> 1, not // 2, on these non-negative offsets: a signed division costs a correction
-    vx = load_rows(lanes + last_dim((s_dc + row) >> 1) + vc, last_dim(valid), MASKED)
+    if VT:
+        tok: tl.constexpr = len(row.shape) - 1
+        vx = load_rows(lanes + tl.expand_dims((s_dc + row) >> 1, tok) + vc, tl.expand_dims(valid, tok), MASKED)
+    else:
+        vx = load_rows(lanes + last_dim((s_dc + row) >> 1) + vc, last_dim(valid), MASKED)
     ks, km = half_pair(load_rows(kwords + (((blk * s_kmn + h * s_kmh) >> 1) + off), valid, MASKED))
     vs, vm = half_pair(load_rows(vwords + ((blk * s_vmn + off * s_vmb + h * s_vmh) >> 1), valid, MASKED))
     return kb, vx, ks, km, vs, vm
@@ -687,6 +782,44 @@ def byte_scores(qe, qo, qsum, kb, ks, km, ASM: tl.constexpr):
 
 
 @triton.jit
+def byte_scores_t(qe, qo, qsum, kb, ks, km, ASM: tl.constexpr):
+    """``byte_scores`` with tokens down the rows: ``[.., T, R]`` from the queries' even and odd
+    channels as columns (``[.., D/2, R]``). The codes are the dots' left operands, so a dot's 16
+    rows are 16 tokens and the rows ``R`` need only 8 columns (``int4_tokens_warp_loop``)."""
+    k0, k1 = byte_codes(kb, ASM)
+    acc = tl.dot(k0, qe, out_dtype=tl.int32)
+    acc = tl.dot(k1, qo, acc, out_dtype=tl.int32)
+    return acc.to(tl.float32) * last_dim(ks) + last_dim(km) * qsum
+
+
+@triton.jit
+def class_values_t(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr,
+                   PREC: tl.constexpr, BIASED: tl.constexpr):
+    """``class_values`` with tokens down the rows: weights ``p`` [.., T, R], accumulators
+    ``[.., D/4, R]`` (each class's channels down the rows), ``b``, ``alpha`` [.., R]. The value codes
+    are the left operands (``[.., D/4, T]``, the lanes transposed), the weights the right."""
+    tok: tl.constexpr = len(p.shape) - 2
+    w = (p * last_dim(vs)).to(DOT)
+    # NOTE: the lanes come transposed (token_codes' VT) and convert in the dots' layout: codes
+    # converted first and then transposed went through shared memory, four times the lanes' bytes
+    v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
+    v0, v1, v2, v3 = v0.to(DOT), v1.to(DOT), v2.to(DOT), v3.to(DOT)
+    ae = tl.expand_dims(alpha, tok)
+    if BIASED:
+        t = tl.dot(tl.full(v0.shape, 1024.0, DOT), w, input_precision=PREC)
+        a0 = tl.dot(v0, w, a0 * ae - t, input_precision=PREC)
+        a1 = tl.dot(v1, w, a1 * ae - t, input_precision=PREC)
+        a2 = tl.dot(v2, w, a2 * ae - t, input_precision=PREC)
+        a3 = tl.dot(v3, w, a3 * ae - t, input_precision=PREC)
+    else:
+        a0 = a0 * ae + tl.dot(v0, w, input_precision=PREC)
+        a1 = a1 * ae + tl.dot(v1, w, input_precision=PREC)
+        a2 = a2 * ae + tl.dot(v2, w, input_precision=PREC)
+        a3 = a3 * ae + tl.dot(v3, w, input_precision=PREC)
+    return a0, a1, a2, a3, b * alpha + tl.sum(p * last_dim(vm), axis=tok)
+
+
+@triton.jit
 def class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  BIASED: tl.constexpr):
     """The class accumulators ``[.., R, D/4]`` and the sums ``b = sum_t p_t min_t`` ``[.., R]``,
@@ -713,6 +846,31 @@ def class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT
         a2 = a2 * ae + tl.dot(w, v2.to(DOT), input_precision=PREC)
         a3 = a3 * ae + tl.dot(w, v3.to(DOT), input_precision=PREC)
     return a0, a1, a2, a3, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
+
+
+@triton.jit
+def scaled_softmax_step(x, m_i, l_i, cs, TOK: tl.constexpr):
+    """``softmax_step`` over scores ``x`` whose tokens run along axis ``TOK`` (the rows' state,
+    ``m_i``, ``l_i``, has that axis removed), in units of ``cs`` (> 0, per row: the state's shape,
+    or broadcast to it) folded into the exponent's one multiply-add."""
+    m_new = tl.maximum(m_i, tl.max(x, axis=TOK) * cs)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(x * tl.expand_dims(cs, TOK) - tl.expand_dims(m_new, TOK))
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=TOK)
+
+
+@triton.jit
+def merge_warps(m_i, l_i, mw, lw, a0, a1, a2, a3):
+    """The per-warp loops' states (``mw``, ``lw`` [NW, R], class accumulators ``[NW, D/4, R]``)
+    merged with the one passed in (``m_i``, ``l_i`` [R], whose accumulator is zero): the merged
+    max, denominator and accumulator ``[R, D]``, and each warp's factor ``f`` [NW, R]."""
+    m_out = tl.maximum(m_i, tl.max(mw, axis=0))
+    f = tl.exp2(mw - m_out[None, :])
+    l_out = l_i * tl.exp2(m_i - m_out) + tl.sum(lw * f, axis=0)
+    f3 = f[:, None, :]
+    acc = join_classes(tl.trans(tl.sum(a0 * f3, axis=0)), tl.trans(tl.sum(a1 * f3, axis=0)),
+                       tl.trans(tl.sum(a2 * f3, axis=0)), tl.trans(tl.sum(a3 * f3, axis=0)))
+    return m_out, l_out, acc, f
 
 
 @triton.jit
@@ -746,7 +904,7 @@ def int4_tokens_loop(
     strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
     m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tiles(
         start, end, tl.arange(0, TILE), table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-        m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, BIASED)
+        m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, BIASED, False)
     a0, a1, a2, a3 = unbias(a0, a1, a2, a3, BIASED)
     return m_i, l_i, join_classes(a0, a1, a2, a3) + b[:, None]
 
@@ -755,7 +913,7 @@ def int4_tokens_loop(
 def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
                       m_i, l_i, a0, a1, a2, a3, b,
                       TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                      ASM: tl.constexpr, CAUSAL: tl.constexpr, BIASED: tl.constexpr):
+                      ASM: tl.constexpr, CAUSAL: tl.constexpr, BIASED: tl.constexpr, SWAP: tl.constexpr):
     """``int4_tokens_tile`` over the tiles of ``[start, end)`` (``t``: a tile's token offsets,
     ``[TILE]`` or split between warps ``[NW, TILE / NW]``); returns the state."""
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
@@ -764,7 +922,7 @@ def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qs
         for s in range(start, end, TILE):
             blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED, SWAP)
     else:
         # NOTE: a decode's tiles are whole but its split's last: they read and score every token
         # unmasked (the masks and selects were a tenth of the loop's instructions), the last one
@@ -773,11 +931,11 @@ def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qs
         for s in range(start, whole, TILE):
             blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED, SWAP)
         if whole < end:
             blk_n, m_i, l_i, a0, a1, a2, a3, b = int4_tokens_tile(
                 whole, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
-                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+                m_i, l_i, a0, a1, a2, a3, b, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED, SWAP)
     return m_i, l_i, a0, a1, a2, a3, b
 
 
@@ -785,24 +943,31 @@ def int4_tokens_tiles(start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qs
 def int4_tokens_tile(s, t, blk_n, table, end, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, qpos,
                      m_i, l_i, a0, a1, a2, a3, b,
                      TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                     ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
+                     ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr,
+                     SWAP: tl.constexpr):
     """One tile of ``int4_tokens_loop`` (tokens ``s + t``): the next tile's block ids and the
-    updated state. Without MASKED every token of the tile is below ``end``."""
+    updated state. Without MASKED every token of the tile is below ``end``. SWAP (not CAUSAL): the
+    scores come with tokens down the rows (``byte_scores_t``, ``class_values_t``)."""
     kbytes, lanes, kwords, vwords = ptrs
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh = strides
     valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
     kb, vx, ks, km, vs, vm = token_codes(kbytes, lanes, kwords, vwords, blk, off, valid, kc, vc, h,
-                                         s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED)
-    x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
-    if MASKED:
-        x = tl.where(row_mask(s + t, valid, qpos, CAUSAL), x, float("-inf"))
-    # NOTE: softmax_step's, with each row's unit folded into the exponent's one multiply-add
-    last: tl.constexpr = len(x.shape) - 1
-    m_new = tl.maximum(m_i, tl.max(x, axis=last) * cs)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(x * last_dim(cs) - last_dim(m_new))
-    l_i = l_i * alpha + tl.sum(p, axis=last)
-    a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC, BIASED)
+                                         s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh, MASKED, SWAP)
+    if SWAP:
+        x = byte_scores_t(qe, qo, qsum, kb, ks, km, ASM)
+        if MASKED:
+            x = tl.where(last_dim(valid), x, float("-inf"))
+        tok: tl.constexpr = len(x.shape) - 2
+    else:
+        x = byte_scores(qe, qo, qsum, kb, ks, km, ASM)
+        if MASKED:
+            x = tl.where(row_mask(s + t, valid, qpos, CAUSAL), x, float("-inf"))
+        tok: tl.constexpr = len(x.shape) - 1
+    m_new, alpha, p, l_i = scaled_softmax_step(x, m_i, l_i, cs, tok)
+    if SWAP:
+        a0, a1, a2, a3, b = class_values_t(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC, BIASED)
+    else:
+        a0, a1, a2, a3, b = class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM, DOT, PREC, BIASED)
     return blk_n, m_new, l_i, a0, a1, a2, a3, b
 
 
@@ -817,20 +982,26 @@ def int4_tokens_warp_loop(
     NW: tl.constexpr,  # the launch's warps: each takes TILE / NW tokens of a tile
 ):
     """``int4_tokens_loop`` with each warp its own online softmax over its own share of every tile
-    (``[NW, R, TILE / NW]`` scores; the dots batched over the warps, which Triton gives a warp
-    each), merged once at the end. NOTE: the 2-D loop's warps split a tile's tokens between them,
-    so each row's max and sum cross the warps (shared memory and a barrier, twice a tile) and the
-    weights go through shared memory to the value dots, which need every token; here neither
-    does, at the cost of a whole ``[R, D]`` accumulator a warp, each rescaled every tile.
-    Off by default (``paged_decode.WARP_TILES``) until a GPU has timed it."""
+    (the dots batched over the warps, which Triton gives a warp each), merged once at the end.
+    NOTE: the 2-D loop's warps split a tile's tokens between them, so each row's max and sum cross
+    the warps (shared memory and a barrier, twice a tile) and the weights go through shared memory
+    to the value dots, which need every token; here neither does, at the cost of a whole
+    accumulator a warp, rescaled every tile.
+
+    Tokens run down the rows (``[NW, TILE / NW, R]`` scores, ``[NW, D/4, R]`` accumulators): the
+    codes are the dots' left operands, whose 16 rows a ``mma`` fills with tokens, and the query
+    rows are the right operands' columns, of which a ``mma`` takes 8. With rows down the columns
+    (``R`` = 16 for any GQA group up to 16) a group of 4 left three quarters of every score, weight
+    and accumulator element padding (``paged_decode``'s GP is the group's power of two here).
+    INT4R decode's default (``paged_decode.WARP_TILES``), not yet timed on a GPU."""
     TW: tl.constexpr = TILE // NW
     kc = tl.arange(0, D // 2)[None, None, :]
-    vc = tl.arange(0, D // 4)[None, None, :]
+    vc = tl.arange(0, D // 4)[None, :, None]  # the lanes transposed (token_codes' VT)
     qe, qo, step, qsum = query_bytes(q_ptr, qrows, rmask, D)
     cs = tl.maximum(step * qk_scale, 1e-30)[None, :]
-    qe = tl.broadcast_to(qe[None, :, :], [NW, R, D // 2])
-    qo = tl.broadcast_to(qo[None, :, :], [NW, R, D // 2])
-    zero = tl.zeros([NW, R, D // 4], tl.float32)
+    qe = tl.broadcast_to(tl.trans(qe)[None, :, :], [NW, D // 2, R])
+    qo = tl.broadcast_to(tl.trans(qo)[None, :, :], [NW, D // 2, R])
+    zero = tl.zeros([NW, D // 4, R], tl.float32)
     a0, a1, a2, a3 = zero, zero, zero, zero
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max, denominator, sum_t p_t min_t
     lw = tl.zeros([NW, R], tl.float32)
@@ -840,13 +1011,7 @@ def int4_tokens_warp_loop(
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
     mw, lw, a0, a1, a2, a3, bw = int4_tokens_tiles(  # decode only: not causal (no query positions)
         start, end, t, table, ptrs, strides, kc, vc, h, qe, qo, qsum, cs, None,
-        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, False, BIASED)
+        mw, lw, a0, a1, a2, a3, bw, TILE, BS, DOT, PREC, ASM, False, BIASED, True)
     a0, a1, a2, a3 = unbias(a0, a1, a2, a3, BIASED)
-    # the warps' states merged, with the one passed in (whose accumulator is zero)
-    m_out = tl.maximum(m_i, tl.max(mw, axis=0))
-    f = tl.exp2(mw - m_out[None, :])  # [NW, R]
-    l_out = l_i * tl.exp2(m_i - m_out) + tl.sum(lw * f, axis=0)
-    f3 = f[:, :, None]
-    acc = join_classes(tl.sum(a0 * f3, axis=0), tl.sum(a1 * f3, axis=0), tl.sum(a2 * f3, axis=0),
-                       tl.sum(a3 * f3, axis=0))
+    m_out, l_out, acc, f = merge_warps(m_i, l_i, mw, lw, a0, a1, a2, a3)
     return m_out, l_out, acc + tl.sum(bw * f, axis=0)[:, None]

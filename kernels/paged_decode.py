@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_tiles import (attend_tile, int4_lanes_loop, int4_tokens_loop, int4_tokens_warp_loop, int8_tile,
-                                  int8_words_loop, tile_query)
+                                  int8_words_loop, int8_words_warp_loop, tile_query)
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -33,17 +33,17 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # cannot hold 1024 + code), fp32 off CUDA included (what the CPU tests force; in fp32 INT4R's bias
 # costs ~1e-4 of a value's scale, which fp32 tolerances see). None: fp16 dots only.
 BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED_VALUES", ""))
-# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA: each the best of
-# scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
-# channels, 16-token blocks; 2026-11-30 for int8 and int4, docs/benchmarks.md): int8 at 128-token
-# tiles capped at 128 registers 72% of peak (64, 4, 3 uncapped: 61%), int4 29%. The cap (int4: for
-# the lane loop only, see register_cap) doubled the warps an SM holds (8 -> 16). NOTE: measured
-# before the quantized loops double-buffered their codes (decode_tiles.next_blocks): int8's
-# default now takes 75.8 KB of shared memory a program, so 12 warps an SM; to be re-swept.
-# int4r: not yet measured on a GPU (2026-12-01): 128-token tiles, whose static bound is the highest
-# of the 4-warp launches (scripts/kernel_cost.py), capped at 128 registers (its loop does not spill;
-# 151 uncapped) so an SM holds 16 warps, until the sweep runs.
-CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (128, 4, 3, 128), "int4": (64, 4, 3, 128), "int4r": (128, 4, 3, 128)}
+# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. model and int4: the best
+# of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
+# channels, 16-token blocks; 2026-11-30, docs/benchmarks.md); int4's cap (for the lane loop only, see
+# register_cap) doubled the warps an SM holds (8 -> 16).
+# int8 and int4r: not yet measured on a GPU as they are (2026-12-01): their per-warp loops
+# (WARP_TILES) at 64-token tiles and two warps, 32 tokens a warp, the launches of the highest
+# static bound (scripts/kernel_cost.py under Triton 3.6). int4r capped at 128 registers (127
+# used, nothing spilled): an SM holds 16 warps, 487 loop instructions a tile, 195% of the H200's
+# peak (its shared loop's best: 140%); int8 at 168 (at 128 it spilled inside its loop): 12 warps,
+# 710 instructions, 240% (its shared loop, at 128, 4, 3, 128: 183%, measured 66-72%).
+CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 2, 3, 168), "int4": (64, 4, 3, 128), "int4r": (64, 2, 3, 128)}
 # What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
 # launch that would take more gets fewer stages (``pipeline_stages``).
 STAGE_BUDGET = 160 * 1024
@@ -55,16 +55,14 @@ STAGE_BUDGET = 160 * 1024
 # over B blocks' pages. Untested on a GPU as of 2026-11-30; bench_gpu's sweep measures both orders.
 # LLMBUS_TRITON_HEADS_FIRST=0 launches sequences first by default.
 HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
-# NOTE: LLMBUS_TRITON_WARP_TILES=1 runs INT4R decode through decode_tiles.int4_tokens_warp_loop (each
-# warp its own softmax over its share of a tile), where a warp's share is at least 16 tokens: less
-# shared-memory traffic, no cross-warp reduction in the loop, 12 warps an SM instead of 16
-# (scripts/kernel_cost.py under the H200's Triton 3.6: 673 loop instructions against the default's
-# 725, bound 141% against 131%); untested on a GPU as of 2026-12-01, so off by default (bench_gpu's
-# sweep times it beside the default).
-WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "0") == "1"
-# the per-warp loop's default register cap: its accumulators are a warp's each, and at INT4R's
-# default cap (128) it spilled inside its loop (scripts/kernel_cost.py: 22 local loads and stores)
-WARP_TILES_REGS = 168
+# NOTE: INT4R and INT8 decode run their per-warp loops (decode_tiles.int4_tokens_warp_loop,
+# int8_words_warp_loop: each warp its own softmax over its share of a tile, tokens down the dots'
+# rows) where a warp's share is at least 16 tokens: no cross-warp reduction or weights through
+# shared memory in the loop, and a group of 4 query heads pads its dots' columns to 8, not its rows
+# to 16 (scripts/kernel_cost.py under the H200's Triton 3.6, CUDA_LAUNCH's figures). Untested on a
+# GPU as of 2026-12-01; bench_gpu's sweep times the shared loops beside them.
+# LLMBUS_TRITON_WARP_TILES=0 runs the shared loops (int4_tokens_loop, int8_words_loop) by default.
+WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "1") != "0"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
 
 
@@ -95,7 +93,7 @@ def paged_decode_kernel(
     BIASED: tl.constexpr,  # codes biased (BIASED_VALUES)
     LANES: tl.constexpr,  # INT4 / INT4R full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop, int4_tokens_loop)
     NW: tl.constexpr,  # the launch's num_warps
-    WARP_TILES: tl.constexpr,  # INT4R: decode_tiles.int4_tokens_warp_loop, not int4_tokens_loop
+    WARP_TILES: tl.constexpr,  # INT4R, INT8 words: the per-warp loops (decode_tiles.*_warp_loop)
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, SPLITS), not (B, Hkv, SPLITS)
 ):
     if HEADS_FIRST:
@@ -136,6 +134,12 @@ def paged_decode_kernel(
                 tail_ptr, vtail_ptr, trow, s_tt, s_th, FMT, D, BS, GV, GK,
             )
             m_i, l_i, acc = attend_tile(q, k, v, pos < seq_len, m_i, m_i, m_i, l_i, acc, qk_scale, False, DOT, PREC)
+    elif WORDS and WARP_TILES:
+        m_i, l_i, acc = int8_words_warp_loop(
+            q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, data_ptr, scale_ptr, table, h, start, end,
+            m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh, GP, TILE, D, BS, DOT, PREC, ASM, BIASED,
+            NW,
+        )
     elif WORDS:
         m_i, l_i, acc = int8_words_loop(
             q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, scale_ptr, table, h, start, end,
@@ -243,15 +247,12 @@ def int4_lanes(cache) -> bool:
             and vm.stride(4) == 1 and vm.stride(3) == 2)
 
 
-def register_cap(cache, max_registers: int | None = None, warp_tiles: bool = False) -> int:
+def register_cap(cache, max_registers: int | None = None) -> int:
     """The CUDA launch's registers per thread (0: no cap): ``max_registers``, else the format's
-    default where its fast loop runs (INT4R's per-warp loop, ``warp_tiles``: ``WARP_TILES_REGS``).
-    INT4's cap is for its lane loop: on the generic one (head_dim 16) it raised the registers
-    used, from 72 to 114."""
+    default where its fast loop runs. INT4's cap is for its lane loop: on the generic one
+    (head_dim 16) it raised the registers used, from 72 to 114."""
     if max_registers is not None:
         return max_registers
-    if warp_tiles:
-        return WARP_TILES_REGS
     fast = not cache.fmt.int4_codes or int4_lanes(cache)
     return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
 
@@ -488,8 +489,9 @@ def decode_launch(
     per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere). ``tail_rows`` ([B]
     int32) gives INT4 / INT4R sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
     orders the grid's programs KV head first (``grid_order``). ``warp_tiles`` (None: ``WARP_TILES``)
-    gives INT4R's warps a softmax each (``decode_tiles.int4_tokens_warp_loop``) where each warp's
-    share of a tile is 16 tokens or more."""
+    gives INT4R's and INT8's warps a softmax each (``decode_tiles.int4_tokens_warp_loop``,
+    ``int8_words_warp_loop``) where each warp's share of a tile is 16 tokens or more; their query
+    rows are then padded to a power of two, not to 16 (``GP``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -508,10 +510,12 @@ def decode_launch(
                 SPLIT=False, **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     meta["NW"] = num_warps or 4  # Triton's default
-    meta["WARP_TILES"] = (cache.fmt.name == "int4r" and meta["LANES"] and tile // meta["NW"] >= 16
+    meta["WARP_TILES"] = (((cache.fmt.name == "int4r" and meta["LANES"]) or meta["WORDS"]) and tile // meta["NW"] >= 16
                           and (WARP_TILES if warp_tiles is None else warp_tiles))
+    if meta["WARP_TILES"]:  # its query rows are the dots' columns, of which a mma takes 8, not 16
+        meta["GP"] = triton.next_power_of_2(grp)
     meta["HEADS_FIRST"] = grid_order(b, heads_first)
-    if query.is_cuda and (regs := register_cap(cache, max_registers, meta["WARP_TILES"])):
+    if query.is_cuda and (regs := register_cap(cache, max_registers)):
         meta["maxnreg"] = regs
     launch = DecodeLaunch(num_splits or 1, meta, None, ptrs, strides)
     if num_splits is None and query.device.type == "cuda" and b:

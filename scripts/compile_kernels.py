@@ -128,9 +128,9 @@ def variants():
             yield (f"decode {tag} splits={splits}",
                    lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
         yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
-        if fmt == "int4r" and d == 128 and tails:  # its loop with a softmax a warp (paged_decode.WARP_TILES)
-            yield (f"decode {tag} warp-tiles", lambda: paged_decode_attention(
-                q, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows, tile=128, warp_tiles=True))
+        if fmt == "int4r" and d == 128 and tails:  # its loop with the warps sharing a softmax (paged_decode.WARP_TILES)
+            yield (f"decode {tag} shared tiles", lambda: paged_decode_attention(
+                q, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows, tile=128, num_warps=4, warp_tiles=False))
     yield from fused_variants(cuda)
 
 

@@ -178,7 +178,6 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
 
     from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
     from compile_kernels import CudaLike, cuda_cache
-    from kernels import paged_decode
     from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention, register_cap
     from kernels.paged_prefill import paged_prefill_attention
     from llmbus.kv.layout import KVLayout
@@ -227,7 +226,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
         bound["smem"] = 100 * bytes_per_iter / (smem / SMEM_BYTES_PER_CLOCK) / PEAK_BYTES_PER_CLOCK
     binding = min(bound, key=bound.get)
     return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages,
-                max_registers=register_cap(cache, regs_cap, paged_decode.WARP_TILES and fmt == "int4r"), regs=regs,
+                max_registers=register_cap(cache, regs_cap), regs=regs,
                 spills=spills, smem=binary.metadata.shared, buffers=buffers, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
                 loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter, smem_bytes_per_iteration=smem,
                 instructions_per_byte=len(loop) * warps / bytes_per_iter, bound_pct=bound, binding=binding,

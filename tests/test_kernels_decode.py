@@ -110,7 +110,9 @@ def test_decode_int8_words_gqa_ratios_and_split_k(group, splits):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_decode_int8_words_dtypes_and_wide_tiles(dtype):
-    _check("int8", dtype, hkv=1, group=4, head_dim=128, bs=32, lens=[100, 64, 17], splits=2, tile=64)
+    """The warps sharing each tile's softmax (decode_tiles.int8_words_loop; the per-warp loop's
+    tests: test_decode_warp_tiles)."""
+    _check("int8", dtype, hkv=1, group=4, head_dim=128, bs=32, lens=[100, 64, 17], splits=2, tile=64, warp_tiles=False)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64])
@@ -152,11 +154,11 @@ def test_decode_fast_paths_need_aligned_caches(name, field, uses_fast_path):
 @pytest.mark.parametrize("name", ["int4", "int4r"])
 @pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 2)])
 def test_decode_int4_lanes_at_head_dim_128(name, group, splits):
-    """INT4 (and INT4R: decode_tiles.int4_tokens_loop) full blocks by channel class at the real
-    models' head_dim, with multi-block tiles, the partial tail block after them, and empty and
-    one-token sequences."""
+    """INT4 (and INT4R: decode_tiles.int4_tokens_loop, the warps sharing each tile's softmax) full
+    blocks by channel class at the real models' head_dim, with multi-block tiles, the partial tail
+    block after them, and empty and one-token sequences."""
     _check(name, "bfloat16", hkv=2, group=group, head_dim=128, bs=16, lens=[150, 48, 0, 1, 33], splits=splits,
-           seed=group, tile=64)
+           seed=group, tile=64, warp_tiles=False)
 
 
 @pytest.mark.parametrize("name", ["int4", "int4r"])
@@ -168,22 +170,39 @@ def test_decode_int4_lanes_shapes_at_the_cuda_tile(name, head_dim, bs):
            tile=64)
 
 
-@pytest.mark.parametrize("group,head_dim,splits", [(1, 64, 1), (4, 128, 3), (8, 64, 2)])
-@pytest.mark.parametrize("tile,num_warps", [(64, 4), (128, 4), (64, 2)])
-def test_decode_int4r_warp_tiles(group, head_dim, splits, tile, num_warps):
-    """INT4R's loop with a softmax a warp (decode_tiles.int4_tokens_warp_loop): each warp's share of
-    every tile (16 tokens and up), its state merged with the others' at the end, the partial block
-    after it; GQA ratios, split-K, empty and one-token sequences."""
+@pytest.mark.parametrize("name", ["int4r", "int8"])
+@pytest.mark.parametrize("group,head_dim,splits", [(1, 64, 1), (4, 128, 3), (8, 64, 2), (16, 64, 2)])
+@pytest.mark.parametrize("tile,num_warps", [(64, 4), (128, 4), (64, 2), (256, 4)])
+def test_decode_warp_tiles(name, group, head_dim, splits, tile, num_warps):
+    """INT4R's and INT8's loops with a softmax a warp (decode_tiles.int4_tokens_warp_loop,
+    int8_words_warp_loop): each warp's share of every tile (16 tokens and up), tokens down the dots'
+    rows, its state merged with the others' at the end, the partial block after it; GQA ratios
+    (the query rows the dots' columns: one, a group under a mma's 8, 8, 16), split-K, empty and
+    one-token sequences."""
     from kernels.paged_decode import decode_launch
 
-    cache = _check("int4r", "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=16, lens=[150, 48, 0, 1, 33],
+    cache = _check(name, "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=16, lens=[150, 48, 0, 1, 33],
                    splits=splits, seed=group + tile, tile=tile, num_warps=num_warps, warp_tiles=True)
     q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16, device=DEV)
     one = torch.ones(1, dtype=torch.int32, device=DEV)
     launch = decode_launch(q, cache, one[:, None], one, tile=tile, num_warps=num_warps, warp_tiles=True)
-    assert launch.meta["WARP_TILES"]
-    # a warp's share under 16 tokens (what a dot needs natively) takes the shared loop
-    assert not decode_launch(q, cache, one[:, None], one, tile=32, num_warps=4, warp_tiles=True).meta["WARP_TILES"]
+    assert launch.meta["WARP_TILES"] and launch.meta["GP"] == group  # no rows padded to 16
+    # a warp's share under 16 tokens (what a dot needs natively) takes the shared loop, rows padded
+    shared = decode_launch(q, cache, one[:, None], one, tile=32, num_warps=4, warp_tiles=True).meta
+    assert not shared["WARP_TILES"] and shared["GP"] == max(16, group)
+
+
+@pytest.mark.parametrize("name", ["int4r", "int8"])
+def test_decodes_through_the_per_warp_loops_by_default(name):
+    """INT4R's and INT8's CUDA launches (CUDA_LAUNCH) give each warp 16 tokens or more of a tile, so
+    the per-warp loops serve them by default (paged_decode.WARP_TILES), at the launch's register cap."""
+    from kernels.paged_decode import CUDA_LAUNCH, WARP_TILES, register_cap
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    cache = allocate_cache(KVFormat(name), lay, 2, DEV)
+    tile, warps, _, regs = CUDA_LAUNCH[name]
+    assert WARP_TILES and tile // warps >= 16
+    assert register_cap(cache) == regs and register_cap(cache, 0) == 0
 
 
 @pytest.mark.parametrize("bs,tile,num_warps", [(16, 128, 4), (16, 64, 2), (16, 128, 8), (16, 32, 2), (16, 64, 8),
@@ -194,17 +213,6 @@ def test_decode_int4_lanes_rows_in_warp_order(bs, tile, num_warps):
     is less than a block, the plain order; two KV heads, so rows are found per head too."""
     _check("int4", "bfloat16", hkv=2, group=4, head_dim=64, bs=bs, lens=[300, 130, 64, 17], splits=2, seed=tile,
            tile=tile, num_warps=num_warps)
-
-
-def test_int4r_per_warp_loop_takes_its_own_register_cap():
-    """At INT4R's default cap the per-warp loop spilled inside its loop (scripts/kernel_cost.py)."""
-    from kernels.paged_decode import CUDA_LAUNCH, WARP_TILES_REGS, register_cap
-
-    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
-    cache = allocate_cache(KVFormat("int4r"), lay, 2, DEV)
-    assert register_cap(cache) == CUDA_LAUNCH["int4r"][3] != WARP_TILES_REGS
-    assert register_cap(cache, warp_tiles=True) == WARP_TILES_REGS
-    assert register_cap(cache, 0, warp_tiles=True) == 0
 
 
 def test_pipeline_stages_keep_buffered_tiles_within_budget():
@@ -446,6 +454,8 @@ def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim, la
 @pytest.mark.parametrize("name,group,head_dim,lens,splits,tile,warp_tiles,num_warps", [
     ("int8", 4, 64, [64, 48, 0, 1, 17, 33], 1, 16, None, None),  # whole tiles only, whole + partial
     ("int8", 8, 128, [96, 5, 64], 16, 32, None, None),  # more splits than tiles: idle splits
+    ("int8", 4, 64, [160, 130, 31, 0, 1], 3, 64, True, 2),  # a softmax a warp
+    ("int8", 1, 128, [96, 5, 64, 200], 16, 64, True, 4),
     ("int4r", 4, 64, [128, 48, 0, 1, 17, 64], 1, 64, False, None),
     ("int4r", 8, 64, [160, 130, 31], 3, 64, True, 2),  # a softmax a warp
     ("int4r", 1, 128, [96, 5, 64, 200], 16, 64, True, 4),
@@ -484,7 +494,8 @@ def test_decode_reads_nothing_past_a_sequence(name, group, head_dim, lens, split
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("name,warp_tiles,num_warps", [("int4r", False, None), ("int4r", True, 2), ("int8", None, None)])
+@pytest.mark.parametrize("name,warp_tiles,num_warps", [("int4r", False, None), ("int4r", True, 2), ("int8", False, None),
+                                                     ("int8", True, 2)])
 def test_decode_biased_codes(monkeypatch, name, dtype, warp_tiles, num_warps):
     """The decode loops with their codes biased, as fp16 dots on CUDA take them: INT4R's values
     (decode_tiles.lane_codes: 1024 + code, 1024 + 16 code), INT8's keys and values (word_codes:
