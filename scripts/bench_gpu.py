@@ -56,18 +56,22 @@ def peak_for(name: str) -> float | None:
 # every launch had before 2026-11-30 (night), so those rows compare the two.
 SWEEP = {
     "model": [(64, 4, 3, 0)],
-    # int8: shared memory holds 3 of its default programs an SM (12 warps) whatever the cap, and at
-    # 128 registers Triton 3.6 spills 144 bytes; at 168 it spills none (926 loop instructions, not 946)
-    "int8": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 4, 2, 128), (64, 4, 3, 0), (64, 2, 3, 0), (64, 2, 3, 128),
-             (128, 8, 3, 128), (128, 4, 4, 128)],
+    # int8 (not yet run on a GPU as it is): its per-warp loop (paged_decode.WARP_TILES). Bounds under
+    # Triton 3.6 (kernel_cost.py): 240% (default: 64-token tiles, 2 warps, cap 168, 12 warps an SM),
+    # 241% (128, 4, 168), 226% (64, 2, 128: spills in its loop); the shared loop's rows (below): 183%
+    # at its old default (128, 4, 3, 128), measured 66-72% (2026-11-30)
+    "int8": [(64, 2, 3, 168), (128, 4, 3, 168), (64, 2, 3, 128), (64, 2, 2, 168)],
     "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
-    # int4r (2026-12-01, not yet run on a GPU): kernel_cost's static bound rises with 128-token tiles;
-    # capped at 128 registers an SM holds 16 warps, not 12. Two warps a program broadcast the
-    # weights to half as many warps. Bounds under Triton 3.6 (the H200's): 131% (default, 16 warps
-    # an SM), 79% (64-token tiles, 16), 137% (cap 168, 12), 136% (64, 2 warps, 12), 153% (128, 2
-    # warps, 8); the per-warp loop's rows (below) 141% (12 warps an SM; uncapped, 8)
-    "int4r": [(128, 4, 3, 128), (64, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 168), (128, 2, 3, 0)],
+    # int4r (not yet run on a GPU): its per-warp loop (paged_decode.WARP_TILES), tokens down the dots'
+    # rows. Bounds under Triton 3.6 (the H200's; kernel_cost.py): 195% (default: 64-token tiles, 2
+    # warps, cap 128, 16 warps an SM), 223% (128, 2 warps, 12 warps an SM), 223% (256, 4, 168, 12),
+    # 193% (128, 4, 168, 12); the shared loop's rows (below) 130-169%
+    "int4r": [(64, 2, 3, 128), (128, 2, 3, 128), (256, 4, 3, 168), (128, 4, 3, 168)],
 }
+
+# the shared loops' launches (paged_decode.WARP_TILES off), timed beside the per-warp loops
+SHARED_SWEEP = {"int8": [(128, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 0)],
+                "int4r": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 2, 3, 0)]}
 
 
 def read_bytes_per_token(fmt: str, lay: KVLayout) -> float:
@@ -132,14 +136,16 @@ def check_kernels() -> list[dict]:
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
                                    for t, w, st, r in SWEEP[fmt][1:]]
         checks = launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]
-        if fmt == "int4r":
-            checks += [(None, dict(warp_tiles=not paged_decode.WARP_TILES))]
+        if fmt in SHARED_SWEEP:  # the other loop, at the default launch and at the shared loop's own
+            checks += [(None, dict(warp_tiles=not paged_decode.WARP_TILES)),
+                       (None, dict(warp_tiles=not paged_decode.WARP_TILES, tile=128, num_warps=4))]
         for splits, launch in checks:
             name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
             if "heads_first" in launch:
                 name = "paged_decode " + ("heads-first" if launch["heads_first"] else "seq-first")
             if "warp_tiles" in launch:
-                name = "paged_decode split-K " + ("warp-tiles" if launch["warp_tiles"] else "shared tiles")
+                name = ("paged_decode split-K " + ("warp-tiles" if launch["warp_tiles"] else "shared tiles")
+                        + (f" {launch['tile']}/{launch['num_warps']}" if "tile" in launch else ""))
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
         # the same blocks stored head-major (kv_cache.allocate_cache): written by the kernel (as
@@ -253,9 +259,8 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         extra = [(launches[0], False, order, None, plain, biased)] if fmt != "model" and default_asm else []
         extra += [(launches[0], default_asm, not order, None, plain, biased),
                   (launches[0], default_asm, order, 1, plain, biased)]
-        if fmt == "int4r":  # each warp its own softmax (decode_tiles.int4_tokens_warp_loop), capped and not
-            extra += [(lc, default_asm, order, None, not plain, biased) for lc in ((128, 4, 3, 168), (128, 4, 3, 0),
-                                                                                    (64, 2, 3, 168))]
+        # the warps sharing a softmax (decode_tiles.int4_tokens_loop, int8_words_loop) at their best launches
+        extra += [(lc, default_asm, order, None, not plain, biased) for lc in SHARED_SWEEP.get(fmt, ())]
         if fmt in ("int8", "int4r"):  # the default with its codes converted exactly (paged_decode.BIASED_VALUES)
             extra += [(launches[0], default_asm, order, None, plain, False)]
         rows_to_run = [(lc, default_asm, order, None, plain, biased) for lc in launches] + extra
@@ -272,7 +277,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
                              pct_peak=(100 * gbps / peak) if peak else None, biased_values=bias))
             print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}"
                   f" splits={ran:<2}{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'}"
-                  f"{'' if splits is None else ' forced'}{' warp-tiles' if warp_tiles and fmt == 'int4r' else ''}"
+                  f"{'' if splits is None else ' forced'}{(' warp-tiles' if warp_tiles else ' shared-tiles') if fmt in SHARED_SWEEP else ''}"
                   f"{' unbiased' if bias is False and fmt in ('int8', 'int4r') else ''}"
                   f" {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and splits is None and bias == biased and (fmt not in best or gbps > best[fmt][1]):
