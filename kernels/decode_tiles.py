@@ -357,17 +357,7 @@ def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs
     m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
     p = (p * vs[None, :]).to(DOT)
     ae = alpha[:, None]
-    if BIASED:  # each dot from its accumulator less the tile's bias (class_values' NOTE)
-        bias = tl.dot(p, tl.full([TILE, a0.shape[1]], 1152.0, DOT), input_precision=PREC)
-        a0 = tl.dot(p, word_codes(vw, 0, ASM, BIASED).to(DOT), a0 * ae - bias, input_precision=PREC)
-        a1 = tl.dot(p, word_codes(vw, 8, ASM, BIASED).to(DOT), a1 * ae - bias, input_precision=PREC)
-        a2 = tl.dot(p, word_codes(vw, 16, ASM, BIASED).to(DOT), a2 * ae - bias, input_precision=PREC)
-        a3 = tl.dot(p, word_codes(vw, 24, ASM, BIASED).to(DOT), a3 * ae - bias, input_precision=PREC)
-    else:
-        a0 = a0 * ae + tl.dot(p, word_codes(vw, 0, ASM).to(DOT), input_precision=PREC)
-        a1 = a1 * ae + tl.dot(p, word_codes(vw, 8, ASM).to(DOT), input_precision=PREC)
-        a2 = a2 * ae + tl.dot(p, word_codes(vw, 16, ASM).to(DOT), input_precision=PREC)
-        a3 = a3 * ae + tl.dot(p, word_codes(vw, 24, ASM).to(DOT), input_precision=PREC)
+    a0, a1, a2, a3 = class_dots(vw, p, a0, a1, a2, a3, ae, 1152.0 if BIASED else 0.0, False, True, ASM, DOT, PREC)
     return blk_n, m_new, l_i, a0, a1, a2, a3
 
 
@@ -446,17 +436,7 @@ def int8_words_warp_tile(s, t, blk_n, table, end, words, scale_ptr, strides, h, 
     m_new, alpha, p, l_i = scaled_softmax_step(x, m_i, l_i, cs, 1)
     w = (p * last_dim(vs)).to(DOT)
     ae = alpha[:, None, :]
-    if BIASED:  # each dot from its accumulator less the tile's bias (class_values' NOTE)
-        bias = tl.dot(tl.full(vw.shape, 1152.0, DOT), w, input_precision=PREC)
-        a0 = tl.dot(word_codes(vw, 0, ASM, BIASED).to(DOT), w, a0 * ae - bias, input_precision=PREC)
-        a1 = tl.dot(word_codes(vw, 8, ASM, BIASED).to(DOT), w, a1 * ae - bias, input_precision=PREC)
-        a2 = tl.dot(word_codes(vw, 16, ASM, BIASED).to(DOT), w, a2 * ae - bias, input_precision=PREC)
-        a3 = tl.dot(word_codes(vw, 24, ASM, BIASED).to(DOT), w, a3 * ae - bias, input_precision=PREC)
-    else:
-        a0 = a0 * ae + tl.dot(word_codes(vw, 0, ASM).to(DOT), w, input_precision=PREC)
-        a1 = a1 * ae + tl.dot(word_codes(vw, 8, ASM).to(DOT), w, input_precision=PREC)
-        a2 = a2 * ae + tl.dot(word_codes(vw, 16, ASM).to(DOT), w, input_precision=PREC)
-        a3 = a3 * ae + tl.dot(word_codes(vw, 24, ASM).to(DOT), w, input_precision=PREC)
+    a0, a1, a2, a3 = class_dots(vw, w, a0, a1, a2, a3, ae, 1152.0 if BIASED else 0.0, True, True, ASM, DOT, PREC)
     return blk_n, m_new, l_i, a0, a1, a2, a3
 
 
@@ -793,6 +773,50 @@ def byte_scores_t(qe, qo, qsum, kb, ks, km, ASM: tl.constexpr):
 
 
 @triton.jit
+def class_dots(codes, w, a0, a1, a2, a3, ae, BIAS: tl.constexpr, CODES_LEFT: tl.constexpr, WORDS: tl.constexpr,
+               ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr):
+    """The four class accumulators rescaled by ``ae`` and advanced by their codes' dots with the
+    weights ``w``, the codes the left operands with CODES_LEFT, else the right: ``codes`` INT8
+    words (WORDS: each dot converts its class as it goes, which keeps fewer registers live) or a
+    tuple of the four classes. BIAS (0: the codes are exact): the codes carry it, and each dot
+    starts from its accumulator less the tile's bias, ``BIAS * sum_t w_t`` (one more dot, against
+    a constant), so the accumulators never hold more than a tile's bias: tensor cores truncate
+    what they add, and a bias carried over a long split would grow the error with it."""
+    c0 = class_code(codes, 0, WORDS, BIAS, ASM, DOT)
+    if BIAS != 0:
+        one = tl.full(c0.shape, BIAS, DOT)
+        t = tl.dot(one, w, input_precision=PREC) if CODES_LEFT else tl.dot(w, one, input_precision=PREC)
+        a0 = class_dot(c0, w, a0 * ae - t, CODES_LEFT, PREC)
+        a1 = class_dot(class_code(codes, 1, WORDS, BIAS, ASM, DOT), w, a1 * ae - t, CODES_LEFT, PREC)
+        a2 = class_dot(class_code(codes, 2, WORDS, BIAS, ASM, DOT), w, a2 * ae - t, CODES_LEFT, PREC)
+        a3 = class_dot(class_code(codes, 3, WORDS, BIAS, ASM, DOT), w, a3 * ae - t, CODES_LEFT, PREC)
+    else:
+        a0 = a0 * ae + class_dot(c0, w, None, CODES_LEFT, PREC)
+        a1 = a1 * ae + class_dot(class_code(codes, 1, WORDS, BIAS, ASM, DOT), w, None, CODES_LEFT, PREC)
+        a2 = a2 * ae + class_dot(class_code(codes, 2, WORDS, BIAS, ASM, DOT), w, None, CODES_LEFT, PREC)
+        a3 = a3 * ae + class_dot(class_code(codes, 3, WORDS, BIAS, ASM, DOT), w, None, CODES_LEFT, PREC)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def class_code(codes, k: tl.constexpr, WORDS: tl.constexpr, BIAS: tl.constexpr, ASM: tl.constexpr, DOT: tl.constexpr):
+    """Class ``k`` of ``class_dots``' codes in the dots' dtype."""
+    if WORDS:
+        return word_codes(codes, 8 * k, ASM, BIAS != 0).to(DOT)
+    else:
+        return codes[k].to(DOT)
+
+
+@triton.jit
+def class_dot(c, w, acc, CODES_LEFT: tl.constexpr, PREC: tl.constexpr):
+    """``c . w`` (CODES_LEFT) or ``w . c``, added to ``acc`` (None: zeros)."""
+    if CODES_LEFT:
+        return tl.dot(c, w, acc, input_precision=PREC)
+    else:
+        return tl.dot(w, c, acc, input_precision=PREC)
+
+
+@triton.jit
 def class_values_t(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT: tl.constexpr,
                    PREC: tl.constexpr, BIASED: tl.constexpr):
     """``class_values`` with tokens down the rows: weights ``p`` [.., T, R], accumulators
@@ -803,19 +827,9 @@ def class_values_t(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, D
     # NOTE: the lanes come transposed (token_codes' VT) and convert in the dots' layout: codes
     # converted first and then transposed went through shared memory, four times the lanes' bytes
     v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
-    v0, v1, v2, v3 = v0.to(DOT), v1.to(DOT), v2.to(DOT), v3.to(DOT)
     ae = tl.expand_dims(alpha, tok)
-    if BIASED:
-        t = tl.dot(tl.full(v0.shape, 1024.0, DOT), w, input_precision=PREC)
-        a0 = tl.dot(v0, w, a0 * ae - t, input_precision=PREC)
-        a1 = tl.dot(v1, w, a1 * ae - t, input_precision=PREC)
-        a2 = tl.dot(v2, w, a2 * ae - t, input_precision=PREC)
-        a3 = tl.dot(v3, w, a3 * ae - t, input_precision=PREC)
-    else:
-        a0 = a0 * ae + tl.dot(v0, w, input_precision=PREC)
-        a1 = a1 * ae + tl.dot(v1, w, input_precision=PREC)
-        a2 = a2 * ae + tl.dot(v2, w, input_precision=PREC)
-        a3 = a3 * ae + tl.dot(v3, w, input_precision=PREC)
+    a0, a1, a2, a3 = class_dots((v0, v1, v2, v3), w, a0, a1, a2, a3, ae, 1024.0 if BIASED else 0.0, True,
+                                False, ASM, DOT, PREC)
     return a0, a1, a2, a3, b * alpha + tl.sum(p * last_dim(vm), axis=tok)
 
 
@@ -825,26 +839,14 @@ def class_values(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, DOT
     """The class accumulators ``[.., R, D/4]`` and the sums ``b = sum_t p_t min_t`` ``[.., R]``,
     rescaled by ``alpha`` [.., R] and advanced by the weights ``p`` [.., R, T] over the codes (lanes
     ``vx`` [.., T, D/4]), each token's pair (``vs``, ``vm`` [.., T]) folded in:
-    ``(p * scale) . code`` and ``sum_t p_t min_t``. BIASED (fp16 dots): the codes come biased
-    (``lane_codes``), and each dot starts from its accumulator less the tile's bias,
-    ``1024 * sum_t w_t`` (one more dot, against a constant), so the accumulators never hold more
-    than a tile's bias: tensor cores truncate what they add, and a bias carried over a long split
-    would grow the error with it. The high classes come 16 times over (``unbias``)."""
+    ``(p * scale) . code`` and ``sum_t p_t min_t``. BIASED (fp16 dots): the codes come biased by
+    1024 (``lane_codes``), taken off tile by tile (``class_dots``). The high classes come 16 times
+    over (``unbias``)."""
     last: tl.constexpr = len(p.shape) - 1
     w = (p * tl.expand_dims(vs, last - 1)).to(DOT)
     v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
-    ae = last_dim(alpha)
-    if BIASED:
-        t = tl.dot(w, tl.full(v0.shape, 1024.0, DOT), input_precision=PREC)
-        a0 = tl.dot(w, v0.to(DOT), a0 * ae - t, input_precision=PREC)
-        a1 = tl.dot(w, v1.to(DOT), a1 * ae - t, input_precision=PREC)
-        a2 = tl.dot(w, v2.to(DOT), a2 * ae - t, input_precision=PREC)
-        a3 = tl.dot(w, v3.to(DOT), a3 * ae - t, input_precision=PREC)
-    else:
-        a0 = a0 * ae + tl.dot(w, v0.to(DOT), input_precision=PREC)
-        a1 = a1 * ae + tl.dot(w, v1.to(DOT), input_precision=PREC)
-        a2 = a2 * ae + tl.dot(w, v2.to(DOT), input_precision=PREC)
-        a3 = a3 * ae + tl.dot(w, v3.to(DOT), input_precision=PREC)
+    a0, a1, a2, a3 = class_dots((v0, v1, v2, v3), w, a0, a1, a2, a3, last_dim(alpha), 1024.0 if BIASED else 0.0,
+                                False, False, ASM, DOT, PREC)
     return a0, a1, a2, a3, b * alpha + tl.sum(p * tl.expand_dims(vm, last - 1), axis=last)
 
 
