@@ -44,6 +44,9 @@ BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED
 # peak (its shared loop's best: 140%); int8 at 168 (at 128 it spilled inside its loop): 12 warps,
 # 710 instructions, 240% (its shared loop, at 128, 4, 3, 128: 183%, measured 66-72%).
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 2, 3, 168), "int4": (64, 4, 3, 128), "int4r": (64, 2, 3, 128)}
+# The shared loops' launches, where the per-warp loops are off (WARP_TILES): INT8's best measured
+# (72% of peak, 2026-11-30) and INT4R's default before the per-warp loops.
+SHARED_LAUNCH = {"int8": (128, 4, 3, 128), "int4r": (128, 4, 3, 128)}
 # What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
 # launch that would take more gets fewer stages (``pipeline_stages``).
 STAGE_BUDGET = 160 * 1024
@@ -61,7 +64,8 @@ HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
 # shared memory in the loop, and a group of 4 query heads pads its dots' columns to 8, not its rows
 # to 16 (scripts/kernel_cost.py under the H200's Triton 3.6, CUDA_LAUNCH's figures). Untested on a
 # GPU as of 2026-12-01; bench_gpu's sweep times the shared loops beside them.
-# LLMBUS_TRITON_WARP_TILES=0 runs the shared loops (int4_tokens_loop, int8_words_loop) by default.
+# LLMBUS_TRITON_WARP_TILES=0 turns them off: decode then runs the shared loops (int4_tokens_loop,
+# int8_words_loop) at their own launches (SHARED_LAUNCH).
 WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "1") != "0"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
 
@@ -247,14 +251,23 @@ def int4_lanes(cache) -> bool:
             and vm.stride(4) == 1 and vm.stride(3) == 2)
 
 
-def register_cap(cache, max_registers: int | None = None) -> int:
+def launch_defaults(fmt: str, warp_tiles: bool | None = None) -> tuple[int, int, int, int]:
+    """A format's CUDA launch (tile, warps, stages, register cap): ``CUDA_LAUNCH``, or the shared
+    loops' own (``SHARED_LAUNCH``) where the per-warp loops are off (``warp_tiles``, None:
+    ``WARP_TILES``)."""
+    if not (WARP_TILES if warp_tiles is None else warp_tiles) and fmt in SHARED_LAUNCH:
+        return SHARED_LAUNCH[fmt]
+    return CUDA_LAUNCH[fmt]
+
+
+def register_cap(cache, max_registers: int | None = None, warp_tiles: bool | None = None) -> int:
     """The CUDA launch's registers per thread (0: no cap): ``max_registers``, else the format's
-    default where its fast loop runs. INT4's cap is for its lane loop: on the generic one
-    (head_dim 16) it raised the registers used, from 72 to 114."""
+    default (``launch_defaults``) where its fast loop runs. INT4's cap is for its lane loop: on the
+    generic one (head_dim 16) it raised the registers used, from 72 to 114."""
     if max_registers is not None:
         return max_registers
     fast = not cache.fmt.int4_codes or int4_lanes(cache)
-    return CUDA_LAUNCH[cache.fmt.name][3] if fast else 0
+    return launch_defaults(cache.fmt.name, warp_tiles)[3] if fast else 0
 
 
 def code_args(cache, query: torch.Tensor) -> dict:
@@ -486,12 +499,13 @@ def decode_launch(
     ``seq_lens``, a device-to-host read) bounds the split count; each sequence splits its own length
     over them, in whole tiles. ``tile`` (tokens per loop step, a multiple of block_size),
     ``num_warps``, ``num_stages`` and ``max_registers`` (per thread, 0: no cap) override the
-    per-format launch defaults (``CUDA_LAUNCH`` on CUDA, one block elsewhere). ``tail_rows`` ([B]
+    per-format launch defaults (``launch_defaults`` on CUDA, one block elsewhere). ``tail_rows`` ([B]
     int32) gives INT4 / INT4R sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
     orders the grid's programs KV head first (``grid_order``). ``warp_tiles`` (None: ``WARP_TILES``)
     gives INT4R's and INT8's warps a softmax each (``decode_tiles.int4_tokens_warp_loop``,
     ``int8_words_warp_loop``) where each warp's share of a tile is 16 tokens or more; their query
-    rows are then padded to a power of two, not to 16 (``GP``)."""
+    rows are then padded to a power of two, not to 16 (``GP``). Off, the launch defaults are the
+    shared loops' (``SHARED_LAUNCH``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -501,7 +515,7 @@ def decode_launch(
         raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype} and {seq_lens.dtype}")
     if block_tables.shape[0] != b or seq_lens.shape != (b,) or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be [B, M] with contiguous rows and seq_lens [B]")
-    cuda_tile, cuda_warps, cuda_stages, _ = CUDA_LAUNCH[cache.fmt.name]
+    cuda_tile, cuda_warps, cuda_stages, _ = launch_defaults(cache.fmt.name, warp_tiles)
     tile = tile_size(cache, tile, query.is_cuda, cuda_tile)
     if query.is_cuda:
         num_warps, num_stages = num_warps or cuda_warps, pipeline_stages(cache, tile, num_stages or cuda_stages)
@@ -515,7 +529,7 @@ def decode_launch(
     if meta["WARP_TILES"]:  # its query rows are the dots' columns, of which a mma takes 8, not 16
         meta["GP"] = triton.next_power_of_2(grp)
     meta["HEADS_FIRST"] = grid_order(b, heads_first)
-    if query.is_cuda and (regs := register_cap(cache, max_registers)):
+    if query.is_cuda and (regs := register_cap(cache, max_registers, warp_tiles)):
         meta["maxnreg"] = regs
     launch = DecodeLaunch(num_splits or 1, meta, None, ptrs, strides)
     if num_splits is None and query.device.type == "cuda" and b:

@@ -70,7 +70,8 @@ SWEEP = {
     "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
 }
 
-# the shared loops' launches (paged_decode.WARP_TILES off), timed beside the per-warp loops
+# the shared loops' launches (paged_decode.WARP_TILES off; the first their default, SHARED_LAUNCH),
+# timed beside the per-warp loops
 SHARED_SWEEP = {"int8": [(128, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 0)],
                 "int4r": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 2, 3, 0)]}
 
@@ -137,9 +138,9 @@ def check_kernels() -> list[dict]:
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
                                    for t, w, st, r in SWEEP[fmt][1:]]
         checks = launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]
-        if fmt in SHARED_SWEEP:  # the other loop, at the default launch and at the shared loop's own
+        if fmt in SHARED_SWEEP:  # the other loop at its own default launch (launch_defaults) and at 64 / 2
             checks += [(None, dict(warp_tiles=not paged_decode.WARP_TILES)),
-                       (None, dict(warp_tiles=not paged_decode.WARP_TILES, tile=128, num_warps=4))]
+                       (None, dict(warp_tiles=not paged_decode.WARP_TILES, tile=64, num_warps=2))]
         for splits, launch in checks:
             name = "paged_decode" + (" split-K" if splits is None else "") + (" " + "/".join(map(str, launch.values())) if launch else "")
             if "heads_first" in launch:

@@ -178,11 +178,11 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
 
     from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
     from compile_kernels import CudaLike, cuda_cache
-    from kernels.paged_decode import CUDA_LAUNCH, paged_decode_attention, register_cap
+    from kernels.paged_decode import launch_defaults, paged_decode_attention, register_cap
     from kernels.paged_prefill import paged_prefill_attention
     from llmbus.kv.layout import KVLayout
 
-    tile, warps, stages = (launch or CUDA_LAUNCH[fmt])[:3]
+    tile, warps, stages = (launch or launch_defaults(fmt))[:3]
     regs_cap = launch[3] if launch and len(launch) > 3 else None  # None: the wrapper's default
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     cache = cuda_cache(fmt, lay)

@@ -1,6 +1,7 @@
 """Triton paged decode attention vs reference.paged_decode_attention_cache (TRITON_INTERPRET=1 on CPU)."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -171,14 +172,14 @@ def test_decode_int4_lanes_shapes_at_the_cuda_tile(name, head_dim, bs):
 
 
 @pytest.mark.parametrize("name", ["int4r", "int8"])
-@pytest.mark.parametrize("group,head_dim,splits", [(1, 64, 1), (4, 128, 3), (8, 64, 2), (16, 64, 2)])
+@pytest.mark.parametrize("group,head_dim,splits", [(1, 64, 1), (4, 128, 3), (6, 64, 2), (8, 64, 2), (16, 64, 2)])
 @pytest.mark.parametrize("tile,num_warps", [(64, 4), (128, 4), (64, 2), (256, 4)])
 def test_decode_warp_tiles(name, group, head_dim, splits, tile, num_warps):
     """INT4R's and INT8's loops with a softmax a warp (decode_tiles.int4_tokens_warp_loop,
     int8_words_warp_loop): each warp's share of every tile (16 tokens and up), tokens down the dots'
     rows, its state merged with the others' at the end, the partial block after it; GQA ratios
-    (the query rows the dots' columns: one, a group under a mma's 8, 8, 16), split-K, empty and
-    one-token sequences."""
+    (the query rows the dots' columns: one, a group under a mma's 8, 6 padded to 8, 8, 16), split-K,
+    empty and one-token sequences."""
     from kernels.paged_decode import decode_launch
 
     cache = _check(name, "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=16, lens=[150, 48, 0, 1, 33],
@@ -186,23 +187,36 @@ def test_decode_warp_tiles(name, group, head_dim, splits, tile, num_warps):
     q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16, device=DEV)
     one = torch.ones(1, dtype=torch.int32, device=DEV)
     launch = decode_launch(q, cache, one[:, None], one, tile=tile, num_warps=num_warps, warp_tiles=True)
-    assert launch.meta["WARP_TILES"] and launch.meta["GP"] == group  # no rows padded to 16
+    rows = 1 << (group - 1).bit_length()
+    assert launch.meta["WARP_TILES"] and launch.meta["GP"] == rows  # a power of two, not 16
     # a warp's share under 16 tokens (what a dot needs natively) takes the shared loop, rows padded
     shared = decode_launch(q, cache, one[:, None], one, tile=32, num_warps=4, warp_tiles=True).meta
-    assert not shared["WARP_TILES"] and shared["GP"] == max(16, group)
+    assert not shared["WARP_TILES"] and shared["GP"] == max(16, rows)
 
 
 @pytest.mark.parametrize("name", ["int4r", "int8"])
-def test_decodes_through_the_per_warp_loops_by_default(name):
+def test_decodes_through_the_per_warp_loops_by_default(name, monkeypatch):
     """INT4R's and INT8's CUDA launches (CUDA_LAUNCH) give each warp 16 tokens or more of a tile, so
-    the per-warp loops serve them by default (paged_decode.WARP_TILES), at the launch's register cap."""
-    from kernels.paged_decode import CUDA_LAUNCH, WARP_TILES, register_cap
+    the per-warp loops serve them by default (paged_decode.WARP_TILES), a group of 6 padded to 8
+    rows, at the launch's register cap; turned off, the shared loops run at their own launches
+    (SHARED_LAUNCH), rows padded to 16."""
+    from kernels import paged_decode
+    from kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH, decode_launch, launch_defaults, register_cap
 
+    if "LLMBUS_TRITON_WARP_TILES" not in os.environ:
+        assert paged_decode.WARP_TILES
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
     cache = allocate_cache(KVFormat(name), lay, 2, DEV)
-    tile, warps, _, regs = CUDA_LAUNCH[name]
-    assert WARP_TILES and tile // warps >= 16
-    assert register_cap(cache) == regs and register_cap(cache, 0) == 0
+    q = torch.zeros(1, 12, 64, dtype=torch.bfloat16, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    for on, (tile, warps, _, regs) in ((True, CUDA_LAUNCH[name]), (False, SHARED_LAUNCH[name])):
+        monkeypatch.setattr(paged_decode, "WARP_TILES", on)
+        assert launch_defaults(name) == launch_defaults(name, on) == (CUDA_LAUNCH if on else SHARED_LAUNCH)[name]
+        assert register_cap(cache) == regs and register_cap(cache, 0) == 0
+        # off CUDA the launch defaults to one block a tile, so the CUDA launch's tile and warps are passed
+        meta = decode_launch(q, cache, one[:, None], one, tile=tile, num_warps=warps).meta
+        assert meta["WARP_TILES"] == on and meta["GP"] == (8 if on else 16), meta
+    assert CUDA_LAUNCH[name][0] // CUDA_LAUNCH[name][1] >= 16
 
 
 @pytest.mark.parametrize("bs,tile,num_warps", [(16, 128, 4), (16, 64, 2), (16, 128, 8), (16, 32, 2), (16, 64, 8),
