@@ -94,7 +94,8 @@ def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
     INT4 and INT4R also at 64 (their lane loops' narrowest: class dots of 16 channels) and 16 (the
     generic-tile path), with and without tail rows; INT8, INT4 and INT4R over head-major caches;
-    split-K on and off; INT4R's loop with a softmax a warp."""
+    split-K on and off; INT8's and INT4R's shared loops (their per-warp loops are the default) and
+    their per-warp loops at other GQA groups."""
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
@@ -128,9 +129,16 @@ def variants():
             yield (f"decode {tag} splits={splits}",
                    lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
         yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
-        if fmt == "int4r" and d == 128 and tails:  # its loop with the warps sharing a softmax (paged_decode.WARP_TILES)
+        if d == 128 and not head_major and (fmt == "int8" or (fmt == "int4r" and tails)):
+            # the loops with the warps sharing a softmax (paged_decode.WARP_TILES off: their own launch)
             yield (f"decode {tag} shared tiles", lambda: paged_decode_attention(
-                q, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows, tile=128, num_warps=4, warp_tiles=False))
+                q, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows, warp_tiles=False))
+            # the per-warp loops' query rows are the dots' columns, padded to a power of two (GP):
+            # groups of 1, 2 and 8 beside the 4 above (INT4R's tail rows then attend at GP rows too)
+            for g in (1, 2, 8):
+                qg = cuda(torch.randn(2, 2 * g, d).to(torch.bfloat16))
+                yield (f"decode {tag} group={g}", lambda qg=qg: paged_decode_attention(
+                    qg, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows))
     yield from fused_variants(cuda)
 
 
