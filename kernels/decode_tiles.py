@@ -230,8 +230,7 @@ def half_pair(w):
 def row_mask(pos, valid, qpos, CAUSAL: tl.constexpr):
     """Which of a tile's positions ``pos`` [TILE] (loaded where ``valid``) each row attends to:
     all valid ones (decode), or (CAUSAL: prefill) those up to the row's own position ``qpos`` [R].
-    ``[R, TILE]``; for a tile split between warps (``pos``, ``valid`` [NW, TILE / NW]),
-    ``[NW, R, TILE / NW]``."""
+    ``[R, TILE]`` (any leading dimensions of ``pos`` and ``valid`` come first)."""
     rows: tl.constexpr = len(pos.shape) - 1
     allowed = tl.expand_dims(valid, rows)
     if CAUSAL:
@@ -992,9 +991,10 @@ def int4_tokens_warp_loop(
 
     Tokens run down the rows (``[NW, TILE / NW, R]`` scores, ``[NW, D/4, R]`` accumulators): the
     codes are the dots' left operands, whose 16 rows a ``mma`` fills with tokens, and the query
-    rows are the right operands' columns, of which a ``mma`` takes 8. With rows down the columns
-    (``R`` = 16 for any GQA group up to 16) a group of 4 left three quarters of every score, weight
-    and accumulator element padding (``paged_decode``'s GP is the group's power of two here).
+    rows are the right operands' columns, of which a ``mma`` takes 8. With the query rows down the
+    dots' rows instead (``R`` = 16 for any GQA group up to 16), a group of 4 left three quarters of
+    every score, weight and accumulator element padding (``paged_decode``'s GP is the group's power
+    of two here).
     INT4R decode's default (``paged_decode.WARP_TILES``), not yet timed on a GPU."""
     TW: tl.constexpr = TILE // NW
     kc = tl.arange(0, D // 2)[None, None, :]
