@@ -113,7 +113,8 @@ def _measure(rows: list[dict], kernel: str, fmt: str, tol: float, fn) -> None:
 
 
 def check_kernels() -> list[dict]:
-    """Every kernel against its reference on this GPU (decode under every SWEEP launch too)."""
+    """Every kernel against its reference on this GPU (decode under every SWEEP launch too, INT8's and
+    INT4R's shared loops, and their per-warp loops at GQA groups of 1 and 8)."""
     gen = torch.Generator().manual_seed(0)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     lens = [1, 17, 300, 1029]
@@ -150,6 +151,12 @@ def check_kernels() -> list[dict]:
                         + (f" {launch['tile']}/{launch['num_warps']}" if "tile" in launch else ""))
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
+        if fmt in SHARED_SWEEP:  # the per-warp loops' query rows are the dots' columns: groups of 1 and 8
+            for g in (1, 8):
+                qg = torch.randn(len(lens), HKV * g, D, device="cuda").bfloat16()
+                want_g = ref.paged_decode_attention_cache(qg, theirs, tables, sl, D**-0.5).float()
+                _measure(rows, f"paged_decode split-K group {g}", fmt, 4e-2, lambda qg=qg, want_g=want_g: (
+                    paged_decode_attention(qg, theirs, tables, sl, D**-0.5).float() - want_g).abs().max())
         # the same blocks stored head-major (kv_cache.allocate_cache): written by the kernel (as
         # the token-major cache, mine, was), and decoded
         head_major, hm_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda", head_major=True)
