@@ -1,7 +1,8 @@
 """GPU check and benchmark of the Triton KV kernels (needs CUDA).
 
 1. Checks every kernel (write_kv, paged decode with and without split-K, paged prefill) against
-   its pure-torch reference natively, for bf16, int8, int4 and int4r KV: prints PASS/FAIL and max errors.
+   its pure-torch reference natively, for bf16, int8, int4 and int4r KV: prints PASS/FAIL and max
+   errors (with ``--sweep``, decode under every launch the sweep times too).
 2. Sweeps the decode launch (tile, warps, stages, register cap) at a large shape (``--sweep``:
    batch 64 x 8,192; ``--sweep-at B,C``, repeatable, names the shapes, the first choosing).
 3. Measures paged decode attention's achieved memory bandwidth (bytes the kernel must read: codes
@@ -112,9 +113,11 @@ def _measure(rows: list[dict], kernel: str, fmt: str, tol: float, fn) -> None:
         rows.append(dict(kernel=kernel, fmt=fmt, max_err=float("inf"), tol=tol, error=f"{type(exc).__name__}: {exc}"[:300]))
 
 
-def check_kernels() -> list[dict]:
-    """Every kernel against its reference on this GPU (decode under every SWEEP launch too, INT8's and
-    INT4R's shared loops, and their per-warp loops at GQA groups of 1 and 8)."""
+def check_kernels(sweep: bool = True) -> list[dict]:
+    """Every kernel against its reference on this GPU: decode at its default launch, INT8's and
+    INT4R's per-warp loops at GQA groups of 1 and 8 too, and (``sweep``: the launches the sweep
+    times) under every SWEEP launch, the shared loops, and long splits with the codes unbiased.
+    Without ``sweep`` it compiles about half the variants (``make bench-gpu``'s time limit)."""
     gen = torch.Generator().manual_seed(0)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     lens = [1, 17, 300, 1029]
@@ -137,9 +140,9 @@ def check_kernels() -> list[dict]:
         q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
-                                   for t, w, st, r in SWEEP[fmt][1:]]
+                                   for t, w, st, r in (SWEEP[fmt][1:] if sweep else ())]
         checks = launches + [(1, {}), (1, dict(heads_first=not paged_decode.HEADS_FIRST))]
-        if fmt in SHARED_SWEEP:  # the other loop at its own default launch (launch_defaults) and at 64 / 2
+        if sweep and fmt in SHARED_SWEEP:  # the other loop at its own default launch (launch_defaults) and at 64 / 2
             checks += [(None, dict(warp_tiles=not paged_decode.WARP_TILES)),
                        (None, dict(warp_tiles=not paged_decode.WARP_TILES, tile=64, num_warps=2))]
         for splits, launch in checks:
@@ -191,7 +194,7 @@ def check_kernels() -> list[dict]:
         for qname, q in (("flat", torch.zeros(1, HQ, D, device="cuda").bfloat16()),
                          ("random", torch.randn(1, HQ, D, device="cuda").bfloat16())):
             want = ref.paged_decode_attention_cache(q, long_cache, tables, sl, D**-0.5).float()
-            for bias in (paged_decode.BIASED_VALUES, False):
+            for bias in (paged_decode.BIASED_VALUES, False) if sweep else (paged_decode.BIASED_VALUES,):
                 def long_err(q=q, want=want, bias=bias):
                     saved, paged_decode.BIASED_VALUES = paged_decode.BIASED_VALUES, bias
                     try:
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         part.write_text(json.dumps(result, indent=1))
         os.replace(part, args.out)
 
-    result["checks"] = checks = check_kernels()
+    result["checks"] = checks = check_kernels(sweep=bool(args.sweep or args.sweep_at))
     save()
     print(f"checks took {time.time() - t0:.1f} s", flush=True)
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
