@@ -297,66 +297,106 @@ def int8_words_loop(
     """INT8 attention over positions ``[start, end)`` by channel class (module docstring), from the
     initial state ``m_i``, ``l_i`` (its accumulator starts at zero); returns
     ``(m_i, l_i, acc [GP, D])``. The cache's strides are in bytes and multiples of 4 (D >= 64)."""
-    j = tl.arange(0, D // 4)[None, :]
     qs = class_queries(q_ptr, qrows, rmask, D, DOT)
-    q0, q1, q2, q3 = qs
-    # BIASED: each row's scores carry 1152 * sum(q) (the queries as the dots take them)
-    qbias = 1152.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    qbias = word_query_bias(qs)
     a0, a1, a2, a3 = class_accumulators(GP, D)
+    m_i, l_i, a0, a1, a2, a3 = int8_words_tiles(
+        start, end, tl.arange(0, TILE), table, data_ptr, scale_ptr, h, qs, qbias, qk_scale, qpos, m_i, l_i,
+        a0, a1, a2, a3, (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh), TILE, BS, D, DOT, PREC, ASM, CAUSAL, BIASED,
+        False)
+    return m_i, l_i, join_classes(a0, a1, a2, a3)
+
+
+@triton.jit
+def word_query_bias(qs):
+    """BIASED INT8 codes (``word_codes``): each row's scores carry ``1152 * sum(q)``, the queries
+    ``qs`` (``class_queries``) as the dots take them."""
+    q0, q1, q2, q3 = qs
+    return 1152.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+
+
+@triton.jit
+def int8_words_tiles(start, end, t, table, data_ptr, scale_ptr, h, qs, qbias, qk_scale, qpos, m_i, l_i,
+                     a0, a1, a2, a3, strides,
+                     TILE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                     ASM: tl.constexpr, CAUSAL: tl.constexpr, BIASED: tl.constexpr, SWAP: tl.constexpr):
+    """``int8_words_tile`` over the tiles of ``[start, end)`` (``t``: a tile's token offsets,
+    ``[TILE]`` or split between warps ``[NW, TILE / NW]``); returns the state."""
     words = data_ptr.to(tl.pointer_type(tl.int32))
-    strides = (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh)
-    t = tl.arange(0, TILE)
     # NOTE: each tile's block ids are loaded one iteration ahead (``next_blocks``)
     blk_n = next_blocks(table, start, end, t, BS)
     if CAUSAL:
         for s in range(start, end, TILE):
             blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
-                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
+                s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, CAUSAL, True, BIASED, SWAP)
     else:
-        # NOTE: as int4_tokens_loop's: whole tiles unmasked, the split's last one masked, once
+        # NOTE: as int4_tokens_tiles': whole tiles unmasked, the split's last one masked, once
         whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
         for s in range(start, whole, TILE):
             blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
-                s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, False, BIASED)
+                s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, CAUSAL, False, BIASED, SWAP)
         if whole < end:
             blk_n, m_i, l_i, a0, a1, a2, a3 = int8_words_tile(
-                whole, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
-                m_i, l_i, a0, a1, a2, a3, TILE, BS, DOT, PREC, ASM, CAUSAL, True, BIASED)
-    return m_i, l_i, join_classes(a0, a1, a2, a3)
+                whole, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, qk_scale, qpos,
+                m_i, l_i, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, CAUSAL, True, BIASED, SWAP)
+    return m_i, l_i, a0, a1, a2, a3
 
 
 @triton.jit
-def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, j, h, qs, qbias, qk_scale, qpos,
+def int8_words_tile(s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, qk_scale, qpos,
                     m_i, l_i, a0, a1, a2, a3,
-                    TILE: tl.constexpr, BS: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                    ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
+                    TILE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                    ASM: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr,
+                    SWAP: tl.constexpr):
     """One tile of ``int8_words_loop`` (tokens ``s + t``): the next tile's block ids and the updated
-    state. Without MASKED every token of the tile is below ``end``."""
+    state. Without MASKED every token of the tile is below ``end``. SWAP (not CAUSAL; tokens
+    ``[NW, TILE / NW]``): tokens down the dots' rows (``int8_words_warp_loop``), the queries
+    ``qs`` as columns and ``qk_scale`` per row (``[1, R]``)."""
     s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh = strides
     q0, q1, q2, q3 = qs
     valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
     # NOTE: >> 2, not // 4, on these non-negative offsets: a signed division costs a correction
-    wrow = last_dim((blk * s_dn + off * s_db + h * s_dh) >> 2) + j
-    kw = load_rows(words + wrow, last_dim(valid), MASKED)
-    vw = load_rows(words + (s_dc >> 2) + wrow, last_dim(valid), MASKED)
+    wrow = (blk * s_dn + off * s_db + h * s_dh) >> 2
+    j = tl.arange(0, D // 4)
+    wj = last_dim(wrow) + j  # each token's words
+    kw = load_rows(words + wj, last_dim(valid), MASKED)
     srow = blk * s_sn + off * s_sb + h * s_sh
-    ks = compact(scale_at(scale_ptr, srow, valid, MASKED))
-    vs = compact(scale_at(scale_ptr, s_sc + srow, valid, MASKED))
-    scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM, BIASED).to(DOT)), input_precision=PREC)
-    scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
-    scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
-    if BIASED:
-        scores = scores - qbias[:, None]
-    scores = scores * (ks * qk_scale)[None, :]
-    if MASKED:
-        scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores, float("-inf"))
-    m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
-    p = (p * vs[None, :]).to(DOT)
-    ae = alpha[:, None]
-    a0, a1, a2, a3 = class_dots(vw, p, a0, a1, a2, a3, ae, 1152.0 if BIASED else 0.0, False, True, ASM, DOT, PREC)
+    if SWAP:
+        # the value words transposed, [NW, D/4, TILE / NW]: the value dots' left operands
+        vw = load_rows(words + (s_dc >> 2) + wrow[:, None, :] + j[None, :, None], valid[:, None, :], MASKED)
+        ks = scale_at(scale_ptr, srow, valid, MASKED)
+        vs = scale_at(scale_ptr, s_sc + srow, valid, MASKED)
+        x = tl.dot(word_codes(kw, 0, ASM, BIASED).to(DOT), q0, input_precision=PREC)
+        x = tl.dot(word_codes(kw, 8, ASM, BIASED).to(DOT), q1, x, input_precision=PREC)
+        x = tl.dot(word_codes(kw, 16, ASM, BIASED).to(DOT), q2, x, input_precision=PREC)
+        x = tl.dot(word_codes(kw, 24, ASM, BIASED).to(DOT), q3, x, input_precision=PREC)
+        if BIASED:
+            x = x - qbias
+        x = x * last_dim(ks)
+        if MASKED:
+            x = tl.where(last_dim(valid), x, float("-inf"))
+        m_new, alpha, p, l_i = scaled_softmax_step(x, m_i, l_i, qk_scale, 1)
+        w = (p * last_dim(vs)).to(DOT)
+        ae = alpha[:, None, :]
+    else:
+        vw = load_rows(words + (s_dc >> 2) + wj, last_dim(valid), MASKED)
+        ks = compact(scale_at(scale_ptr, srow, valid, MASKED))
+        vs = compact(scale_at(scale_ptr, s_sc + srow, valid, MASKED))
+        scores = tl.dot(q0, tl.trans(word_codes(kw, 0, ASM, BIASED).to(DOT)), input_precision=PREC)
+        scores = tl.dot(q1, tl.trans(word_codes(kw, 8, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
+        scores = tl.dot(q2, tl.trans(word_codes(kw, 16, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
+        scores = tl.dot(q3, tl.trans(word_codes(kw, 24, ASM, BIASED).to(DOT)), scores, input_precision=PREC)
+        if BIASED:
+            scores = scores - qbias[:, None]
+        scores = scores * (ks * qk_scale)[None, :]
+        if MASKED:
+            scores = tl.where(row_mask(s + t, valid, qpos, CAUSAL), scores, float("-inf"))
+        m_new, alpha, p, l_i = softmax_step(scores, m_i, l_i)
+        w = (p * vs[None, :]).to(DOT)
+        ae = alpha[:, None]
+    a0, a1, a2, a3 = class_dots(vw, w, a0, a1, a2, a3, ae, 1152.0 if BIASED else 0.0, SWAP, True, ASM, DOT, PREC)
     return blk_n, m_new, l_i, a0, a1, a2, a3
 
 
@@ -377,66 +417,21 @@ def int8_words_warp_loop(
     operands' columns."""
     TW: tl.constexpr = TILE // NW
     q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, DOT)
-    # BIASED: each row's scores carry 1152 * sum(q) (the queries as the dots take them)
-    qbias = 1152.0 * tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), axis=1)
+    qbias = word_query_bias((q0, q1, q2, q3))
     qs = (tl.broadcast_to(tl.trans(q0)[None, :, :], [NW, D // 4, R]),
           tl.broadcast_to(tl.trans(q1)[None, :, :], [NW, D // 4, R]),
           tl.broadcast_to(tl.trans(q2)[None, :, :], [NW, D // 4, R]),
           tl.broadcast_to(tl.trans(q3)[None, :, :], [NW, D // 4, R]))
     cs = tl.zeros([1, R], tl.float32) + qk_scale
     zero = tl.zeros([NW, D // 4, R], tl.float32)
-    a0, a1, a2, a3 = zero, zero, zero, zero
     mw = tl.full([NW, R], -1.0e30, tl.float32)  # each warp's running max and denominator
     lw = tl.zeros([NW, R], tl.float32)
-    words = data_ptr.to(tl.pointer_type(tl.int32))
-    strides = (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh)
     t = tl.reshape(tl.arange(0, TILE), [NW, TW])  # warp w takes tokens w * TW + j
-    blk_n = next_blocks(table, start, end, t, BS)
-    whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
-    for s in range(start, whole, TILE):
-        blk_n, mw, lw, a0, a1, a2, a3 = int8_words_warp_tile(
-            s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, cs,
-            mw, lw, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, False, BIASED)
-    if whole < end:
-        blk_n, mw, lw, a0, a1, a2, a3 = int8_words_warp_tile(
-            whole, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, cs,
-            mw, lw, a0, a1, a2, a3, TILE, BS, D, DOT, PREC, ASM, True, BIASED)
+    mw, lw, a0, a1, a2, a3 = int8_words_tiles(  # decode only: not causal (no query positions)
+        start, end, t, table, data_ptr, scale_ptr, h, qs, qbias, cs, None, mw, lw, zero, zero, zero, zero,
+        (s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh), TILE, BS, D, DOT, PREC, ASM, False, BIASED, True)
     m_out, l_out, acc, _ = merge_warps(m_i, l_i, mw, lw, a0, a1, a2, a3)
     return m_out, l_out, acc
-
-
-@triton.jit
-def int8_words_warp_tile(s, t, blk_n, table, end, words, scale_ptr, strides, h, qs, qbias, cs,
-                         m_i, l_i, a0, a1, a2, a3,
-                         TILE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
-                         PREC: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
-    """One tile of ``int8_words_warp_loop`` (tokens ``s + t``, ``[NW, TILE / NW]``): the next tile's
-    block ids and the updated state. Without MASKED every token of the tile is below ``end``."""
-    s_dc, s_dn, s_db, s_dh, s_sc, s_sn, s_sb, s_sh = strides
-    q0, q1, q2, q3 = qs
-    valid, blk, off, blk_n = tile_rows(blk_n, table, s, end, t, TILE, BS)
-    # NOTE: >> 2, not // 4, on these non-negative offsets: a signed division costs a correction
-    wrow = (blk * s_dn + off * s_db + h * s_dh) >> 2
-    j = tl.arange(0, D // 4)
-    kw = load_rows(words + last_dim(wrow) + j[None, None, :], last_dim(valid), MASKED)
-    vw = load_rows(words + (s_dc >> 2) + wrow[:, None, :] + j[None, :, None], valid[:, None, :], MASKED)
-    srow = blk * s_sn + off * s_sb + h * s_sh
-    ks = scale_at(scale_ptr, srow, valid, MASKED)
-    vs = scale_at(scale_ptr, s_sc + srow, valid, MASKED)
-    x = tl.dot(word_codes(kw, 0, ASM, BIASED).to(DOT), q0, input_precision=PREC)
-    x = tl.dot(word_codes(kw, 8, ASM, BIASED).to(DOT), q1, x, input_precision=PREC)
-    x = tl.dot(word_codes(kw, 16, ASM, BIASED).to(DOT), q2, x, input_precision=PREC)
-    x = tl.dot(word_codes(kw, 24, ASM, BIASED).to(DOT), q3, x, input_precision=PREC)
-    if BIASED:
-        x = x - qbias
-    x = x * last_dim(ks)
-    if MASKED:
-        x = tl.where(last_dim(valid), x, float("-inf"))
-    m_new, alpha, p, l_i = scaled_softmax_step(x, m_i, l_i, cs, 1)
-    w = (p * last_dim(vs)).to(DOT)
-    ae = alpha[:, None, :]
-    a0, a1, a2, a3 = class_dots(vw, w, a0, a1, a2, a3, ae, 1152.0 if BIASED else 0.0, True, True, ASM, DOT, PREC)
-    return blk_n, m_new, l_i, a0, a1, a2, a3
 
 
 @triton.jit
