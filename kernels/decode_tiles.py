@@ -36,6 +36,12 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   columns are whole blocks (``warp_rows``), which halves the blocks whose ranges a thread takes
   (one instead of two at the default launch). Each
   token's value (scale, min) pairs are read in the operand's layout and broadcast over its group.
+- INT4's decode (head_dim 64 or 128) runs neither of those per element: ``int4_blocks_warp_loop``
+  gives each block of a tile its own softmax (the dots batched over the blocks) and scales a copy
+  of the queries by the block's per-channel key ranges (``block_query``: ``[D, R]`` a block,
+  where dequantizing took ``[BS, D]``), the minima a ``[R]`` term a block; its tokens' value
+  pairs fold into the weights a group at a time, as INT4R's do. Compiled for sm_90 its loop takes
+  0.21 instructions a KV byte where the lane loop takes 0.29 (``scripts/kernel_cost.py``).
 - INT4R (per-token pairs, rotated keys) folds each token's (scale, min) into the scores and weights
   as INT8 does, and rounds its queries to int8 per row, so its key dots are integer ones: the key
   codes are read as bytes and split by channel parity into int8 codes (three instructions a word,
@@ -517,12 +523,24 @@ def key_ranges(kwa, kwb, lo, step, TILE: tl.constexpr, BS: tl.constexpr, NW: tl.
     one conversion, not eight. (Each channel's eight then sit together in a thread's registers,
     and pairing neighbouring channels for the fp16x2 dequantization costs a ``PRMT`` each: ordering
     the joined tensor by channel pairs first compiled to the same code.)"""
+    return split_ranges(row_blocks(joined_ranges(kwa, kwb, lo, step, DQ), TILE, BS, NW))
+
+
+@triton.jit
+def joined_ranges(kwa, kwb, lo, step, DQ: tl.constexpr):
+    """The eight ``key_range`` s of classes 0, 1 (``kwa``) and 2, 3 (``kwb``) joined in one tensor
+    ``[NB, D/4, 2, 2, 2]`` (``split_ranges``), worked out once per channel (``compact``)."""
     m0, s0 = key_range(kwa, lo, step, 0, DQ)
     m1, s1 = key_range(kwa, lo, step, 16, DQ)
     m2, s2 = key_range(kwb, lo, step, 0, DQ)
     m3, s3 = key_range(kwb, lo, step, 16, DQ)
-    x = compact(tl.join(tl.join(tl.join(m0, s0), tl.join(m1, s1)), tl.join(tl.join(m2, s2), tl.join(m3, s3))))
-    a, b = tl.split(row_blocks(x, TILE, BS, NW))
+    return compact(tl.join(tl.join(tl.join(m0, s0), tl.join(m1, s1)), tl.join(tl.join(m2, s2), tl.join(m3, s3))))
+
+
+@triton.jit
+def split_ranges(x):
+    """``joined_ranges`` (or rows of it) split back: ``(min, scale)`` of classes 0 to 3."""
+    a, b = tl.split(x)
     a0, a1 = tl.split(a)
     b0, b1 = tl.split(b)
     m0, s0 = tl.split(a0)
@@ -615,6 +633,168 @@ def int4_lanes_loop(
         a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
         m_i = m_new
     return m_i, l_i, join_classes(a0, a1, a2, a3)
+
+
+@triton.jit
+def block_key_ranges(kwa, kwb, lohi):
+    """Each block's per-channel key ranges ``(min, scale)`` by channel class, fp32 ``[NB, D/4]``
+    each (``key_range``), from its words of classes 0, 1 (``kwa``) and 2, 3 (``kwb``) ``[NB, D/4]``
+    and its ``(lo, hi)`` word ``[NB, 1]``, worked out once per channel (``compact``)."""
+    lo, hi = half_pair(lohi)
+    return split_ranges(joined_ranges(kwa, kwb, lo, (hi - lo) / 255.0, tl.float32))
+
+
+@triton.jit
+def block_query(q, scale, DOT: tl.constexpr):
+    """The query rows ``q`` [1, R, n] scaled per block by ``scale`` [NB, n], as a dot's right operand
+    ``[NB, n, R]`` in ``DOT``. NOTE: scaled with the channels last and then transposed, so that
+    they reach the dot through shared memory a channel pair at a time (channels down the rows,
+    Triton stored them a 16-bit element at a time)."""
+    return tl.permute((q * scale[:, None, :]).to(DOT), (0, 2, 1))
+
+
+@triton.jit
+def join_groups(a, c):
+    """Two value groups' class accumulators ``[NB, GV/4, R]`` -> one ``[NB, GV/2, R]``, group 0's rows first."""
+    x = tl.permute(tl.join(a, c), (0, 3, 1, 2))
+    return tl.reshape(x, [a.shape[0], 2 * a.shape[1], a.shape[2]])
+
+
+@triton.jit
+def int4_blocks_tile(s, tb, blk_n, table, end, ptrs, strides, h, qs,
+                     mw, lw, a0, a1, a2, a3, c0, c1, c2, c3, b0, b1,
+                     TILE: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, GV: tl.constexpr, DOT: tl.constexpr,
+                     PREC: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr, BIASED: tl.constexpr):
+    """One tile of ``int4_blocks_warp_loop``: its blocks ``s / BS + [0, NB)``, one a slot (``tb``
+    [NB, 1]: each slot's first token), whose ids ``blk_n`` were loaded an iteration ahead. Returns
+    the next tile's ids and the updated state. Without MASKED every block of the tile is below ``end``."""
+    lanes, kwords, vwords = ptrs
+    s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh = strides
+    valid, blk, _, blk_n = tile_rows(blk_n, table, s, end, tb, TILE, BS)  # [NB, 1]: a slot is one block
+    off = tl.arange(0, BS)[None, :]
+    # NOTE: >> 1, not // 2, on these non-negative byte offsets: a signed division costs a correction
+    row = (blk * s_dn + off * s_db + h * s_dh) >> 1  # [NB, BS], in lanes
+    k = tl.arange(0, D // 4)
+    kx = load_rows(lanes + last_dim(row) + k[None, None, :], last_dim(valid), MASKED)  # [NB, BS, D/4]
+    kb = (blk * s_kmn + h * s_kmh) >> 1  # [NB, 1], in words
+    kwa = load_rows(kwords + kb + 2 * k[None, :], valid, MASKED)  # [NB, D/4]: classes 0, 1
+    kwb = load_rows(kwords + kb + 2 * k[None, :] + 1, valid, MASKED)  # classes 2, 3
+    lohi = load_rows(kwords + kb + D // 2, valid, MASKED)  # [NB, 1]
+    m0, s0, m1, s1, m2, s2, m3, s3 = block_key_ranges(kwa, kwb, lohi)
+    if BIASED:  # the high classes' codes come 16 times over (lane_codes)
+        s1, s3 = s1 * 0.0625, s3 * 0.0625
+    # q . k = sum_c q_c min_c + sum_c (q_c scale_c) code_c: each block's ranges scale its own copy
+    # of the queries, [NB, D/4, R] a class, and the codes go into the dots as they are
+    q0, q1, q2, q3 = qs  # [1, R, D/4] fp32
+    w0, w1, w2, w3 = block_query(q0, s0, DOT), block_query(q1, s1, DOT), block_query(q2, s2, DOT), block_query(q3, s3, DOT)
+    k0, k1, k2, k3 = lane_codes(kx, ASM, BIASED)
+    x = tl.dot(k0.to(DOT), w0, input_precision=PREC)
+    x = tl.dot(k1.to(DOT), w1, x, input_precision=PREC)
+    x = tl.dot(k2.to(DOT), w2, x, input_precision=PREC)
+    x = tl.dot(k3.to(DOT), w3, x, input_precision=PREC)
+    qm = q0 * m0[:, None, :] + q1 * m1[:, None, :] + q2 * m2[:, None, :] + q3 * m3[:, None, :]
+    if BIASED:  # BIASED codes: the dots carry 1024 times the sum of their right operands, taken off here
+        qm = qm - 1024.0 * (unswap(w0) + unswap(w1) + unswap(w2) + unswap(w3))
+    x = x + tl.sum(qm, axis=2)[:, None, :]  # [NB, BS, R]
+    if MASKED:
+        x = tl.where(last_dim(valid), x, float("-inf"))
+    # NOTE: the denominators and the sums of p_t min_t stay per token, [NB, BS, R], summed over the
+    # tokens once at the end: two sums fewer a group and tile across the lanes that hold a token each
+    m_new = tl.maximum(mw, tl.max(x, axis=1))
+    alpha = tl.exp2(mw - m_new)[:, None, :]
+    p = tl.exp2(x - m_new[:, None, :])
+    lw = lw * alpha + p
+    # values: each group of GV channels its own weights, p * its tokens' scales (class_values_t)
+    vrow = (s_dc >> 1) + row
+    j = tl.arange(0, GV // 4)[None, :, None]
+    vm = (blk * s_vmn + off * s_vmb + h * s_vmh) >> 1  # [NB, BS]: each token's first (scale, min) word
+    vx = load_rows(lanes + vrow[:, None, :] + j, valid[:, None, :], MASKED)  # [NB, GV/4, BS]: the lanes transposed
+    vs, vn = half_pair(load_rows(vwords + vm, valid, MASKED))
+    a0, a1, a2, a3 = group_values(p, vx, vs, a0, a1, a2, a3, alpha, ASM, DOT, PREC, BIASED)
+    b0 = b0 * alpha + p * last_dim(vn)
+    if D // GV == 2:
+        vx = load_rows(lanes + vrow[:, None, :] + j + GV // 4, valid[:, None, :], MASKED)
+        vs, vn = half_pair(load_rows(vwords + vm + 1, valid, MASKED))
+        c0, c1, c2, c3 = group_values(p, vx, vs, c0, c1, c2, c3, alpha, ASM, DOT, PREC, BIASED)
+        b1 = b1 * alpha + p * last_dim(vn)
+    return blk_n, m_new, lw, a0, a1, a2, a3, c0, c1, c2, c3, b0, b1
+
+
+@triton.jit
+def unswap(w):
+    """A ``block_query`` operand ``[NB, n, R]`` back as fp32 ``[NB, R, n]``."""
+    return tl.permute(w, (0, 2, 1)).to(tl.float32)
+
+
+@triton.jit
+def group_values(p, vx, vs, a0, a1, a2, a3, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                 BIASED: tl.constexpr):
+    """One value group's class accumulators ``[NB, GV/4, R]`` rescaled by ``alpha`` [NB, 1, R] and
+    advanced by the weights ``p`` [NB, BS, R] times the tokens' scales ``vs`` [NB, BS] over the
+    lanes ``vx`` [NB, GV/4, BS] (``class_values_t`` without the minima)."""
+    w = (p * last_dim(vs)).to(DOT)
+    v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
+    return class_dots((v0, v1, v2, v3), w, a0, a1, a2, a3, alpha, 1024.0 if BIASED else 0.0, True, False, ASM,
+                      DOT, PREC)
+
+
+@triton.jit
+def int4_blocks_warp_loop(
+    q_ptr, qrows, rmask,  # rows [R] at q_ptr + qrows (where rmask); decode only: not causal
+    data_ptr, kmeta_ptr, vmeta_ptr, table, h, start, end,  # end: a multiple of BS (full blocks only)
+    m_i, l_i, qk_scale,
+    s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+    R: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, GV: tl.constexpr,
+    DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, BIASED: tl.constexpr,
+):
+    """INT4 (KIVI) decode over the full blocks in ``[start, end)``, a softmax per block slot of the
+    tile (``TILE / BS`` slots, the dots batched over them, which Triton gives the warps in turn),
+    merged once at the end (``int4_tokens_warp_loop``'s NOTE); returns ``(m_i, l_i, acc [R, D])``.
+    Tokens run down the dots' rows, the query rows are their columns.
+
+    Nothing is dequantized element by element. A block's keys share per-channel ranges, so
+    ``q . k = sum_c q_c min_c + sum_c (q_c scale_c) code_c``: the ranges scale a copy of the
+    queries (``block_query``: ``[D, R]`` a block, against the codes' ``[BS, D]``) and the codes go
+    into the dots as they are (BIASED: ``lane_codes``' biased values, the bias taken off each
+    block's ``sum_c q_c min_c``). A token's values have a (scale, min) pair per group of GV
+    channels, which fold into the weights as INT4R's one pair does (``group_values``), one set of
+    weights and accumulators per group (``D / GV`` of 1 or 2). The data's strides (bytes) are even
+    and ``k_meta``, ``v_meta`` word-aligned (``paged_decode.int4_lanes``)."""
+    NB: tl.constexpr = TILE // BS
+    q0, q1, q2, q3 = class_queries(q_ptr, qrows, rmask, D, tl.float32)
+    # scores in log2 units
+    qs = ((q0 * qk_scale)[None, :, :], (q1 * qk_scale)[None, :, :], (q2 * qk_scale)[None, :, :],
+          (q3 * qk_scale)[None, :, :])
+    zero = tl.zeros([NB, GV // 4, R], tl.float32)
+    a0, a1, a2, a3, c0, c1, c2, c3 = zero, zero, zero, zero, zero, zero, zero, zero
+    mw = tl.full([NB, R], -1.0e30, tl.float32)  # each slot's running max
+    lw = tl.zeros([NB, BS, R], tl.float32)  # its denominator and sums of p_t min_t, a group each, per token
+    b0 = tl.zeros([NB, BS, R], tl.float32)
+    b1 = tl.zeros([NB, BS, R], tl.float32)
+    ptrs = (data_ptr.to(tl.pointer_type(tl.int16)), kmeta_ptr.to(tl.pointer_type(tl.int32)),
+            vmeta_ptr.to(tl.pointer_type(tl.int32)))
+    strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
+    tb = (tl.arange(0, NB) * BS)[:, None]  # [NB, 1]: each slot's first token
+    blk_n = next_blocks(table, start, end, tb, BS)  # NOTE: each tile's block ids load an iteration ahead
+    # NOTE: as int4_tokens_tiles': whole tiles unmasked, the split's last one masked, once
+    whole = start + tl.maximum(end - start, 0) // TILE * TILE  # NOTE: an idle split's end < start
+    for s in range(start, whole, TILE):
+        blk_n, mw, lw, a0, a1, a2, a3, c0, c1, c2, c3, b0, b1 = int4_blocks_tile(
+            s, tb, blk_n, table, end, ptrs, strides, h, qs, mw, lw, a0, a1, a2, a3, c0, c1, c2, c3, b0, b1,
+            TILE, BS, D, GV, DOT, PREC, ASM, False, BIASED)
+    if whole < end:
+        blk_n, mw, lw, a0, a1, a2, a3, c0, c1, c2, c3, b0, b1 = int4_blocks_tile(
+            whole, tb, blk_n, table, end, ptrs, strides, h, qs, mw, lw, a0, a1, a2, a3, c0, c1, c2, c3, b0, b1,
+            TILE, BS, D, GV, DOT, PREC, ASM, True, BIASED)
+    a0, a1, a2, a3 = unbias(a0, a1, a2, a3, BIASED)
+    if D // GV == 2:
+        c0, c1, c2, c3 = unbias(c0, c1, c2, c3, BIASED)
+        a0, a1, a2, a3 = join_groups(a0, c0), join_groups(a1, c1), join_groups(a2, c2), join_groups(a3, c3)
+    m_out, l_out, acc, f = merge_warps(m_i, l_i, mw, tl.sum(lw, axis=1), a0, a1, a2, a3)
+    bm = tl.sum(tl.sum(b0, axis=1) * f, axis=0)[:, None]
+    if D // GV == 2:
+        bm = tl.where(tl.arange(0, D)[None, :] < GV, bm, tl.sum(tl.sum(b1, axis=1) * f, axis=0)[:, None])
+    return m_out, l_out, acc + bm
 
 
 @triton.jit

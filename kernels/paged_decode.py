@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import (attend_tile, int4_lanes_loop, int4_tokens_loop, int4_tokens_warp_loop, int8_tile,
-                                  int8_words_loop, int8_words_warp_loop, tile_query)
+from kernels.decode_tiles import (attend_tile, int4_blocks_warp_loop, int4_lanes_loop, int4_tokens_loop,
+                                  int4_tokens_warp_loop, int8_tile, int8_words_loop, int8_words_warp_loop, tile_query)
 from kernels.kv_tile import dot_args, load_kv_tile, tile_args
 from kernels.reduce_splits import reduce_splits
 
@@ -43,10 +43,15 @@ BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED
 # used, nothing spilled): an SM holds 16 warps, 487 loop instructions a tile, 195% of the H200's
 # peak (its shared loop's best: 140%); int8 at 168 (at 128 it spilled inside its loop): 12 warps,
 # 710 instructions, 240% (its shared loop, at 128, 4, 3, 128: 183%, measured 66-72%).
-CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 2, 3, 168), "int4": (64, 4, 3, 128), "int4r": (64, 2, 3, 128)}
+# int4 (2026-12-02, not yet measured): its loop with a softmax per block (WARP_TILES:
+# decode_tiles.int4_blocks_warp_loop) at 64-token tiles and two warps, two blocks a warp, uncapped
+# (252 registers, 8 warps an SM): 1045 instructions a tile, 102% (its lane loop at its measured
+# best, 64, 4, 3, 128: 76%, measured 29%).
+CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 2, 3, 168), "int4": (64, 2, 3, 0), "int4r": (64, 2, 3, 128)}
 # The shared loops' launches, where the per-warp loops are off (WARP_TILES): INT8's best measured
-# (72% of peak, 2026-11-30) and INT4R's default before the per-warp loops.
-SHARED_LAUNCH = {"int8": (128, 4, 3, 128), "int4r": (128, 4, 3, 128)}
+# (72% of peak, 2026-11-30), INT4R's default before the per-warp loops, INT4's lane loop's best
+# measured (29%, 2026-11-30).
+SHARED_LAUNCH = {"int8": (128, 4, 3, 128), "int4r": (128, 4, 3, 128), "int4": (64, 4, 3, 128)}
 # What the pipelined tiles of codes may take of a program's shared memory (227 KB on Hopper): a
 # launch that would take more gets fewer stages (``pipeline_stages``).
 STAGE_BUDGET = 160 * 1024
@@ -64,8 +69,11 @@ HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
 # shared memory in the loop, and a group of 4 query heads pads its dots' columns to 8, not its rows
 # to 16 (scripts/kernel_cost.py under the H200's Triton 3.6, CUDA_LAUNCH's figures). Untested on a
 # GPU as of 2026-12-01; bench_gpu's sweep times the shared loops beside them.
+# INT4's full blocks (head_dim 64 or 128: one or two value groups) take a loop with a softmax per
+# block slot of the tile (decode_tiles.int4_blocks_warp_loop): its per-channel key ranges scale a
+# copy of the queries a block, not the codes.
 # LLMBUS_TRITON_WARP_TILES=0 turns them off: decode then runs the shared loops (int4_tokens_loop,
-# int8_words_loop) at their own launches (SHARED_LAUNCH).
+# int8_words_loop, int4_lanes_loop) at their own launches (SHARED_LAUNCH).
 WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "1") != "0"
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
 
@@ -97,7 +105,7 @@ def paged_decode_kernel(
     BIASED: tl.constexpr,  # codes biased (BIASED_VALUES)
     LANES: tl.constexpr,  # INT4 / INT4R full blocks read as 16-bit lanes (decode_tiles.int4_lanes_loop, int4_tokens_loop)
     NW: tl.constexpr,  # the launch's num_warps
-    WARP_TILES: tl.constexpr,  # INT4R, INT8 words: the per-warp loops (decode_tiles.*_warp_loop)
+    WARP_TILES: tl.constexpr,  # INT4R, INT8 words, INT4 lanes: the per-warp loops (decode_tiles.*_warp_loop)
     HEADS_FIRST: tl.constexpr,  # grid (Hkv, B, SPLITS), not (B, Hkv, SPLITS)
 ):
     if HEADS_FIRST:
@@ -175,6 +183,12 @@ def paged_decode_kernel(
                     h, start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
                     GP, TILE, D, BS, DOT, PREC, ASM, False, BIASED,
                 )
+        elif LANES and WARP_TILES:
+            m_i, l_i, acc = int4_blocks_warp_loop(
+                q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
+                start, lim, m_i, l_i, qk_scale, s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh,
+                GP, TILE, D, BS, GV, DOT, PREC, ASM, BIASED,
+            )
         elif LANES:
             m_i, l_i, acc = int4_lanes_loop(
                 q_ptr + b.to(tl.int64) * s_qb, heads * s_qh, gmask, heads, data_ptr, kmeta_ptr, vmeta_ptr, table, h,
@@ -251,11 +265,27 @@ def int4_lanes(cache) -> bool:
             and vm.stride(4) == 1 and vm.stride(3) == 2)
 
 
-def launch_defaults(fmt: str, warp_tiles: bool | None = None) -> tuple[int, int, int, int]:
+def int4_blocks(cache) -> bool:
+    """Whether INT4 decode can run its loop with a softmax per block (``decode_tiles.int4_blocks_warp_loop``):
+    lanes (``int4_lanes``) of one or two value groups a token (head_dim 64 or 128)."""
+    lay = cache.layout
+    return cache.fmt.name == "int4" and int4_lanes(cache) and lay.head_dim // cache.fmt.value_group(lay.head_dim) <= 2
+
+
+def has_warp_loop(cache, meta: dict) -> bool:
+    """Whether decode has a loop with a softmax per warp (INT4R, INT8 words: each warp's share of a
+    tile, 16 tokens or more) or per block slot (``int4_blocks``) for the launch ``meta``."""
+    if cache.fmt.name == "int4":
+        return int4_blocks(cache)
+    return ((cache.fmt.name == "int4r" and meta["LANES"]) or meta["WORDS"]) and meta["TILE"] // meta["NW"] >= 16
+
+
+def launch_defaults(fmt: str, warp_tiles: bool | None = None, cache=None) -> tuple[int, int, int, int]:
     """A format's CUDA launch (tile, warps, stages, register cap): ``CUDA_LAUNCH``, or the shared
     loops' own (``SHARED_LAUNCH``) where the per-warp loops are off (``warp_tiles``, None:
-    ``WARP_TILES``)."""
-    if not (WARP_TILES if warp_tiles is None else warp_tiles) and fmt in SHARED_LAUNCH:
+    ``WARP_TILES``) or, for INT4, where ``cache`` (if given) cannot take its block loop."""
+    off = not (WARP_TILES if warp_tiles is None else warp_tiles)
+    if fmt in SHARED_LAUNCH and (off or (fmt == "int4" and cache is not None and not int4_blocks(cache))):
         return SHARED_LAUNCH[fmt]
     return CUDA_LAUNCH[fmt]
 
@@ -267,7 +297,7 @@ def register_cap(cache, max_registers: int | None = None, warp_tiles: bool | Non
     if max_registers is not None:
         return max_registers
     fast = not cache.fmt.int4_codes or int4_lanes(cache)
-    return launch_defaults(cache.fmt.name, warp_tiles)[3] if fast else 0
+    return launch_defaults(cache.fmt.name, warp_tiles, cache)[3] if fast else 0
 
 
 def code_args(cache, query: torch.Tensor) -> dict:
@@ -503,9 +533,10 @@ def decode_launch(
     int32) gives INT4 / INT4R sequences their tail rows (-1: none). ``heads_first`` (None: ``HEADS_FIRST``)
     orders the grid's programs KV head first (``grid_order``). ``warp_tiles`` (None: ``WARP_TILES``)
     gives INT4R's and INT8's warps a softmax each (``decode_tiles.int4_tokens_warp_loop``,
-    ``int8_words_warp_loop``) where each warp's share of a tile is 16 tokens or more; their query
-    rows are then padded to a power of two, not to 16 (``GP``). Off, the launch defaults are the
-    shared loops' (``SHARED_LAUNCH``)."""
+    ``int8_words_warp_loop``) where each warp's share of a tile is 16 tokens or more, and INT4's
+    block slots one each (``int4_blocks_warp_loop``, ``has_warp_loop``); their query rows are then
+    padded to a power of two, not to 16 (``GP``). Off, the launch defaults are the shared loops'
+    (``SHARED_LAUNCH``)."""
     ptrs, strides, consts = tile_args(cache, tail_rows)
     b, hq, d = query.shape
     hkv = cache.layout.num_kv_heads
@@ -515,7 +546,7 @@ def decode_launch(
         raise ValueError(f"block_tables and seq_lens must be int32, got {block_tables.dtype} and {seq_lens.dtype}")
     if block_tables.shape[0] != b or seq_lens.shape != (b,) or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be [B, M] with contiguous rows and seq_lens [B]")
-    cuda_tile, cuda_warps, cuda_stages, _ = launch_defaults(cache.fmt.name, warp_tiles)
+    cuda_tile, cuda_warps, cuda_stages, _ = launch_defaults(cache.fmt.name, warp_tiles, cache)
     tile = tile_size(cache, tile, query.is_cuda, cuda_tile)
     if query.is_cuda:
         num_warps, num_stages = num_warps or cuda_warps, pipeline_stages(cache, tile, num_stages or cuda_stages)
@@ -524,8 +555,7 @@ def decode_launch(
                 SPLIT=False, **code_args(cache, query), **consts)
     meta.update({k: n for k, n in (("num_warps", num_warps), ("num_stages", num_stages)) if n})
     meta["NW"] = num_warps or 4  # Triton's default
-    meta["WARP_TILES"] = (((cache.fmt.name == "int4r" and meta["LANES"]) or meta["WORDS"]) and tile // meta["NW"] >= 16
-                          and (WARP_TILES if warp_tiles is None else warp_tiles))
+    meta["WARP_TILES"] = has_warp_loop(cache, meta) and (WARP_TILES if warp_tiles is None else warp_tiles)
     if meta["WARP_TILES"]:  # its query rows are the dots' columns, of which a mma takes 8, not 16
         meta["GP"] = triton.next_power_of_2(grp)
     meta["HEADS_FIRST"] = grid_order(b, heads_first)

@@ -67,14 +67,19 @@ SWEEP = {
     # 241% (128, 4, 168), 226% (64, 2, 128: spills in its loop); the shared loop's rows (below): 183%
     # at its old default (128, 4, 3, 128), measured 66-72% (2026-11-30)
     "int8": [(64, 2, 3, 168), (128, 4, 3, 168), (64, 2, 3, 128), (64, 2, 2, 168)],
+    # int4 (not yet run on a GPU as it is): its loop with a softmax per block slot
+    # (decode_tiles.int4_blocks_warp_loop). Bounds under Triton 3.6 (kernel_cost.py): 102% (default:
+    # 64-token tiles, 2 warps, uncapped: 252 registers, 8 warps an SM), 86% (64, 4), 98% (64, 2, cap
+    # 192), 101% (128, 4); its lane loop's rows (below) 76%, measured 29% (2026-11-30)
+    "int4": [(64, 2, 3, 0), (64, 4, 3, 0), (64, 2, 3, 192), (128, 4, 3, 0)],
     "model": [(64, 4, 3, 0)],
-    "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (64, 4, 2, 128), (128, 4, 3, 168), (64, 2, 3, 0), (128, 4, 4, 168)],
 }
 
 # the shared loops' launches (paged_decode.WARP_TILES off; the first their default, SHARED_LAUNCH),
 # timed beside the per-warp loops
 SHARED_SWEEP = {"int8": [(128, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 0)],
-                "int4r": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 2, 3, 0)]}
+                "int4r": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 2, 3, 0)],
+                "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (128, 4, 3, 168)]}
 
 
 def read_bytes_per_token(fmt: str, lay: KVLayout) -> float:
@@ -186,7 +191,7 @@ def check_kernels(sweep: bool = True) -> list[dict]:
     # split's length; flat softmax (zero queries: every token weighs alike) and random queries, the
     # exact conversion beside them
     n = 32768 + 5
-    for fmt in ("int8", "int4r"):
+    for fmt in ("int8", "int4r", "int4"):
         _, tables, slots, k, v = _filled(fmt, lay, [n], gen)
         long_cache = allocate_cache(KVFormat(fmt), lay, lay.num_blocks_for(n) + 1, "cuda")
         ref.write_kv_cache(k, v, long_cache, slots)
@@ -273,7 +278,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
                   (launches[0], default_asm, order, 1, plain, biased)]
         # the warps sharing a softmax (decode_tiles.int4_tokens_loop, int8_words_loop) at their best launches
         extra += [(lc, default_asm, order, None, not plain, biased) for lc in SHARED_SWEEP.get(fmt, ())]
-        if fmt in ("int8", "int4r"):  # the default with its codes converted exactly (paged_decode.BIASED_VALUES)
+        if fmt != "model":  # the default with its codes converted exactly (paged_decode.BIASED_VALUES)
             extra += [(launches[0], default_asm, order, None, plain, False)]
         rows_to_run = [(lc, default_asm, order, None, plain, biased) for lc in launches] + extra
         for (tile, warps, stages, regs), asm, heads_first, splits, warp_tiles, bias in rows_to_run:
@@ -290,7 +295,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
             print(f"  sweep {batch}x{context} {fmt:<6} tile={tile:<4} warps={warps} stages={stages} regs={regs or '-':<3}"
                   f" splits={ran:<2}{'' if asm else ' no-asm'}{'' if heads_first else ' seq-first'}"
                   f"{'' if splits is None else ' forced'}{(' warp-tiles' if warp_tiles else ' shared-tiles') if fmt in SHARED_SWEEP else ''}"
-                  f"{' unbiased' if bias is False and fmt in ('int8', 'int4r') else ''}"
+                  f"{' unbiased' if bias is False and fmt != 'model' else ''}"
                   f" {ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
             if asm == default_asm and splits is None and bias == biased and (fmt not in best or gbps > best[fmt][1]):
                 best[fmt] = ({k: v for k, v in launch.items() if k != "num_splits"}, gbps)

@@ -94,8 +94,8 @@ def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
     INT4 and INT4R also at 64 (their lane loops' narrowest: class dots of 16 channels) and 16 (the
     generic-tile path), with and without tail rows; INT8, INT4 and INT4R over head-major caches;
-    split-K on and off; INT8's and INT4R's shared loops (their per-warp loops are the default) and
-    their per-warp loops at other GQA groups."""
+    split-K on and off; INT8's, INT4R's and INT4's shared loops (their per-warp or per-block loops
+    are the default) and those loops at other GQA groups."""
     from kernels.paged_decode import paged_decode_attention
     from kernels.paged_prefill import paged_prefill_attention
     from kernels.write_kv import write_kv
@@ -129,7 +129,7 @@ def variants():
             yield (f"decode {tag} splits={splits}",
                    lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
         yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
-        if d == 128 and not head_major and (fmt == "int8" or (fmt == "int4r" and tails)):
+        if d == 128 and not head_major and (fmt == "int8" or (fmt == "int4r" and tails) or (fmt == "int4" and not tails)):
             # the loops with the warps sharing a softmax (paged_decode.WARP_TILES off: their own launch)
             yield (f"decode {tag} shared tiles", lambda: paged_decode_attention(
                 q, cache, tables, lens, 0.1, num_splits=2, tail_rows=rows, warp_tiles=False))

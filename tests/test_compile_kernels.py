@@ -45,9 +45,9 @@ def test_every_kernel_compiles_for_sm90():
     lines = proc.stdout.splitlines()
     assert lines[-1] == "all compiled for sm_90"
     ok = [line for line in lines if line.startswith("ok ")]
-    assert len(ok) == 66 and sum("reduce_splits_kernel" in line for line in ok) == 21
+    assert len(ok) == 70 and sum("reduce_splits_kernel" in line for line in ok) == 25
     assert any(line.startswith("ok      decode int4r D=128 tails splits=2") for line in ok)  # the per-warp loop
-    for fmt in ("int8 D=128", "int4r D=128 tails"):  # the shared loops; the per-warp ones at 1, 2, 8 rows
+    for fmt in ("int8 D=128", "int4r D=128 tails", "int4 D=128"):  # the shared loops; the per-warp ones at 1, 2, 8 rows
         assert sum(line.startswith((f"ok      decode {fmt} shared tiles", f"ok      decode {fmt} group="))
                    for line in ok) == 4
     assert any(line.startswith("ok      decode int4 D=128 head-major splits=1") for line in ok)

@@ -73,9 +73,10 @@ def test_loop_lines_attribute_instructions_below_the_loops_shared_call():
                                                      "paged_decode.py:7": 1}
 
 
-def _cost(tmp_path: Path, fmt: str, asm: bool, kernel: str = "decode") -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"LLMBUS_TRITON_ASM": "1" if asm else "0"}
-    out = tmp_path / f"{fmt}-{asm}-{kernel}.json"
+def _cost(tmp_path: Path, fmt: str, asm: bool, kernel: str = "decode", warp_tiles: bool = True) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"LLMBUS_TRITON_ASM": "1" if asm else "0",
+                                                                            "LLMBUS_TRITON_WARP_TILES": str(int(warp_tiles))}
+    out = tmp_path / f"{fmt}-{asm}-{kernel}-{warp_tiles}.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--formats", fmt, "--kernel", kernel, "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -122,7 +123,7 @@ def test_int4_decode_works_out_key_ranges_per_channel_and_fits_its_register_cap(
     dots' operands take the two-per-register layout (read as bytes, every operand register of every
     mma was first moved: ~130 moves per iteration); its metadata is read in 32-bit words, so Triton
     pipelines every global load (16-bit loads it leaves synchronous, in the loop)."""
-    asm, plain = _cost(tmp_path, "int4", True), _cost(tmp_path, "int4", False)
+    asm, plain = _cost(tmp_path, "int4", True, warp_tiles=False), _cost(tmp_path, "int4", False, warp_tiles=False)
     for row in (asm, plain):
         assert any(op.startswith("HMMA") for op in row["ops"])
         # per source line: the loop's instructions, in the lane loop's lines
@@ -146,11 +147,28 @@ def test_int4_decode_dequantizes_in_the_dot_operands_layout(tmp_path):
     ten bytes through shared memory per KV byte it reads (13 when each dequantized key and value
     tile was stored and read back: 16 STS a thread and iteration, against a handful now for the
     key ranges' one conversion and the softmax's reductions)."""
-    row = _cost(tmp_path, "int4", True)
+    row = _cost(tmp_path, "int4", True, warp_tiles=False)
     stores = sum(n for op, n in row["ops"].items() if op.startswith(("STS", "STSM")))
     assert stores <= 8, row["ops"]  # 4 under Triton 3.9, 8 under 3.6
     assert row["smem_bytes_per_iteration"] < 10 * row["bytes_per_iteration"], row["smem_bytes_per_iteration"]
     assert row["bound_pct"]["smem"] > 60
+
+
+def test_int4_block_loop_takes_fewer_instructions_a_byte_than_the_lane_loop(tmp_path):
+    """INT4 decode's default loop (decode_tiles.int4_blocks_warp_loop: the key ranges scale the
+    queries, a softmax a block) runs fewer instructions and moves fewer shared-memory bytes a KV
+    byte than the lane loop, which dequantizes every code; its scaled queries reach their dots a
+    channel pair at a time (no 16-bit shared-memory access: computed channels down the rows, they
+    went a 16-bit element at a time), it spills nothing, and its loads stay asynchronous and
+    double-buffered."""
+    blocks, lanes = _cost(tmp_path, "int4", True), _cost(tmp_path, "int4", True, warp_tiles=False)
+    assert blocks["instructions_per_byte"] < 0.85 * lanes["instructions_per_byte"], (blocks, lanes)  # 0.75, 0.8: 3.6, 3.9
+    assert blocks["smem_bytes_per_iteration"] / blocks["bytes_per_iteration"] < (
+        0.8 * lanes["smem_bytes_per_iteration"] / lanes["bytes_per_iteration"])
+    assert not [op for op in blocks["ops"] if op.startswith(("LDS.U16", "LDL", "STL"))], blocks["ops"]
+    assert blocks["spills"] == 0 and blocks["bound_pct"]["issue"] > lanes["bound_pct"]["issue"]
+    # the slots' block ids load once for each layout that addresses with them (codes, ranges, pairs)
+    _asynchronous_and_double_buffered(blocks, max_sync=10)
 
 
 def test_smem_bytes_count_each_access_by_its_width():

@@ -194,7 +194,51 @@ def test_decode_warp_tiles(name, group, head_dim, splits, tile, num_warps):
     assert not shared["WARP_TILES"] and shared["GP"] == max(16, rows)
 
 
-@pytest.mark.parametrize("name", ["int4r", "int8"])
+@pytest.mark.parametrize("group,head_dim,bs,splits", [(1, 64, 16, 1), (4, 128, 16, 3), (6, 64, 32, 2), (8, 128, 32, 2),
+                                                   (16, 64, 16, 2)])
+@pytest.mark.parametrize("tile,num_warps", [(64, 2), (64, 4), (32, 2)])
+def test_decode_int4_blocks_loop(group, head_dim, bs, splits, tile, num_warps):
+    """INT4's loop with a softmax per block slot (decode_tiles.int4_blocks_warp_loop): each block's
+    per-channel key ranges scaling its own copy of the queries, one or two value groups a token
+    (head_dim 64, 128), 16- and 32-token blocks, tiles of one slot a warp, two, and one for two
+    warps, the slots' states merged at the end and the partial block after them; GQA ratios
+    (query rows the dots' columns, padded to a power of two), split-K, empty and one-token
+    sequences."""
+    from kernels.paged_decode import decode_launch
+
+    if tile < bs:
+        pytest.skip("a tile holds whole blocks")
+    cache = _check("int4", "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=bs, lens=[150, 2 * bs, 0, 1, 33],
+                   splits=splits, seed=group + tile, tile=tile, num_warps=num_warps, warp_tiles=True)
+    q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16, device=DEV)
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    meta = decode_launch(q, cache, one[:, None], one, tile=tile, num_warps=num_warps, warp_tiles=True).meta
+    assert meta["WARP_TILES"] and meta["GP"] == 1 << (group - 1).bit_length()
+
+
+def test_decode_int4_blocks_loop_only_for_one_or_two_value_groups(monkeypatch):
+    """Four value groups a token (head_dim 256) keep the lane loop, at its own launch; the block
+    loop's launch (CUDA_LAUNCH) is uncapped, the lane loop's (SHARED_LAUNCH) capped."""
+    from kernels import paged_decode
+    from kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH, decode_launch, int4_blocks, launch_defaults, register_cap
+
+    one = torch.ones(1, dtype=torch.int32, device=DEV)
+    for d, blocks in ((64, True), (128, True), (256, False)):
+        lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
+        cache = allocate_cache(KVFormat("int4"), lay, 2, DEV)
+        assert int4_lanes(cache) and int4_blocks(cache) == blocks
+        q = torch.zeros(1, 8, d, dtype=torch.bfloat16, device=DEV)
+        assert decode_launch(q, cache, one[:, None], one, tile=64, num_warps=2).meta["WARP_TILES"] == (
+            blocks and paged_decode.WARP_TILES)
+        monkeypatch.setattr(paged_decode, "WARP_TILES", True)
+        assert launch_defaults("int4", None, cache) == (CUDA_LAUNCH if blocks else SHARED_LAUNCH)["int4"]
+        assert register_cap(cache) == (0 if blocks else SHARED_LAUNCH["int4"][3])
+        monkeypatch.undo()
+    _check("int4", "float16", hkv=2, group=4, head_dim=256, bs=16, lens=[70, 1], splits=1, seed=5, tile=64,
+           num_warps=2, warp_tiles=True)
+
+
+@pytest.mark.parametrize("name", ["int4r", "int8", "int4"])
 def test_decodes_through_the_per_warp_loops_by_default(name, monkeypatch):
     """INT4R's and INT8's CUDA launches (CUDA_LAUNCH) give each warp 16 tokens or more of a tile, so
     the per-warp loops serve them by default (paged_decode.WARP_TILES), a group of 6 padded to 8
@@ -226,7 +270,7 @@ def test_decode_int4_lanes_rows_in_warp_order(bs, tile, num_warps):
     (decode_tiles.warp_rows): one block a warp, two, other block sizes, and, where a warp's share
     is less than a block, the plain order; two KV heads, so rows are found per head too."""
     _check("int4", "bfloat16", hkv=2, group=4, head_dim=64, bs=bs, lens=[300, 130, 64, 17], splits=2, seed=tile,
-           tile=tile, num_warps=num_warps)
+           tile=tile, num_warps=num_warps, warp_tiles=False)
 
 
 def test_pipeline_stages_keep_buffered_tiles_within_budget():
@@ -473,6 +517,8 @@ def test_decode_int4r_rounds_queries_as_the_reference_ties_included(head_dim, la
     ("int4r", 4, 64, [128, 48, 0, 1, 17, 64], 1, 64, False, None),
     ("int4r", 8, 64, [160, 130, 31], 3, 64, True, 2),  # a softmax a warp
     ("int4r", 1, 128, [96, 5, 64, 200], 16, 64, True, 4),
+    ("int4", 4, 64, [160, 130, 31, 0, 1], 3, 64, True, 2),  # a softmax a block
+    ("int4", 1, 128, [96, 5, 64, 200], 16, 64, True, 4),
 ])
 def test_decode_reads_nothing_past_a_sequence(name, group, head_dim, lens, splits, tile, warp_tiles, num_warps):
     """The fast loops read whole tiles unmasked and mask only a split's last: every byte no token
@@ -509,10 +555,11 @@ def test_decode_reads_nothing_past_a_sequence(name, group, head_dim, lens, split
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name,warp_tiles,num_warps", [("int4r", False, None), ("int4r", True, 2), ("int8", False, None),
-                                                     ("int8", True, 2)])
+                                                     ("int8", True, 2), ("int4", True, 2), ("int4", True, 4)])
 def test_decode_biased_codes(monkeypatch, name, dtype, warp_tiles, num_warps):
-    """The decode loops with their codes biased, as fp16 dots on CUDA take them: INT4R's values
-    (decode_tiles.lane_codes: 1024 + code, 1024 + 16 code), INT8's keys and values (word_codes:
+    """The decode loops with their codes biased, as fp16 dots on CUDA take them: INT4R's values and
+    INT4's keys and values (decode_tiles.lane_codes: 1024 + code, 1024 + 16 code; INT4's key bias
+    off each block's scores), INT8's keys and values (word_codes:
     1152 + code), the bias taken off the scores (INT8's keys: 1152 * sum(q) a row) and off the sums
     at the end (values). Off CUDA the dots run in fp32, so the path is forced here
     (paged_decode.BIASED_VALUES)."""
