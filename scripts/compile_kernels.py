@@ -8,15 +8,18 @@ natively, which the interpreter (``TRITON_INTERPRET=1``, where the kernel tests 
 says nothing of results, which only a GPU shows (``scripts/gpu_check.sh``). The Triton here may be
 newer than a lent GPU machine's.
 
-    python scripts/compile_kernels.py [--arch 90]
+    python scripts/compile_kernels.py [--arch 90] [--jobs N]
 
-Prints one line per kernel variant and exits 1 if any failed to compile.
+Prints one line per kernel variant and exits 1 if any failed to compile. ``--jobs`` processes
+(default: the CPU count, up to 4) compile a share of the variants each.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -158,20 +161,54 @@ def fused_variants(cuda):
     yield "silu_mul bf16", lambda: fused.silu_mul(gate_up)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100/H200), 80 (A100)")
-    args = ap.parse_args(argv)
-    compiled = compile_only(args.arch)
-    failed = 0
-    for name, thunk in variants():
+def compile_variants(arch: int, shard: tuple[int, int] = (0, 1)):
+    """``(index, ok, report)`` for each variant whose index is ``k`` modulo ``n`` (``shard``)."""
+    compiled = compile_only(arch)
+    k, n = shard
+    for i, (name, thunk) in enumerate(variants()):
+        if i % n != k:
+            continue
         compiled.clear()
         try:
             thunk()
-            print(f"ok      {name}: {', '.join(n for n, _ in compiled)}", flush=True)
+            yield i, True, f"ok      {name}: {', '.join(n for n, _ in compiled)}"
         except Exception:  # NOTE: report every variant, then fail
-            failed += 1
-            print(f"FAILED  {name}\n{traceback.format_exc(limit=4)}", flush=True)
+            yield i, False, f"FAILED  {name}\n{traceback.format_exc(limit=4)}"
+
+
+def run_shards(arch: int, jobs: int) -> list[tuple[int, bool, str]]:
+    """``compile_variants`` split over ``jobs`` processes (compiling is CPU-bound, one core a
+    process): their reports, in variant order. A shard that dies is a failed report."""
+    procs = [subprocess.Popen([sys.executable, __file__, "--arch", str(arch), "--shard", f"{k}/{jobs}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in range(jobs)]
+    reports = []
+    for k, proc in enumerate(procs):
+        out, err = proc.communicate()
+        reports += [tuple(json.loads(line)) for line in out.splitlines() if line.startswith("[")]
+        if proc.returncode:
+            reports.append((len(reports) + 10**6, False, f"FAILED  shard {k}/{jobs} exited {proc.returncode}\n{err[-2000:]}"))
+    return sorted(reports)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="processes compiling at once")
+    ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # "k/n": one of run_shards' processes
+    args = ap.parse_args(argv)
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        for report in compile_variants(args.arch, (k, n)):
+            print(json.dumps(report), flush=True)
+        return 0
+    if args.jobs > 1:
+        reports = run_shards(args.arch, args.jobs)
+    else:
+        reports = compile_variants(args.arch)
+    failed = 0
+    for _, ok, text in reports:
+        failed += not ok
+        print(text, flush=True)
     print(f"{failed} of the variants failed to compile for sm_{args.arch}" if failed else f"all compiled for sm_{args.arch}")
     return 1 if failed else 0
 
