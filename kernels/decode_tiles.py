@@ -729,10 +729,12 @@ def unswap(w):
 @triton.jit
 def group_values(p, vx, vs, a0, a1, a2, a3, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  BIASED: tl.constexpr):
-    """One value group's class accumulators ``[NB, GV/4, R]`` rescaled by ``alpha`` [NB, 1, R] and
-    advanced by the weights ``p`` [NB, BS, R] times the tokens' scales ``vs`` [NB, BS] over the
-    lanes ``vx`` [NB, GV/4, BS] (``class_values_t`` without the minima)."""
+    """Class accumulators ``[.., n, R]`` (a value group's channels, n of each class, down the rows)
+    rescaled by ``alpha`` [.., 1, R] and advanced by the weights ``p`` [.., T, R] times the tokens'
+    scales ``vs`` [.., T] over the lanes ``vx`` [.., n, T] (``class_values_t`` without the minima)."""
     w = (p * last_dim(vs)).to(DOT)
+    # NOTE: the lanes come transposed (token_codes' VT) and convert in the dots' layout: codes
+    # converted first and then transposed went through shared memory, four times the lanes' bytes
     v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
     return class_dots((v0, v1, v2, v3), w, a0, a1, a2, a3, alpha, 1024.0 if BIASED else 0.0, True, False, ASM,
                       DOT, PREC)
@@ -997,13 +999,7 @@ def class_values_t(p, vx, vs, vm, a0, a1, a2, a3, b, alpha, ASM: tl.constexpr, D
     ``[.., D/4, R]`` (each class's channels down the rows), ``b``, ``alpha`` [.., R]. The value codes
     are the left operands (``[.., D/4, T]``, the lanes transposed), the weights the right."""
     tok: tl.constexpr = len(p.shape) - 2
-    w = (p * last_dim(vs)).to(DOT)
-    # NOTE: the lanes come transposed (token_codes' VT) and convert in the dots' layout: codes
-    # converted first and then transposed went through shared memory, four times the lanes' bytes
-    v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
-    ae = tl.expand_dims(alpha, tok)
-    a0, a1, a2, a3 = class_dots((v0, v1, v2, v3), w, a0, a1, a2, a3, ae, 1024.0 if BIASED else 0.0, True,
-                                False, ASM, DOT, PREC)
+    a0, a1, a2, a3 = group_values(p, vx, vs, a0, a1, a2, a3, tl.expand_dims(alpha, tok), ASM, DOT, PREC, BIASED)
     return a0, a1, a2, a3, b * alpha + tl.sum(p * last_dim(vm), axis=tok)
 
 

@@ -164,9 +164,9 @@ def fused_variants(cuda):
 def compile_variants(arch: int, shard: tuple[int, int] = (0, 1)):
     """``(index, ok, report)`` for each variant whose index is ``k`` modulo ``n`` (``shard``)."""
     compiled = compile_only(arch)
-    k, n = shard
+    k, shards = shard
     for i, (name, thunk) in enumerate(variants()):
-        if i % n != k:
+        if i % shards != k:
             continue
         compiled.clear()
         try:
