@@ -33,9 +33,13 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("graphs"), {"num_hidden_layers": 2}, seed=7)
 
 
-def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4, **options):
-    """Greedy tokens (and logprobs) of prompts whose decodes run 3, then 2 wide (padded to 4 and
-    2), plus the LLM (whose cache the caller compares)."""
+# decodes 3 wide (padded to 4), then 2, then 1; the second prompt's first block fills in a decode step
+PROMPTS = ([list(range(3, 20)), list(range(40, 51)), list(range(7, 12))], (5, 7, 3))
+
+
+def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4, prompts=PROMPTS, **options):
+    """Greedy tokens (and logprobs) of ``prompts`` (token lists, max_tokens), plus the LLM (whose
+    cache the caller compares) and the batch size of each step that took the recorded path."""
     if device == "cpu":  # NOTE: the Triton kernels on CPU tensors (the interpreter), as on CUDA
         monkeypatch.setattr(engine_module, "make_backend", lambda dev, kv_format: TritonAttentionBackend(kv_format))
     llm = LLM(model_dir, device=device, kv_format=fmt, cuda_graphs=graphs, max_num_seqs=max_num_seqs,
@@ -49,9 +53,8 @@ def _run(model_dir, fmt, graphs, monkeypatch, device="cpu", max_num_seqs=4, **op
             return real_run(self, *args)
 
         monkeypatch.setattr(DecodeGraphs, "run", counted)
-    prompts = [list(range(3, 22)), list(range(40, 45)), list(range(7, 40))]
-    params = [SamplingParams(max_tokens=n, temperature=0, logprobs=1) for n in (9, 14, 6)]
-    outs = llm.generate(prompts, params)
+    params = [SamplingParams(max_tokens=n, temperature=0, logprobs=1) for n in prompts[1]]
+    outs = llm.generate(prompts[0], params)
     return [o.token_ids for o in outs], [[lp.logprob for lp in o.logprobs] for o in outs], llm, runs
 
 
@@ -79,7 +82,7 @@ def test_recorded_decode_path_matches_the_dynamic_one(model_dir, fmt, monkeypatc
 
 def test_recorded_path_refuses_what_it_was_not_recorded_for(model_dir, monkeypatch):
     _, _, llm, runs = _run(model_dir, "model", True, monkeypatch)
-    assert runs == [3] * 5 + [2] * 3 + [1] * 5  # every decode step, no prefill step
+    assert runs == [3] * 2 + [2] * 2 + [1] * 2  # every decode step, no prefill step
     graphs = llm.engine.runner.graphs
     assert graphs.size_for(3) == 4 and graphs.size_for(5) is None
     assert not graphs.fits(5, 1) and not graphs.fits(2, graphs.width + 1)
@@ -92,11 +95,13 @@ def test_recorded_path_refuses_what_it_was_not_recorded_for(model_dir, monkeypat
 
 
 def test_one_token_prompt_chunks_that_sample_nothing_run_recorded(model_dir, monkeypatch):
-    """With one-token prefill chunks every step is decode-shaped, and most sample nothing."""
-    tokens, _, _, _ = _run(model_dir, "int4", False, monkeypatch, long_prefill_token_threshold=1)
-    g_tokens, _, _, runs = _run(model_dir, "int4", True, monkeypatch, long_prefill_token_threshold=1)
+    """With one-token prefill chunks every step is decode-shaped, and most sample nothing. INT4:
+    the first prompt's first block fills (and is sealed) a token at a time."""
+    prompts = ([list(range(3, 20)), list(range(40, 45))], (3, 4))
+    tokens, _, _, _ = _run(model_dir, "int4", False, monkeypatch, prompts=prompts, long_prefill_token_threshold=1)
+    g_tokens, _, _, runs = _run(model_dir, "int4", True, monkeypatch, prompts=prompts, long_prefill_token_threshold=1)
     assert g_tokens == tokens
-    assert len(runs) > 33  # the prompts' 57 tokens went through it too, a few at a time
+    assert len(runs) >= 17 + 2  # the prompts' tokens went through it too, one a sequence a step
 
 
 def test_cuda_graphs_are_ignored_without_the_triton_backend(model_dir, caplog):
