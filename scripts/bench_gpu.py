@@ -81,6 +81,11 @@ SHARED_SWEEP = {"int8": [(128, 4, 3, 128), (128, 4, 3, 168), (64, 2, 3, 0)],
                 "int4r": [(128, 4, 3, 128), (128, 4, 3, 168), (128, 2, 3, 0)],
                 "int4": [(64, 4, 3, 128), (64, 4, 3, 168), (128, 4, 3, 168)]}
 
+# other block sizes than BS, checked and timed at the default launch: INT4's block loop does a
+# fixed share of its work per block (the key ranges, the scaled queries, the minima term), half as
+# much a byte at 32-token blocks (kernel_cost.py --block-size 32: bound 127%, 102% at 16)
+BLOCK_SWEEP = {"int4": [32]}
+
 
 def read_bytes_per_token(fmt: str, lay: KVLayout) -> float:
     """Bytes decode reads per context token and layer: codes plus metadata (INT4 full blocks read
@@ -132,16 +137,8 @@ def check_kernels(sweep: bool = True) -> list[dict]:
         theirs = allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda")
         ref.write_kv_cache(k, v, theirs, slots)
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        nb = tables.shape[1]
-        used = (torch.arange(nb, device="cuda") * BS < sl[:, None]).reshape(-1)
-        full = ((torch.arange(nb, device="cuda") + 1) * BS <= sl[:, None]).reshape(-1)[used]
-        ids = tables.reshape(-1)[used]
-
-        def write_err():
-            write_kv(k, v, mine, slots)
-            return (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
-
-        _measure(rows, "write_kv", fmt, WRITE_TOL[fmt], write_err)
+        ids, full = _blocks_of(tables, sl, BS)
+        _measure(rows, "write_kv", fmt, WRITE_TOL[fmt], lambda: _write_err(k, v, mine, theirs, slots, ids, full))
         q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
@@ -170,12 +167,8 @@ def check_kernels(sweep: bool = True) -> list[dict]:
         head_major, hm_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda", head_major=True)
                                  for _ in range(2))
         ref.write_kv_cache(k, v, hm_theirs, slots)
-
-        def head_major_write_err():
-            write_kv(k, v, head_major, slots)
-            return (ref.dequantize_blocks(head_major, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
-
-        _measure(rows, "write_kv head-major", fmt, WRITE_TOL[fmt], head_major_write_err)
+        _measure(rows, "write_kv head-major", fmt, WRITE_TOL[fmt],
+                 lambda: _write_err(k, v, head_major, theirs, slots, ids, full))
         _measure(rows, "paged_decode head-major", fmt, 4e-2, lambda: (paged_decode_attention(
             q, hm_theirs, tables, sl, D**-0.5).float() - want).abs().max())
         qlens = [1, 17, 100, 333]
@@ -186,6 +179,20 @@ def check_kernels(sweep: bool = True) -> list[dict]:
             qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
         _measure(rows, "paged_prefill head-major", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, hm_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
+    for fmt, sizes in BLOCK_SWEEP.items() if sweep else ():  # written by the kernel, decoded at the default launch
+        for bs in sizes:
+            lay_b = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=bs, dtype="bfloat16")
+            mine, tables, slots, k, v = _filled(fmt, lay_b, lens, gen)
+            theirs = allocate_cache(KVFormat(fmt), lay_b, mine.num_blocks, "cuda")
+            ref.write_kv_cache(k, v, theirs, slots)
+            sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            ids, full = _blocks_of(tables, sl, bs)
+            _measure(rows, f"write_kv {bs}-token blocks", fmt, WRITE_TOL[fmt],
+                     lambda: _write_err(k, v, mine, theirs, slots, ids, full))
+            q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
+            want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
+            _measure(rows, f"paged_decode split-K {bs}-token blocks", fmt, 4e-2, lambda: (paged_decode_attention(
+                q, mine, tables, sl, D**-0.5).float() - want).abs().max())
     # one long split: fp16 dots take the codes biased (paged_decode.BIASED_VALUES), and tensor
     # cores truncate what they add, so a bias carried over many tiles would grow the error with the
     # split's length; flat softmax (zero queries: every token weighs alike) and random queries, the
@@ -215,6 +222,21 @@ def check_kernels(sweep: bool = True) -> list[dict]:
         extra = f" {r['error']}" if "error" in r else ""
         print(f"{'PASS' if r['ok'] else 'FAIL'} {r['kernel']:<28} {r['fmt']:<6} max_err={r['max_err']:.3g} (tol {r['tol']}){extra}")
     return rows
+
+
+def _blocks_of(tables: torch.Tensor, sl: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of the blocks that sequences of ``sl`` tokens use in ``tables``, and which are full."""
+    nb = tables.shape[1]
+    used = (torch.arange(nb, device="cuda") * bs < sl[:, None]).reshape(-1)
+    full = ((torch.arange(nb, device="cuda") + 1) * bs <= sl[:, None]).reshape(-1)[used]
+    return tables.reshape(-1)[used], full
+
+
+def _write_err(k, v, mine, theirs, slots, ids, full) -> torch.Tensor:
+    """``write_kv`` into ``mine`` against the reference's write into ``theirs``: the largest
+    difference of the blocks ``ids`` dequantized."""
+    write_kv(k, v, mine, slots)
+    return (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
 
 
 def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool = False):
@@ -249,7 +271,8 @@ def _time_decode(cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]
 
 
 def _do_time(do_bench, cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]:
-    tables = perm[: b * (c // BS)].view(b, c // BS)
+    bs = cache.layout.block_size
+    tables = perm[: b * (c // bs)].view(b, c // bs)
     sl = torch.full((b,), c, dtype=torch.int32, device="cuda")
     q = torch.randn(b, HQ, D, device="cuda").bfloat16()
     fn = lambda: paged_decode_attention(q, cache, tables, sl, D**-0.5, max_seq_len=c, **launch)  # noqa: E731
@@ -307,16 +330,32 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
         # option, so never the best launch.
         cache = _random_cache(fmt, lay, nblocks, head_major=True)
         launch = dict(zip(("tile", "num_warps", "num_stages", "max_registers"), launches[0]))
-        ms, ran = _time_decode(cache, perm, batch, context, launch)
-        gbps = batch * context * read_bytes_per_token(fmt, lay) / (ms * 1e-3) / 1e9
-        rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, heads_first=order, num_splits=None,
-                         splits=ran, asm=default_asm, head_major=True, ms=ms, gbps=gbps,
-                         pct_peak=(100 * gbps / peak) if peak else None))
-        print(f"  sweep {batch}x{context} {fmt:<6} default launch, head-major cache splits={ran:<2} "
-              f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
+        extra = dict(heads_first=order, asm=default_asm)
+        _time_default(rows, cache, perm, batch, context, launch, peak, "head-major cache", **extra, head_major=True)
         del cache
         torch.cuda.empty_cache()
+        for bs in BLOCK_SWEEP.get(fmt, ()):  # the default launch over blocks of another size
+            lay_b = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=bs, dtype="bfloat16")
+            nblocks_b = batch * context // bs + 1
+            cache = _random_cache(fmt, lay_b, nblocks_b)
+            perm_b = torch.randperm(nblocks_b - 1, generator=gen).to(torch.int32).cuda()
+            _time_default(rows, cache, perm_b, batch, context, launch, peak, f"{bs}-token blocks", **extra, block_size=bs)
+            del cache
+            torch.cuda.empty_cache()
     return rows, {f: launch for f, (launch, _) in best.items()}
+
+
+def _time_default(rows: list[dict], cache, perm, batch: int, context: int, launch: dict, peak: float | None,
+                  label: str, **extra) -> None:
+    """Time a format's default ``launch`` over ``cache`` (``label``, ``extra``: how the cache differs
+    from the sweep's) and append the row."""
+    ms, ran = _time_decode(cache, perm, batch, context, launch)
+    fmt = cache.fmt.name
+    gbps = batch * context * read_bytes_per_token(fmt, cache.layout) / (ms * 1e-3) / 1e9
+    rows.append(dict(fmt=fmt, batch=batch, context=context, **launch, num_splits=None, splits=ran, **extra, ms=ms,
+                     gbps=gbps, pct_peak=(100 * gbps / peak) if peak else None))
+    print(f"  sweep {batch}x{context} {fmt:<6} default launch, {label} splits={ran:<2} "
+          f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
 
 
 def bench_decode(batches, contexts, peak: float | None, launches: dict | None = None) -> list[dict]:
@@ -357,8 +396,9 @@ def _shape(text: str) -> tuple[int, int]:
         b, c = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected BATCH,CONTEXT, got {text!r}") from None
-    if b < 1 or c < BS or c % BS:
-        raise argparse.ArgumentTypeError(f"batch must be >= 1 and context a multiple of {BS}, got {text!r}")
+    step = max([BS] + [n for sizes in BLOCK_SWEEP.values() for n in sizes])  # every block size the sweep reads
+    if b < 1 or c < step or c % step:
+        raise argparse.ArgumentTypeError(f"batch must be >= 1 and context a multiple of {step}, got {text!r}")
     return b, c
 
 

@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the simulated candidate's value group (default: int4's)")
     ap.add_argument("--candidate-rotate-values", action="store_true", help="the simulated candidate rotates values too")
     ap.add_argument("--formats", default="int8,int4,int4r", help="KV formats compared with the model dtype's")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens a KV block of the quantized formats (INT4's keys share ranges per block)")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.target_top1 is None and args.text == "random":
@@ -188,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = run_logits(model, cfg, "model", tokens, args.device, path=args.path)
     alpha = 1.0 if args.target_top1 is None else peaky_alpha(ref, args.target_top1)
     result = dict(model=str(args.model_dir), dtype=str(next(model.parameters()).dtype), seqs=args.seqs,
-                  tokens=args.tokens, text=args.text, path=args.path, seed=args.seed, alpha=alpha,
+                  tokens=args.tokens, text=args.text, path=args.path, seed=args.seed, block_size=args.block_size, alpha=alpha,
                   target_top1=args.target_top1,
                   raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
-    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, path=args.path) for fmt in args.formats.split(",") if fmt}
+    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, args.block_size, path=args.path)
+            for fmt in args.formats.split(",") if fmt}
     for group in (int(g) for g in args.candidate_key_groups.split(",") if g):
         backend = candidate_backend(args.device, group, args.candidate_value_group, args.candidate_rotate_values)
         name = f"candidate: int4, keys rotated, per token in groups of {group}"
@@ -200,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{', rotated' if args.candidate_rotate_values else ''}")
         rows[name] = run_logits(model, cfg, "model", tokens, args.device, path=args.path, backend=backend)
     if args.controls:
-        rows["control: int4, no tail rows"] = run_logits(model, cfg, "int4", tokens, args.device, path=args.path,
-                                                         tails=False)
+        rows["control: int4, no tail rows"] = run_logits(model, cfg, "int4", tokens, args.device, args.block_size,
+                                                         path=args.path, tails=False)
         rows["control: bf16 KV"] = run_logits(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16",
                                                   path=args.path)
         del model

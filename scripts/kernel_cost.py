@@ -2,7 +2,7 @@
 
 Compiles the decode kernel for ``sm_<arch>`` (through ``scripts/compile_kernels.py``'s compile-only
 driver) on the layer ``scripts/bench_gpu.py`` measures (Llama-3-8B-shaped: 32 query heads, 8 KV
-heads, head_dim 128, 16-token blocks, bf16 queries), per KV format and launch; disassembles the cubin
+heads, head_dim 128, 16-token blocks or ``--block-size``, bf16 queries), per KV format and launch; disassembles the cubin
 with the ``nvdisasm`` Triton ships; finds the main loop (the longest backward branch) and counts its
 instructions per execution pipe. Each pipe's count, at Hopper's issue rate for it, bounds the bytes
 per clock the loop can consume; the report gives that bound as a % of the H200's peak (4,800 GB/s
@@ -169,7 +169,7 @@ def _compile_only(arch: int) -> list:
 
 
 def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, kernel: str = "decode",
-            lines_depth: int = 0) -> dict:
+            lines_depth: int = 0, block_size: int | None = None) -> dict:
     """Compile one decode launch (or, ``kernel="prefill"``, the prefill kernel at its defaults: 64
     query rows of one head a program, 64-token tiles) and cost its main loop (the module docstring);
     ``lines`` counts its instructions per source line (``loop_lines`` at ``lines_depth``)."""
@@ -184,7 +184,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
 
     tile, warps, stages = (launch or launch_defaults(fmt))[:3]
     regs_cap = launch[3] if launch and len(launch) > 3 else None  # None: the wrapper's default
-    lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
+    lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=block_size or BS, dtype="bfloat16")
     cache = cuda_cache(fmt, lay)
     q = torch.randn(2, HQ, D).to(torch.bfloat16).as_subclass(CudaLike)
     tables = torch.zeros(2, 4, dtype=torch.int32).as_subclass(CudaLike)
@@ -225,7 +225,7 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     if smem:
         bound["smem"] = 100 * bytes_per_iter / (smem / SMEM_BYTES_PER_CLOCK) / PEAK_BYTES_PER_CLOCK
     binding = min(bound, key=bound.get)
-    return dict(fmt=fmt, arch=arch, triton=triton.__version__, tile=tile, warps=warps, stages=stages,
+    return dict(fmt=fmt, arch=arch, triton=triton.__version__, block_size=lay.block_size, tile=tile, warps=warps, stages=stages,
                 max_registers=register_cap(cache, regs_cap), regs=regs,
                 spills=spills, smem=binary.metadata.shared, buffers=buffers, warps_per_sm=occupancy(regs, warps, binary.metadata.shared),
                 loop_instructions=len(loop), bytes_per_iteration=bytes_per_iter, smem_bytes_per_iteration=smem,
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill: its main loop per program (64 query rows of one head); --launch does not apply")
     ap.add_argument("--lines", type=int, nargs="?", const=0, default=None, metavar="DEPTH",
                     help="also print the loop's instructions per source line (DEPTH: that many calls deeper)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens a KV block (default: bench_gpu.py's, 16)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     launch = tuple(int(x) for x in args.launch.split(",")) if args.launch else None
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| KV format | tile, warps, stages, reg cap | regs | warps/SM | loop instr | warp instr / KV byte | smem bytes / KV byte | bound (% of H200 peak) | binding pipe |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for fmt in args.formats.split(","):
-        r = analyse(fmt, launch, args.arch, args.kernel, args.lines or 0)
+        r = analyse(fmt, launch, args.arch, args.kernel, args.lines or 0, args.block_size)
         rows.append(r)
         spilled = f" ({r['spills']} B spilled)" if r["spills"] else ""
         print(f"| {fmt} | {r['tile']}, {r['warps']}, {r['stages']}, {r['max_registers'] or '-'} | {r['regs']}{spilled} | {r['warps_per_sm']} | "

@@ -90,7 +90,8 @@ def test_trained_checkpoint_loads_through_our_loader_and_matches_transformers(ba
 
 def test_eval_paths_teacher_force_the_same_logits(base):
     """scripts/eval_kv_quant.py: one prefill pass gives the decode steps' logits on a model-dtype
-    cache; on INT4 both stay near them (prefill quantizes full blocks from exact keys)."""
+    cache; on INT4 both stay near them (prefill quantizes full blocks from exact keys), at 16- and
+    32-token blocks."""
     from scripts.eval_kv_quant import compare, run_logits
 
     loaded = load_model(base, dtype="float32")
@@ -102,6 +103,9 @@ def test_eval_paths_teacher_force_the_same_logits(base):
         got = compare(run["model", path], run["int4", path], alpha=1.0)
         assert got["mean_kl"] < 0.05 and not torch.equal(run["int4", path], run["model", path])
     assert not torch.equal(run["int4", "prefill"], run["int4", "decode"])
+    # 32-token blocks (--block-size): other key ranges, as near
+    wide = run_logits(loaded.model, loaded.config, "int4", tokens, "cpu", 32)
+    assert compare(run["model", "decode"], wide, alpha=1.0)["mean_kl"] < 0.05 and not torch.equal(wide, run["int4", "decode"])
 
 
 def test_eval_candidate_rotated_int4_keys_round_trip_as_described(base):
