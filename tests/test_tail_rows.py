@@ -1,6 +1,6 @@
 """Exact INT4 tail rows in the engine (llmbus.kv.formats): which rows a step reads and writes,
 that running sequences hold them and give them back, and that a handed-over sequence starts its
-row from the block it received."""
+row from the exact tail it received (or, without one, from the block it received)."""
 
 from __future__ import annotations
 
@@ -126,26 +126,76 @@ def test_rows_come_back_after_finish_abort_and_preemption(model_dir):
 
 
 @pytest.mark.parametrize("kv_format", ["int4", "int4r"])
-def test_handed_over_sequence_starts_its_row_from_the_received_block(model_dir, kv_format):
+def test_handed_over_sequence_starts_its_row_from_the_exact_tail_it_received(model_dir, kv_format):
+    """The handoff carries the filling block's exact keys and values (rows past the blocks,
+    ``tail_tokens``); the decode engine's row starts from them. Without them (a tail-less handoff)
+    it starts from the block's per-token codes."""
     prefill = LLM(model_dir, dtype="float32", device="cpu", kv_format=kv_format).engine
     decode = LLM(model_dir, dtype="float32", device="cpu", kv_format=kv_format).engine
     prefill.add_request("h", _prompt(21), GREEDY, prefill_only=True)
     prefill.step()
-    exact = [(c.k_tail.clone(), c.v_tail.clone()) for c in prefill.runner.kv_caches]  # the one sequence's rows
+    exact = [(c.k_tail.clone(), c.v_tail.clone()) for c in prefill.runner.kv_caches]  # the one sequence's rows, 0 first
     state, kv = prefill.export_sequence("h")
     assert prefill.leak_check()["tail_rows"] == 0
+    assert state["tail_tokens"] == 5 and state["tail_dtype"] == "float32" and kv.shape[0] > 2  # 2 blocks, then the tail
+    bare = {k: v for k, v in state.items() if not k.startswith("tail_")} | {"request_id": "bare"}
     decode.import_sequence(state, kv, GREEDY)
-    decode.step()  # computes token 21 into block 1 (offset 5), starting the row from offsets 0..4
-    row = decode.runner.tails.rows_for("h", 22, 1, BS)[0]
-    block = decode._seqs["h"].block_table[1]
-    for layer, cache in enumerate(decode.runner.kv_caches):
-        got = (cache.k_tail[row * BS : row * BS + 5], cache.v_tail[row * BS : row * BS + 5])
-        decoded = ref.dequantize_blocks(cache, torch.tensor([block]), torch.tensor([False]))[:, 0, :5]
-        for i in range(2):
-            assert torch.equal(got[i], decoded[i])
-            assert torch.allclose(got[i], exact[layer][i][:5], atol=0.5)  # per-token codes of those
-    decode.abort("h")
+    decode.import_sequence(bare, kv[:2], GREEDY)
+    decode.step()  # computes token 21 into block 1 (offset 5), starting the rows from offsets 0..4
+    for rid in ("h", "bare"):
+        mine = decode.runner.tails.rows_for(rid, 22, 1, BS)[0]
+        block = decode._seqs[rid].block_table[1]
+        for layer, cache in enumerate(decode.runner.kv_caches):
+            got = (cache.k_tail[mine * BS : mine * BS + 5], cache.v_tail[mine * BS : mine * BS + 5])
+            want = (exact[layer][0][:5], exact[layer][1][:5])
+            decoded = ref.dequantize_blocks(cache, torch.tensor([block]), torch.tensor([False]))[:, 0, :5]
+            for i in range(2):
+                if rid == "h":
+                    assert torch.equal(got[i], want[i])
+                else:  # per-token codes of those
+                    assert torch.equal(got[i], decoded[i]) and torch.allclose(got[i], want[i], atol=0.5)
+    for rid in ("h", "bare"):
+        decode.abort(rid)
+    assert decode.leak_check()["tail_rows"] == 0 and not decode.runner.tails.received
+
+
+@pytest.mark.parametrize("kv_format", ["int4", "int4r"])
+def test_handed_over_sequence_decodes_as_if_it_had_never_moved(model_dir, kv_format):
+    """Prefill on one engine, handoff, decode on another: the same tokens and logprobs as one
+    engine doing both (the filling block's keys sealed from exact values once, not from codes)."""
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = _prompt(25)
+    one = LLM(model_dir, dtype="float32", device="cpu", kv_format=kv_format).generate([prompt], params)[0]
+    prefill = LLM(model_dir, dtype="float32", device="cpu", kv_format=kv_format).engine
+    decode = LLM(model_dir, dtype="float32", device="cpu", kv_format=kv_format).engine
+    prefill.add_request("m", prompt, params, prefill_only=True)
+    (first,) = prefill.step()
+    state, kv = prefill.export_sequence("m")
+    decode.import_sequence(state, kv, params)
+    tokens, logprobs = list(first.new_token_ids), [lp.logprob for lp in first.logprobs]
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs]
+    assert tokens == one.token_ids
+    assert logprobs == [lp.logprob for lp in one.logprobs]
     assert decode.leak_check()["tail_rows"] == 0
+
+
+def test_a_tail_that_does_not_fit_the_handoff_is_refused(model_dir):
+    prefill = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
+    decode = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4").engine
+    prefill.add_request("t", _prompt(21), GREEDY, prefill_only=True)
+    prefill.step()
+    state, kv = prefill.export_sequence("t")
+    with pytest.raises(ValueError, match="shape \\[2, 4, 1288\\]; expected \\[4, 4, bytes\\] for 21 tokens and a tail of 5"):
+        decode.import_sequence(state, kv[:2], GREEDY)
+    with pytest.raises(ValueError, match="handoff tail of 4 float32 tokens for 21 computed tokens"):
+        decode.import_sequence(state | {"tail_tokens": 4}, kv, GREEDY)
+    int8 = LLM(model_dir, dtype="float32", device="cpu", kv_format="int8").engine
+    with pytest.raises(ValueError, match="16-token int8 blocks"):
+        int8.import_sequence(state, kv, GREEDY)
+    assert decode.leak_check()["free_blocks"] == decode.leak_check()["total_blocks"] and not decode.runner.tails.received
 
 
 def test_budget_pays_for_the_rows(model_dir):

@@ -7,6 +7,7 @@ synchronous and single-threaded: the services call `step()` from one executor th
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.scheduler import Scheduler, SchedulerConfig
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.kv.formats import parse_kv_format
-from llmbus.kv.layout import KVLayout
+from llmbus.kv.layout import DTYPE_BYTES, KVLayout
 
 log = logging.getLogger("llmbus.engine")
 
@@ -306,6 +307,9 @@ class Engine:
     # --- disaggregation -----------------------------------------------------------------------
 
     def _export(self, seq: Sequence) -> tuple[dict, torch.Tensor]:
+        """State and KV rows of a sequence handed off: its blocks, then (a format that keeps tail
+        rows, a filling block) that block's exact keys and values packed into rows of their own
+        (``tail_tokens`` of them, ``pack_tail``)."""
         n_blocks = self.layout.num_blocks_for(seq.num_computed_tokens)
         kv = self.read_blocks(seq.block_table[:n_blocks])
         state = {
@@ -317,6 +321,10 @@ class Engine:
             "cache_salt": seq.cache_salt,
             "block_size": self.layout.block_size,
         }
+        exact = self.runner.exact_tail(seq.request_id, seq.num_computed_tokens % self.layout.block_size)
+        if exact is not None:
+            kv = torch.cat((kv, pack_tail(exact.cpu(), kv.shape[2])))
+            state["tail_tokens"], state["tail_dtype"] = exact.shape[2], self.layout.dtype
         return state, kv
 
     def export_sequence(self, request_id: str) -> tuple[dict, torch.Tensor]:
@@ -346,19 +354,34 @@ class Engine:
         )
         computed = int(state["num_computed_tokens"])
         n_blocks = self.layout.num_blocks_for(computed)
-        if kv.dim() != 3 or kv.shape[0] != n_blocks or kv.shape[1] != self.layout.num_layers:
+        tail_tokens, tail_dtype = int(state.get("tail_tokens", 0)), state.get("tail_dtype", self.layout.dtype)
+        if (tail_tokens not in (0, computed % self.layout.block_size) or tail_dtype not in DTYPE_BYTES
+                or tail_tokens and not self.kv_format.keeps_tails):
+            raise ValueError(f"handoff tail of {tail_tokens} {tail_dtype} tokens for {computed} computed tokens "
+                             f"in {self.layout.block_size}-token {self.config.kv_format} blocks")
+        n_rows = n_blocks + (self._tail_rows_for(tail_tokens, tail_dtype, kv.shape[2]) if kv.dim() == 3 else 0)
+        if kv.dim() != 3 or kv.shape[0] != n_rows or kv.shape[1] != self.layout.num_layers:
             raise ValueError(
-                f"handoff KV has shape {list(kv.shape)}; expected [{n_blocks}, {self.layout.num_layers}, bytes] "
-                f"for {computed} tokens"
+                f"handoff KV has shape {list(kv.shape)}; expected [{n_rows}, {self.layout.num_layers}, bytes] "
+                f"for {computed} tokens" + (f" and a tail of {tail_tokens}" if tail_tokens else "")
             )
         if not self.block_manager.allocate_computed(seq, computed):
             raise ValueError("no free KV blocks to import the sequence")
-        self.write_blocks(seq.block_table[:n_blocks], kv)
+        self.write_blocks(seq.block_table[:n_blocks], kv[:n_blocks])
+        if tail_tokens and self.runner.tails is not None:
+            shape = (self.layout.num_layers, 2, tail_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+            exact = unpack_tail(kv[n_blocks:], shape, getattr(torch, tail_dtype))
+            self.runner.tails.received[request_id] = exact.to(self.device, getattr(torch, self.layout.dtype))
         seq.num_cached_tokens = int(state.get("num_cached_tokens", 0))
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     # --- prefix import / export (kvpool) -------------------------------------------------------
+
+    def _tail_rows_for(self, tail_tokens: int, dtype: str, layer_bytes: int) -> int:
+        """Handoff rows of ``layer_bytes`` a layer that a tail of ``tail_tokens`` tokens in ``dtype`` takes."""
+        per_layer = 2 * tail_tokens * self.layout.num_kv_heads * self.layout.head_dim * DTYPE_BYTES[dtype]
+        return -(-per_layer // max(1, layer_bytes))
 
     def prefix_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[bytes]:
         """Chained hashes of the full blocks of ``token_ids``, rooted like this engine's own prefix
@@ -441,3 +464,20 @@ class Engine:
             "total_blocks": self.runner.num_blocks,
             "tail_rows": self.runner.tails.num_held if self.runner.tails is not None else 0,
         }
+
+
+def pack_tail(exact: torch.Tensor, layer_bytes: int) -> torch.Tensor:
+    """A filling block's exact keys and values ``[layers, 2, n, H, D]`` as handoff rows uint8
+    ``[rows, layers, layer_bytes]``: each layer's bytes in order over the rows, zero-padded."""
+    layers = exact.shape[0]
+    flat = exact.contiguous().view(torch.uint8).reshape(layers, -1)
+    rows = -(-flat.shape[1] // layer_bytes)
+    out = torch.zeros(layers, rows * layer_bytes, dtype=torch.uint8)
+    out[:, : flat.shape[1]] = flat
+    return out.view(layers, rows, layer_bytes).transpose(0, 1)
+
+
+def unpack_tail(rows: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``pack_tail``: ``[layers, 2, n, H, D]`` in ``dtype``."""
+    flat = rows.transpose(0, 1).reshape(shape[0], -1)
+    return flat[:, : math.prod(shape[1:]) * dtype.itemsize].contiguous().view(dtype).reshape(shape)

@@ -42,11 +42,16 @@ class TailRows:
     values live in its *current* row. Two, because one step may both seal that block (reading the
     row) and start the next (writing its first tokens): then those go to the other row, which
     becomes current; the kernel's programs run in parallel, so sharing one row would race. With no
-    rows left a sequence gets -1 and reads and seals its blocks from their per-token codes."""
+    rows left a sequence gets -1 and reads and seals its blocks from their per-token codes.
+
+    A handed-over sequence's filling block may come with its exact keys and values (``received``:
+    what the prefill worker's row held); its row starts from them when it is first scheduled,
+    else from the block's per-token codes."""
 
     def __init__(self, num_rows: int) -> None:
         self._free: deque[int] = deque(range(num_rows - num_rows % 2))
         self._held: dict[str, list[int]] = {}  # request id -> [current row, other row]
+        self.received: dict[str, torch.Tensor] = {}  # request id -> [layers, 2, n, H, D] exact tail
 
     def rows_for(self, request_id: str, start: int, num_new: int, block_size: int) -> tuple[int, int, bool]:
         """``(row of the first new token's block, row of later blocks, newly taken)`` for a step
@@ -62,8 +67,14 @@ class TailRows:
             return pair[1], pair[0], new
         return pair[0], pair[0], new
 
+    def current(self, request_id: str) -> int | None:
+        """The row holding ``request_id``'s filling block, or None (it holds no rows)."""
+        pair = self._held.get(request_id)
+        return None if pair is None else pair[0]
+
     def release(self, seq: Sequence) -> None:
-        """Give back ``seq``'s rows, if it holds them; idempotent."""
+        """Give back ``seq``'s rows, if it holds them, and drop a tail it received; idempotent."""
+        self.received.pop(seq.request_id, None)
         pair = self._held.pop(seq.request_id, None)
         if pair is not None:
             self._free.extend(pair)
@@ -215,14 +226,31 @@ class ModelRunner:
         return _Batch(ids, positions, meta, sample_rows, sample_seqs)
 
     def _tail_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
-        """``seq``'s tail rows for this step; newly taken ones start from what its filling
-        block already holds (written elsewhere: a handoff)."""
+        """``seq``'s tail rows for this step; newly taken ones start from what its filling block
+        already holds (written elsewhere: a handoff): its exact keys and values if they came with
+        it (``TailRows.received``), else its per-token codes."""
         bs = self.layout.block_size
         first, later, new = self.tails.rows_for(seq.request_id, start, n, bs)
+        exact = self.tails.received.pop(seq.request_id, None)
         if new and start % bs:
-            for cache in self.kv_caches:
-                self.backend.fill_tail(cache, seq.block_table[start // bs], first)
+            for layer, cache in enumerate(self.kv_caches):
+                if exact is not None and exact.shape[2] == start % bs:
+                    rows = slice(first * bs, first * bs + start % bs)
+                    cache.k_tail[rows] = exact[layer, 0]
+                    cache.v_tail[rows] = exact[layer, 1]
+                else:
+                    self.backend.fill_tail(cache, seq.block_table[start // bs], first)
         return first, later
+
+    def exact_tail(self, request_id: str, num_tokens: int) -> torch.Tensor | None:
+        """The exact keys and values of ``request_id``'s filling block's first ``num_tokens`` slots,
+        ``[layers, 2, num_tokens, H, D]`` in the model dtype, from its current tail row; None when
+        the cache keeps no rows or the sequence holds none."""
+        row = self.tails.current(request_id) if self.tails is not None and num_tokens else None
+        if row is None:
+            return None
+        rows = slice(row * self.layout.block_size, row * self.layout.block_size + num_tokens)
+        return torch.stack([torch.stack((cache.k_tail[rows], cache.v_tail[rows])) for cache in self.kv_caches])
 
 
 def _cost(entry: ScheduledSeq) -> float:

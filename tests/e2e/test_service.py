@@ -211,22 +211,27 @@ def test_colocated_stack_gives_the_same_text(model_dir, tmp_path, reference):
 
 def test_int4r_stack_serves_through_the_handoff(model_dir, tmp_path):
     """`llmbus up --kv-format int4r`: prefill hands rotated per-token INT4 blocks to decode through
-    kvpool; greedy output agrees with an in-process int4r engine for the first tokens (the decode
-    worker starts a handed-over sequence's tail row from the received codes, so later tokens of
-    this random model may flip), and nothing stays leased."""
+    kvpool, with the filling block's exact keys and values (the handoff's tail rows); greedy output
+    equals an in-process int4r engine's, and nothing stays leased."""
     s = Stack(MODEL, model_dir, tmp_path / "int4r", "--kv-format", "int4r", "--token-timeout", "30")
     try:
         assert {i.role for i in s.instances()} >= {"prefill", "decode"}
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
         prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods"
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
-                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                                           logprobs=1, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
         chunks = list(stream)
         assert chunks[-1].usage.completion_tokens == 16
         text = "".join(c.choices[0].text for c in chunks if c.choices)
+        got = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
         local = LLM(model_dir, dtype="float32", device="cpu", kv_format="int4r")
-        want = local.generate([prompt], greedy(16))[0]
-        assert text.startswith(local.tokenizer.decode(want.token_ids[:4])), (text, want.text)
+        want = local.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1))[0]
+        assert len(local.tokenizer.encode(prompt)) % 16  # a filling block to hand over
+        assert text == want.text, (text, want.text)
+        # the decode worker's row started from the exact tail: its logprobs are the local engine's
+        # (started from its codes, they moved by up to 6e-3)
+        assert got == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
         state = s.wait_idle()
         assert state["kvpool_leased_blocks"] == 0 and all(v == (0, 0) for v in state["workers"].values())
     finally:
