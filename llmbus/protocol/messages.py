@@ -300,9 +300,11 @@ class Handoff:
 
     The sequence's KV sits in kvpool under ``lease``: lease block i holds the sequence's block i,
     the engine's ``read_blocks`` row i (``[num_layers, layer_block_bytes]`` uint8, every layer's
-    bytes in the cache's own ``kv_format``), padded with zeros to ``lease.block_bytes``.
-    ``kv_shape`` is ``[n_blocks, num_layers, layer_block_bytes]``. The decode worker releases the
-    lease once the blocks are in its own cache.
+    bytes in the cache's own ``kv_format``), padded with zeros to ``lease.block_bytes``. With
+    ``state["tail_tokens"]`` (int4, int4r: a filling block), the rows past the sequence's blocks
+    hold that block's exact keys and values (``llmbus.engine.engine.pack_tail``, in
+    ``state["tail_dtype"]``). ``kv_shape`` is ``[n_rows, num_layers, layer_block_bytes]``, every
+    row counted. The decode worker releases the lease once the rows are in its own cache.
     """
 
     request: GenerateRequest
@@ -310,7 +312,7 @@ class Handoff:
     num_computed_tokens: int  # tokens with KV in the handed-off blocks
     lease: Lease
     state: dict[str, Any]  # Engine.export_sequence() state, msgpack-able
-    kv_shape: list[int]  # [n_blocks, num_layers, layer_block_bytes]
+    kv_shape: list[int]  # [n_rows, num_layers, layer_block_bytes]: the blocks, then any exact tail rows
     kv_format: str  # "model" | "int8" | "int4" | "int4r": the bytes' format (must match the decode engine's)
     prefill_worker: str = ""
     next_seq: int = 1  # seq of the next TokenEvent; prefill published 0 .. next_seq-1
