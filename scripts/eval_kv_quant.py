@@ -5,7 +5,9 @@ reads the quantized cache, as the engine does for generated tokens: full INT4 bl
 the filling block's keys and values exactly from the sequence's tail row; each
 INT4 block is quantized per channel from those exact keys when its last token arrives.
 ``--path prefill`` feeds each sequence in one prefill pass instead, as a prompt is (full INT4
-blocks quantized per channel from the exact keys in the same pass). The same token sequences are
+blocks quantized per channel from the exact keys in the same pass). ``--path mixed`` feeds the
+first ``--prompt-tokens`` in one prefill pass and the rest by decode steps, as a request is served,
+and scores the decode steps: what the prompt's pass left in the cache, read by generation. The same token sequences are
 fed under each format: seeded random ids (``--text random``, the default), or (``--text stdlib``)
 windows of the held-out part of the corpus ``scripts/train_demo_model.py``
 trains on, which is what a trained demo model should be measured on.
@@ -32,6 +34,7 @@ filling block read from them).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -75,10 +78,12 @@ def candidate_backend(device: str, key_group: int, value_group: int | None = Non
 
 def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, block_size: int = 16,
                kv_dtype: str | None = None, path: str = "decode", tails: bool = True,
-               backend=None) -> torch.Tensor:
+               backend=None, prompt_tokens: int = 0) -> torch.Tensor:
     """Teacher-forced logits ``[S, L, vocab]`` fp32: one decode step per position (``path``
     "decode", how generated tokens are cached), or one prefill pass per sequence ("prefill", how a
-    prompt is; its K/V are written first, so it also attends over the quantized cache). ``kv_dtype``
+    prompt is; its K/V are written first, so it also attends over the quantized cache), or
+    ("mixed", as a request is served) a prefill pass over the first ``prompt_tokens`` and decode
+    steps after them. ``kv_dtype``
     (default: the model's) is the cache dtype of the ``model`` format. ``tails=False``: no exact
     tail rows (INT4 blocks then seal from their per-token codes). ``backend``: this attention backend
     instead of ``kv_format``'s (``candidate_backend``; its cache in the model dtype)."""
@@ -92,14 +97,18 @@ def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, bl
     caches = model.backend.allocate_cache(lay, s * per_seq, device, tail_rows=s if tails else 0)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(s)]
     out = []
+    first = {"decode": 0, "prefill": n, "mixed": prompt_tokens}[path]
+    if path == "mixed" and not 0 < first < n:
+        raise ValueError(f"the mixed path needs 0 < prompt_tokens < {n}, got {prompt_tokens}")
     with torch.inference_mode():
-        if path == "prefill":
+        if first:
+            prompts = []
             for i, table in enumerate(tables):
                 row = None if rows is None else [rows[i]]
-                meta, pos = build_attention_metadata([(table, 0, n)], block_size, device, row)
-                out.append(model.compute_logits(model(tokens[i].to(device), pos, caches, meta)).float().cpu())
-            return torch.stack(out)
-        for t in range(n):
+                meta, pos = build_attention_metadata([(table, 0, first)], block_size, device, row)
+                prompts.append(model.compute_logits(model(tokens[i, :first].to(device), pos, caches, meta)).float().cpu())
+            out = list(torch.stack(prompts).unbind(1))
+        for t in range(first, n):
             meta, pos = build_attention_metadata([(table, t, 1) for table in tables], block_size, device, rows)
             hidden = model(tokens[:, t].to(device), pos, caches, meta)
             out.append(model.compute_logits(hidden).float().cpu())
@@ -157,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-top1", type=float, default=None,
                     help="scale logits to this mean top-1 probability (default: 0.5 for --text random, none for stdlib)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--path", choices=("decode", "prefill"), default="decode",
-                    help="teacher-force by decode steps (the default) or by one prefill pass per sequence")
+    ap.add_argument("--path", choices=("decode", "prefill", "mixed"), default="decode",
+                    help="teacher-force by decode steps (the default), by one prefill pass per sequence, or "
+                         "(mixed) a prefill pass over --prompt-tokens then decode steps, scored on those steps")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="the mixed path's prompt (default: half of --tokens)")
     ap.add_argument("--text", choices=("random", "stdlib"), default="random",
                     help="random ids, or held-out Python standard library source (for a trained demo model)")
     ap.add_argument("--controls", action="store_true", help="fp32 reference plus bf16-KV and bf16-model control rows")
@@ -187,13 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg = loaded.model, loaded.config
     tokens = eval_tokens(args.text, Path(args.model_dir), cfg, args.seqs, args.tokens, args.seed)
     t0 = time.time()
-    ref = run_logits(model, cfg, "model", tokens, args.device, path=args.path)
+    prompt = args.tokens // 2 if args.prompt_tokens is None else args.prompt_tokens
+    run = functools.partial(run_logits, path=args.path, prompt_tokens=prompt)
+    ref = run(model, cfg, "model", tokens, args.device)
     alpha = 1.0 if args.target_top1 is None else peaky_alpha(ref, args.target_top1)
     result = dict(model=str(args.model_dir), dtype=str(next(model.parameters()).dtype), seqs=args.seqs,
-                  tokens=args.tokens, text=args.text, path=args.path, seed=args.seed, block_size=args.block_size, alpha=alpha,
+                  tokens=args.tokens, text=args.text, path=args.path, seed=args.seed, block_size=args.block_size,
+                  alpha=alpha,
                   target_top1=args.target_top1,
                   raw_top1_prob=float(torch.softmax(ref, -1).amax(-1).mean()), formats={})
-    rows = {fmt: run_logits(model, cfg, fmt, tokens, args.device, args.block_size, path=args.path)
+    rows = {fmt: run(model, cfg, fmt, tokens, args.device, args.block_size)
             for fmt in args.formats.split(",") if fmt}
     for group in (int(g) for g in args.candidate_key_groups.split(",") if g):
         backend = candidate_backend(args.device, group, args.candidate_value_group, args.candidate_rotate_values)
@@ -201,17 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.candidate_value_group or args.candidate_rotate_values:
             name += (f"; values per token in groups of {args.candidate_value_group or 'int4'}"
                      f"{', rotated' if args.candidate_rotate_values else ''}")
-        rows[name] = run_logits(model, cfg, "model", tokens, args.device, path=args.path, backend=backend)
+        rows[name] = run(model, cfg, "model", tokens, args.device, backend=backend)
     if args.controls:
-        rows["control: int4, no tail rows"] = run_logits(model, cfg, "int4", tokens, args.device, args.block_size,
-                                                         path=args.path, tails=False)
-        rows["control: bf16 KV"] = run_logits(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16",
-                                                  path=args.path)
+        rows["control: int4, no tail rows"] = run(model, cfg, "int4", tokens, args.device, args.block_size, tails=False)
+        rows["control: bf16 KV"] = run(model, cfg, "model", tokens, args.device, kv_dtype="bfloat16")
         del model
         bf16 = load_model(args.model_dir, dtype="bfloat16", device=args.device).model
-        rows["control: bf16 model"] = run_logits(bf16, cfg, "model", tokens, args.device, path=args.path)
+        rows["control: bf16 model"] = run(bf16, cfg, "model", tokens, args.device)
+    scored = prompt if args.path == "mixed" else 0  # mixed: the decode steps after the prompt
+    if scored:
+        result["prompt_tokens"] = prompt
     for name, got in rows.items():
-        result["formats"][name] = compare(ref, got, alpha)
+        result["formats"][name] = compare(ref[:, scored:], got[:, scored:], alpha)
     result["seconds"] = time.time() - t0
     # how often the reference predicts the text's next token (meaningful for real text only)
     result["ref_next_token_accuracy"] = float((ref[:, :-1].argmax(-1) == tokens[:, 1:]).float().mean())

@@ -106,6 +106,10 @@ if [ "${TRAINED_EVAL:-0}" = 1 ]; then
                     --seqs 32 --tokens 256 --controls --out "$OUT/kvquant-trained-$path.json" 2>&1 | tail -8 \
                     | tee -a "$OUT/kvquant-trained.txt"
             done
+            # a prompt's prefill pass, then decode steps (scored on those), as a request is served
+            timeout 180 python3 scripts/eval_kv_quant.py --model-dir "$CKPT" --text stdlib --path mixed \
+                --seqs 32 --tokens 256 --controls --out "$OUT/kvquant-trained-mixed.json" 2>&1 | tail -8 \
+                | tee -a "$OUT/kvquant-trained.txt"
             # INT4 over 32-token blocks (its keys' ranges shared by twice the tokens: bench_gpu.BLOCK_SWEEP)
             timeout 180 python3 scripts/eval_kv_quant.py --model-dir "$CKPT" --text stdlib --seqs 32 --tokens 256 \
                 --formats int4 --block-size 32 --out "$OUT/kvquant-trained-decode-int4-bs32.json" 2>&1 | tail -4 \

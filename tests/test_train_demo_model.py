@@ -91,7 +91,7 @@ def test_trained_checkpoint_loads_through_our_loader_and_matches_transformers(ba
 def test_eval_paths_teacher_force_the_same_logits(base):
     """scripts/eval_kv_quant.py: one prefill pass gives the decode steps' logits on a model-dtype
     cache; on INT4 both stay near them (prefill quantizes full blocks from exact keys), at 16- and
-    32-token blocks."""
+    32-token blocks; so does the mixed path (a prompt's prefill, then decode steps)."""
     from scripts.eval_kv_quant import compare, run_logits
 
     loaded = load_model(base, dtype="float32")
@@ -106,6 +106,20 @@ def test_eval_paths_teacher_force_the_same_logits(base):
     # 32-token blocks (--block-size): other key ranges, as near
     wide = run_logits(loaded.model, loaded.config, "int4", tokens, "cpu", 32)
     assert compare(run["model", "decode"], wide, alpha=1.0)["mean_kl"] < 0.05 and not torch.equal(wide, run["int4", "decode"])
+    # mixed (a prompt's prefill pass, then decode steps): the model-dtype cache gives the same logits;
+    # on INT4 the prompt's first block's positions are the whole prefill's (past it, the 40-token
+    # pass has sealed block 1 where the 23-token one reads it from the tail row), and the decode
+    # steps differ from both paths'
+    mixed = {fmt: run_logits(loaded.model, loaded.config, fmt, tokens, "cpu", path="mixed", prompt_tokens=23)
+             for fmt in ("model", "int4")}
+    torch.testing.assert_close(mixed["model"], run["model", "decode"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mixed["int4"][:, :16], run["int4", "prefill"][:, :16], atol=1e-5, rtol=0)
+    assert not torch.equal(mixed["int4"][:, 16:23], run["int4", "prefill"][:, 16:23])
+    for path in ("decode", "prefill"):
+        assert not torch.equal(mixed["int4"][:, 23:], run["int4", path][:, 23:])
+    assert compare(mixed["model"][:, 23:], mixed["int4"][:, 23:], alpha=1.0)["mean_kl"] < 0.05
+    with pytest.raises(ValueError, match="0 < prompt_tokens < 40"):
+        run_logits(loaded.model, loaded.config, "int4", tokens, "cpu", path="mixed", prompt_tokens=40)
 
 
 def test_eval_candidate_rotated_int4_keys_round_trip_as_described(base):
