@@ -99,6 +99,9 @@ def read_bytes_per_token(fmt: str, lay: KVLayout) -> float:
 
 
 def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
+    """Sequences of ``lens`` tokens on shuffled blocks: an empty cache for a kernel to write
+    (``mine``), the same cache written by the reference (``theirs``), the block tables, the lengths,
+    the slots, and the keys and values written."""
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 1
     cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
     perm = torch.randperm(nblocks, generator=gen).tolist()
@@ -112,7 +115,10 @@ def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
     t = len(slots)
     k = (torch.randn(t, HKV, D, device="cuda") + 0.5).bfloat16()
     v = torch.randn(t, HKV, D, device="cuda").bfloat16()
-    return cache, tables.cuda(), torch.tensor(slots, device="cuda"), k, v
+    slots = torch.tensor(slots, device="cuda")
+    theirs = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
+    ref.write_kv_cache(k, v, theirs, slots)
+    return cache, theirs, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), slots, k, v
 
 
 def _measure(rows: list[dict], kernel: str, fmt: str, tol: float, fn) -> None:
@@ -133,10 +139,7 @@ def check_kernels(sweep: bool = True) -> list[dict]:
     lens = [1, 17, 300, 1029]
     rows = []
     for fmt in FORMATS:
-        mine, tables, slots, k, v = _filled(fmt, lay, lens, gen)
-        theirs = allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda")
-        ref.write_kv_cache(k, v, theirs, slots)
-        sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        mine, theirs, tables, sl, slots, k, v = _filled(fmt, lay, lens, gen)
         ids, full = _blocks_of(tables, sl, BS)
         _measure(rows, "write_kv", fmt, WRITE_TOL[fmt], lambda: _write_err(k, v, mine, theirs, slots, ids, full))
         q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
@@ -182,10 +185,7 @@ def check_kernels(sweep: bool = True) -> list[dict]:
     for fmt, sizes in BLOCK_SWEEP.items() if sweep else ():  # written by the kernel, decoded at the default launch
         for bs in sizes:
             lay_b = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=bs, dtype="bfloat16")
-            mine, tables, slots, k, v = _filled(fmt, lay_b, lens, gen)
-            theirs = allocate_cache(KVFormat(fmt), lay_b, mine.num_blocks, "cuda")
-            ref.write_kv_cache(k, v, theirs, slots)
-            sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            mine, theirs, tables, sl, slots, k, v = _filled(fmt, lay_b, lens, gen)
             ids, full = _blocks_of(tables, sl, bs)
             _measure(rows, f"write_kv {bs}-token blocks", fmt, WRITE_TOL[fmt],
                      lambda: _write_err(k, v, mine, theirs, slots, ids, full))
@@ -199,10 +199,7 @@ def check_kernels(sweep: bool = True) -> list[dict]:
     # exact conversion beside them
     n = 32768 + 5
     for fmt in ("int8", "int4r", "int4"):
-        _, tables, slots, k, v = _filled(fmt, lay, [n], gen)
-        long_cache = allocate_cache(KVFormat(fmt), lay, lay.num_blocks_for(n) + 1, "cuda")
-        ref.write_kv_cache(k, v, long_cache, slots)
-        sl = torch.tensor([n], dtype=torch.int32, device="cuda")
+        _, long_cache, tables, sl, _, _, _ = _filled(fmt, lay, [n], gen)
         for qname, q in (("flat", torch.zeros(1, HQ, D, device="cuda").bfloat16()),
                          ("random", torch.randn(1, HQ, D, device="cuda").bfloat16())):
             want = ref.paged_decode_attention_cache(q, long_cache, tables, sl, D**-0.5).float()
