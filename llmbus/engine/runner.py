@@ -231,10 +231,11 @@ class ModelRunner:
         it (``TailRows.received``), else its per-token codes."""
         bs = self.layout.block_size
         first, later, new = self.tails.rows_for(seq.request_id, start, n, bs)
-        exact = self.tails.received.pop(seq.request_id, None)
         if new and start % bs:
+            # NOTE: import_sequence checked that a received tail fills the block up to start
+            exact = self.tails.received.pop(seq.request_id, None)
             for layer, cache in enumerate(self.kv_caches):
-                if exact is not None and exact.shape[2] == start % bs:
+                if exact is not None:
                     rows = slice(first * bs, first * bs + start % bs)
                     cache.k_tail[rows] = exact[layer, 0]
                     cache.v_tail[rows] = exact[layer, 1]
