@@ -50,7 +50,9 @@ class _PagedBackend:
         prefill chunks attend over the cache. NOTE: nothing here reads a device tensor back to the
         host (the bounds come from the metadata's host-side fields), so on CUDA a step's layers
         queue without waiting on one another. INT4R rotates the queries and keys first
-        (``llmbus.kv.formats``): what the cache holds and the kernels meet are rotated keys."""
+        (``llmbus.kv.formats``): what the cache holds and the kernels meet are rotated keys. A prefill
+        chunk attends to its own keys and values as computed (``reference.exact_chunks``), to its
+        prefix as the cache holds it."""
         if self.kv_format.rotates_keys:
             q, k = qr.rotate(q), qr.rotate(k)
         self._write(k, v, cache, meta.slot_mapping, meta.tail_slots)
@@ -60,12 +62,12 @@ class _PagedBackend:
             return self._decode(q, cache, meta.block_tables, meta.seq_lens, scale, rows, meta.max_decode_len)
         if nd == 0:
             return self._prefill(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, rows,
-                                 meta.max_query_len)
+                                 meta.max_query_len, (k, v))
         out = torch.empty_like(q)
         out[:nd] = self._decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
                                 None if rows is None else rows[:nd], meta.max_decode_len)
         out[nd:] = self._prefill(q[nd:], cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.prefill_query_start_loc(),
-                                 scale, None if rows is None else rows[nd:], meta.max_query_len)
+                                 scale, None if rows is None else rows[nd:], meta.max_query_len, (k[nd:], v[nd:]))
         return out
 
 
@@ -80,8 +82,8 @@ class TorchPagedAttentionBackend(_PagedBackend):
         return reference.paged_decode_attention_cache(q, cache, block_tables, seq_lens, scale, tail_rows)
 
     @staticmethod
-    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
-        return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None, chunk=None):
+        return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows, chunk)
 
 
 def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -155,15 +157,18 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         return plan
 
     @staticmethod
-    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None, chunk=None):
         lay = cache.layout
         if cache.fmt.name == "model" or block_tables.shape[0] == 0 or not q.is_floating_point():
-            return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows)
+            return reference.paged_prefill_attention_cache(q, cache, block_tables, seq_lens, qsl, scale, tail_rows,
+                                                           chunk)
         # NOTE: the chunks' context dequantized once, then attended as model-dtype context is: the
         # reference's padded fp32 score matrices made quantized prefill ~3x the bf16 one
         dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.int4_codes else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
+        if chunk is not None:
+            reference.exact_chunks(kv, tables, *chunk, seq_lens, qsl)
         qsl = qsl.to(torch.int32)
         # NOTE: INT4R's rounded query (fp32) goes to SDPA as it is; the C kernel takes it in bf16,
         # as it takes the context (a bf16 rounding of each, within the model dtype's tolerance)
@@ -221,11 +226,11 @@ class TritonAttentionBackend(_PagedBackend):
                                       max_seq_len=max_seq_len, tail_rows=tail_rows)
 
     @staticmethod
-    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None):
+    def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None, chunk=None):
         from kernels.paged_prefill import paged_prefill_attention
 
         return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale,
-                                       max_query_len=max_query_len, tail_rows=tail_rows)
+                                       max_query_len=max_query_len, tail_rows=tail_rows, chunk=chunk)
 
 
 def make_attention_backend(device: str | torch.device, kv_format: str = "model") -> _PagedBackend:

@@ -351,16 +351,43 @@ def paged_decode_attention_cache(query, cache: "PagedKVCache", block_tables, seq
 
 
 def paged_prefill_attention_cache(query, cache: "PagedKVCache", block_tables, seq_lens, query_start_loc, scale: float,
-                                  tail_rows: torch.Tensor | None = None) -> torch.Tensor:
+                                  tail_rows: torch.Tensor | None = None,
+                                  chunk: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``paged_prefill_attention`` over a cache of any format; ``tail_rows`` as in
-    ``dequantized_context``."""
+    ``dequantized_context``. ``chunk``: the chunks' own keys and values (``[T, Hkv, D]`` each, rows as
+    ``query``'s), which their queries then attend to exactly (``exact_chunks``); without it a
+    quantized cache's chunk is read back as the cache holds it."""
     if cache.fmt.name == "model":
         return paged_prefill_attention(query, cache.data, block_tables, seq_lens, query_start_loc, scale)
     if block_tables.shape[0] == 0:
         return torch.empty_like(query)
     kv, tables = dequantized_context(cache, block_tables, seq_lens, tail_rows=tail_rows)
+    if chunk is not None:
+        exact_chunks(kv, tables, *chunk, seq_lens, query_start_loc)
     return paged_prefill_attention(cache_query(query, cache), kv, tables, seq_lens, query_start_loc,
                                    scale).to(query.dtype)
+
+
+def exact_chunks(kv: torch.Tensor, tables: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """Writes each prefill chunk's exact keys and values (``key``/``value`` ``[T, Hkv, D]``, the
+    chunks' rows one after another as ``query_start_loc`` places them) over their positions, the
+    last ``q_len`` of each sequence, in ``kv`` (a context and ``tables`` into it, as
+    ``dequantized_context`` returns them). A chunk's queries then attend to the prefix as the cache
+    holds it and to their own chunk as the model computed it, as KIVI's prefill does: quantizing
+    what a prompt writes cannot then change the prompt's own pass (its first token, and the keys
+    and values its later layers write)."""
+    qsl = query_start_loc.to(kv.device).long()
+    lens = qsl[1:] - qsl[:-1]
+    t = int(qsl[-1])
+    if t == 0:
+        return
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=kv.device), lens)  # each row's sequence
+    pos = seq_lens.to(kv.device).long()[seq] - lens[seq] + torch.arange(t, device=kv.device) - qsl[seq]
+    bs = kv.shape[2]
+    blk = tables.to(kv.device).long()[seq, pos // bs]
+    kv[0, blk, pos % bs] = key[:t].to(kv.device, kv.dtype)
+    kv[1, blk, pos % bs] = value[:t].to(kv.device, kv.dtype)
 
 
 # --- a decoder layer's element-wise glue (kernels.fused on CUDA) --------------------------------

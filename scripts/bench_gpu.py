@@ -182,6 +182,12 @@ def check_kernels(sweep: bool = True) -> list[dict]:
             qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
         _measure(rows, "paged_prefill head-major", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, hm_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
+        # the chunks' own keys and values as computed (the engine's call): each sequence's last rows
+        ends = torch.tensor(lens).cumsum(0).tolist()
+        chunk = tuple(torch.cat([x[e - ql : e] for e, ql in zip(ends, qlens)]) for x in (k, v))
+        want_x = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5, chunk=chunk).float()
+        _measure(rows, "paged_prefill exact chunk", fmt, 4e-2, lambda: (paged_prefill_attention(
+            qp, theirs, tables, sl, qsl, D**-0.5, chunk=chunk).float() - want_x).abs().max())
     for fmt, sizes in BLOCK_SWEEP.items() if sweep else ():  # written by the kernel, decoded at the default launch
         for bs in sizes:
             lay_b = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=bs, dtype="bfloat16")

@@ -131,7 +131,9 @@ def variants():
         for splits in (1, 2):
             yield (f"decode {tag} splits={splits}",
                    lambda s=splits: paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=s, tail_rows=rows))
-        yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows)
+        # NOTE: with the chunk's own keys and values, as the engine's backend passes them
+        yield f"prefill {tag}", lambda: paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, tail_rows=rows,
+                                                                chunk=(kv[:2], kv[:2]))
         if d == 128 and not head_major and (fmt == "int8" or (fmt == "int4r" and tails) or (fmt == "int4" and not tails)):
             # the loops with the warps sharing a softmax (paged_decode.WARP_TILES off: their own launch)
             yield (f"decode {tag} shared tiles", lambda: paged_decode_attention(

@@ -5,7 +5,8 @@ reads the quantized cache, as the engine does for generated tokens: full INT4 bl
 the filling block's keys and values exactly from the sequence's tail row; each
 INT4 block is quantized per channel from those exact keys when its last token arrives.
 ``--path prefill`` feeds each sequence in one prefill pass instead, as a prompt is (full INT4
-blocks quantized per channel from the exact keys in the same pass). ``--path mixed`` feeds the
+blocks quantized per channel from the exact keys in the same pass; the pass attends to its own
+keys and values as computed, so its logits are the model dtype's). ``--path mixed`` feeds the
 first ``--prompt-tokens`` in one prefill pass and the rest by decode steps, as a request is served,
 and scores the decode steps: what the prompt's pass left in the cache, read by generation. The same token sequences are
 fed under each format: seeded random ids (``--text random``, the default), or (``--text stdlib``)
@@ -81,7 +82,7 @@ def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, bl
                backend=None, prompt_tokens: int = 0) -> torch.Tensor:
     """Teacher-forced logits ``[S, L, vocab]`` fp32: one decode step per position (``path``
     "decode", how generated tokens are cached), or one prefill pass per sequence ("prefill", how a
-    prompt is; its K/V are written first, so it also attends over the quantized cache), or
+    prompt is; it attends to its own K/V as computed, ``kernels.reference.exact_chunks``), or
     ("mixed", as a request is served) a prefill pass over the first ``prompt_tokens`` and decode
     steps after them. ``kv_dtype``
     (default: the model's) is the cache dtype of the ``model`` format. ``tails=False``: no exact

@@ -193,7 +193,8 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
     compiled.clear()
     if kernel == "prefill":
         qsl = torch.tensor([0, 1, 2], dtype=torch.int32).as_subclass(CudaLike)
-        paged_prefill_attention(q, cache, tables, lens, qsl, 0.1)
+        kv = torch.randn(2, HKV, D).to(torch.bfloat16).as_subclass(CudaLike)
+        paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, chunk=(kv, kv))  # as the engine calls it
         tile, warps, stages, regs_cap = 64, 4, 3, 0  # the wrapper's CUDA defaults (Triton's warps and stages)
     else:
         paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=1, tile=tile, num_warps=warps,

@@ -105,17 +105,19 @@ VARIANTS = PRELUDE + textwrap.dedent('''
     q = cuda(torch.randn(2, 8, 128).to(torch.bfloat16))
     lens = cuda(torch.tensor([40, 5], dtype=torch.int32))
     qsl = cuda(torch.tensor([0, 1, 2], dtype=torch.int32))
+    chunk = cuda(torch.randn(8, 2, 128).to(torch.bfloat16))  # the chunks' keys and values
     for width in (1, 16, 17):  # the block tables' width, which grows with the longest context
         tables = cuda(torch.zeros(2, width, dtype=torch.int32))
         paged_decode_attention(q, cache, tables, lens, 0.1, max_seq_len=40)
-        paged_prefill_attention(q, cache, tables, lens, qsl, 0.1)
+        paged_prefill_attention(q, cache, tables, lens, qsl, 0.1, chunk=(chunk[:2], chunk[:2]))
     for splits in (3, 4, 9):  # split counts that follow the context
         paged_decode_attention(q, cache, tables, lens, 0.1, num_splits=splits, max_seq_len=40)
     wide = cuda(torch.zeros(6, 3, dtype=torch.int32))
     six = cuda(torch.full((6,), 40, dtype=torch.int32))
     starts = cuda(torch.arange(7, dtype=torch.int32))
     for nd in (1, 2, 3):  # a mixed step's prompts: views past nd decodes' rows, at any alignment
-        paged_prefill_attention(q[:2], cache, wide[nd : nd + 2], six[nd : nd + 2], starts[nd : nd + 3] - nd, 0.1)
+        paged_prefill_attention(q[:2], cache, wide[nd : nd + 2], six[nd : nd + 2], starts[nd : nd + 3] - nd, 0.1,
+                                chunk=(chunk[nd : nd + 2], chunk[nd : nd + 2]))
     from kernels.paged_decode import decode_launch, single_split_kernel
     single = single_split_kernel(q, decode_launch(q, cache, tables, lens, max_seq_len=40), tables, lens)
     print("single-split variant:", single.metadata.num_warps, single.metadata.shared > 0)

@@ -186,8 +186,8 @@ def test_cpu_backend_prefills_quantized_caches_without_the_reference(fmt, dtype,
 
     class Reference(TorchPagedAttentionBackend):  # the other side still runs it
         @staticmethod
-        def _prefill(q, cache, tables, lens, qsl, scale, tail_rows=None, max_query_len=None):
-            return prefill(q, cache, tables, lens, qsl, scale, tail_rows)
+        def _prefill(q, cache, tables, lens, qsl, scale, tail_rows=None, max_query_len=None, chunk=None):
+            return prefill(q, cache, tables, lens, qsl, scale, tail_rows, chunk)
 
     monkeypatch.setattr(reference, "paged_prefill_attention_cache", refuse)
     _agree_over_steps(CpuPagedAttentionBackend(fmt), Reference(fmt), dtype,
@@ -225,8 +225,10 @@ def test_cpu_backend_prefill_matches_the_reference_and_ignores_bytes_past_the_en
     q = torch.randn(sum(qlens), 8, 64, generator=g).to(getattr(torch, dtype))
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
     sl = torch.tensor(ctx, dtype=torch.int32)
-    want = reference.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.125)
-    got = CpuPagedAttentionBackend(fmt)._prefill(q, cache, tables, sl, qsl, 0.125)
+    ends = torch.tensor(ctx).cumsum(0).tolist()
+    chunk = tuple(torch.cat([x[e - ql : e] for e, ql in zip(ends, qlens)]) for x in (k, v))
+    want = reference.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.125, chunk=chunk)
+    got = CpuPagedAttentionBackend(fmt)._prefill(q, cache, tables, sl, qsl, 0.125, chunk=chunk)
     assert torch.isfinite(got.float()).all()
     tol = 2e-2 if path == "c-kernel" else 2e-5 if dtype == "float32" else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=1e-3)
@@ -264,7 +266,8 @@ def test_make_attention_backend_choices_and_errors():
 def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backend):
     """Engine-shaped steps (TailRows + build_attention_metadata), one of which seals a block from
     a row and starts the next in the other: every query's output equals attention over the full
-    blocks as stored and the filling block's exact keys and values."""
+    blocks as stored and the filling block's exact keys and values (a prefill chunk's over its own
+    keys and values as computed, whichever blocks they fill)."""
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")
     be = backend("int4")
     dev = DEV if backend is TritonAttentionBackend else "cpu"  # NOTE: the others are CPU-only or torch
@@ -291,7 +294,9 @@ def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backe
             full = torch.tensor([(j + 1) * 16 <= end for j in range(nblk)])
             kv = reference.dequantize_blocks(cache, torch.tensor(tables[i][:nblk], device=dev), full.to(dev))
             kv = kv.cpu().flatten(1, 2)[:, :end]
-            cut = end // 16 * 16  # the filling block exact
+            cut = end // 16 * 16  # the filling block exact, and a prefill chunk's own positions
+            if n > 1:
+                cut = min(cut, done[i])
             kk, vv = torch.cat((kv[0, :cut], keys[i][cut:end])), torch.cat((kv[1, :cut], values[i][cut:end]))
             mask = (torch.arange(end)[None, :] <= torch.arange(done[i], end)[:, None])[None, None]
             want = reference._attend(q[row : row + n].transpose(0, 1)[None], kk.transpose(0, 1)[None],

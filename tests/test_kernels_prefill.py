@@ -14,26 +14,32 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"float32": 2e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
 
-def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None, head_major=False, **launch):
-    """Sequences with ``ctx[i]`` tokens of context whose last ``qlens[i]`` are this step's chunk."""
+def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None, head_major=False, exact=True,
+           **launch):
+    """Sequences with ``ctx[i]`` tokens of context whose last ``qlens[i]`` are this step's chunk
+    (``exact``: attended as computed, as the engine's backends pass them)."""
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=head_dim, block_size=bs, dtype=dtype)
     nblocks = sum(lay.num_blocks_for(n) for n in ctx) + 2
     cache = allocate_cache(KVFormat(name), lay, nblocks, DEV, head_major=head_major)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(nblocks, generator=g).tolist()
     tables = torch.zeros(len(ctx), max(lay.num_blocks_for(n) for n in ctx), dtype=torch.int32)
+    chunk_k, chunk_v = [], []
     for i, n in enumerate(ctx):
         blocks = [perm.pop() for _ in range(lay.num_blocks_for(n))]
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         k = (torch.randn(n, hkv, head_dim, generator=g) + 0.3).to(DEV, cache.model_dtype)
         v = torch.randn(n, hkv, head_dim, generator=g).to(DEV, cache.model_dtype)
         ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
+        chunk_k.append(k[n - qlens[i]:])
+        chunk_v.append(v[n - qlens[i]:])
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     q = torch.randn(int(qsl[-1]), hkv * group, head_dim, generator=g).to(DEV, cache.model_dtype)
     sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     tables = tables.to(DEV)
-    want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, head_dim**-0.5)
-    got = paged_prefill_attention(q, cache, tables, sl, qsl, head_dim**-0.5, **launch)
+    chunk = (torch.cat(chunk_k), torch.cat(chunk_v)) if exact else None
+    want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, head_dim**-0.5, chunk=chunk)
+    got = paged_prefill_attention(q, cache, tables, sl, qsl, head_dim**-0.5, chunk=chunk, **launch)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if fast is not None:  # whether the decode loops (words / lanes) serve this cache
         assert (int8_words(cache) or int4_lanes(cache)) == fast
@@ -41,9 +47,59 @@ def _check(name, dtype, hkv, group, head_dim, bs, ctx, qlens, seed=0, fast=None,
 
 @pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prefill_chunks_over_prefix(name, dtype):
+@pytest.mark.parametrize("exact", [True, False])
+def test_prefill_chunks_over_prefix(name, dtype, exact):
     # a chunk over a cached prefix, a fresh prompt, a single-token chunk, an empty chunk
-    _check(name, dtype, hkv=2, group=2, head_dim=16, bs=16, ctx=[45, 19, 33, 8], qlens=[21, 19, 1, 0])
+    _check(name, dtype, hkv=2, group=2, head_dim=16, bs=16, ctx=[45, 19, 33, 8], qlens=[21, 19, 1, 0], exact=exact)
+
+
+def _filled(name, lay, ctx, seed):
+    """A cache of ``name`` holding random keys and values for sequences of ``ctx`` tokens (block
+    tables in order), and each sequence's ``[2, n, H, D]`` keys and values."""
+    cache = allocate_cache(KVFormat(name), lay, sum(lay.num_blocks_for(n) for n in ctx) + 1, DEV)
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.zeros(len(ctx), max(lay.num_blocks_for(n) for n in ctx), dtype=torch.int32)
+    kvs, first = [], 1
+    for i, n in enumerate(ctx):
+        blocks = list(range(first, first + lay.num_blocks_for(n)))
+        first += len(blocks)
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        kvs.append((torch.randn(2, n, lay.num_kv_heads, lay.head_dim, generator=g) * 2 + 0.5).to(DEV, cache.model_dtype))
+        ref.write_kv_cache(kvs[-1][0], kvs[-1][1], cache, torch.tensor(lay.slot_mapping(blocks, 0, n), device=DEV))
+    return cache, tables.to(DEV), kvs
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int4r"])
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the prefix through the decode loops
+def test_exact_chunk_of_a_fresh_prompt_is_the_model_dtypes_attention(name, head_dim):
+    """A prompt's one-pass prefill over a quantized cache, given its keys and values, is the same
+    attention as over a model-dtype cache (nothing it reads was quantized); a chunk after a cached
+    prefix attends to the prefix as the cache holds it (dequantized, checked against the cache's
+    own round trip) and to itself exactly. Both backends, the reference and the Triton kernel."""
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype="float32")
+    ctx, qlens = [37, 40, 16], [37, 23, 16]
+    cache, tables, kvs = _filled(name, lay, ctx, seed=head_dim)
+    plain, _, _ = _filled("model", lay, ctx, seed=head_dim)
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q = torch.randn(int(qsl[-1]), 4, head_dim, generator=torch.Generator().manual_seed(1)).to(DEV)
+    sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
+    chunk = tuple(torch.cat([kv[i, n - ql:] for kv, n, ql in zip(kvs, ctx, qlens)]) for i in (0, 1))
+    if name == "int4r":  # the queries as INT4R's kernels meet them (rounded to int8)
+        q = ref.cache_query(q, cache)
+    want = ref.paged_prefill_attention(q, plain.data, tables, sl, qsl, 0.3)  # exact everywhere
+    dq, dtables = ref.dequantized_context(cache, tables, sl)
+    pre = ctx[1] - qlens[1]  # sequence 1's prefix as the cache holds it, its chunk exact
+    ctx1 = torch.cat([ref.gather_kv(dq, dtables[1], pre)[0], chunk[0][qsl[1]:qsl[2]].float()])
+    val1 = torch.cat([ref.gather_kv(dq, dtables[1], pre)[1], chunk[1][qsl[1]:qsl[2]].float()])
+    mixed = torch.stack([ctx1, val1])[:, None]  # [2, 1 block of 40, H, D]
+    want[qsl[1]:qsl[2]] = ref.paged_prefill_attention(q[qsl[1]:qsl[2]], mixed, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                                                      sl[1:2], qsl[1:3] - qsl[1], 0.3)
+    assert (dq[:, : lay.num_blocks_for(pre)].flatten(1, 2)[:, :pre] - torch.stack(kvs[1][:, :pre].unbind())).abs().max() > 1e-3
+    for got in (ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.3, chunk=chunk),
+                paged_prefill_attention(q, cache, tables, sl, qsl, 0.3, chunk=chunk)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    quantized = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.3)  # the chunk read back
+    assert (quantized - want).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("name", ["model", "int8", "int4", "int4r"])

@@ -61,6 +61,39 @@ def test_head_major_caches_serve_the_same_tokens(model_dir, kv_format, monkeypat
     assert leaks["free_blocks"] == leaks["total_blocks"]
 
 
+LONG = ("The history of the city begins with a small village by the sea, where fishermen and traders met every "
+        "morning to sell what the night had brought them, ") * 2  # 132 tokens: eight blocks sealed in one pass
+
+
+def _first_logprobs(model_dir, kv_format):
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5, ignore_eos=True)
+    llm = LLM(model_dir, device="cpu", kv_format=kv_format)
+    (out,) = llm.generate([LONG], params)
+    leaks = llm.engine.leak_check()
+    assert leaks["free_blocks"] == leaks["total_blocks"]
+    return dict(out.logprobs[0].top)
+
+
+def _gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(abs(a[t] - b[t]) for t in a)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "int4", "int4r"])
+def test_a_prompts_pass_attends_to_its_own_kv_exactly(model_dir, kv_format, monkeypatch):
+    """A prompt prefilled in one pass over a quantized cache attends to its own keys and values as
+    computed (kernels.reference.exact_chunks, as KIVI's prefill does): its first token's logprobs
+    are the model-dtype cache's (INT4R's within its int8 query rounding), where reading the
+    prompt back from its codes moved INT4's by ~8e-3 on this prompt."""
+    from kernels import reference
+
+    want = _first_logprobs(model_dir, "model")
+    assert _gap(_first_logprobs(model_dir, kv_format), want) < 1e-3
+    if kv_format == "int4":  # the control: the chunk read back as the cache holds it
+        monkeypatch.setattr(reference, "exact_chunks", lambda *args: None)
+        assert _gap(_first_logprobs(model_dir, kv_format), want) > 3e-3
+
+
 def test_cli_accepts_kv_format(model_dir, baseline):
     proc = subprocess.run(
         [sys.executable, "-m", "llmbus.cli", "generate", "--model", str(model_dir), "--prompt", PROMPTS[0],

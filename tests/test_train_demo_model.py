@@ -90,8 +90,9 @@ def test_trained_checkpoint_loads_through_our_loader_and_matches_transformers(ba
 
 def test_eval_paths_teacher_force_the_same_logits(base):
     """scripts/eval_kv_quant.py: one prefill pass gives the decode steps' logits on a model-dtype
-    cache; on INT4 both stay near them (prefill quantizes full blocks from exact keys), at 16- and
-    32-token blocks; so does the mixed path (a prompt's prefill, then decode steps)."""
+    cache; on INT4 the decode path stays near them, at 16- and 32-token blocks, and the prefill pass
+    gives them (it attends to its own keys and values as computed); so does the mixed path's prompt
+    (a prompt's prefill, then decode steps over what it cached, near them)."""
     from scripts.eval_kv_quant import compare, run_logits
 
     loaded = load_model(base, dtype="float32")
@@ -99,24 +100,21 @@ def test_eval_paths_teacher_force_the_same_logits(base):
     run = {(fmt, path): run_logits(loaded.model, loaded.config, fmt, tokens, "cpu", path=path)
            for fmt in ("model", "int4") for path in ("decode", "prefill")}
     torch.testing.assert_close(run["model", "prefill"], run["model", "decode"], atol=1e-4, rtol=1e-4)
-    for path in ("decode", "prefill"):
-        got = compare(run["model", path], run["int4", path], alpha=1.0)
-        assert got["mean_kl"] < 0.05 and not torch.equal(run["int4", path], run["model", path])
-    assert not torch.equal(run["int4", "prefill"], run["int4", "decode"])
+    torch.testing.assert_close(run["int4", "prefill"], run["model", "prefill"], atol=1e-4, rtol=1e-4)
+    got = compare(run["model", "decode"], run["int4", "decode"], alpha=1.0)
+    assert got["mean_kl"] < 0.05 and (run["int4", "decode"] - run["model", "decode"]).abs().max() > 1e-2
     # 32-token blocks (--block-size): other key ranges, as near
     wide = run_logits(loaded.model, loaded.config, "int4", tokens, "cpu", 32)
     assert compare(run["model", "decode"], wide, alpha=1.0)["mean_kl"] < 0.05 and not torch.equal(wide, run["int4", "decode"])
     # mixed (a prompt's prefill pass, then decode steps): the model-dtype cache gives the same logits;
-    # on INT4 the prompt's first block's positions are the whole prefill's (past it, the 40-token
-    # pass has sealed block 1 where the 23-token one reads it from the tail row), and the decode
-    # steps differ from both paths'
+    # on INT4 the prompt's positions are the model dtype's, and the decode steps after it read the
+    # prompt's blocks quantized (from keys its pass computed exactly): near, not the same
     mixed = {fmt: run_logits(loaded.model, loaded.config, fmt, tokens, "cpu", path="mixed", prompt_tokens=23)
              for fmt in ("model", "int4")}
     torch.testing.assert_close(mixed["model"], run["model", "decode"], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(mixed["int4"][:, :16], run["int4", "prefill"][:, :16], atol=1e-5, rtol=0)
-    assert not torch.equal(mixed["int4"][:, 16:23], run["int4", "prefill"][:, 16:23])
-    for path in ("decode", "prefill"):
-        assert not torch.equal(mixed["int4"][:, 23:], run["int4", path][:, 23:])
+    torch.testing.assert_close(mixed["int4"][:, :23], run["model", "decode"][:, :23], atol=1e-4, rtol=1e-4)
+    assert (mixed["int4"][:, 23:] - mixed["model"][:, 23:]).abs().max() > 1e-2
+    assert not torch.equal(mixed["int4"][:, 23:], run["int4", "decode"][:, 23:])
     assert compare(mixed["model"][:, 23:], mixed["int4"][:, 23:], alpha=1.0)["mean_kl"] < 0.05
     with pytest.raises(ValueError, match="0 < prompt_tokens < 40"):
         run_logits(loaded.model, loaded.config, "int4", tokens, "cpu", path="mixed", prompt_tokens=40)

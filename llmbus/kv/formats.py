@@ -45,7 +45,14 @@ attention then reads a partial block's keys and values from its row instead of t
 codes. The engine gives each running sequence two rows and switches to the other only when one
 step both seals a block from its current row and starts the next block. A sequence without rows
 (none left) uses its per-token codes; one handed over mid-block from another worker starts its row
-from them (so those tokens' keys end up rounded twice). This module is torch-free.
+from them (so those tokens' keys end up rounded twice).
+
+Prefill over a quantized cache (all three quantized formats): a chunk's queries attend to the
+prefix before it as the cache holds it and to the chunk's own keys and values as the model
+computed them (the attention backends pass them beside the cache; ``kernels.reference.exact_chunks``),
+as KIVI's prefill does. Quantizing what a prompt writes then changes nothing in the prompt's own
+pass: not its first token, and not the keys and values its later layers compute and write.
+Decodes (one new token) read what the cache holds. This module is torch-free.
 """
 
 from __future__ import annotations
