@@ -12,7 +12,9 @@ each other, which would leak held-out text into training).
 
 bf16 autocast, AdamW; on a 2-vCPU AVX512-BF16 machine the large demo model trains at about
 450 tokens/s (batch 8 x 256 tokens in ~4.5 s; 500 steps in ~38 min), on a GPU (``--device cuda``)
-in about a minute. The batches are drawn from a seeded generator, the same on any device. Uses
+in about a minute. A CPU without bf16 instructions runs bf16 autocast far slower than fp32 (a
+step took over four minutes on a 2-vCPU AVX2 machine): ``--fp32`` trains in fp32 there (~15 s a
+step). The batches are drawn from a seeded generator, the same on any device. Uses
 ``transformers`` (a test-time dependency) for the training forward/backward only.
 
     python scripts/train_demo_model.py --base bench-results/models/large-sp --out DIR [--steps 500]
@@ -89,10 +91,10 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 @torch.no_grad()
-def held_out_loss(model, tokens: torch.Tensor, seq: int, n: int = 16) -> float:
+def held_out_loss(model, tokens: torch.Tensor, seq: int, n: int = 16, autocast: bool = True) -> float:
     device = next(model.parameters()).device
     x = windows(tokens, n, seq, torch.Generator().manual_seed(1234)).to(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
         return float(model(input_ids=x, labels=x).loss)
 
 
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda where there is one (the same recipe, faster)")
+    ap.add_argument("--fp32", action="store_true", help="no bf16 autocast (for CPUs without bf16 instructions)")
     args = ap.parse_args(argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         x = windows(train, args.batch, args.seq, gen).to(args.device)
-        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
+        with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=not args.fp32):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -162,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
                   f"{seen / (time.time() - t0):.0f} tok/s", flush=True)
         if (step + 1) % args.save_every == 0 or step == args.steps - 1:
-            ho = held_out_loss(model, held, args.seq)
+            ho = held_out_loss(model, held, args.seq, autocast=not args.fp32)
             save(model, args.base, args.out, dict(corpus="python stdlib", python=platform.python_version(),
                                                   corpus_files=num_files, steps=step + 1, tokens=seen,
                                                   held_out_loss=round(ho, 4), seed=args.seed,
-                                                  batch=args.batch, seq=args.seq, lr=args.lr))
+                                                  batch=args.batch, seq=args.seq, lr=args.lr,
+                                                  autocast="none" if args.fp32 else "bf16"))
             print(f"saved step {step + 1}: held-out loss {ho:.3f}", flush=True)
     return 0
 
