@@ -375,9 +375,10 @@ def exact_chunks(kv: torch.Tensor, tables: torch.Tensor, key: torch.Tensor, valu
     last ``q_len`` of each sequence, in ``kv`` (a context and ``tables`` into it, as
     ``dequantized_context`` returns them). A chunk's queries then attend to the prefix as the cache
     holds it and to their own chunk as the model computed it, as KIVI's prefill does: quantizing
-    what a prompt writes cannot then change the prompt's own pass (its first token, and the keys
-    and values its later layers write)."""
+    what a prompt writes cannot then change a one-pass prefill (its first token, and the keys and
+    values its later layers write; INT4R's queries are still rounded to int8)."""
     qsl = query_start_loc.to(kv.device).long()
+    qsl = qsl - qsl[0]  # rows of key / value from the first chunk's
     lens = qsl[1:] - qsl[:-1]
     t = int(qsl[-1])
     if t == 0:

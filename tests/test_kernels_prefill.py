@@ -230,3 +230,19 @@ def test_prefill_int4r_rounds_queries_as_the_reference_ties_included(head_dim):
     sl = torch.tensor(ctx, dtype=torch.int32, device=DEV)
     want = ref.paged_prefill_attention_cache(q, cache, tables, sl, qsl, 0.3)
     torch.testing.assert_close(paged_prefill_attention(q, cache, tables, sl, qsl, 0.3), want, atol=2e-5, rtol=2e-5)
+
+
+def test_exact_chunks_places_rows_by_their_chunks_not_their_offset():
+    """``reference.exact_chunks`` places each chunk's rows at the last ``q_len`` positions of its
+    sequence, whatever the first chunk's offset in ``query_start_loc`` (a mixed step's prompts
+    come after its decodes' rows)."""
+    bs, h, d = 4, 1, 2
+    kv = torch.zeros(2, 5, bs, h, d)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    key = torch.arange(1.0, 6.0)[:, None, None].expand(5, h, d)
+    for start in (0, 3):
+        got = kv.clone()
+        ref.exact_chunks(got, tables, key, -key, torch.tensor([6, 3]), torch.tensor([start, start + 2, start + 5]))
+        flat = got.flatten(1, 2)[..., 0, 0]  # [2, positions across the blocks]
+        assert flat[0].tolist() == [0, 0, 0, 0, 1, 2, 0, 0, 3, 4, 5] + [0] * 9
+        assert torch.equal(flat[1], -flat[0])

@@ -50,8 +50,11 @@ from them (so those tokens' keys end up rounded twice).
 Prefill over a quantized cache (all three quantized formats): a chunk's queries attend to the
 prefix before it as the cache holds it and to the chunk's own keys and values as the model
 computed them (the attention backends pass them beside the cache; ``kernels.reference.exact_chunks``),
-as KIVI's prefill does. Quantizing what a prompt writes then changes nothing in the prompt's own
-pass: not its first token, and not the keys and values its later layers compute and write.
+as KIVI's prefill does. Quantizing what a prompt writes then changes nothing in a prompt
+prefilled in one pass: not its first token, and not the keys and values its later layers compute
+and write (INT4R: but for its queries' int8 rounding). A prompt prefilled in several chunks, or
+after a prefix-cache hit, reads its earlier part quantized, so its logits depend a little on how
+it was scheduled (as an INT4 filling block's already did, exact in its tail row until sealed).
 Decodes (one new token) read what the cache holds. This module is torch-free.
 """
 
