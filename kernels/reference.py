@@ -386,9 +386,9 @@ def exact_chunks(kv: torch.Tensor, tables: torch.Tensor, key: torch.Tensor, valu
     seq = torch.repeat_interleave(torch.arange(lens.numel(), device=kv.device), lens)  # each row's sequence
     pos = seq_lens.to(kv.device).long()[seq] - lens[seq] + torch.arange(t, device=kv.device) - qsl[seq]
     bs = kv.shape[2]
-    blk = tables.to(kv.device).long()[seq, pos // bs]
-    kv[0, blk, pos % bs] = key[:t].to(kv.device, kv.dtype)
-    kv[1, blk, pos % bs] = value[:t].to(kv.device, kv.dtype)
+    blk, off = tables.to(kv.device).long()[seq, pos // bs], pos % bs
+    kv[0, blk, off] = key[:t].to(kv.device, kv.dtype)
+    kv[1, blk, off] = value[:t].to(kv.device, kv.dtype)
 
 
 # --- a decoder layer's element-wise glue (kernels.fused on CUDA) --------------------------------

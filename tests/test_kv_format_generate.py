@@ -79,15 +79,20 @@ def _gap(a: dict, b: dict) -> float:
     return max(abs(a[t] - b[t]) for t in a)
 
 
+@pytest.fixture(scope="module")
+def model_dtype_first_logprobs(model_dir):
+    return _first_logprobs(model_dir, "model")
+
+
 @pytest.mark.parametrize("kv_format", ["int8", "int4", "int4r"])
-def test_a_prompts_pass_attends_to_its_own_kv_exactly(model_dir, kv_format, monkeypatch):
+def test_a_prompts_pass_attends_to_its_own_kv_exactly(model_dir, model_dtype_first_logprobs, kv_format, monkeypatch):
     """A prompt prefilled in one pass over a quantized cache attends to its own keys and values as
     computed (kernels.reference.exact_chunks, as KIVI's prefill does): its first token's logprobs
     are the model-dtype cache's (INT4R's within its int8 query rounding), where reading the
     prompt back from its codes moved them (INT4's by ~8e-3, INT8's by ~6e-4 on this prompt)."""
     from kernels import reference
 
-    want = _first_logprobs(model_dir, "model")
+    want = model_dtype_first_logprobs
     exact = _gap(_first_logprobs(model_dir, kv_format), want)
     monkeypatch.setattr(reference, "exact_chunks", lambda *args: None)  # the chunk read back from its codes
     read_back = _gap(_first_logprobs(model_dir, kv_format), want)
