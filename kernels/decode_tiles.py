@@ -637,20 +637,23 @@ def int4_lanes_loop(
 
 @triton.jit
 def block_key_ranges(kwa, kwb, lohi):
-    """Each block's per-channel key ranges ``(min, scale)`` by channel class, fp32 ``[NB, D/4]``
-    each (``key_range``), from its words of classes 0, 1 (``kwa``) and 2, 3 (``kwb``) ``[NB, D/4]``
-    and its ``(lo, hi)`` word ``[NB, 1]``, worked out once per channel (``compact``)."""
+    """Each block's per-channel key ranges ``(min, scale)`` by channel class, fp32 ``[NB, 1, D/4]``
+    each (``key_range``: ready to broadcast over the query rows), from its words of classes 0, 1
+    (``kwa``) and 2, 3 (``kwb``) ``[NB, D/4]`` and its ``(lo, hi)`` word ``[NB, 1]``, worked out once
+    per channel (``compact``). NOTE: the ranges gain the rows' dimension joined, so they move into
+    the queries' layout in one exchange through shared memory, not one (and two barriers) for each
+    of the eight (Triton 3.6: 791 -> 764 instructions a tile of INT4's block loop at 32-token blocks)."""
     lo, hi = half_pair(lohi)
-    return split_ranges(joined_ranges(kwa, kwb, lo, (hi - lo) / 255.0, tl.float32))
+    return split_ranges(tl.expand_dims(joined_ranges(kwa, kwb, lo, (hi - lo) / 255.0, tl.float32), 1))
 
 
 @triton.jit
 def block_query(q, scale, DOT: tl.constexpr):
-    """The query rows ``q`` [1, R, n] scaled per block by ``scale`` [NB, n], as a dot's right operand
+    """The query rows ``q`` [1, R, n] scaled per block by ``scale`` [NB, 1, n], as a dot's right operand
     ``[NB, n, R]`` in ``DOT``. NOTE: scaled with the channels last and then transposed, so that
     they reach the dot through shared memory a channel pair at a time (channels down the rows,
     Triton stored them a 16-bit element at a time)."""
-    return tl.permute((q * scale[:, None, :]).to(DOT), (0, 2, 1))
+    return tl.permute((q * scale).to(DOT), (0, 2, 1))
 
 
 @triton.jit
@@ -672,15 +675,14 @@ def int4_blocks_tile(s, tb, blk_n, table, end, ptrs, strides, h, qs,
     s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh = strides
     valid, blk, _, blk_n = tile_rows(blk_n, table, s, end, tb, TILE, BS)  # [NB, 1]: a slot is one block
     off = tl.arange(0, BS)[None, :]
-    # NOTE: >> 1, not // 2, on these non-negative byte offsets: a signed division costs a correction
-    row = (blk * s_dn + off * s_db + h * s_dh) >> 1  # [NB, BS], in lanes
+    row = blk * s_dn + off * s_db + h * s_dh  # [NB, BS], in lanes (the strides come in the pointers' units)
     k = tl.arange(0, D // 4)
     kx = load_rows(lanes + last_dim(row) + k[None, None, :], last_dim(valid), MASKED)  # [NB, BS, D/4]
-    kb = (blk * s_kmn + h * s_kmh) >> 1  # [NB, 1], in words
+    kb = blk * s_kmn + h * s_kmh  # [NB, 1], in words
     kwa = load_rows(kwords + kb + 2 * k[None, :], valid, MASKED)  # [NB, D/4]: classes 0, 1
     kwb = load_rows(kwords + kb + 2 * k[None, :] + 1, valid, MASKED)  # classes 2, 3
     lohi = load_rows(kwords + kb + D // 2, valid, MASKED)  # [NB, 1]
-    m0, s0, m1, s1, m2, s2, m3, s3 = block_key_ranges(kwa, kwb, lohi)
+    m0, s0, m1, s1, m2, s2, m3, s3 = block_key_ranges(kwa, kwb, lohi)  # [NB, 1, D/4] each
     if BIASED:  # the high classes' codes come 16 times over (lane_codes)
         s1, s3 = s1 * 0.0625, s3 * 0.0625
     # q . k = sum_c q_c min_c + sum_c (q_c scale_c) code_c: each block's ranges scale its own copy
@@ -688,13 +690,21 @@ def int4_blocks_tile(s, tb, blk_n, table, end, ptrs, strides, h, qs,
     q0, q1, q2, q3 = qs  # [1, R, D/4] fp32
     w0, w1, w2, w3 = block_query(q0, s0, DOT), block_query(q1, s1, DOT), block_query(q2, s2, DOT), block_query(q3, s3, DOT)
     k0, k1, k2, k3 = lane_codes(kx, ASM, BIASED)
-    x = tl.dot(k0.to(DOT), w0, input_precision=PREC)
+    if BIASED:  # the codes carry 1024 (lane_codes): the dots start from -1024 times their right operands' sums
+        # NOTE: as dots against a constant, which leave the bias in the scores' layout; summed across
+        # the lanes and added after (as the minima are), it cost 5-30 instructions more a tile (Triton 3.6)
+        one = tl.full(kx.shape, -1024.0, DOT)
+        x = tl.dot(one, w0, input_precision=PREC)
+        x = tl.dot(one, w1, x, input_precision=PREC)
+        x = tl.dot(one, w2, x, input_precision=PREC)
+        x = tl.dot(one, w3, x, input_precision=PREC)
+        x = tl.dot(k0.to(DOT), w0, x, input_precision=PREC)
+    else:
+        x = tl.dot(k0.to(DOT), w0, input_precision=PREC)
     x = tl.dot(k1.to(DOT), w1, x, input_precision=PREC)
     x = tl.dot(k2.to(DOT), w2, x, input_precision=PREC)
     x = tl.dot(k3.to(DOT), w3, x, input_precision=PREC)
-    qm = q0 * m0[:, None, :] + q1 * m1[:, None, :] + q2 * m2[:, None, :] + q3 * m3[:, None, :]
-    if BIASED:  # BIASED codes: the dots carry 1024 times the sum of their right operands, taken off here
-        qm = qm - 1024.0 * (unswap(w0) + unswap(w1) + unswap(w2) + unswap(w3))
+    qm = q0 * m0 + q1 * m1 + q2 * m2 + q3 * m3
     x = x + tl.sum(qm, axis=2)[:, None, :]  # [NB, BS, R]
     if MASKED:
         x = tl.where(last_dim(valid), x, float("-inf"))
@@ -705,9 +715,9 @@ def int4_blocks_tile(s, tb, blk_n, table, end, ptrs, strides, h, qs,
     p = tl.exp2(x - m_new[:, None, :])
     lw = lw * alpha + p
     # values: each group of GV channels its own weights, p * its tokens' scales (class_values_t)
-    vrow = (s_dc >> 1) + row
+    vrow = s_dc + row
     j = tl.arange(0, GV // 4)[None, :, None]
-    vm = (blk * s_vmn + off * s_vmb + h * s_vmh) >> 1  # [NB, BS]: each token's first (scale, min) word
+    vm = blk * s_vmn + off * s_vmb + h * s_vmh  # [NB, BS]: each token's first (scale, min) word
     vx = load_rows(lanes + vrow[:, None, :] + j, valid[:, None, :], MASKED)  # [NB, GV/4, BS]: the lanes transposed
     vs, vn = half_pair(load_rows(vwords + vm, valid, MASKED))
     a0, a1, a2, a3 = group_values(p, vx, vs, a0, a1, a2, a3, alpha, ASM, DOT, PREC, BIASED)
@@ -721,18 +731,14 @@ def int4_blocks_tile(s, tb, blk_n, table, end, ptrs, strides, h, qs,
 
 
 @triton.jit
-def unswap(w):
-    """A ``block_query`` operand ``[NB, n, R]`` back as fp32 ``[NB, R, n]``."""
-    return tl.permute(w, (0, 2, 1)).to(tl.float32)
-
-
-@triton.jit
 def group_values(p, vx, vs, a0, a1, a2, a3, alpha, ASM: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                  BIASED: tl.constexpr):
     """Class accumulators ``[.., n, R]`` (a value group's channels, n of each class, down the rows)
     rescaled by ``alpha`` [.., 1, R] and advanced by the weights ``p`` [.., T, R] times the tokens'
     scales ``vs`` [.., T] over the lanes ``vx`` [.., n, T] (``class_values_t`` without the minima)."""
-    w = (p * last_dim(vs)).to(DOT)
+    # NOTE: multiplied in DOT: fp16 pairs (HMUL2) on CUDA, not fp32 products each converted (Triton 3.6:
+    # 8-21 instructions fewer a tile). The weights round twice, within 2^-10 of each, far below a code's step.
+    w = p.to(DOT) * last_dim(vs).to(DOT)
     # NOTE: the lanes come transposed (token_codes' VT) and convert in the dots' layout: codes
     # converted first and then transposed went through shared memory, four times the lanes' bytes
     v0, v1, v2, v3 = lane_codes(vx, ASM, BIASED)
@@ -775,7 +781,9 @@ def int4_blocks_warp_loop(
     b1 = tl.zeros([NB, BS, R], tl.float32)
     ptrs = (data_ptr.to(tl.pointer_type(tl.int16)), kmeta_ptr.to(tl.pointer_type(tl.int32)),
             vmeta_ptr.to(tl.pointer_type(tl.int32)))
-    strides = (s_dc, s_dn, s_db, s_dh, s_kmn, s_kmh, s_vmn, s_vmb, s_vmh)
+    # NOTE: the strides (bytes of data, 16-bit fields of metadata: all even, paged_decode.int4_lanes) in
+    # the units the pointers read, lanes and words, once: a shift of each offset cost 11 instructions a tile
+    strides = (s_dc >> 1, s_dn >> 1, s_db >> 1, s_dh >> 1, s_kmn >> 1, s_kmh >> 1, s_vmn >> 1, s_vmb >> 1, s_vmh >> 1)
     tb = (tl.arange(0, NB) * BS)[:, None]  # [NB, 1]: each slot's first token
     blk_n = next_blocks(table, start, end, tb, BS)  # NOTE: each tile's block ids load an iteration ahead
     # NOTE: as int4_tokens_tiles': whole tiles unmasked, the split's last one masked, once
