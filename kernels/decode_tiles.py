@@ -737,7 +737,9 @@ def group_values(p, vx, vs, a0, a1, a2, a3, alpha, ASM: tl.constexpr, DOT: tl.co
     rescaled by ``alpha`` [.., 1, R] and advanced by the weights ``p`` [.., T, R] times the tokens'
     scales ``vs`` [.., T] over the lanes ``vx`` [.., n, T] (``class_values_t`` without the minima)."""
     # NOTE: multiplied in DOT: fp16 pairs (HMUL2) on CUDA, not fp32 products each converted (Triton 3.6:
-    # 8-21 instructions fewer a tile). The weights round twice, within 2^-10 of each, far below a code's step.
+    # 8-21 instructions fewer a tile). The weights round twice (p, then the product), within 2^-10 of
+    # each together (p under 2^-14, fp16's subnormals: 2^-25 absolute), far below a code's step. DOT
+    # is fp16 or fp32 here (code_args): in bf16 the scales would lose three bits.
     w = p.to(DOT) * last_dim(vs).to(DOT)
     # NOTE: the lanes come transposed (token_codes' VT) and convert in the dots' layout: codes
     # converted first and then transposed went through shared memory, four times the lanes' bytes
@@ -763,8 +765,8 @@ def int4_blocks_warp_loop(
     Nothing is dequantized element by element. A block's keys share per-channel ranges, so
     ``q . k = sum_c q_c min_c + sum_c (q_c scale_c) code_c``: the ranges scale a copy of the
     queries (``block_query``: ``[D, R]`` a block, against the codes' ``[BS, D]``) and the codes go
-    into the dots as they are (BIASED: ``lane_codes``' biased values, the bias taken off each
-    block's ``sum_c q_c min_c``). A token's values have a (scale, min) pair per group of GV
+    into the dots as they are (BIASED: ``lane_codes``' biased values, each block's score dots
+    starting from dots of -1024 against the same scaled queries, which take the bias off). A token's values have a (scale, min) pair per group of GV
     channels, which fold into the weights as INT4R's one pair does (``group_values``), one set of
     weights and accumulators per group (``D / GV`` of 1 or 2). The data's strides (bytes) are even
     and ``k_meta``, ``v_meta`` word-aligned (``paged_decode.int4_lanes``)."""

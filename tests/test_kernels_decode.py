@@ -609,6 +609,39 @@ def test_decode_high_block_ids_do_not_overflow_int32():
     torch.testing.assert_close(paged_decode_attention(q, cache, tables, sl, 0.25, num_splits=2), want, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("name", ["int4", "int4r"])
+def test_decode_int4_lane_loops_high_block_ids_do_not_overflow_int32(name):
+    """INT4's block loop and INT4R's per-warp loop index the codes as 16-bit lanes: blocks whose
+    lane offset exceeds 2**31 (key codes past 4 GiB; the cache is torch.empty: untouched pages are
+    free)."""
+    from kernels.paged_decode import decode_launch
+
+    lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
+    fmt = KVFormat(name)
+    small = allocate_cache(fmt, lay, 1, DEV)
+    n = 2**31 // (16 * 64 // 4) + 8  # a block's key codes: 256 lanes
+
+    def empty(t, dim):
+        return torch.empty(*t.shape[:dim], n, *t.shape[dim + 1:], dtype=t.dtype, device=DEV)
+
+    try:
+        cache = PagedKVCache(fmt, lay, empty(small.data, 1), k_meta=empty(small.k_meta, 0),
+                             v_meta=empty(small.v_meta, 0))
+    except RuntimeError as exc:  # pragma: no cover
+        pytest.skip(f"cannot reserve a {n}-block cache: {exc}")
+    hi = [n - 1, n - 5, n - 8]
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(48, 1, 64, generator=g).half().to(DEV) for _ in range(2))
+    ref.write_kv_cache(k, v, cache, torch.tensor(lay.slot_mapping(hi, 0, 48), device=DEV))
+    tables = torch.tensor([hi], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([48], dtype=torch.int32, device=DEV)
+    q = torch.randn(1, 4, 64, generator=g).half().to(DEV)
+    assert int4_lanes(cache) and decode_launch(q, cache, tables, sl, tile=64, num_warps=2, warp_tiles=True).meta["WARP_TILES"]
+    want = ref.paged_decode_attention_cache(q, cache, tables, sl, 0.125)
+    got = paged_decode_attention(q, cache, tables, sl, 0.125, num_splits=2, tile=64, num_warps=2, warp_tiles=True)
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+
+
 def test_decode_bad_input_is_a_value_error():
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, block_size=16)
     cache = allocate_cache(KVFormat("model"), lay, 2, DEV)
