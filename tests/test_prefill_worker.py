@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import subprocess
 import sys
 import threading
@@ -210,6 +211,56 @@ def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, t
 
     asyncio.run(body())
     assert added == ["busy"]
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
+def test_a_job_aborted_during_its_handoff_ends_quietly(nats_server, tmp_path, caplog):
+    """A gateway aborts a request as soon as a stop string ends it, often on its first token, while
+    the prefill worker is handing it off: the worker stops there, without a failure event, an ERROR
+    or a leaked block (it acked the job when it took the abort, and used to ack it again)."""
+    model = "handoffabort"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+    released = threading.Event()
+    export = engine.export_sequence
+
+    def export_after_the_abort(rid):
+        released.wait(30)  # NOTE: the engine thread waits here until the worker has taken the abort
+        return export(rid)
+
+    engine.export_sequence = export_after_the_abort
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        events: list[TokenEvent] = []
+        first = asyncio.Event()
+
+        async def on_token(msg):
+            events.append(decode(TokenEvent, msg.data))
+            first.set()
+
+        await nc.subscribe(subjects.tokens("cut"), cb=on_token)
+        async with _colocated_worker(nats_server, engine, model, colocated=False) as worker:
+            await _submit(js, model, "cut", list(range(7, 47)), 8)
+            await asyncio.wait_for(first.wait(), 30)
+            await nc.publish(subjects.abort("cut"), encode(Abort("cut", "stop_string")))
+            while "cut" in worker.jobs:
+                await asyncio.sleep(0.002)
+            released.set()
+            for _ in range(100):  # the abort's engine call done
+                if not engine.leak_check()["requests"]:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # the handoff task's end
+        await nc.close()
+        return events
+
+    with caplog.at_level("DEBUG", logger="llmbus.prefill"):
+        events = asyncio.run(asyncio.wait_for(body(), 60))
+    assert [e.finish_reason for e in events] == [None], events  # the first token only: no failure
+    assert not [r for r in caplog.records if r.name == "llmbus.prefill" and r.levelno >= logging.WARNING], caplog.text
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 

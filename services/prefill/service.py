@@ -222,6 +222,12 @@ class PrefillWorker(EngineWorker):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _aborted(self, job: Job) -> bool:
+        """Whether ``on_abort`` took the job: it stopped the sequence, acked the message and closed
+        the job's stack (a gateway aborts a request as soon as a stop string ends it, often right
+        after its first token, while the handoff is under way)."""
+        return self.jobs.get(job.request.request_id) is not job
+
     async def _finish(self, job: Job, out: StepOutput) -> None:
         req = job.request
         rid = req.request_id
@@ -229,22 +235,34 @@ class PrefillWorker(EngineWorker):
             if out.finish_reason != "handoff":  # finished on its first token (or aborted)
                 if out.finish_reason != "abort":
                     await self.publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
-                await job.msg.ack()
+                if not self._aborted(job):
+                    await job.msg.ack()
                 if out.finish_reason != "abort":
                     await self._store_from_tier0(req)
                 return
             await self.publish(req, token_event(out, 0, self.ctx.instance_id, None))
+            if self._aborted(job):
+                return
             state, kv = await self.loop.call(lambda e: e.export_sequence(rid))
+            if self._aborted(job):
+                return
+            # NOTE: an abort from here on finds the handoff published or about to be: the decode
+            # worker drops it (its recent aborts) and releases its lease
             await self._hand_off(req, out, state, kv)
-            await job.msg.ack()
+            if not self._aborted(job):
+                await job.msg.ack()
         except Exception as exc:
+            if self._aborted(job):  # e.g. the export found the sequence gone: nothing failed
+                log.debug("prefill of %s ended by its abort: %r", rid, exc)
+                return
             log.exception("prefill of %s failed", rid)
             await self.publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=1, worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             with contextlib.suppress(Exception):
                 await job.msg.term()
         finally:
-            self.jobs.pop(rid, None)
+            if not self._aborted(job):
+                del self.jobs[rid]
             await job.stack.aclose()
             self.report()
 
