@@ -1,5 +1,8 @@
 """Every request error of the gateway: OpenAI-format JSON body, right status, the field named."""
 
+import socket
+import time
+
 import openai
 import pytest
 
@@ -25,6 +28,31 @@ def test_health_and_models(http):
     body = http.get("/v1/models").json()
     assert body["object"] == "list"
     assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [("demo", "model", MAX_MODEL_LEN)]
+
+
+def test_one_model(gateway, http):
+    """GET /v1/models/{model}: the card /v1/models lists, or OpenAI's 404."""
+    assert http.get("/v1/models/demo").json() == http.get("/v1/models").json()["data"][0]
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    assert client.models.retrieve("demo").id == "demo"
+    err = _error(http.get("/v1/models/org/nope"), 404)
+    assert (err["param"], err["code"]) == ("model", "model_not_found") and "org/nope" in err["message"]
+
+
+def test_a_client_gone_mid_body_is_no_server_error(gateway, http, scratch, request):
+    """A client that hangs up while sending its body gets no 500 and logs no error: nothing failed."""
+    log = scratch / f"gateway-{request.module.__name__}.log"
+    seen = log.stat().st_size
+    host, port = gateway.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 500\r\n\r\n{\"model\":")
+    assert http.get("/health").json() == {"status": "ok"}  # still serving, and the disconnect handled by now
+    time.sleep(0.5)
+    with open(log, "rb") as f:
+        f.seek(seen)
+        new = f.read().decode(errors="replace")
+    assert "ERROR" not in new and "Traceback" not in new, new
 
 
 def test_malformed_json(http):

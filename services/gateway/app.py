@@ -8,7 +8,7 @@ import logging
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -28,6 +28,9 @@ def build_app(gw: Gateway) -> Starlette:
     async def models(request: Request) -> Response:
         return _json(gw.models.listing())
 
+    async def model(request: Request) -> Response:
+        return _json(gw.models.get(request.path_params["model"]).card())
+
     async def completions(request: Request):
         body = await read_json(request, gw.config.max_body_bytes)
         return await serve(gw, request, parse_completion(body, gw.config.max_stop_strings))
@@ -39,6 +42,7 @@ def build_app(gw: Gateway) -> Starlette:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),  # names may hold "/" (org/name)
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
@@ -52,10 +56,15 @@ async def read_json(request: Request, limit: int):
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise _too_large(limit)
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise _too_large(limit)
+    except ClientDisconnect:  # gone mid-body: nobody reads the answer, and nothing failed here
+        log.debug("client disconnected while sending %s %s", request.method, request.url.path)
+        raise APIError(400, "The client disconnected before sending the whole request body.",
+                       code="client_disconnected") from None
     if not data:
         raise invalid("The request body is empty; send a JSON object.", None, code="invalid_json")
     try:
