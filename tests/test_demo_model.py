@@ -238,6 +238,25 @@ def test_sentencepiece_vocabulary_and_special_tokens(sp_dir, sp_proc):
     assert load_model(sp_dir).eos_token_ids == (4, 2)  # <|im_end|> ends a chat turn, </s> a document
 
 
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_token_bytes_spell_the_text_exactly(kind, tokenizer, sp_dir):
+    """Tokenizer.token_bytes (logprobs' ``bytes``): each token's own bytes, which decode([id]) loses
+    where a token splits a character; a text's tokens' bytes are its UTF-8, special tokens included."""
+    tok = tokenizer if kind == "byte-level" else Tokenizer.from_dir(sp_dir)
+    split = 0
+    for text in SP_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        raws = [tok.token_bytes(i) for i in ids]
+        assert b"".join(raws).decode() == tok.decode(ids, skip_special_tokens=False), text
+        split += sum(tok.decode([i], skip_special_tokens=False) == "\ufffd" for i in ids)
+        for i, raw in zip(ids, raws):
+            if raw.decode("utf-8", errors="replace") == raw.decode("utf-8", errors="ignore"):  # whole characters
+                assert raw.decode() == tok.decode([i], skip_special_tokens=False) or raw.startswith(b" ")
+    assert split > 0  # the texts' CJK and emoji do split
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.token_bytes(tok.vocab_size + 5)
+
+
 def test_sentencepiece_tokenizer_encodes_as_sentencepiece_does(sp_dir, sp_proc):
     tok = Tokenizer.from_dir(sp_dir)
     rng = random.Random(0)

@@ -113,6 +113,12 @@ def test_chat_specific_rules(http):
     assert err["param"] == "top_logprobs"
     err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "stream_options": {"include_usage": True}}), 400)
     assert err["param"] == "stream_options"
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "stream": True,
+                                       "stream_options": {"include_usage": "yes"}}), 400)
+    assert err["param"] == "stream_options.include_usage" and "include_usage" in err["message"]
+    # both spellings of the completion's limit are checked, whichever wins
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "max_completion_tokens": 4, "max_tokens": -3}), 400)
+    assert err["param"] == "max_tokens"
     err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}), 400)
     assert err["param"] == "messages[0].role"
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
@@ -143,6 +149,9 @@ def test_prompt_too_long(http):
     assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
     err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "user", "content": "word " * 300}]}), 400)
     assert (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+    for name in ("max_tokens", "max_completion_tokens"):  # the error names the field the client sent
+        err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, name: MAX_MODEL_LEN}), 400)
+        assert (err["param"], err["code"]) == (name, "context_length_exceeded") and f"'{name}'" in err["message"]
 
 
 def test_body_too_large_is_json_413(http):

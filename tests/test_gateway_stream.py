@@ -216,6 +216,81 @@ def test_completion_logprobs_and_token_prompt(http, worker, tokenizer):
     assert lp["top_logprobs"][0] == {tokens[0]: -0.25, tokenizer.decode([7], skip_special_tokens=False): -3.0}
 
 
+def _streamed_logprobs(http, path, body):
+    """(text, logprob entries) of a streamed response, the entries of every chunk in order."""
+    with http.stream("POST", path, json=body | {"stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    text = "".join(c["delta"].get("content") or "" if "delta" in c else c["text"] for c in choices)
+    entries = [x for c in choices if c["logprobs"] for x in (c["logprobs"]["content"] if "delta" in c else
+                                                           zip(c["logprobs"]["tokens"], c["logprobs"]["text_offset"]))]
+    return text, entries
+
+
+def test_logprobs_name_split_characters_by_their_bytes(http, worker, tokenizer):
+    """A token that splits a character is named by its bytes (OpenAI's "bytes:\\x.." spelling), its
+    ``bytes`` are its own, not U+FFFD's, and two such alternatives stay two in completions'
+    top_logprobs; the bytes of the entries make the content."""
+    text = "héllo 😊 wörld"
+    ids = _ids(tokenizer, text)
+    raws = [tokenizer.token_bytes(t) for t in ids]
+    split = [i for i, b in enumerate(raws) if b.decode("utf-8", errors="replace") != b.decode("utf-8", errors="ignore")]
+    assert len(split) >= 3  # the demo tokenizer splits these characters
+    other = ids[split[1]]  # another split token, as each position's second alternative
+
+    def entries(chunk):
+        return [LogprobEntry(t, -0.5, [(t, -0.5), (other, -2.0)]) for t in chunk]
+
+    worker.script = reply_script(ids, per_event=3, logprobs=entries)
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "logprobs": True, "top_logprobs": 2}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert r["choices"][0]["message"]["content"] == text
+    assert b"".join(bytes(c["bytes"]) for c in content) == text.encode()
+    assert [bytes(c["bytes"]) for c in content] == raws
+    for c, raw in zip(content, raws):
+        assert c["token"] == (raw.decode() if raw in (raw.decode("utf-8", "ignore").encode(),) else
+                              "bytes:" + "".join(f"\\x{b:02x}" for b in raw))
+        assert "\ufffd" not in c["token"] and bytes(c["top_logprobs"][1]["bytes"]) == raws[split[1]]
+    r = http.post(COMP, json={"model": "demo", "prompt": "x", "logprobs": 2, "max_tokens": 20}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert r["choices"][0]["text"] == text and [len(t) for t in lp["top_logprobs"]] == [
+        1 if t == other else 2 for t in ids]
+    assert lp["tokens"][split[0]].startswith("bytes:\\x")
+    # offsets: the text made before each token, exact after whole characters; after a split one,
+    # where the text held back with it starts (never past the token's own text)
+    chars = [len(b"".join(raws[:i]).decode("utf-8", errors="ignore")) for i in range(len(ids))]
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and all(o <= c for o, c in zip(offsets, chars))
+    assert [o for i, o in enumerate(offsets) if i - 1 not in split] == [c for i, c in enumerate(chars) if i - 1 not in split]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMP])
+def test_logprobs_stop_where_the_text_does(http, worker, tokenizer, path):
+    """A stop string's tokens get no logprob entries (the token that completed it, and those whose
+    text was held back with it), streamed or not; a token whose text straddles it keeps its own."""
+    ids = _ids(tokenizer, "Hello world 3 5 and more")
+    names = [tokenizer.token_bytes(t).decode() for t in ids]
+    assert names[:5] == ["Hello", " world", " 3", " 5", " and"]
+    worker.script = reply_script(ids, per_event=1, logprobs=_logprob_entries)
+    for stop, want_text, kept in ((" 3 5", "Hello world", 2), ("3 5", "Hello world ", 3)):
+        body = {"model": "demo", "max_tokens": 20, "stop": [stop]} | (
+            {"messages": MSGS, "logprobs": True} if path == CHAT else {"prompt": "x", "logprobs": 1})
+        r = http.post(path, json=body).json()
+        choice = r["choices"][0]
+        text = choice["message"]["content"] if path == CHAT else choice["text"]
+        assert (text, choice["finish_reason"]) == (want_text, "stop")
+        if path == CHAT:
+            got = [c["token"] for c in choice["logprobs"]["content"]]
+        else:
+            got = choice["logprobs"]["tokens"]
+            assert choice["logprobs"]["text_offset"] == [0, 5, 11][:kept]
+        assert got == names[:kept]  # " 3" straddles "3 5" (its space is text): kept; within " 3 5": not
+        assert r["usage"]["completion_tokens"] == 4  # the stop string's tokens were generated
+        streamed_text, streamed = _streamed_logprobs(http, path, body)
+        assert streamed_text == text
+        assert [e["token"] if path == CHAT else e[0] for e in streamed] == got
+
+
 def test_client_disconnect_mid_stream_publishes_abort(http, worker, tokenizer):
     worker.script = reply_script(_ids(tokenizer, "word " * 60), delay=0.05)
     with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "stream": True}) as r:

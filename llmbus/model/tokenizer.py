@@ -7,7 +7,9 @@ special tokens, ``add_bos_token``/``add_eos_token`` and the chat template, which
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,34 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters -> the bytes they stand for (GPT-2's table: printable Latin-1
+    bytes are themselves, the other 68 take the characters from U+0100 on, in order)."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    table, spare = {}, 0x100
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(spare)] = b
+            spare += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+def _decoder_kinds(decoder: dict | None) -> set[str]:
+    """The decoder types of a tokenizer.json ``decoder`` (a Sequence's members included)."""
+    if not decoder:
+        return set()
+    kinds = {decoder.get("type")}
+    for member in decoder.get("decoders") or ():
+        kinds |= _decoder_kinds(member)
+    return kinds
 
 
 def _read_template(model_dir: Path, config: dict[str, Any]) -> str | None:
@@ -85,6 +115,35 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    @functools.cached_property
+    def _decoders(self) -> set[str]:
+        decoder = self.backend.decoder
+        return _decoder_kinds(json.loads(decoder.__getstate__())) if decoder is not None else set()
+
+    @functools.cached_property
+    def _added(self) -> set[int]:
+        return set(self.backend.get_added_tokens_decoder())
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, exactly: where a token splits a multi-byte character,
+        ``decode([token_id])`` gives U+FFFD. A byte-level BPE token's characters map back to bytes, a
+        byte-fallback token (``<0xE4>``) is its byte, a SentencePiece piece is its text with ``▁`` as
+        a space, an added token is its text; any other tokenizer, what ``decode`` makes of it."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary")
+        kinds = self._decoders
+        if token_id not in self._added:
+            if "ByteLevel" in kinds and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            if "ByteFallback" in kinds and (m := _BYTE_TOKEN.fullmatch(piece)):
+                return bytes([int(m.group(1), 16)])
+            if kinds & {"Metaspace", "Replace"}:
+                return piece.replace("\u2581", " ").encode("utf-8")
+        elif kinds & {"ByteLevel", "ByteFallback", "Metaspace", "Replace"}:
+            return piece.encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from llmbus.protocol import LogprobEntry, TokenEvent
 from services.gateway.errors import APIError, server_error
-from services.gateway.shapes import TokenLogprob, Usage
+from services.gateway.shapes import TokenLogprob, Usage, token_text
 from services.gateway.stop import StopStringMatcher
 from services.gateway.token_stream import StreamFailure, TokenStream
 
@@ -33,16 +33,23 @@ class Piece:
 
 class Generation:
     """Turns a request's token stream into pieces. ``detok.add(ids) -> str`` yields whole characters
-    only and ``detok.finish()`` the rest (llmbus.model's IncrementalDetokenizer); ``token_text(id)``
-    names one token for logprobs."""
+    only and ``detok.finish()`` the rest (llmbus.model's IncrementalDetokenizer); ``token_bytes(id)``
+    gives one token's bytes for logprobs (Tokenizer.token_bytes).
 
-    def __init__(self, stream: TokenStream, detok, token_text: Callable[[int], str], *,
+    A token's logprob entry goes out with its text: held while its text is (a split character, the
+    start of what may be a stop string), and never sent for a token whose text lies wholly in a
+    matched stop string."""
+
+    def __init__(self, stream: TokenStream, detok, token_bytes: Callable[[int], bytes], *,
                  stops: tuple[str, ...], logprobs: bool, prompt_tokens: int) -> None:
         self._stream = stream
         self._detok = detok
-        self._token_text = token_text
+        self._token_bytes = token_bytes
         self._matcher = StopStringMatcher(stops)
         self._logprobs = logprobs
+        self._chars = 0  # characters the detokenizer has made
+        self._sent = 0  # characters released to the client
+        self._held: list[TokenLogprob] = []
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -67,17 +74,33 @@ class Generation:
             if piece.last:
                 return
 
+    def _feed(self, text: str) -> str:
+        """Detokenized text through the stop matcher; what may go out now."""
+        self._chars += len(text)
+        out = self._matcher.feed(text)
+        self._sent += len(out)
+        return out
+
+    def _release(self, everything: bool = False) -> list[TokenLogprob]:
+        """The held entries whose text has started to go out (``everything``: all of them)."""
+        n = len(self._held)
+        if not everything:
+            n = next((i for i, e in enumerate(self._held) if e.offset >= self._sent), n)
+        out, self._held = self._held[:n], self._held[n:]
+        return out
+
     def _consume(self, event: TokenEvent) -> Piece:
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
-        text, entries = [], []
+        text = []
         for i, tid in enumerate(event.token_ids):
             self.completion_tokens += 1
-            text.append(self._matcher.feed(self._detok.add([tid])))
+            offset = self._chars
+            text.append(self._feed(self._detok.add([tid])))
             if self._logprobs and event.logprobs is not None:
-                entries.append(self._entry(event.logprobs[i]))
+                self._held.append(self._entry(event.logprobs[i], offset))
             if self._matcher.stopped:
                 self.stopped_by_string = True
-                return self._finish("".join(text), entries, "stop", event, exact=False)
+                return self._finish("".join(text), self._release(), "stop", event, exact=False)
         if event.finish_reason == "error":
             self.finished = True
             message = event.error or "the worker failed without a message"
@@ -89,11 +112,14 @@ class Generation:
                 "the request was aborted by the workers (deadline or shutdown)", 503, code="aborted"))
         if event.finish_reason is not None:
             self.finished = True
-            text.append(self._matcher.feed(self._detok.finish()))
-            text.append(self._matcher.flush())
+            text.append(self._feed(self._detok.finish()))
+            tail = self._matcher.flush()
+            self._sent += len(tail)
+            text.append(tail)
             reason = "stop" if self._matcher.stopped else event.finish_reason
+            entries = self._release(everything=not self._matcher.stopped)
             return self._finish("".join(text), entries, reason, event, exact=True)
-        return Piece("".join(text), entries if self._logprobs else None)
+        return Piece("".join(text), self._release() if self._logprobs else None)
 
     def _finish(self, text: str, entries: list, reason: str, event: TokenEvent, exact: bool) -> Piece:
         if exact:  # the worker's counts are authoritative when it ended the request
@@ -102,6 +128,10 @@ class Generation:
         usage = Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
         return Piece(text, entries if self._logprobs else None, reason, usage)
 
-    def _entry(self, e: LogprobEntry) -> TokenLogprob:
-        return TokenLogprob(self._token_text(e.token_id), e.logprob,
-                            tuple((self._token_text(t), lp) for t, lp in e.top))
+    def _named(self, token_id: int) -> tuple[str, bytes]:
+        raw = self._token_bytes(token_id)
+        return token_text(raw), raw
+
+    def _entry(self, e: LogprobEntry, offset: int) -> TokenLogprob:
+        token, raw = self._named(e.token_id)
+        return TokenLogprob(token, raw, e.logprob, offset, tuple((*self._named(t), lp) for t, lp in e.top))

@@ -45,7 +45,7 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
     stream = TokenStream(rid, gw.config.token_timeout_s)
     tok = model.tokenizer
     gen = Generation(stream, IncrementalDetokenizer(tok, prepared.request.prompt_token_ids),
-                     lambda t: tok.decode([t], skip_special_tokens=False),
+                     tok.token_bytes,
                      stops=req.stop, logprobs=req.logprobs is not None,
                      prompt_tokens=len(prepared.request.prompt_token_ids))
     shapes = Shapes(req.kind, rid, model.name, prepared.created)

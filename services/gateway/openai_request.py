@@ -24,6 +24,7 @@ class OpenAIRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None  # None: the remaining context
+    max_tokens_param: str = "max_tokens"  # the field that set it (chat: or max_completion_tokens)
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; n: the sampled token's logprob plus the top n
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
@@ -55,11 +56,11 @@ def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     want = f.get_bool(body, "logprobs")
     if top is not None and not want:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    max_tokens = f.get_int(body, "max_completion_tokens", lo=1)
-    if max_tokens is None:
-        max_tokens = f.get_int(body, "max_tokens", lo=1)
+    # NOTE: both checked; max_completion_tokens (max_tokens' successor) wins where both are given
+    newer, older = f.get_int(body, "max_completion_tokens", lo=1), f.get_int(body, "max_tokens", lo=1)
+    max_tokens, param = (older, "max_tokens") if newer is None else (newer, "max_completion_tokens")
     return OpenAIRequest(kind="chat", model=f.get_str(body, "model", required=True),
-                         messages=_messages(body), max_tokens=max_tokens,
+                         messages=_messages(body), max_tokens=max_tokens, max_tokens_param=param,
                          logprobs=(top or 0) if want else None, **_shared(body, max_stop))
 
 
@@ -78,8 +79,9 @@ def _shared(body: dict, max_stop: int) -> dict:
     if options is not None and not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     include_usage = False
-    if options is not None:
-        include_usage = f.get_bool(options, "include_usage")
+    if options is not None:  # the field named as its path in the body
+        name = "stream_options.include_usage"
+        include_usage = f.get_bool({name: options.get("include_usage")}, name)
     sampling = {
         "temperature": f.get_float(body, "temperature", lo=0.0, hi=2.0, default=1.0),
         "top_p": f.get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),

@@ -30,7 +30,7 @@ def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) ->
                        param=param, code="context_length_exceeded")
     max_tokens = req.max_tokens if req.max_tokens is not None else limit - n
     if n + max_tokens > limit:
-        name = "max_completion_tokens" if req.kind == "chat" else "max_tokens"
+        name = req.max_tokens_param
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                        f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
                        f"Reduce the prompt or '{name}'.", param=name, code="context_length_exceeded")

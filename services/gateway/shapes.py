@@ -5,13 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def token_text(raw: bytes) -> str:
+    """A token's name in logprobs: its bytes as text, or where they split a character (a byte-level
+    token, a byte-fallback one), OpenAI's spelling of them, ``bytes:\\xf0\\x9f``. The entry's
+    ``bytes`` carries them exactly either way."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's logprob entry, already turned into text."""
+    """One generated token's logprob entry, already turned into text: ``raw`` its bytes, ``offset``
+    the characters of the completion's text before it."""
 
     token: str
+    raw: bytes
     logprob: float
-    top: tuple[tuple[str, float], ...]  # most likely first
+    offset: int
+    top: tuple[tuple[str, bytes, float], ...]  # most likely first
 
 
 @dataclass(frozen=True)
@@ -33,7 +46,6 @@ class Shapes:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
         self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
-        self._text_offset = 0  # completions logprobs: offset of the next token's text
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -84,14 +96,19 @@ class Shapes:
             return None
         if self.kind == "chat":
             return {"content": [_chat_entry(e) for e in entries], "refusal": None}
-        offsets = []
-        for e in entries:
-            offsets.append(self._text_offset)
-            self._text_offset += len(e.token)
         return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+                "top_logprobs": [_top_dict(e) for e in entries], "text_offset": [e.offset for e in entries]}
 
 
 def _chat_entry(e: TokenLogprob) -> dict:
-    return {"token": e.token, "logprob": e.logprob, "bytes": list(e.token.encode("utf-8")),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in e.top]}
+    return {"token": e.token, "logprob": e.logprob, "bytes": list(e.raw),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(raw)} for t, raw, lp in e.top]}
+
+
+def _top_dict(e: TokenLogprob) -> dict[str, float]:
+    """Completions' ``{token: logprob}``. NOTE: two tokens can share a name (an added token and the
+    text it spells): the likelier keeps it."""
+    top: dict[str, float] = {}
+    for t, _, lp in e.top:
+        top.setdefault(t, lp)
+    return top
