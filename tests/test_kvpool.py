@@ -16,6 +16,7 @@ from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.kvclient import KVPoolClient, KVPoolError
 from llmbus.bus.service import READY_PREFIX
+from llmbus.bus.streams import ensure_registry, read_registry
 from llmbus.kv.layout import KVLayout
 from llmbus.protocol import ErrorReply, decode
 from llmbus.worker.base import EngineWorker
@@ -87,6 +88,24 @@ def test_shm_write_is_read_back_over_the_bus_from_the_kvpool_process(nats_server
         await nc.close()
 
     run(body())
+
+
+def test_kvpool_reports_its_pool_in_the_registry(nats_server, kvpool):
+    """Its registry entry counts the pool as a worker's does: free == total (its capacity) when idle."""
+
+    async def body():
+        nc = await connect(nats_server)
+        kv = await ensure_registry(nc.jetstream())
+        for _ in range(100):  # NOTE: an entry is re-put every 2 s: one from an earlier test may hold a lease
+            mine = [(i.free_blocks, i.total_blocks, i.queue_depth) for i in await read_registry(kv)
+                    if i.role == "kvpool" and i.pid == kvpool.pid]
+            if mine == [(8, 8, 0)]:
+                break
+            await asyncio.sleep(0.1)
+        await nc.close()
+        return mine
+
+    assert run(body()) == [(8, 8, 0)]
 
 
 def test_segment_survives_a_second_process_attaching_and_exiting(nats_server, kvpool):

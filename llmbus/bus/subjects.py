@@ -9,10 +9,11 @@
 | token batches (worker -> one gateway) | core NATS | `llmbus.toks.<instance_id>` |
 | aborts (anyone -> workers) | core NATS | `llmbus.abort.<request_id>` |
 | kvpool ops | core request/reply, queue group `kvpool` | `llmbus.kvpool.<op>` |
+| KV events (workers -> kvpool's index) | core NATS | `llmbus.kvevents` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
 
-Model names become one subject token through :func:`model_token` (``.``, ``*``, ``>``, ``/`` and
-whitespace map to ``_``); the real name always travels in the message body.
+Model names become one subject token through :func:`model_token` (``.``, ``*``, ``>``, ``/``, ``\\``
+and whitespace map to ``_``); the real name always travels in the message body.
 """
 
 from __future__ import annotations

@@ -73,10 +73,12 @@ class GenerateRequest:
     model: str  # model name as served (GET /v1/models)
     prompt_token_ids: list[int]  # the rendered, tokenized prompt
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    tenant: str = ""  # tenant name (after API-key lookup); "" = anonymous
-    cache_salt: str = ""  # prefix-hash salt derived BY THE GATEWAY from the tenant, never from a client
-    priority: int = 0  # larger runs first within a lane
-    deadline: float | None = None  # unix seconds; workers abort the request after it
+    tenant: str = ""  # tenant name; "" = anonymous (the gateway, which has no API keys, sends "")
+    # prefix-hash salt: requests with different salts never share a cached block. Set by whatever
+    # authenticates tenants, never taken from a client's request (the gateway sends "")
+    cache_salt: str = ""
+    priority: int = 0  # reserved: larger to run first within a lane (not read yet)
+    deadline: float | None = None  # unix seconds; the router fails a request that reaches it later
     created: float = 0.0  # unix seconds when the gateway accepted it
     token_subject: str = ""  # where its events go: "" = subjects.tokens(request_id); a gateway's subjects.token_batches(...)
     kv_format: str = "model"  # KV cache format (part of the prefix hash root)
@@ -152,7 +154,7 @@ class Abort:
     """Anyone -> workers on core subject ``llmbus.abort.<request_id>``: stop and free the request."""
 
     request_id: str
-    reason: str = ""  # "client_disconnected" | "stop_string" | "deadline" | free text
+    reason: str = ""  # "client_disconnected" | "stop_string" | "token_stream_failed" | "gateway_error" | free text
 
     def __post_init__(self) -> None:
         check_id("request_id", self.request_id)
@@ -369,7 +371,7 @@ class TierStats:
 
 @dataclass(frozen=True)
 class BlockStoredEvent:
-    """Worker -> ``llmbus.kvpool.events`` (core, no reply): blocks now in ``worker``'s tier 0.
+    """Worker -> ``llmbus.kvevents`` (core, no reply): blocks now in ``worker``'s tier 0.
     The shape vLLM and SGLang use: hashes chain on from ``parent_hash``."""
 
     block_hashes: list[bytes]

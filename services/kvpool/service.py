@@ -101,7 +101,8 @@ class KVPool:
             self._report()
 
     def _report(self) -> None:
-        self.ctx.report(free_blocks=self.allocator.free_blocks, queue_depth=self.allocator.active_leases)
+        self.ctx.report(free_blocks=self.allocator.free_blocks, total_blocks=self.allocator.capacity,
+                        queue_depth=self.allocator.active_leases)
 
     def _callback(self, op: str):
         cls, handler = self._ops[op]

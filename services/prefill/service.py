@@ -287,8 +287,8 @@ class PrefillWorker(EngineWorker):
         """Colocated mode: prompt blocks reach kvpool when this worker's cache evicts them, not when
         each request ends. Storing every finished prompt (export, lease, copy, store: four copies
         and four bus round trips) cost ~6% of large-model c32 throughput on 2 cores for prefixes
-        that never left tier 0; a worker that keeps a prefix serves it itself, and the router sends
-        its repeats here by the tier-0 events. Best effort, like every kvpool store."""
+        that never left tier 0; a worker that keeps a prefix serves it itself when a repeat comes
+        its way (the router does not steer repeats yet). Best effort, like every kvpool store."""
         while True:
             await asyncio.sleep(period_s)
             if self.engine.num_evicted:
