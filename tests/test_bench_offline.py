@@ -1,6 +1,7 @@
 """`bench offline`: HF static batches (and the engine, once it exists) write the serve report shape."""
 
 import json
+import os
 
 import pytest
 
@@ -54,3 +55,26 @@ def test_engine_backend(model_dir, tmp_path):
     assert rc == 0
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 4 and s["total_output_tokens"] == 16
+
+
+@pytest.mark.parametrize("value", ["4", "0"])
+def test_max_concurrency_is_for_serve_only(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "offline", "--model", "m", "--max-concurrency", value])
+    assert exc.value.code == 2
+    assert "--max-concurrency applies to `bench serve` only" in capsys.readouterr().err
+
+
+def test_backend_help_names_only_real_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "offline", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    backend = text.split("--backend {llmbus,hf} ", 1)[1].split(" --batch-size", 1)[0]
+    assert "llmbus:" in backend and "hf:" in backend and "vllm:" not in backend
+    script = backend.split("run ", 1)[1].split()[0]
+    assert os.path.isfile(os.path.join(os.path.dirname(__file__), "..", script))
+
+
+def test_threads_below_one_is_a_clear_error(capsys, model_dir):
+    assert main(["bench", "offline", "--model", str(model_dir), "--threads", "-1"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err

@@ -107,6 +107,7 @@ def test_chart_is_optional(tmp_path):
 @pytest.mark.parametrize("argv,needle", [
     (["--slo", "ttft=5"], "--slo"), (["--slo", "itl:5"], "METRIC"), (["--max-concurrency", "0"], "concurrency"),
     (["--burstiness", "-1"], "burstiness"), (["--base-url", "ftp://x"], "http://"),
+    (["--max-concurrency", "-1"], "concurrency"),
 ])
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, needle):
     from llmbus.bench.tinymodel import write_tokenizer
@@ -125,3 +126,24 @@ def test_cli_compare(tmp_path, capsys):
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert "output tok/s" in out and "(0.50x)" in out
+
+
+def test_cli_compare_unusable_report_is_a_one_line_error(tmp_path, capsys):
+    recs = _records()
+    good = tmp_path / "a.json"
+    write_report(make_report("serve", "a", {}, recs, summarize(recs, 1.0)), str(good))
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"schema": "llmbus-bench/1", "kind": "serve", "label": "x", "requests": []}))
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    for path, needle in ((folder, "Is a directory"), (bare, "no summary"), (tmp_path / "gone.json", "No such file")):
+        assert main(["bench", "compare", str(good), str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(path) in err and needle in err, err
+
+
+def test_cli_compare_usage_asks_for_two_reports(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "compare", str(tmp_path / "a.json")])
+    assert exc.value.code == 2
+    assert "REPORT REPORT [REPORT ...]" in capsys.readouterr().err

@@ -188,6 +188,19 @@ def test_refused_connection_is_an_error():
     assert all("Connect" in r.error for r in records)
 
 
+def test_cli_exits_1_when_no_request_succeeds(tmp_path, capsys):
+    from llmbus.bench.tinymodel import write_tokenizer
+    from llmbus.cli import main
+
+    write_tokenizer(str(tmp_path), vocab_size=300)
+    out = tmp_path / "r.json"
+    rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(tmp_path),
+               "--num-prompts", "2", "--no-progress", "--out", str(out)])
+    assert rc == 1
+    assert "0 ok / 2 failed" in capsys.readouterr().out
+    assert json.loads(out.read_text())["summary"]["failed"] == 2
+
+
 def test_max_concurrency_caps_in_flight_requests(server_url):
     _state["max_in_flight"] = 0
     _run(server_url, "cadence", _items(8, out_len=4), load=LoadConfig(max_concurrency=3, progress=False))

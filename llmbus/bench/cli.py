@@ -25,6 +25,7 @@ def register(subparsers) -> None:
     s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     s.add_argument("--extra-body", type=_json_object, default={}, help='JSON merged into each request, e.g. \'{"min_tokens": 8}\'')
     s.add_argument("--server-pid", type=int, action="append", help="count this process tree's CPU time (repeatable)")
+    s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
     _common(s)
     add_dataset_args(s)
     s.set_defaults(func=_serve)
@@ -32,7 +33,8 @@ def register(subparsers) -> None:
     o = sub.add_parser("offline", help="run the in-process engine (or HF static batches) on a dataset")
     o.add_argument("--model", required=True, help="model directory")
     o.add_argument("--backend", choices=("llmbus", "hf"), default="llmbus",
-                   help="vllm: run scripts/peers/vllm_offline.py with the vllm venv's python")
+                   help="llmbus: the in-process engine; hf: transformers static batches. For vllm run "
+                        "scripts/peers/vllm_offline.py with the vllm venv's python (docs/benchmarks.md)")
     o.add_argument("--batch-size", type=int, default=8, help="hf: static batch size")
     o.add_argument("--dtype", default=None)
     o.add_argument("--max-num-seqs", type=int, default=64)
@@ -40,12 +42,14 @@ def register(subparsers) -> None:
     o.add_argument("--no-chunked-prefill", action="store_true")
     o.add_argument("--no-prefix-caching", action="store_true")
     o.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    o.add_argument("--max-concurrency", action=_ServeOnly, default=None, help=argparse.SUPPRESS)
     _common(o)
     add_dataset_args(o)
     o.set_defaults(func=_offline)
 
     c = sub.add_parser("compare", help="compare reports side by side (ratios to the first)")
-    c.add_argument("reports", nargs="+")
+    c.add_argument("baseline", metavar="REPORT", help="the report the others are compared to")
+    c.add_argument("reports", nargs="+", metavar="REPORT")
     c.add_argument("--chart", help="PNG path (needs matplotlib)")
     c.add_argument("--markdown", action="store_true", help="print a markdown table")
     c.add_argument("--update-doc", help="markdown file whose <!-- bench:SECTION --> block to refresh")
@@ -58,7 +62,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrival", choices=("poisson", "gamma", "constant"), default=None,
                    help="default: poisson, or gamma when --burstiness is given")
     p.add_argument("--burstiness", type=float, default=None, help="gamma shape: 1 Poisson, <1 burstier")
-    p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--slo", nargs="+", metavar="METRIC:MS", help="goodput objectives, e.g. ttft:500 tpot:50")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly the requested output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -68,6 +71,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="JSON report path")
     p.add_argument("--chart", help="PNG chart path (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true")
+
+
+class _ServeOnly(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} applies to `bench serve` only "
+                     "(offline: --max-num-seqs for llmbus, --batch-size for hf)")
 
 
 def _json_object(text: str) -> dict:
@@ -115,6 +124,9 @@ def _finish(args, kind: str, label: str, config: dict, records, summary) -> int:
     if args.chart:
         msg = draw([report], args.chart)
         print(msg or f"chart: {args.chart}", file=sys.stderr if msg else sys.stdout)
+    if not summary["completed"]:
+        print(f"llmbus bench {kind}: no request succeeded", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -153,6 +165,8 @@ def _offline(args) -> int:
     _pin(args.cpus)
     slo = SLO.parse(args.slo)
     arrivals = _arrivals(args)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     items, warmup, _ = load_items(args, args.model)
     if args.threads:
         import torch
@@ -175,10 +189,9 @@ def _offline(args) -> int:
 
 def _compare(args) -> int:
     from llmbus.bench.chart import draw
-    from llmbus.bench.compare import format_comparison, update_doc
-    from llmbus.bench.report import load_report
+    from llmbus.bench.compare import format_comparison, load_reports, update_doc
 
-    reports = [load_report(p) for p in args.reports]
+    reports = load_reports([args.baseline, *args.reports])
     print(format_comparison(reports, markdown=args.markdown))
     if args.update_doc:
         if not args.section:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from llmbus.bench.report import load_report
+
 # (label, path into the summary, higher is better; None: shown without a ratio)
 ROWS = (
     ("output tok/s", ("output_throughput",), True),
@@ -18,6 +20,24 @@ ROWS = (
     ("cached prompt %", ("cached_prompt_share",), None),
     ("failed", ("failed",), None),
 )
+
+
+def load_reports(paths: list[str]) -> list[dict]:
+    """The reports to compare; anything unusable is a ValueError naming its file."""
+    reports = []
+    for path in paths:
+        try:
+            report = load_report(path)
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a JSON report ({exc})") from None
+        if not isinstance(report.get("summary"), dict):
+            raise ValueError(f"{path}: the report has no summary")
+        if not isinstance(report.get("label"), str):
+            raise ValueError(f"{path}: the report has no label")
+        reports.append(report)
+    return reports
 
 
 def _get(summary: dict, path: tuple[str, ...]):
