@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, or a path that cannot be read or written
         print(f"llmbus {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
     models = _models(args, data_dir)
+    _plan(args, "nats://127.0.0.1:4222", models, data_dir)  # NOTE: a bad config fails here, before NATS starts
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -49,6 +49,12 @@ def test_generate_json_matches_python_api(model_dir):
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", ""], "empty"),
+        (["--prompt-ids", "5,6", "--temperature", "nan"], "temperature must be a finite number"),
+        (["--prompt-ids", "5,6", "--temperature", "inf"], "temperature must be a finite number"),
+        (["--prompt-ids", "5,6", "--threads", "-2"], "threads must be >= 1"),
+        (["--prompt-ids", "5,6", "--threads", "0"], "threads must be >= 1"),
+        (["--prompt-ids", "5,6", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
+        (["--prompt-ids", "5,6", "--device", "cuda:64"], "CUDA device(s)"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(model_dir, args, message):
@@ -58,3 +64,41 @@ def test_generate_bad_input_is_a_clear_error(model_dir, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_without_a_tokenizer_takes_token_ids_and_says_so_for_text(model_dir, tmp_path):
+    """A model directory without tokenizer.json (or with a directory of that name): token ids work,
+    text prompts are a clear error, not a traceback."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (bare / f.name).symlink_to(f)
+    (bare / "tokenizer.json").mkdir()
+    proc = run_cli("generate", "--model", str(bare), "--prompt", "hi")
+    assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_cli("generate", "--model", str(bare), "--prompt-ids", "5,6", "--max-tokens", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["token_ids"]) == 2
+
+
+def test_up_and_demo_model_bad_paths_are_clear_errors(model_dir, tmp_path):
+    """`llmbus up` checks its models' configs before it starts NATS (a bad one left the server
+    running); paths that cannot be used are one-line errors, not tracebacks."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (broken / f.name).symlink_to(f)
+    config = json.loads((model_dir / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(config | {"hidden_size": "wide"}))
+    data = tmp_path / "data"
+    proc = run_cli("up", "--model", f"m={broken}", "--data-dir", str(data))
+    assert proc.returncode == 2 and "hidden_size" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (data / "nats").exists()  # the server never started
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = run_cli("up", "--data-dir", str(a_file / "sub"))
+    assert proc.returncode == 2 and str(a_file) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_cli("demo-model", "--out", str(a_file))
+    assert proc.returncode == 2 and str(a_file) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

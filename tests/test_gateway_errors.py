@@ -1,13 +1,17 @@
 """Every request error of the gateway: OpenAI-format JSON body, right status, the field named."""
 
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
 
 from tests.test_gateway_harness import MAX_BODY_BYTES, MAX_MODEL_LEN, gateway, gw_nats, http, model_dir, scratch, worker  # noqa: F401
 
+ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -176,3 +180,18 @@ def test_openai_client_maps_errors(gateway):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="demo", messages=MSGS, n=3)
     assert exc.value.param == "n"
+
+
+def test_a_port_in_use_is_a_one_line_error(model_dir):
+    """The gateway binds its port before it touches the bus: a port in use, or a host that is not
+    this machine's, is a one-line error and exit 2 (uvicorn's own failure came as tracebacks)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for host in ("127.0.0.1", "203.0.113.7"):  # the second: TEST-NET-3, never this machine's
+            proc = subprocess.run([sys.executable, "-m", "services.gateway", "--nats-url", "nats://127.0.0.1:1",
+                                   "--model", f"demo={model_dir}", "--host", host, "--port", str(port)],
+                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 2 and f"cannot listen on {host}:{port}" in proc.stderr, proc.stderr
+            assert "Traceback" not in proc.stderr

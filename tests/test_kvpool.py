@@ -194,3 +194,20 @@ def test_a_new_segment_is_reserved_up_front_and_a_full_dev_shm_is_a_clear_error(
         shm.create(name, size)
     with pytest.raises(FileNotFoundError):  # nothing left behind
         shm.attach(name)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--block-bytes", "100", "--kv-layout", "2,2,8,4,float16"], "less than one model block of the KV layout (512 bytes)"),
+    (["--block-bytes", "512", "--ssd-bytes", "4096"], "--ssd-bytes needs --kv-layout"),
+    (["--block-bytes", "512", "--kv-layout", "2,2,8,4,float16", "--ssd-bytes", "4096", "--data-dir", "{file}"],
+     "cannot hold the SSD tier"),
+])
+def test_kvpool_bad_options_fail_before_connecting(tmp_path, extra, message):
+    """Options that cannot work are a one-line error and exit 2 at start (no NATS is needed to
+    find out), not a ready kvpool whose first handoff or store fails."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    extra = [e.replace("{file}", str(a_file)) for e in extra]
+    proc = subprocess.run([sys.executable, "-m", "services.kvpool", "--nats-url", "nats://127.0.0.1:1",
+                           "--capacity-blocks", "4", *extra], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

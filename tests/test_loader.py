@@ -120,6 +120,8 @@ BAD_CONFIGS = [
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}}, "high_freq_factor"),
     ({"hidden_act": "gelu"}, "hidden_act must be 'silu'"),
     ({"dtype": "int8"}, "dtype must be one of"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),
+    ({"num_attention_heads": 0, "head_dim": 8}, "num_attention_heads must be a positive integer"),
 ]
 
 

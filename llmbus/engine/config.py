@@ -51,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.num_threads}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,8 @@ class LLM:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: give prompts as token ids")
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("a prompt must be a string or a list of token ids")
@@ -81,7 +83,7 @@ class LLM:
                     request_id=rid,
                     prompt_token_ids=ids,
                     token_ids=tokens[rid],
-                    text=self.tokenizer.decode(tokens[rid]),
+                    text=self.tokenizer.decode(tokens[rid]) if self.tokenizer is not None else "",
                     finish_reason=reason,
                     logprobs=logprobs[rid] if p.logprobs is not None else None,
                     num_cached_tokens=cached,

@@ -120,6 +120,8 @@ class ModelConfig:
         hidden = get.int("hidden_size")
         heads = get.int("num_attention_heads")
         head_dim = raw.get("head_dim")
+        if heads < 1:  # NOTE: checked here too: head_dim below divides by it before __post_init__ runs
+            raise ValueError(f"config.json: num_attention_heads must be a positive integer, got {heads}")
         if head_dim is None:
             if hidden % heads:
                 raise ValueError(f"config.json: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) and no head_dim is given")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import socket
 import sys
 
 import uvicorn
@@ -50,14 +51,31 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def serve_http(gw: Gateway, ctx: ServiceContext) -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the bus is touched: a port in use or a host that is not this
+    machine's is a one-line error (uvicorn's own bind failure exits from inside its task, in tracebacks)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve_http(gw: Gateway, ctx: ServiceContext, sock: socket.socket) -> None:
     """The service body: serve until ``ctx.stop``; then stop accepting, let streams in flight end."""
     config = gw.config
     gw.bus = GatewayBus(ctx.nc, ctx.instance_id)
     await gw.bus.start()
     server = _Server(uvicorn.Config(build_app(gw), host=config.host, port=config.port, log_level="warning",
                                     lifespan="off", timeout_graceful_shutdown=30))
-    serving = asyncio.ensure_future(server.serve())
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if not server.started:
@@ -78,9 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         config, instance_id, log_level = parse_args(argv)
         setup_logging(log_level)
         gw = Gateway(config, ModelRegistry.load(config.models))  # before connecting: bad dirs fail fast
+        sock = bind(config.host, config.port)  # and a port that cannot be had
         options = ServiceOptions(role="gateway", nats_url=config.nats_url, instance_id=instance_id,
                                  models=tuple(m.name for m in config.models))
-        return aio.run(run_service(options, lambda ctx: serve_http(gw, ctx)))
+        with sock:
+            return aio.run(run_service(options, lambda ctx: serve_http(gw, ctx, sock)))
     except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ With ``--kv-layout`` kvpool also runs the prefix cache (index, CPU tier, SSD tie
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -37,9 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup_logging(args.log_level)
         prefix = None
+        if args.ssd_bytes and not args.kv_layout:
+            raise ValueError("--ssd-bytes needs --kv-layout (the prefix cache it serves)")
         if args.kv_layout:
             if args.ssd_bytes and not args.data_dir:
                 raise ValueError("--ssd-bytes needs --data-dir")
+            if args.ssd_bytes:  # NOTE: checked before connecting, not when the first block is stored
+                ssd = Path(args.data_dir) / "kvpool-ssd"
+                try:
+                    ssd.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ValueError(f"--data-dir {args.data_dir}: cannot hold the SSD tier ({exc})") from None
+                if not os.access(ssd, os.W_OK):
+                    raise ValueError(f"--data-dir {args.data_dir}: {ssd} is not writable")
             prefix = PrefixConfig(parse_layout(args.kv_layout), args.kv_format, args.cpu_format, args.cpu_bytes,
                                   args.ssd_format, args.ssd_bytes,
                                   Path(args.data_dir) / "kvpool-ssd" if args.data_dir else None)  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmbus.kv.formats import KV_FORMATS
+from llmbus.kv.formats import KV_FORMATS, parse_kv_format
 from llmbus.kv.layout import KVLayout
 
 TIER_FORMATS = ("same",) + KV_FORMATS  # "same": the tier-0 (workers') format, lossless
@@ -70,6 +70,11 @@ class KVPoolConfig:
             raise ValueError(f"max_ttl_s must be > 0, got {self.max_ttl_s}")
         if self.reclaim_interval_s <= 0:
             raise ValueError(f"reclaim_interval_s must be > 0, got {self.reclaim_interval_s}")
+        if self.prefix is not None:  # NOTE: else every handoff of this layout would fail at run time
+            need = parse_kv_format(self.prefix.kv_format).bytes_per_block(self.prefix.layout)
+            if self.block_bytes < need:
+                raise ValueError(f"block_bytes {self.block_bytes} is less than one {self.prefix.kv_format} block of "
+                                 f"the KV layout ({need} bytes)")
 
     @classmethod
     def from_layout(cls, layout: KVLayout, capacity_blocks: int, **kw) -> KVPoolConfig:
