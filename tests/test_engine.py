@@ -192,11 +192,29 @@ def test_bad_prompts_are_clear_errors(model_dir, prompt, message):
         (dict(top_p=1.5), "top_p"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(min_p=2.0), "min_p"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     ],
 )
 def test_invalid_sampling_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_a_cache_smaller_than_the_context_is_said_at_start(model_dir, caplog):
+    """A pool that cannot hold one full-context sequence (or a context past the model's positions)
+    is a warning at start: such a sequence ends with finish_reason "length" at the pool's size."""
+    with caplog.at_level("WARNING", logger="llmbus.engine"):
+        llm = LLM(model_dir, dtype="float32", device="cpu", num_blocks=2, block_size=16, max_model_len=4096)
+    assert "holds 32 tokens (2 blocks of 16), under the 512-token context" in caplog.text
+    assert "max_model_len 4096 exceeds the model's 512 positions; using 512" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) < 32
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llmbus.engine"):
+        LLM(model_dir, dtype="float32", device="cpu", num_blocks=64, block_size=16)
+    assert "KV cache holds" not in caplog.text
 
 
 def test_kernels_over_the_gpus_shared_memory_stop_the_engine_at_start(model_dir, monkeypatch):

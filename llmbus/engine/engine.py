@@ -93,6 +93,13 @@ class Engine:
         self.layout: KVLayout = loaded.config.kv_layout(config.block_size, dtype)
         self.kv_format = parse_kv_format(config.kv_format)
         num_blocks = config.num_blocks or self._blocks_for_budget()
+        if num_blocks * config.block_size < self.max_model_len:
+            log.warning("the KV cache holds %d tokens (%d blocks of %d), under the %d-token context: a sequence "
+                        "that outgrows it ends with finish_reason 'length'", num_blocks * config.block_size,
+                        num_blocks, config.block_size, self.max_model_len)
+        if config.max_model_len and config.max_model_len > model_len:
+            log.warning("max_model_len %d exceeds the model's %d positions; using %d", config.max_model_len,
+                        model_len, model_len)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
