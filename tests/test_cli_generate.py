@@ -102,3 +102,5 @@ def test_up_and_demo_model_bad_paths_are_clear_errors(model_dir, tmp_path):
     assert proc.returncode == 2 and str(a_file) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     proc = run_cli("demo-model", "--out", str(a_file))
     assert proc.returncode == 2 and str(a_file) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = run_cli("demo-model", "--seed", "7")  # would have replaced the cached model `llmbus up` serves
+    assert proc.returncode == 2 and "--seed other than 0 needs --out" in proc.stderr, proc.stderr

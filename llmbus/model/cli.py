@@ -8,6 +8,8 @@ import argparse
 def _demo_model(args: argparse.Namespace) -> int:
     from llmbus.model.demo import default_demo_dir, make_demo_model
 
+    if args.out is None and args.seed != 0:  # NOTE: the cache holds seed 0, which `llmbus up` serves
+        raise ValueError("--seed other than 0 needs --out: the demo model cache holds seed 0's weights")
     out = args.out or default_demo_dir(args.size, args.tokenizer)
     path = make_demo_model(out, args.size, seed=args.seed, tokenizer=args.tokenizer)
     print(path)
@@ -21,5 +23,5 @@ def register(subparsers) -> None:
                    help="bpe: byte-level BPE (tokenizer.json); sentencepiece: SentencePiece BPE with byte "
                         "fallback (tokenizer.model + tokenizer.json), which llama.cpp can convert. Same weights.")
     p.add_argument("--out", default=None, help="output directory (default: the demo model cache dir)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weights' seed (other than 0: with --out)")
     p.set_defaults(func=_demo_model)
