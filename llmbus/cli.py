@@ -26,11 +26,25 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         module.register(sub)
+    _own_errors(parser)
     return parser
 
 
+def _own_errors(parser: argparse.ArgumentParser) -> None:
+    """Each (nested) subcommand's parser names itself in its namespace: main's unknown-argument
+    error then prints that subcommand's usage."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                command.set_defaults(_parser=command)
+                _own_errors(command)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    own = vars(args).pop("_parser")  # NOTE: out of the namespace, which commands may record (bench reports)
+    if unknown:  # NOTE: parse_args would print the top-level usage, not the subcommand's
+        own.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:  # bad input, or a path that cannot be read or written

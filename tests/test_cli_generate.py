@@ -104,3 +104,16 @@ def test_up_and_demo_model_bad_paths_are_clear_errors(model_dir, tmp_path):
     assert proc.returncode == 2 and str(a_file) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     proc = run_cli("demo-model", "--seed", "7")  # would have replaced the cached model `llmbus up` serves
     assert proc.returncode == 2 and "--seed other than 0 needs --out" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "m", "--prompt", "hi"],
+                                     ["bench", "serve", "--model", "m", "--tokenizer", "t"], ["up"]])
+def test_an_unknown_option_shows_its_subcommands_usage(command, capsys):
+    """Not the top-level usage (argparse's own for unknown arguments after a subcommand)."""
+    from llmbus.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--bogus"])
+    err = capsys.readouterr().err
+    name = " ".join(c for c in command[:2] if not c.startswith("-"))
+    assert exc.value.code == 2 and err.startswith(f"usage: llmbus {name} ") and "unrecognized arguments: --bogus" in err
