@@ -766,8 +766,9 @@ def int4_blocks_warp_loop(
     ``q . k = sum_c q_c min_c + sum_c (q_c scale_c) code_c``: the ranges scale a copy of the
     queries (``block_query``: ``[D, R]`` a block, against the codes' ``[BS, D]``) and the codes go
     into the dots as they are (BIASED: ``lane_codes``' biased values, each block's score dots
-    starting from dots of -1024 against the same scaled queries, which take the bias off). A token's values have a (scale, min) pair per group of GV
-    channels, which fold into the weights as INT4R's one pair does (``group_values``), one set of
+    starting from dots of -1024 against the same scaled queries, which take the bias off). A
+    token's values have a (scale, min) pair per group of GV channels, which fold into the weights
+    as INT4R's one pair does (``group_values``), one set of
     weights and accumulators per group (``D / GV`` of 1 or 2). The data's strides (bytes) are even
     and ``k_meta``, ``v_meta`` word-aligned (``paged_decode.int4_lanes``)."""
     NB: tl.constexpr = TILE // BS

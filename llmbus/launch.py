@@ -69,9 +69,12 @@ def _models(args, data_dir: Path) -> list[tuple[str, str]]:
         from llmbus.model.demo import ensure_demo_model
 
         models = [("llmbus-demo-small", str(ensure_demo_model("small")))]
+    from llmbus.model.config import ModelConfig
+
     for name, path in models:
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"model {name!r}: no config.json in {path}")
+        ModelConfig.from_file(Path(path) / "config.json")  # NOTE: a bad one fails here, before NATS starts
     return models
 
 
@@ -177,7 +180,6 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
     models = _models(args, data_dir)
-    _plan(args, "nats://127.0.0.1:4222", models, data_dir)  # NOTE: a bad config fails here, before NATS starts
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

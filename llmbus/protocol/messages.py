@@ -81,7 +81,7 @@ class GenerateRequest:
     deadline: float | None = None  # unix seconds; the router fails a request that reaches it later
     created: float = 0.0  # unix seconds when the gateway accepted it
     token_subject: str = ""  # where its events go: "" = subjects.tokens(request_id); a gateway's subjects.token_batches(...)
-    kv_format: str = "model"  # KV cache format (part of the prefix hash root)
+    kv_format: str = "model"  # carried, not read: each worker runs its own --kv-format
     lane: str = ""  # set by the router: "short" | "long"; "" before routing
 
     def __post_init__(self) -> None:

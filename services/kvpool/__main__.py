@@ -33,6 +33,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _check_ssd_dir(ssd: Path | None, data_dir: str) -> None:
+    """The SSD tier's directory exists (made now) and is writable."""
+    if ssd is None:
+        raise ValueError("--ssd-bytes needs --data-dir")
+    try:
+        ssd.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--data-dir {data_dir}: cannot hold the SSD tier ({exc})") from None
+    if not os.access(ssd, os.W_OK):
+        raise ValueError(f"--data-dir {data_dir}: {ssd} is not writable")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -41,19 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.ssd_bytes and not args.kv_layout:
             raise ValueError("--ssd-bytes needs --kv-layout (the prefix cache it serves)")
         if args.kv_layout:
-            if args.ssd_bytes and not args.data_dir:
-                raise ValueError("--ssd-bytes needs --data-dir")
+            ssd = Path(args.data_dir) / "kvpool-ssd" if args.data_dir else None
             if args.ssd_bytes:  # NOTE: checked before connecting, not when the first block is stored
-                ssd = Path(args.data_dir) / "kvpool-ssd"
-                try:
-                    ssd.mkdir(parents=True, exist_ok=True)
-                except OSError as exc:
-                    raise ValueError(f"--data-dir {args.data_dir}: cannot hold the SSD tier ({exc})") from None
-                if not os.access(ssd, os.W_OK):
-                    raise ValueError(f"--data-dir {args.data_dir}: {ssd} is not writable")
+                _check_ssd_dir(ssd, args.data_dir)
             prefix = PrefixConfig(parse_layout(args.kv_layout), args.kv_format, args.cpu_format, args.cpu_bytes,
-                                  args.ssd_format, args.ssd_bytes,
-                                  Path(args.data_dir) / "kvpool-ssd" if args.data_dir else None)  # fmt: skip
+                                  args.ssd_format, args.ssd_bytes, ssd)  # fmt: skip
         config = KVPoolConfig(args.block_bytes, args.capacity_blocks, max_ttl_s=args.max_ttl, prefix=prefix)
         options = ServiceOptions(role="kvpool", nats_url=args.nats_url, instance_id=args.instance_id)
     except ValueError as exc:
