@@ -35,12 +35,13 @@ def test_hf_static_batches(model_dir):
         assert len({r.start_s for r in nxt}) == 1
 
 
-def test_offline_cli_writes_the_report(model_dir, tmp_path):
+def test_offline_cli_writes_the_report(model_dir, tmp_path, capsys):
     out = tmp_path / "hf.json"
     rc = main(["bench", "offline", "--model", model_dir, "--backend", "hf", "--batch-size", "4", "--num-prompts", "4",
                "--input-len", "8", "--output-len", "4", "--ignore-eos", "--warmup", "2", "--slo", "ttft:60000", "--out", str(out),
                "--no-progress"])
     assert rc == 0
+    assert capsys.readouterr().err == ""  # --no-progress: no bar, not even transformers' while it loads
     rep = json.loads(out.read_text())
     assert rep["kind"] == "offline" and rep["label"] == "offline-hf"
     s = rep["summary"]

@@ -2,6 +2,7 @@
 
 import json
 import statistics
+import sys
 
 import pytest
 
@@ -147,3 +148,28 @@ def test_cli_compare_usage_asks_for_two_reports(tmp_path, capsys):
         main(["bench", "compare", str(tmp_path / "a.json")])
     assert exc.value.code == 2
     assert "REPORT REPORT [REPORT ...]" in capsys.readouterr().err
+
+
+def test_cli_outputs_are_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    """A chart that cannot be drawn, or a doc refresh without its section, is refused before a
+    benchmark runs or a table is printed, not after."""
+    from llmbus.bench.tinymodel import write_tokenizer
+
+    recs = _records()
+    for name in ("a", "b"):
+        write_report(make_report("serve", name, {}, recs, summarize(recs, 1.0)), str(tmp_path / f"{name}.json"))
+    reports = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert main(["bench", "compare", *reports, "--update-doc", str(tmp_path / "doc.md")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--section" in err
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    assert main(["bench", "compare", *reports, "--chart", str(tmp_path / "c.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "pip install matplotlib" in err
+    write_tokenizer(str(tmp_path), vocab_size=300)
+    # nothing listens on port 9: the run would fail every request, but it never starts
+    rc = main(["bench", "serve", "--model", "m", "--tokenizer", str(tmp_path), "--base-url", "http://127.0.0.1:9",
+               "--num-prompts", "1", "--no-progress", "--chart", str(tmp_path / "c.png")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "matplotlib" in err

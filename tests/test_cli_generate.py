@@ -40,6 +40,23 @@ def test_generate_json_matches_python_api(model_dir):
     assert all(r["finish_reason"] == "length" for r in records)
 
 
+def test_generate_reads_a_prompt_from_standard_input(model_dir):
+    """`--prompt -` is the text on standard input (newlines and all), beside any other prompts."""
+    from llmbus.engine.llm import LLM
+    from llmbus.engine.sampling_params import SamplingParams
+
+    text = "a b\nc d\n"
+    proc = subprocess.run([sys.executable, "-m", "llmbus.cli", "generate", "--model", str(model_dir), "--prompt", "x y",
+                           "--prompt", "-", "--max-tokens", "3", "--ignore-eos", "--json"],
+                          input=text, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    expected = LLM(model_dir, dtype="float32").generate(["x y", text, "-"],
+                                                         SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert [r["token_ids"] for r in records] == [o.token_ids for o in expected[:2]]
+    assert expected[1].token_ids != expected[2].token_ids  # so a literal "-" would have been caught
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -49,6 +66,7 @@ def test_generate_json_matches_python_api(model_dir):
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", ""], "empty"),
+        (["--prompt", "-", "--prompt", "-"], "standard input"),
         (["--prompt-ids", "5,6", "--temperature", "nan"], "temperature must be a finite number"),
         (["--prompt-ids", "5,6", "--temperature", "inf"], "temperature must be a finite number"),
         (["--prompt-ids", "5,6", "--threads", "-2"], "threads must be >= 1"),

@@ -1,6 +1,8 @@
 """The optional PNG chart: latency CDFs (TTFT, TPOT) and output throughput over time.
 
-matplotlib is optional: without it `draw` returns a message and draws nothing.
+matplotlib is optional: the CLI calls `require` before a run that asks for a chart, so a missing
+matplotlib is an error up front rather than a benchmark whose chart is silently skipped; without it
+`draw` itself returns a message and draws nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ def _throughput_series(records: list[RequestRecord], bin_s: float) -> tuple[list
     for t in times:
         counts[int(t / bin_s)] += 1
     return [(k + 0.5) * bin_s for k in range(n)], [c / bin_s for c in counts]
+
+
+def require() -> None:
+    """Raises ValueError, saying what to install, when charts cannot be drawn here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--chart needs matplotlib, which is not installed (pip install matplotlib)") from None
 
 
 def draw(reports: list[dict], path: str, bin_s: float = 1.0) -> str | None:

@@ -112,6 +112,14 @@ def _pin(spec: str | None) -> None:
         raise ValueError(f"bad --cpus {spec!r}: {exc}") from None
 
 
+def _check_outputs(args) -> None:
+    """What the run will be asked to write is checked before the run, not after it."""
+    if args.chart:
+        from llmbus.bench.chart import require
+
+        require()
+
+
 def _finish(args, kind: str, label: str, config: dict, records, summary) -> int:
     from llmbus.bench.chart import draw
     from llmbus.bench.report import format_table, make_report, write_report
@@ -144,6 +152,7 @@ def _serve(args) -> int:
     from llmbus.bench.slo import SLO
 
     _pin(args.cpus)
+    _check_outputs(args)
     slo = SLO.parse(args.slo)
     req = RequestConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
                         prompt_format=args.prompt_format, ignore_eos=args.ignore_eos,
@@ -163,6 +172,7 @@ def _offline(args) -> int:
     from llmbus.bench.slo import SLO
 
     _pin(args.cpus)
+    _check_outputs(args)
     slo = SLO.parse(args.slo)
     arrivals = _arrivals(args)
     if args.threads is not None and args.threads < 1:
@@ -191,11 +201,12 @@ def _compare(args) -> int:
     from llmbus.bench.chart import draw
     from llmbus.bench.compare import format_comparison, load_reports, update_doc
 
+    if args.update_doc and not args.section:
+        raise ValueError("--update-doc needs --section NAME")
+    _check_outputs(args)
     reports = load_reports([args.baseline, *args.reports])
     print(format_comparison(reports, markdown=args.markdown))
     if args.update_doc:
-        if not args.section:
-            raise ValueError("--update-doc needs --section NAME")
         update_doc(args.update_doc, args.section, format_comparison(reports, markdown=True))
         print(f"refreshed section {args.section!r} of {args.update_doc}")
     if args.chart:

@@ -129,6 +129,10 @@ def run_hf(model_dir: str, items: list[BenchItem], arrivals: ArrivalProcess, see
 
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if not progress:  # transformers draws its own bar while it loads the weights
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), local_files_only=True)
     model.eval()
     eos = model.generation_config.eos_token_id

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with the in-process engine")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable); - reads one prompt from standard input")
     src.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -37,6 +37,12 @@ def _parse_ids(text: str) -> list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _prompts(texts: list[str]) -> list[str]:
+    if texts.count("-") > 1:
+        raise ValueError("--prompt - (standard input) can be given once")
+    return [sys.stdin.read() if t == "-" else t for t in texts]
+
+
 def run(args: argparse.Namespace) -> int:
     from llmbus.engine.llm import LLM
     from llmbus.engine.sampling_params import SamplingParams
@@ -51,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
     )
-    prompts = args.prompt if args.prompt else [_parse_ids(t) for t in args.prompt_ids]
+    prompts = _prompts(args.prompt) if args.prompt else [_parse_ids(t) for t in args.prompt_ids]
     llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
     for out in llm.generate(prompts, params):
         if args.json:
