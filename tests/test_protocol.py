@@ -94,6 +94,9 @@ def test_unknown_keys_ignored_and_missing_appended_fields_defaulted():
          "sampling.temperature: expected a number"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "deadline": "soon"}), "deadline"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "lane": "fast"}), "lane must be one of"),
+        *[(msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "token_subject": bad}),
+           "token_subject must be a NATS subject") for bad in ("a b", "a\r\nPUB x", "a.*", "a.>", ">", "a..b", ".a",
+                                                                 "a.", "x" * 257)],
     ],
 )
 def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
@@ -101,6 +104,11 @@ def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
         decode(GenerateRequest, payload)
     assert str(err.value).startswith("GenerateRequest")
     assert isinstance(err.value, ValueError)
+
+
+def test_literal_token_subjects_are_accepted():
+    for subject in ("llmbus.tok.r", "llmbus.toks.gw-1", "my_tool.events", "a*b.c>d", "x" * 256):
+        assert GenerateRequest("r", "m", [1], token_subject=subject).token_subject == subject
 
 
 def test_token_event_invariants():

@@ -36,17 +36,23 @@ async def _with_router(url: str, models: tuple[str, ...], threshold: int, scenar
     return holder["router"]
 
 
+async def _collect_token_events(nc) -> dict[str, list[TokenEvent]]:
+    """Every TokenEvent on llmbus.tok.*, by request id, as it arrives."""
+    events: dict[str, list[TokenEvent]] = {}
+
+    async def on_token(msg):
+        ev = decode(TokenEvent, msg.data)
+        events.setdefault(ev.request_id, []).append(ev)
+
+    await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
+    return events
+
+
 def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
     async def body():
         nc = await connect(nats_server)
         js = nc.jetstream()
-        events: dict[str, list[TokenEvent]] = {}
-
-        async def on_token(msg):
-            ev = decode(TokenEvent, msg.data)
-            events.setdefault(ev.request_id, []).append(ev)
-
-        await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
+        events = await _collect_token_events(nc)
 
         async def scenario():
             def req(rid, model, n, **kw):
@@ -85,6 +91,49 @@ def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
         router = await _with_router(nats_server, ("rt",), 4, scenario)
         assert router.routed == 2 and router.failed == 3
         assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # all acked or termed
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
+    """A token_subject that is no literal NATS subject (whitespace, a wildcard, an empty token)
+    makes the request malformed: its failure goes to llmbus.tok.<request_id>, and the router
+    goes on routing."""
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        events = await _collect_token_events(nc)
+
+        async def scenario():
+            good = GenerateRequest("r-good", "rt", [1, 2], token_subject=subjects.tokens("r-good"))
+            bad = {"x-space": "llmbus.tok.a b", "x-wild": "llmbus.tok.*", "x-empty": "llmbus..tok",
+                   "x-tail": "llmbus.>"}
+            for rid, subject in bad.items():
+                raw = msgpack.packb({"request_id": rid, "model": "rt", "prompt_token_ids": [1, 2],
+                                     "token_subject": subject})
+                await js.publish(subjects.request_subject("rt"), raw, headers={subjects.MSG_ID_HEADER: rid})
+            # unreadable for another reason, and with a subject nats-py itself refuses
+            raw = msgpack.packb({"request_id": "x-both", "model": 7, "token_subject": "a\r\nPUB x 1"})
+            await js.publish(subjects.request_subject("rt"), raw, headers={subjects.MSG_ID_HEADER: "x-both"})
+            await js.publish(subjects.request_subject("rt"), encode(good), headers={subjects.MSG_ID_HEADER: "r-good"})
+            name = await ensure_prefill_consumer(js, "short", "rt")
+            w = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], name, max_deliver=5)
+            msgs = await w.fetch(10, timeout=5.0)
+            assert [decode(GenerateRequest, m.data).request_id for m in msgs] == ["r-good"]
+            for m in msgs:
+                await m.ack()
+            await w.close()
+            for _ in range(100):
+                if len(events) == 5:
+                    break
+                await asyncio.sleep(0.05)
+            assert set(events) == {*bad, "x-both"}
+            for rid in bad:
+                assert "malformed request" in events[rid][0].error and "token_subject" in events[rid][0].error
+
+        router = await _with_router(nats_server, ("rt",), 4, scenario)
+        assert router.routed == 1 and router.failed == 5
         await nc.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -26,6 +26,18 @@ def check_id(kind: str, value: str) -> str:
     return value
 
 
+_WHITESPACE_RE = re.compile(r"\s")
+
+
+def check_subject(kind: str, value: str) -> str:
+    """A subject to publish to: 1-256 characters without whitespace, of dot-separated tokens none of
+    which is empty or a wildcard (``*``, ``>``)."""
+    if (not isinstance(value, str) or not 0 < len(value) <= 256 or _WHITESPACE_RE.search(value)
+            or any(token in ("", "*", ">") for token in value.split("."))):
+        raise ValueError(f"{kind} must be a NATS subject without wildcards, got {value!r}")
+    return value
+
+
 def _check_tokens(kind: str, ids: list[int]) -> None:
     for t in ids:
         if t < 0:
@@ -93,6 +105,8 @@ class GenerateRequest:
         _check_tokens("prompt_token_ids", self.prompt_token_ids)
         if self.lane not in ("",) + LANES:
             raise ValueError(f"lane must be one of {LANES} or empty, got {self.lane!r}")
+        if self.token_subject:
+            check_subject("token_subject", self.token_subject)
 
 
 @dataclass(frozen=True)
