@@ -12,6 +12,7 @@ from llmbus.engine.sampling_params import SamplingParams
 from llmbus.protocol import (
     Abort,
     AllocateRequest,
+    ErrorReply,
     GenerateRequest,
     Handoff,
     InstanceInfo,
@@ -51,7 +52,7 @@ SAMPLES = [
     ReadReply("p-1", 0, b""),
     StatsRequest(),
     PoolStats("kvpool-1", 8, 6, 2, 1, 512, "llmbus_kv_ab", 0),
-    Handoff(_request(lane="short"), [42], 3, LEASE, {"output_token_ids": [42], "nested": {"a": [1.5]}},
+    Handoff(_request(lane="short"), [42], 3, LEASE, {"request_id": "req-1", "output_token_ids": [42], "nested": {"a": [1.5]}},
             [2, 4, 64], "int8", "prefill-1", 1, 0),
     InstanceInfo("decode-1", "decode", ["demo"], 100, 2, "host", 1.7e9, 1234),
 ]
@@ -87,7 +88,8 @@ def test_unknown_keys_ignored_and_missing_appended_fields_defaulted():
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": "abc"}), "prompt_token_ids: expected a list"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1, "2"]}), r"prompt_token_ids\[1\]: expected an integer"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [True]}), "expected an integer, got bool"),
-        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [-1]}), "non-negative token ids"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [-1]}), r"token ids in \[0, 2\*\*31\)"),
+        (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [5, 2**32]}), "got 4294967296"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": []}), "must not be empty"),
         (msgpack.packb({"request_id": "a.b", "model": "m", "prompt_token_ids": [1]}), "request_id must be 1-128"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "sampling": {"temperature": "hot"}}),
@@ -111,6 +113,20 @@ def test_literal_token_subjects_are_accepted():
         assert GenerateRequest("r", "m", [1], token_subject=subject).token_subject == subject
 
 
+def test_error_texts_are_cut_short_however_much_they_quote():
+    """Errors quote what was wrong with a message; however large that was, the error stays small
+    enough to publish and to log, and says how much it left off."""
+    from llmbus.protocol.messages import MAX_ERROR_CHARS
+
+    for text in (TokenEvent.failure("r", "x" * 10_000).error, ErrorReply("y" * 10_000).error):
+        assert len(text) < MAX_ERROR_CHARS + 40 and text.endswith("(9000 more characters)")
+    assert ErrorReply("short").error == "short"
+    payload = msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "lane": "\x00" * 100_000})
+    with pytest.raises(ProtocolError) as err:
+        decode(GenerateRequest, payload)
+    assert str(err.value).startswith("GenerateRequest: lane must be") and len(str(err.value)) < MAX_ERROR_CHARS + 40
+
+
 def test_token_event_invariants():
     with pytest.raises(ProtocolError, match="finish_reason must be one of"):
         decode(TokenEvent, msgpack.packb({"request_id": "r", "seq": 0, "finish_reason": "done"}))
@@ -123,12 +139,21 @@ def test_token_event_invariants():
 
 def test_handoff_checks_the_lease_matches_the_kv_shape():
     with pytest.raises(ValueError, match="kv_shape has 3 blocks but the lease has 2"):
-        Handoff(_request(), [1], 3, LEASE, {}, [3, 4, 64], "model")
+        Handoff(_request(), [1], 3, LEASE, {"request_id": "req-1"}, [3, 4, 64], "model")
 
 
 def test_handoff_checks_a_block_fits_the_lease_blocks():
     with pytest.raises(ValueError, match="does not fit"):
-        Handoff(_request(), [1], 3, LEASE, {}, [2, 4, 1 << 20], "model")
+        Handoff(_request(), [1], 3, LEASE, {"request_id": "req-1"}, [2, 4, 1 << 20], "model")
+
+
+def test_handoff_checks_its_seq_and_that_its_state_is_its_request_s():
+    state = {"request_id": "req-1"}
+    Handoff(_request(), [1], 3, LEASE, state, [2, 4, 64], "model", next_seq=1)
+    with pytest.raises(ValueError, match="next_seq must be >= 1"):
+        Handoff(_request(), [1], 3, LEASE, state, [2, 4, 64], "model", next_seq=-1)
+    with pytest.raises(ValueError, match="state is of request 'other', not 'req-1'"):
+        Handoff(_request(), [1], 3, LEASE, {"request_id": "other"}, [2, 4, 64], "model")
 
 
 def test_encode_refuses_non_records():

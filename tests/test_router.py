@@ -99,7 +99,7 @@ def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
 def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
     """A token_subject that is no literal NATS subject (whitespace, a wildcard, an empty token)
     makes the request malformed: its failure goes to llmbus.tok.<request_id>, and the router
-    goes on routing."""
+    goes on routing. So it does after a request whose error would quote megabytes."""
     async def body():
         nc = await connect(nats_server)
         js = nc.jetstream()
@@ -116,6 +116,10 @@ def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
             # unreadable for another reason, and with a subject nats-py itself refuses
             raw = msgpack.packb({"request_id": "x-both", "model": 7, "token_subject": "a\r\nPUB x 1"})
             await js.publish(subjects.request_subject("rt"), raw, headers={subjects.MSG_ID_HEADER: "x-both"})
+            # a field whose repr is four times the size of the stream's largest message: the error quoting it is cut
+            raw = msgpack.packb({"request_id": "x-huge", "model": "rt", "prompt_token_ids": [1],
+                                 "lane": "\x00" * (1024 * 1024 - 300)})
+            await js.publish(subjects.request_subject("rt"), raw, headers={subjects.MSG_ID_HEADER: "x-huge"})
             await js.publish(subjects.request_subject("rt"), encode(good), headers={subjects.MSG_ID_HEADER: "r-good"})
             name = await ensure_prefill_consumer(js, "short", "rt")
             w = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], name, max_deliver=5)
@@ -125,15 +129,17 @@ def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
                 await m.ack()
             await w.close()
             for _ in range(100):
-                if len(events) == 5:
+                if len(events) == 6:
                     break
                 await asyncio.sleep(0.05)
-            assert set(events) == {*bad, "x-both"}
+            assert set(events) == {*bad, "x-both", "x-huge"}
             for rid in bad:
                 assert "malformed request" in events[rid][0].error and "token_subject" in events[rid][0].error
+            huge = events["x-huge"][0].error
+            assert huge.startswith("malformed request: GenerateRequest: lane must be") and len(huge) < 1100
 
         router = await _with_router(nats_server, ("rt",), 4, scenario)
-        assert router.routed == 1 and router.failed == 5
+        assert router.routed == 1 and router.failed == 6
         await nc.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -20,11 +20,17 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from llmbus.protocol.messages import brief
+
 T = TypeVar("T")
 
 
 class ProtocolError(ValueError):
-    """A payload that is not a valid encoding of the expected record."""
+    """A payload that is not a valid encoding of the expected record. Its message is cut to
+    ``MAX_ERROR_CHARS``: it may quote the payload."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(brief(message))
 
 
 def encode(msg: Any) -> bytes:

@@ -38,10 +38,31 @@ def check_subject(kind: str, value: str) -> str:
     return value
 
 
+MAX_ERROR_CHARS = 1000  # error texts past this are cut: they may quote a hostile message's fields
+
+
+def brief(text: str) -> str:
+    """``text`` cut to MAX_ERROR_CHARS, saying how much was left off: an error that quotes its input
+    can then never outgrow the payload limit (which would close the publisher's connection) or
+    flood a log."""
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:MAX_ERROR_CHARS]}... ({len(text) - MAX_ERROR_CHARS} more characters)"
+
+
+def _brief(record, field_name: str) -> None:
+    text = getattr(record, field_name)
+    if isinstance(text, str):
+        object.__setattr__(record, field_name, brief(text))
+
+
+MAX_TOKEN_ID = 2**31 - 1  # far past any vocabulary; token ids are hashed as 32-bit words
+
+
 def _check_tokens(kind: str, ids: list[int]) -> None:
     for t in ids:
-        if t < 0:
-            raise ValueError(f"{kind} must be non-negative token ids, got {t}")
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{kind} must be token ids in [0, 2**31), got {t}")
 
 
 # ---------------------------------------------------------------- requests and tokens
@@ -132,7 +153,7 @@ class TokenEvent:
     token_ids: list[int] = field(default_factory=list)  # new tokens in this event (may be empty at the end)
     logprobs: list[LogprobEntry] | None = None  # one entry per token in token_ids, when requested
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
-    error: str | None = None  # human-readable message when finish_reason == "error"
+    error: str | None = None  # human-readable message when finish_reason == "error" (<= MAX_ERROR_CHARS)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0  # output tokens so far, including these
@@ -146,6 +167,7 @@ class TokenEvent:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries for {len(self.token_ids)} tokens")
+        _brief(self, "error")
 
     @classmethod
     def failure(cls, request_id: str, message: str, *, seq: int = 0, worker: str = "", prompt_tokens: int = 0):
@@ -303,8 +325,11 @@ class PoolStats:
 class ErrorReply:
     """Any kvpool op's reply on failure (flagged by the ``Llmbus-Error`` header)."""
 
-    error: str
+    error: str  # at most MAX_ERROR_CHARS, cut with a note of how much was left off
     code: str = "bad_request"  # "bad_request" | "exhausted" | "unknown_lease" | "internal"
+
+    def __post_init__(self) -> None:
+        _brief(self, "error")
 
 
 # ---------------------------------------------------------------- handoff and registry
@@ -342,6 +367,10 @@ class Handoff:
         if self.kv_shape[1] * self.kv_shape[2] > self.lease.block_bytes:
             raise ValueError(f"a block of {self.kv_shape[1] * self.kv_shape[2]} bytes does not fit the lease's "
                              f"{self.lease.block_bytes}-byte blocks")
+        if self.next_seq < 1:
+            raise ValueError(f"next_seq must be >= 1 (prefill published seq 0), got {self.next_seq}")
+        if self.state.get("request_id") != self.request.request_id:
+            raise ValueError(f"state is of request {self.state.get('request_id')!r}, not {self.request.request_id!r}")
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,14 @@ class Router:
         try:
             while not self.ctx.stop.is_set():
                 for msg in await worker.fetch(self.fetch_batch, timeout=0.5):
-                    await self._handle(worker, msg)
+                    try:
+                        await self._handle(worker, msg)
+                    except Exception:  # one message's bad luck must not stop the routing of the rest
+                        log.exception("could not route a request; dropping it")
+                        with contextlib.suppress(Exception):
+                            await self._fail_unreadable(msg.data, "the router could not route this request")
+                        with contextlib.suppress(Exception):
+                            await msg.term()
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -110,6 +117,9 @@ class Router:
     async def _watch_registry(self) -> None:
         """Refresh the live-instance snapshot once per heartbeat period."""
         while True:
-            self.instances = await read_registry(self.ctx.registry)
+            try:
+                self.instances = await read_registry(self.ctx.registry)
+            except Exception as exc:  # a timeout while NATS reconnects: keep the last snapshot
+                log.warning("could not read the registry: %s", exc)
             self.ctx.report(queue_depth=0)
             await asyncio.sleep(self.ctx.options.heartbeat_s)
