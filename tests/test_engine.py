@@ -173,6 +173,34 @@ def test_prefill_handoff_then_import_continues_identically(model_dir, prompts, h
     assert leaks["free_blocks"] == leaks["total_blocks"]
 
 
+def test_a_handoff_state_that_does_not_add_up_is_refused_before_it_is_decoded(model_dir, prompts):
+    """A handoff comes off the bus: whatever its state claims is checked before the sequence joins
+    the batch, where a token outside the vocabulary or a salt that is no string would stop the
+    engine at its next step."""
+    prefill = LLM(model_dir, dtype="float32", device="cpu").engine
+    decode = LLM(model_dir, dtype="float32", device="cpu").engine
+    prefill.add_request("h", prompts[4], GREEDY, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    state, kv = prefill.export_sequence("h")
+    n = len(state["prompt_token_ids"]) + len(state["output_token_ids"])
+    for bad, message in (({"output_token_ids": [decode.vocab_size]}, "outside the vocabulary"),
+                         ({"output_token_ids": [-1]}, "outside the vocabulary"),
+                         ({"output_token_ids": ["7"]}, "outside the vocabulary"),
+                         ({"cache_salt": 5}, "cache_salt must be a string"),
+                         ({"num_computed_tokens": 0}, "0 computed tokens"),
+                         ({"num_computed_tokens": n + 1}, f"{n + 1} computed tokens"),
+                         ({"num_computed_tokens": "3"}, "'3' computed tokens"),
+                         ({"num_cached_tokens": -1}, "-1 cached tokens")):
+        with pytest.raises(ValueError, match=message):
+            decode.import_sequence(state | bad, kv, GREEDY)
+    assert decode.leak_check() == {"requests": 0, "handoffs": 0, "free_blocks": decode.leak_check()["total_blocks"],
+                                    "total_blocks": decode.leak_check()["total_blocks"], "tail_rows": 0}
+    decode.import_sequence(state, kv, GREEDY)  # the same state, as prefill wrote it, decodes
+    while decode.has_unfinished():
+        decode.step()
+
+
 @pytest.mark.parametrize(
     "prompt, message",
     [([], "empty"), ([1] * 600, "context"), ([1, 99999], "vocabulary")],

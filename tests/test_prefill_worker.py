@@ -37,6 +37,22 @@ async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, 
     await js.publish(subjects.prefill_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
 
 
+async def _token_events(nc, finished) -> tuple[dict[str, list[TokenEvent]], asyncio.Event]:
+    """Every TokenEvent on llmbus.tok.*, by request id; the event is set once ``finished(event)``
+    holds for one."""
+    events: dict[str, list[TokenEvent]] = {}
+    done = asyncio.Event()
+
+    async def on_token(msg):
+        ev = decode(TokenEvent, msg.data)
+        events.setdefault(ev.request_id, []).append(ev)
+        if finished(ev):
+            done.set()
+
+    await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
+    return events, done
+
+
 @contextlib.asynccontextmanager
 async def _colocated_worker(nats_server: str, engine: Engine, model: str, colocated: bool = True):
     """A PrefillWorker (colocated unless told) run as a service until the block ends; yields the worker."""
@@ -74,16 +90,10 @@ def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
         nc = await connect(nats_server)
         js = nc.jetstream()
         await ensure_streams(js)
-        events: dict[str, list[TokenEvent]] = {}
-        done = asyncio.Event()
+        def all_finished(_) -> bool:
+            return sum(1 for evs in events.values() if evs[-1].finish_reason) == BURST
 
-        async def on_token(msg):
-            ev = decode(TokenEvent, msg.data)
-            events.setdefault(ev.request_id, []).append(ev)
-            if sum(1 for evs in events.values() if evs[-1].finish_reason) == BURST:
-                done.set()
-
-        await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
+        events, done = await _token_events(nc, all_finished)
         # the jobs wait in the lane stream before the worker starts: its first fetch gets them all
         for i in range(BURST):
             await _submit(js, model, f"burst-{i}", list(range(5 + i, 45 + i)), 4)
@@ -211,6 +221,49 @@ def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, t
 
     asyncio.run(body())
     assert added == ["busy"]
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
+def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(nats_server, tmp_path):
+    """Not only a bad request (ValueError) ends a job before it reaches the engine: anything that
+    goes wrong there ends it with an error event, instead of leaving it in the worker's jobs, holding
+    a place and its stream message, while its client waits for ever."""
+    model = "takefails"
+    engine = _engine(tmp_path)
+    local_prefix_blocks = engine.local_prefix_blocks
+
+    def failing_once(hashes):
+        engine.local_prefix_blocks = local_prefix_blocks
+        raise RuntimeError("injected failure")
+
+    engine.local_prefix_blocks = failing_once
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        events, done = await _token_events(nc, lambda ev: ev.request_id == "next" and ev.finish_reason is not None)
+        async with _colocated_worker(nats_server, engine, model) as worker:
+            await _submit(js, model, "unlucky", list(range(7, 47)), 4)
+
+            async def failed():
+                while not events.get("unlucky"):
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(failed(), 30)
+            await _submit(js, model, "next", list(range(7, 47)), 4)
+            await asyncio.wait_for(done.wait(), 30)
+            assert worker.jobs == {}
+        (failure,) = events["unlucky"]
+        assert failure.finish_reason == "error" and "injected failure" in failure.error
+        assert [len(e.token_ids) for e in events["next"]] == [1, 1, 1, 1]
+        name = subjects.prefill_consumer("short", model)
+        info = await js.consumer_info(subjects.PREFILL_STREAMS["short"], name)
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+        await nc.close()
+
+    asyncio.run(body())
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 

@@ -223,14 +223,17 @@ class Engine:
                 f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)"
             )
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        self._check_vocabulary(prompt_token_ids)
         needed = self.layout.num_blocks_for(n + 1 + extra)
         if needed > self.runner.num_blocks:
             raise ValueError(
                 f"the prompt needs {needed} KV blocks but this engine has only {self.runner.num_blocks}"
             )
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
         self._handoffs.pop(request_id, None)
@@ -361,15 +364,23 @@ class Engine:
         prompt = list(state["prompt_token_ids"])
         outputs = list(state["output_token_ids"])
         self.check_prompt(prompt, extra=len(outputs))
+        self._check_vocabulary(outputs)
+        salt = state.get("cache_salt", "")
+        computed, cached = state["num_computed_tokens"], state.get("num_cached_tokens", 0)
+        if not isinstance(salt, str):
+            raise ValueError(f"handoff cache_salt must be a string, got {type(salt).__name__}")
+        if type(computed) is not int or not 0 < computed <= len(prompt) + len(outputs):
+            raise ValueError(f"handoff has {computed!r} computed tokens for {len(prompt) + len(outputs)} tokens")
+        if type(cached) is not int or not 0 <= cached <= len(prompt):
+            raise ValueError(f"handoff has {cached!r} cached tokens for a {len(prompt)}-token prompt")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=prompt,
             params=params,
             eos_token_ids=self.eos_token_ids,
-            cache_salt=state.get("cache_salt", ""),
+            cache_salt=salt,
             output_token_ids=outputs,
         )
-        computed = int(state["num_computed_tokens"])
         n_blocks = self.layout.num_blocks_for(computed)
         tail_tokens, tail_dtype = int(state.get("tail_tokens", 0)), state.get("tail_dtype", self.layout.dtype)
         if (tail_tokens not in (0, computed % self.layout.block_size) or tail_dtype not in DTYPE_BYTES
@@ -389,7 +400,7 @@ class Engine:
             shape = (self.layout.num_layers, 2, tail_tokens, self.layout.num_kv_heads, self.layout.head_dim)
             exact = unpack_tail(kv[n_blocks:], shape, getattr(torch, tail_dtype))
             self.runner.tails.received[request_id] = exact.to(self.device, getattr(torch, self.layout.dtype))
-        seq.num_cached_tokens = int(state.get("num_cached_tokens", 0))
+        seq.num_cached_tokens = cached
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 

@@ -106,8 +106,13 @@ class EngineWorker(abc.ABC):
                     task.cancel()
 
     async def publish(self, req: GenerateRequest, event: TokenEvent) -> None:
-        """Send ``event`` where ``req`` asked (``llmbus.bus.tokens``: batched per gateway, or alone)."""
-        await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
+        """Send ``event`` where ``req`` asked (``llmbus.bus.tokens``: batched per gateway, or alone).
+        Never raises: one request's event that cannot leave (a closed connection) must not stop the
+        task that publishes everyone's; its client sees the gap, or its gateway's silence timeout."""
+        try:
+            await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
+        except Exception as exc:
+            log.warning("could not publish event %d of %s: %s", event.seq, req.request_id, exc)
 
     async def write_rows(self, lease, kv) -> None:
         """Write ``Engine.read_blocks`` rows ``[n, layers, bytes]`` into lease blocks 0..n-1, each

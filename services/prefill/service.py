@@ -140,10 +140,15 @@ class PrefillWorker(EngineWorker):
                 e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=not self.colocated)
 
             await self.loop.call(admit)
-        except ValueError as exc:
+        except Exception as exc:  # ValueError: the request's fault; anything else: ours, but it ends the job too
+            if self._aborted(job):  # on_abort acked it and closed its stack
+                return
             self.jobs.pop(rid, None)
             await job.stack.aclose()
-            await self.publish(req, TokenEvent.failure(rid, f"invalid request: {exc}", worker=self.ctx.instance_id,
+            if not isinstance(exc, ValueError):
+                log.warning("could not take job %s: %r", rid, exc)
+            text = f"invalid request: {exc}" if isinstance(exc, ValueError) else f"prefill could not take the request: {exc!r}"
+            await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             await msg.term()
 
@@ -166,6 +171,9 @@ class PrefillWorker(EngineWorker):
             return hashes, local, None
         try:
             raw = await self.kv.read_blocks(reply.lease, 0, reply.num_blocks)
+        except Exception as exc:  # the pool restarted, the lease expired: compute instead
+            log.debug("could not read the prefix of %s from kvpool: %s", req.request_id, exc)
+            return hashes, local, None
         finally:
             with contextlib.suppress(Exception):
                 await self.kv.release(reply.lease.lease_id)
