@@ -142,7 +142,8 @@ def test_registry_bucket_roundtrip(nats_server):
 
 def test_read_registry_tolerates_empty_buckets_and_foreign_records(tmp_path):
     """An empty registry reads as no instances (nats-py raises on it; the e2e helper once failed
-    there while heartbeats lagged); a record this version cannot decode is skipped, not fatal."""
+    there while heartbeats lagged); a record this version cannot decode, or a key nats-py refuses,
+    is skipped, not fatal."""
 
     async def body(url):
         nc = await connect(url)
@@ -151,6 +152,9 @@ def test_read_registry_tolerates_empty_buckets_and_foreign_records(tmp_path):
         info = InstanceInfo("d-1", "decode", models=["demo"], host="h", updated_at=1.0)
         await kv.put(subjects.registry_key("decode", "d-1"), encode(info))
         await kv.put(subjects.registry_key("decode", "junk"), b"not msgpack of an InstanceInfo")
+        # a key nats-py will not read back (any client may publish to the bucket's subjects)
+        await nc.publish(f"$KV.{subjects.REGISTRY_BUCKET}.bad$key", encode(info))
+        await nc.flush()
         assert await read_registry(kv) == [info]
         await kv.delete(subjects.registry_key("decode", "d-1"))
         await kv.purge(subjects.registry_key("decode", "junk"))

@@ -94,6 +94,13 @@ def test_ssd_tier_survives_kill_9_and_drops_a_corrupt_block(nats_server, tmp_pat
         assert (cpu.blocks, cpu.promotions, cpu.demotions, ssd.blocks, ssd.hits) == (2, 3, 1, 1, 3)
         with pytest.raises(KVPoolError, match="kvpool caches 1024-byte blocks"):
             await client.fetch(chain(1), block_bytes=512)
+        # a pin lasts no longer than a lease may (--max-ttl, 3600 s by default): one for ever is refused
+        for ttl in (float("inf"), 3601.0):
+            with pytest.raises(KVPoolError, match="pin_ttl_s must be at most 3600"):
+                await client.lookup(chain(1), pin_ttl_s=ttl)
+        pinned = await client.lookup(chain(1), pin_ttl_s=3600.0)
+        assert pinned.pin_id and pinned.pool_blocks == 2
+        assert await client.release(pinned.pin_id)
         await nc.close()
 
     proc = start(nats_server, data_dir)

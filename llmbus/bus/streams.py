@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import KeyValueError, NoKeysError, NotFoundError
+from nats.js.errors import InvalidKeyError, KeyValueError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
 from llmbus.bus import subjects
@@ -125,8 +125,8 @@ async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = No
 
 async def read_registry(kv: KeyValue) -> list[InstanceInfo]:
     """Every live instance in the registry bucket; empty when none is (nats-py raises on an empty
-    bucket). A key that expires between listing and reading, or holds a record this version cannot
-    decode, is skipped."""
+    bucket). A key that expires between listing and reading, that nats-py refuses to read (a name
+    some other client put there), or that holds a record this version cannot decode, is skipped."""
     try:
         keys = await kv.keys()
     except NoKeysError:
@@ -135,6 +135,6 @@ async def read_registry(kv: KeyValue) -> list[InstanceInfo]:
     for key in keys:
         try:
             out.append(decode(InstanceInfo, (await kv.get(key)).value))
-        except (KeyValueError, ProtocolError):
+        except (KeyValueError, InvalidKeyError, ProtocolError):
             continue
     return out

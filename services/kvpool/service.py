@@ -182,6 +182,8 @@ class KVPool:
         if self.prefix is None:
             return LookupReply()
         index = self.prefix.index
+        if req.pin_ttl_s > self.allocator.max_ttl_s:  # as for a lease: a pin outliving it would hold blocks for good
+            raise ValueError(f"pin_ttl_s must be at most {self.allocator.max_ttl_s}, got {req.pin_ttl_s}")
         hits = [PrefixHit(t, w, n) for (t, w), n in sorted(index.lookup(req.block_hashes).items())]
         pool = index.pool_prefix(req.block_hashes)
         pin = index.pin(req.block_hashes[:pool], req.pin_ttl_s) if req.pin_ttl_s > 0 and pool else ""
