@@ -60,6 +60,41 @@ def test_connect_names_the_url_when_unreachable():
         run(connect("nats://127.0.0.1:1", first_connect_s=1.0))
 
 
+def test_a_message_with_unreadable_headers_does_not_deafen_the_connection(nats_server):
+    """Any client may publish a message whose inline status line is not UTF-8; nats-py raised on it
+    out of its read loop, and the connection heard nothing more until its ping timeout (~40 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    async def body():
+        nc = await connect(nats_server)
+        got: list[bytes] = []
+
+        async def on_msg(msg):
+            got.append(msg.data)
+
+        await nc.subscribe("audit.headers", cb=on_msg)
+        await nc.flush()
+        url = urlparse(nats_server)
+        with socket.create_connection((url.hostname, url.port)) as raw:  # a client nats-py would not be
+            raw.recv(4096)  # INFO
+            header, payload = b"NATS/1.0 \xff\xfe\r\n\r\n", b"hostile"
+            raw.sendall(b'CONNECT {"headers":true,"verbose":false}\r\n'
+                        + f"HPUB audit.headers {len(header)} {len(header) + len(payload)}\r\n".encode()
+                        + header + payload + b"\r\nPING\r\n")
+            raw.recv(4096)  # PONG: the server has routed it
+        await nc.publish("audit.headers", b"after")
+        await nc.flush()
+        for _ in range(100):
+            if b"after" in got:
+                break
+            await asyncio.sleep(0.02)
+        assert got == [b"hostile", b"after"]
+        await nc.close()
+
+    run(body())
+
+
 def test_streams_idempotent_and_dedup_by_msg_id(nats_server):
     async def body():
         nc = await connect(nats_server)

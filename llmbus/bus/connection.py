@@ -5,10 +5,23 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import nats
 from nats.aio.client import Client
 
 log = logging.getLogger("llmbus.bus")
+
+
+class _Client(Client):
+    """nats-py's client, except that a message whose headers it cannot parse loses its headers
+    instead of the connection. nats-py 2.16 decodes an inline status line (``NATS/1.0 <status>``)
+    outside its own guard: one message with non-UTF-8 bytes there, which any client may publish,
+    raised out of the read loop and left the connection deaf until the ping timeout."""
+
+    async def _process_headers(self, headers):
+        try:
+            return await super()._process_headers(headers)
+        except UnicodeDecodeError as exc:
+            log.warning("dropping a message's unreadable headers: %s", exc)
+            return None
 
 
 async def connect(
@@ -34,7 +47,8 @@ async def connect(
     async def on_reconnect() -> None:
         log.info("nats %s: reconnected", name)
 
-    opening = nats.connect(
+    nc = _Client()
+    opening = nc.connect(
         servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
         connect_timeout=connect_timeout,
@@ -48,7 +62,8 @@ async def connect(
         reconnected_cb=on_reconnect,
     )
     try:
-        return await asyncio.wait_for(opening, first_connect_s)
+        await asyncio.wait_for(opening, first_connect_s)
+        return nc
     except Exception as exc:  # nats raises NoServersError, OSError, TimeoutError...
         why = errors[-1] if errors else (str(exc) or type(exc).__name__)
         raise ConnectionError(f"cannot connect to NATS at {url}: {why}") from None
