@@ -211,3 +211,60 @@ def test_kvpool_bad_options_fail_before_connecting(tmp_path, extra, message):
     proc = subprocess.run([sys.executable, "-m", "services.kvpool", "--nats-url", "nats://127.0.0.1:1",
                            "--capacity-blocks", "4", *extra], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_kvpool_forgets_the_tier0_blocks_of_workers_gone_from_the_registry(tmp_path):
+    """A worker that crashed sends no BlockRemoved, and any client may publish KV events under an id
+    no worker has: kvpool drops the tier-0 blocks of a worker missing from the registry in two sweeps
+    running, and keeps those of a worker that is there."""
+    from llmbus.bus.server import EmbeddedNats
+    from llmbus.bus.service import ServiceOptions, run_service
+    from llmbus.bus.streams import StreamLimits
+    from llmbus.protocol import BlockStoredEvent, InstanceInfo, KVEvents, encode
+    from services.kvpool.config import KVPoolConfig, PrefixConfig
+    from services.kvpool.service import KVPool
+
+    layout = KVLayout(2, 2, 16, 16, dtype="float32")
+    config = KVPoolConfig(layout.bytes_per_block, 4, reclaim_interval_s=0.05,
+                          prefix=PrefixConfig(layout, cpu_bytes=4 * layout.bytes_per_block))
+    chain = [bytes([i]) * 16 for i in range(3)]
+
+    async def body(nats_url):  # a server of its own: no other kvpool answers its lookups
+        # sweeps 0.4 s apart; the registry bucket, made first, keeps the default 10 s TTL
+        options = ServiceOptions("kvpool", nats_url, heartbeat_s=0.1, limits=StreamLimits(registry_ttl_s=0.4))
+        nc = await connect(nats_url)
+        registry = await ensure_registry(nc.jetstream())
+        await registry.put(subjects.registry_key("decode", "w-live"), encode(InstanceInfo("w-live", "decode")))
+        holder: dict = {}
+
+        async def service(ctx):
+            holder["pool"] = KVPool(ctx, config)
+            await holder["pool"].run()
+
+        task = asyncio.create_task(run_service(options, service))
+        while "pool" not in holder or not holder["pool"].ctx.is_ready:
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.02)
+        for worker in ("w-live", "ghost"):
+            events = KVEvents(worker, stored=[BlockStoredEvent(chain, None, 16, "t0", worker)])
+            await nc.publish(subjects.KVPOOL_EVENTS, encode(events))
+        await nc.flush()
+        client = KVPoolClient(nc, transport="bus")
+
+        async def t0_hits():
+            return sorted((h.worker, h.num_blocks) for h in (await client.lookup(chain)).hits if h.tier == "t0")
+
+        assert await t0_hits() == [("ghost", 3), ("w-live", 3)]
+        for _ in range(200):
+            if await t0_hits() == [("w-live", 3)]:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # more sweeps: the registered worker stays
+        assert await t0_hits() == [("w-live", 3)]
+        await registry.delete(subjects.registry_key("decode", "w-live"))
+        holder["pool"].ctx.stop.set()
+        assert await asyncio.wait_for(task, 20) == 0
+        await nc.close()
+
+    with EmbeddedNats(tmp_path) as server:
+        run(body(server.url))

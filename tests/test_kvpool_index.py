@@ -27,11 +27,13 @@ def test_events_and_longest_prefix_per_location():
     assert idx.entry(h[3]).parent == h[2] and idx.entry(h[1]).parent == h[0] and idx.entry(h[0]).parent is None
     assert idx.lookup(h) == {("t0", "w1"): 3, ("cpu", ""): 2}  # ssd holds block 3 only: no prefix there
     assert idx.pool_prefix(h) == 2 and idx.pool_prefix(h, start=3) == 1
+    idx.apply(BlockStored(h[:3], None, 4, "t0", "w1"))  # again: the same three locations
+    assert idx.t0_workers() == {"w1": 3}
     idx.apply(BlockRemoved([h[1]], "t0", "w1"))
-    assert idx.lookup(h) == {("t0", "w1"): 1, ("cpu", ""): 2}
+    assert idx.lookup(h) == {("t0", "w1"): 1, ("cpu", ""): 2} and idx.t0_workers() == {"w1": 2}
     assert idx.remove(h[1], "t0", "w1") is False  # idempotent
-    assert idx.drop_worker("w1") == 2
-    assert idx.lookup(h) == {("cpu", ""): 2}
+    assert idx.drop_worker("w1") == 2 and idx.drop_worker("w1") == 0
+    assert idx.lookup(h) == {("cpu", ""): 2} and idx.t0_workers() == {}
     with pytest.raises(ValueError, match="tier must be one of"):
         idx.add(h[0], "gpu")
     with pytest.raises(ValueError, match="needs the worker's instance id"):

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
+from llmbus.bus.streams import read_registry
 from llmbus.protocol import (
     AllocateRequest,
     ErrorReply,
@@ -69,6 +71,8 @@ class KVPool:
             "fetch": (FetchRequest, self._fetch),
             "store": (StoreRequest, self._store),
         }
+        self._absent: set[str] = set()  # tier-0 workers the last registry sweep did not find
+        self._next_sweep = 0.0
 
     async def run(self) -> None:
         self.tier = CpuTier(self.config.block_bytes, self.config.capacity_blocks)
@@ -98,7 +102,26 @@ class KVPool:
                 await asyncio.wait_for(self.ctx.stop.wait(), self.config.reclaim_interval_s)
             for lease_id in self.allocator.reclaim_expired():
                 log.warning("reclaimed expired lease %s", lease_id)
+            if self.prefix is not None and time.monotonic() >= self._next_sweep:
+                self._next_sweep = time.monotonic() + self.ctx.options.limits.registry_ttl_s
+                await self._forget_gone_workers()
             self._report()
+
+    async def _forget_gone_workers(self) -> None:
+        """Drop the tier-0 blocks of workers missing from the registry in two sweeps running (one
+        registry TTL apart, so a worker that has just started is not taken for gone): a worker that
+        crashed sent no BlockRemoved, and an id no worker has (any client may publish KV events)
+        must not keep index entries for ever."""
+        try:
+            live = {info.instance_id for info in await read_registry(self.ctx.registry)}
+        except Exception as exc:  # NATS reconnecting: next sweep
+            log.debug("no registry read for the prefix index: %s", exc)
+            return
+        index = self.prefix.index
+        absent = set(index.t0_workers()) - live
+        for worker in absent & self._absent:
+            log.info("forgot %d tier-0 blocks of worker %s, gone from the registry", index.drop_worker(worker), worker)
+        self._absent = absent - self._absent
 
     def _report(self) -> None:
         self.ctx.report(free_blocks=self.allocator.free_blocks, total_blocks=self.allocator.capacity,
