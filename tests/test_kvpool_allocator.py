@@ -26,6 +26,22 @@ def test_allocate_lowest_blocks_first_and_exhaustion():
     assert a.allocate(2, 10).blocks == [0, 1]
 
 
+def test_lease_and_pin_ids_cannot_be_guessed_from_one_another():
+    """Whoever holds a lease id may release it: knowing one id (or the pool's) must not give the next."""
+    import re
+
+    from llmbus.kv.index import PrefixIndex
+
+    pool = BlockAllocator(8)
+    ids = [pool.allocate(1, 10.0).lease_id for _ in range(3)]
+    index = PrefixIndex()
+    index.add(b"h" * 16, "cpu")
+    pins = [index.pin([b"h" * 16], 10.0) for _ in range(3)]
+    for made in (ids, pins):
+        assert all(re.fullmatch(r"[0-9a-z]+-\d+-[0-9a-f]{16}", i) for i in made), made
+        assert len({i.rsplit("-", 1)[1] for i in made}) == 3
+
+
 def test_release_is_idempotent():
     a = BlockAllocator(4, clock=Clock())
     lease = a.allocate(3, 10)

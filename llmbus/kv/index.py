@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -216,7 +217,7 @@ class PrefixIndex:
         if missing:
             raise ValueError(f"cannot pin unknown block {missing[0]}")
         self.reclaim_expired()
-        pin = Pin(f"pin-{next(self._ids)}", list(hashes), self._clock() + ttl_s)
+        pin = Pin(f"pin-{next(self._ids)}-{secrets.token_hex(8)}", list(hashes), self._clock() + ttl_s)  # unguessable
         for h in pin.hashes:
             self._entries[h].pins += 1
         self._pins[pin.pin_id] = pin

@@ -65,7 +65,9 @@ class BlockAllocator:
         if num_blocks > len(self._free):
             raise PoolExhausted(f"kvpool has {len(self._free)} free blocks of {self.capacity}; {num_blocks} requested")
         blocks = [self._free.pop() for _ in range(num_blocks)]
-        lease = LeaseRecord(f"{self._prefix}-{next(self._ids)}", blocks, ttl_s, self._clock() + ttl_s, owner, request_id)
+        # NOTE: the random part makes a lease id unguessable: whoever holds it may read, write and release
+        lease_id = f"{self._prefix}-{next(self._ids)}-{secrets.token_hex(8)}"
+        lease = LeaseRecord(lease_id, blocks, ttl_s, self._clock() + ttl_s, owner, request_id)
         self._leases[lease.lease_id] = lease
         return lease
 
