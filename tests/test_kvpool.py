@@ -189,11 +189,35 @@ def test_a_new_segment_is_reserved_up_front_and_a_full_dev_shm_is_a_clear_error(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    name = shm.new_segment_name("llmbus_test")
+    name = shm.new_segment_name("llmbus_kvtest")
     with pytest.raises(OSError, match="shm_size"):
         shm.create(name, size)
     with pytest.raises(FileNotFoundError):  # nothing left behind
         shm.attach(name)
+
+
+def test_a_lease_naming_shared_memory_kvpool_did_not_make_is_refused(nats_server):
+    """A Lease's shm_name comes off the bus: a forged one must not map another program's segment."""
+    from llmbus.bus import shm
+    from llmbus.protocol import Lease
+
+    other = shm.create("not_llmbus_" + os.urandom(4).hex(), 4096)  # some other program's segment
+    try:
+        for name in (other.name, "llmbus_kv_../../x", "llmbus_kv_" + "0" * 11):
+            with pytest.raises(ValueError, match="not the name of a kvpool shared-memory segment"):
+                shm.attach(name)
+
+        async def body():
+            nc = await connect(nats_server)
+            client = KVPoolClient(nc, transport="shm")
+            lease = Lease("p-1-00", [0], 4096, other.name, 60.0, 2e9, "p")
+            with pytest.raises(KVPoolError, match="not the name of a kvpool shared-memory segment"):
+                await client.read_blocks(lease)
+            await nc.close()
+
+        run(body())
+    finally:
+        shm.destroy(other)
 
 
 @pytest.mark.parametrize("extra,message", [

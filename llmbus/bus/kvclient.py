@@ -169,6 +169,8 @@ class KVPoolClient:
         if seg is None:
             try:
                 seg = shm.attach(lease.shm_name)
+            except ValueError as exc:
+                raise KVPoolError(str(exc), "bad_request") from None
             except FileNotFoundError:
                 if self.transport == "shm":
                     raise KVPoolError(f"shared memory {lease.shm_name!r} is not on this host", "bad_request") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import sys
 from multiprocessing import resource_tracker, shared_memory
@@ -54,8 +55,15 @@ def destroy(segment: shared_memory.SharedMemory | None) -> None:
         pass
 
 
+_OURS = re.compile(r"llmbus_kv[a-z]*_[0-9a-f]{12}")  # what new_segment_name makes
+
+
 def attach(name: str) -> shared_memory.SharedMemory:
-    """Open an existing segment by name; FileNotFoundError if it is not on this host."""
+    """Open an existing segment by name; FileNotFoundError if it is not on this host. The name
+    comes off the bus (a Lease's shm_name): one that kvpool cannot have made is a ValueError, so a
+    forged lease cannot map some other program's shared memory into this process."""
+    if not isinstance(name, str) or not _OURS.fullmatch(name):
+        raise ValueError(f"{name!r} is not the name of a kvpool shared-memory segment")
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name=name, create=False, track=False)
     shm = shared_memory.SharedMemory(name=name, create=False)
