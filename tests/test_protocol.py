@@ -99,6 +99,10 @@ def test_unknown_keys_ignored_and_missing_appended_fields_defaulted():
         *[(msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "token_subject": bad}),
            "token_subject must be a NATS subject") for bad in ("a b", "a\r\nPUB x", "a.*", "a.>", ">", "a..b", ".a",
                                                                  "a.", "x" * 257)],
+        *[(msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "token_subject": bad}),
+           "token_subject must be llmbus.tok.<id>") for bad in ("llmbus.abort.r", "llmbus.kvpool.release",
+                                                                 "llmbus.tok", "llmbus.tok.a.b", "$JS.API.STREAM.DELETE.X",
+                                                                 "$JS.ACK.S.C.1.1.1.1.0")],
     ],
 )
 def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
@@ -109,7 +113,7 @@ def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
 
 
 def test_literal_token_subjects_are_accepted():
-    for subject in ("llmbus.tok.r", "llmbus.toks.gw-1", "my_tool.events", "a*b.c>d", "x" * 256):
+    for subject in ("llmbus.tok.r", "llmbus.toks.gw-1", "my_tool.events", "a*b.c>d", "x" * 256, "llmbusx.y"):
         assert GenerateRequest("r", "m", [1], token_subject=subject).token_subject == subject
 
 

@@ -97,8 +97,8 @@ def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
 
 
 def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
-    """A token_subject that is no literal NATS subject (whitespace, a wildcard, an empty token)
-    makes the request malformed: its failure goes to llmbus.tok.<request_id>, and the router
+    """A token_subject that is no literal NATS subject (whitespace, a wildcard, an empty token), or
+    one of llmbus's own subjects that is no token subject, makes the request malformed: its failure goes to llmbus.tok.<request_id>, and the router
     goes on routing. So it does after a request whose error would quote megabytes."""
     async def body():
         nc = await connect(nats_server)
@@ -108,7 +108,7 @@ def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
         async def scenario():
             good = GenerateRequest("r-good", "rt", [1, 2], token_subject=subjects.tokens("r-good"))
             bad = {"x-space": "llmbus.tok.a b", "x-wild": "llmbus.tok.*", "x-empty": "llmbus..tok",
-                   "x-tail": "llmbus.>"}
+                   "x-tail": "llmbus.>", "x-deputy": "llmbus.abort.r-good"}
             for rid, subject in bad.items():
                 raw = msgpack.packb({"request_id": rid, "model": "rt", "prompt_token_ids": [1, 2],
                                      "token_subject": subject})
@@ -129,7 +129,7 @@ def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
                 await m.ack()
             await w.close()
             for _ in range(100):
-                if len(events) == 6:
+                if len(events) == 7:
                     break
                 await asyncio.sleep(0.05)
             assert set(events) == {*bad, "x-both", "x-huge"}
@@ -139,7 +139,7 @@ def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
             assert huge.startswith("malformed request: GenerateRequest: lane must be") and len(huge) < 1100
 
         router = await _with_router(nats_server, ("rt",), 4, scenario)
-        assert router.routed == 1 and router.failed == 6
+        assert router.routed == 1 and router.failed == 7
         await nc.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

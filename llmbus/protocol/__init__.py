@@ -27,6 +27,7 @@ from llmbus.protocol.messages import (
     WriteRequest,
     check_id,
     check_subject,
+    check_token_subject,
 )
 from llmbus.protocol.messages import (  # noqa: E402 - the prefix-cache records (issue 5)
     BlockRemovedEvent,
@@ -46,8 +47,8 @@ __all__ = [
     "FINISH_REASONS", "LANES", "ROLES", "Abort", "AllocateRequest", "ErrorReply", "GenerateRequest",
     "Handoff", "InstanceInfo", "Lease", "LogprobEntry", "PoolStats", "ProtocolError", "ReadReply",
     "ReadRequest", "ReleaseReply", "ReleaseRequest", "RenewRequest", "SamplingSpec", "StatsRequest",
-    "TokenEvent", "TokenEvents", "WriteReply", "WriteRequest", "check_id", "check_subject", "decode",
-    "encode",
+    "TokenEvent", "TokenEvents", "WriteReply", "WriteRequest", "check_id", "check_subject", "check_token_subject",
+    "decode", "encode",
     "BlockRemovedEvent", "BlockStoredEvent", "FetchReply", "FetchRequest", "KVEvents", "LookupReply",
     "LookupRequest", "PrefixHit", "StoreReply", "StoreRequest", "TierStats",
 ]  # fmt: skip

@@ -38,6 +38,18 @@ def check_subject(kind: str, value: str) -> str:
     return value
 
 
+def check_token_subject(subject: str) -> str:
+    """Workers publish a request's events where it asks: not on a system subject (``$JS.API...``,
+    ``$JS.ACK...``) nor on llmbus's own other than ``llmbus.tok.<id>`` / ``llmbus.toks.<id>``
+    (an abort or kvpool subject), so a request cannot make a service speak where it must not."""
+    check_subject("token_subject", subject)
+    kind, _, rest = subject.partition(".")[2].partition(".")
+    if subject.startswith("$") or (subject.startswith("llmbus.") and (kind not in ("tok", "toks") or not rest or "." in rest)):
+        raise ValueError(f"token_subject must be llmbus.tok.<id>, llmbus.toks.<id> or outside llmbus.* "
+                         f"and $*, got {subject!r}")
+    return subject
+
+
 MAX_ERROR_CHARS = 1000  # error texts past this are cut: they may quote a hostile message's fields
 
 
@@ -127,7 +139,7 @@ class GenerateRequest:
         if self.lane not in ("",) + LANES:
             raise ValueError(f"lane must be one of {LANES} or empty, got {self.lane!r}")
         if self.token_subject:
-            check_subject("token_subject", self.token_subject)
+            check_token_subject(self.token_subject)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import read_registry
 from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker
-from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, check_subject, decode,
-                             encode)
+from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, check_token_subject,
+                             decode, encode)
 from services.router.policy import RouteError, RoutingPolicy, live_models
 
 log = logging.getLogger("llmbus.router")
@@ -107,7 +107,7 @@ class Router:
             rid = raw["request_id"]
             subject = subjects.tokens(rid)
             with contextlib.suppress(ValueError):  # a subject it cannot have asked for: its own
-                subject = check_subject("token_subject", raw.get("token_subject") or subject)
+                subject = check_token_subject(raw.get("token_subject") or subject)
             event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id)
         except Exception:
             return
