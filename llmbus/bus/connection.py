@@ -11,17 +11,19 @@ log = logging.getLogger("llmbus.bus")
 
 
 class _Client(Client):
-    """nats-py's client, except that a message whose headers it cannot parse loses its headers
-    instead of the connection. nats-py 2.16 decodes an inline status line (``NATS/1.0 <status>``)
-    outside its own guard: one message with non-UTF-8 bytes there, which any client may publish,
-    raised out of the read loop and left the connection deaf until the ping timeout."""
+    """nats-py's client, except that a message it cannot make sense of is dropped with a warning
+    instead of stopping its read loop. In nats-py 2.16 a subject, reply subject or inline status
+    line (``NATS/1.0 <status>``) that is not UTF-8, or a header block too short to hold a status,
+    raised out of the loop: the connection stayed up but heard nothing until the ping timeout
+    (~40 s). Any client may publish such a message on a subject a service listens on (an abort
+    subject reaches every worker), and a copy stored in a stream would do it again on every
+    redelivery."""
 
-    async def _process_headers(self, headers):
+    async def _process_msg(self, sid, subject, reply, data, headers) -> None:
         try:
-            return await super()._process_headers(headers)
-        except UnicodeDecodeError as exc:
-            log.warning("dropping a message's unreadable headers: %s", exc)
-            return None
+            await super()._process_msg(sid, subject, reply, data, headers)
+        except Exception as exc:  # NOTE: the parser has consumed the message: the stream stays in step
+            log.warning("dropping a message nats-py cannot read (subject %r): %r", bytes(subject)[:200], exc)
 
 
 async def connect(
