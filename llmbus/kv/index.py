@@ -76,7 +76,7 @@ class PrefixIndex:
         self._entries: dict[bytes, Entry] = {}
         self._lru: dict[str, OrderedDict[bytes, None]] = {t: OrderedDict() for t in POOL_TIERS}
         self._pins: dict[str, Pin] = {}
-        self._t0_blocks: dict[str, int] = {}  # worker -> tier-0 locations it holds
+        self._t0: dict[str, set[bytes]] = {}  # worker -> the blocks its tier 0 holds (drop_worker's work list)
         self._ids = itertools.count(1)
         self.reclaimed_pins = 0
 
@@ -100,8 +100,8 @@ class PrefixIndex:
         if parent is not None:
             e.parent = parent
         e.token_count = token_count or e.token_count
-        if tier == "t0" and loc not in e.where:
-            self._t0_blocks[worker] = self._t0_blocks.get(worker, 0) + 1
+        if tier == "t0":
+            self._t0.setdefault(worker, set()).add(h)
         e.where[loc] = self._clock()
         if tier in self._lru:
             self._lru[tier][h] = None
@@ -115,11 +115,10 @@ class PrefixIndex:
             return False
         del e.where[loc]
         if tier == "t0":
-            left = self._t0_blocks[worker] - 1
-            if left:
-                self._t0_blocks[worker] = left
-            else:
-                del self._t0_blocks[worker]
+            held = self._t0[worker]
+            held.discard(h)
+            if not held:
+                del self._t0[worker]
         if tier in self._lru:
             self._lru[tier].pop(h, None)
         if not e.where and not e.pins:
@@ -128,13 +127,12 @@ class PrefixIndex:
 
     def t0_workers(self) -> dict[str, int]:
         """Workers with tier-0 blocks in the index, and how many each."""
-        return dict(self._t0_blocks)
+        return {worker: len(held) for worker, held in self._t0.items()}
 
     def drop_worker(self, worker: str) -> int:
-        """Forget every tier-0 location of a worker that went away; returns how many."""
-        if worker not in self._t0_blocks:
-            return 0
-        gone = [h for h, e in self._entries.items() if ("t0", worker) in e.where]
+        """Forget every tier-0 location of a worker that went away; returns how many. Costs that
+        worker's blocks, not the index's."""
+        gone = list(self._t0.get(worker, ()))
         for h in gone:
             self.remove(h, "t0", worker)
         return len(gone)
