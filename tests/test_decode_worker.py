@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +41,42 @@ def _prefilled(engine: Engine, rid: str, prompt: list[int]) -> tuple[dict, torch
             return state, kv, list(state["output_token_ids"])
 
 
-def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp_path):
-    model, rid = "handoffrace", "doomed"
+def _handed_off(tmp_path, rid: str):
+    """Two engines on the small demo model and a prompt prefilled on the first: (that engine, the
+    other, the prompt, its exported state, KV rows and first token)."""
     model_dir = make_demo_model(tmp_path / "m", "small")
     source, engine = _engine(model_dir), _engine(model_dir)
+    prompt = list(range(7, 47))
+    return (source, engine, prompt, *_prefilled(source, rid, prompt))
+
+
+async def _bus(nats_server: str):
+    """A connection, its JetStream context (streams made) and a kvpool client over the bus."""
+    nc = await connect(nats_server)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    return nc, js, KVPoolClient(nc, transport="bus")
+
+
+def _start_kvpool(nats_server: str, block_bytes: int) -> subprocess.Popen:
+    kvpool = subprocess.Popen(
+        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes", str(block_bytes),
+         "--capacity-blocks", "16", "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert kvpool.stdout.readline().startswith(f"{READY_PREFIX} kvpool ")
+    return kvpool
+
+
+def _stop(kvpool: subprocess.Popen) -> None:
+    kvpool.terminate()
+    kvpool.wait(timeout=20)
+    kvpool.stdout.close()
+
+
+def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp_path):
+    model, rid = "handoffrace", "doomed"
+    source, engine, prompt, state, kv, first = _handed_off(tmp_path, rid)
     imported: list[str] = []
     import_sequence = engine.import_sequence
 
@@ -52,21 +85,10 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
         return import_sequence(state, kv, params)
 
     engine.import_sequence = recording_import
-    prompt = list(range(7, 47))
-    state, kv, first = _prefilled(source, rid, prompt)
-    block = kv_block_bytes(engine.layout, engine.config.kv_format)
-    kvpool = subprocess.Popen(
-        [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes", str(block),
-         "--capacity-blocks", "16", "--log-level", "WARNING"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert kvpool.stdout.readline().startswith(f"{READY_PREFIX} kvpool ")
+    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
-        client = KVPoolClient(nc, transport="bus")
+        nc, js, client = await _bus(nats_server)
         lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
         await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
         req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid),
@@ -121,11 +143,61 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
     try:
         events = asyncio.run(body())
     finally:
-        kvpool.terminate()
-        kvpool.wait(timeout=20)
-        kvpool.stdout.close()
+        _stop(kvpool)
     assert events == []  # no token decoded for nobody, no failure for a request its client gave up
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
     with contextlib.suppress(Exception):
         source.abort(rid)
+
+
+def test_a_handoff_whose_lease_is_not_as_kvpool_granted_it_is_refused(nats_server, tmp_path):
+    """A handoff comes off the bus: a lease naming blocks kvpool did not grant it (here another
+    request's, holding that request's KV) is refused before a byte is read, and released."""
+    model, rid = "forgedlease", "forged"
+    source, engine, prompt, state, kv, first = _handed_off(tmp_path, rid)
+    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
+
+    async def body():
+        nc, js, client = await _bus(nats_server)
+        own = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
+        other = await client.allocate(kv.shape[0], ttl_s=60, request_id="someone-else")
+        forged = dataclasses.replace(own, blocks=other.blocks)
+        req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid),
+                              sampling=SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=True))
+        handoff = Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
+                          lease=forged, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
+        events: list[TokenEvent] = []
+        failed = asyncio.Event()
+
+        async def on_token(msg):
+            events.append(decode(TokenEvent, msg.data))
+            failed.set()
+
+        await nc.subscribe(subjects.tokens(rid), cb=on_token)
+        holder: dict = {}
+
+        async def service(ctx):
+            holder["worker"] = DecodeWorker(ctx, engine, model)
+            await holder["worker"].run()
+
+        task = asyncio.create_task(run_service(ServiceOptions("decode", nats_server, models=(model,)), service))
+        await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+        await asyncio.wait_for(failed.wait(), 30)
+        stats = await client.stats()
+        holder["worker"].ctx.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+        assert await client.release(other.lease_id)  # still the other request's, untouched
+        await nc.close()
+        return events, stats
+
+    try:
+        events, stats = asyncio.run(body())
+    finally:
+        _stop(kvpool)
+    (event,) = events
+    assert event.finish_reason == "error"
+    assert "is not as kvpool granted it" in event.error
+    assert stats.active_leases == 1  # the forged handoff's own lease was released
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]

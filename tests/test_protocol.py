@@ -52,7 +52,8 @@ SAMPLES = [
     ReadReply("p-1", 0, b""),
     StatsRequest(),
     PoolStats("kvpool-1", 8, 6, 2, 1, 512, "llmbus_kv_ab", 0),
-    Handoff(_request(lane="short"), [42], 3, LEASE, {"request_id": "req-1", "output_token_ids": [42], "nested": {"a": [1.5]}},
+    Handoff(_request(lane="short"), [42], 3, LEASE, {"request_id": "req-1", "prompt_token_ids": [5, 6, 7],
+                                                   "output_token_ids": [42], "nested": {"a": [1.5]}},
             [2, 4, 64], "int8", "prefill-1", 1, 0),
     InstanceInfo("decode-1", "decode", ["demo"], 100, 2, "host", 1.7e9, 1234),
 ]
@@ -100,9 +101,10 @@ def test_unknown_keys_ignored_and_missing_appended_fields_defaulted():
            "token_subject must be a NATS subject") for bad in ("a b", "a\r\nPUB x", "a.*", "a.>", ">", "a..b", ".a",
                                                                  "a.", "x" * 257)],
         *[(msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": [1], "token_subject": bad}),
-           "token_subject must be llmbus.tok.<id>") for bad in ("llmbus.abort.r", "llmbus.kvpool.release",
-                                                                 "llmbus.tok", "llmbus.tok.a.b", "$JS.API.STREAM.DELETE.X",
-                                                                 "$JS.ACK.S.C.1.1.1.1.0")],
+           "token_subject must be llmbus.tok.r,") for bad in ("llmbus.abort.r", "llmbus.kvpool.release", "llmbus.tok",
+                                                               "llmbus.tok.r.b", "llmbus.tok.other-request",
+                                                               "llmbus.toks", "$JS.API.STREAM.DELETE.X",
+                                                               "$JS.ACK.S.C.1.1.1.1.0")],
     ],
 )
 def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
@@ -113,7 +115,8 @@ def test_malformed_generate_request_is_a_clear_protocol_error(payload, message):
 
 
 def test_literal_token_subjects_are_accepted():
-    for subject in ("llmbus.tok.r", "llmbus.toks.gw-1", "my_tool.events", "a*b.c>d", "x" * 256, "llmbusx.y"):
+    for subject in ("llmbus.tok.r", "llmbus.toks.gw-1", "my_tool.events", "a*b.c>d", "x" * 256, "llmbusx.y",
+                    "_INBOX.abc"):
         assert GenerateRequest("r", "m", [1], token_subject=subject).token_subject == subject
 
 
@@ -141,23 +144,29 @@ def test_token_event_invariants():
                                           "logprobs": [{"token_id": 1, "logprob": -1.0, "top": [[1]]}]}))
 
 
+STATE = {"request_id": "req-1", "prompt_token_ids": [5, 6, 7], "output_token_ids": [1]}  # a handoff's, trimmed
+
+
 def test_handoff_checks_the_lease_matches_the_kv_shape():
     with pytest.raises(ValueError, match="kv_shape has 3 blocks but the lease has 2"):
-        Handoff(_request(), [1], 3, LEASE, {"request_id": "req-1"}, [3, 4, 64], "model")
+        Handoff(_request(), [1], 3, LEASE, STATE, [3, 4, 64], "model")
 
 
 def test_handoff_checks_a_block_fits_the_lease_blocks():
     with pytest.raises(ValueError, match="does not fit"):
-        Handoff(_request(), [1], 3, LEASE, {"request_id": "req-1"}, [2, 4, 1 << 20], "model")
+        Handoff(_request(), [1], 3, LEASE, STATE, [2, 4, 1 << 20], "model")
 
 
 def test_handoff_checks_its_seq_and_that_its_state_is_its_request_s():
-    state = {"request_id": "req-1"}
-    Handoff(_request(), [1], 3, LEASE, state, [2, 4, 64], "model", next_seq=1)
-    with pytest.raises(ValueError, match="next_seq must be >= 1"):
-        Handoff(_request(), [1], 3, LEASE, state, [2, 4, 64], "model", next_seq=-1)
+    Handoff(_request(), [1], 3, LEASE, STATE, [2, 4, 64], "model", next_seq=1)
+    for seq in (-1, 0, 2**31, 2**64 - 1):
+        with pytest.raises(ValueError, match=r"next_seq must be in \[1, 2\*\*31\)"):
+            Handoff(_request(), [1], 3, LEASE, STATE, [2, 4, 64], "model", next_seq=seq)
     with pytest.raises(ValueError, match="state is of request 'other', not 'req-1'"):
-        Handoff(_request(), [1], 3, LEASE, {"request_id": "other"}, [2, 4, 64], "model")
+        Handoff(_request(), [1], 3, LEASE, STATE | {"request_id": "other"}, [2, 4, 64], "model")
+    for state in (STATE | {"prompt_token_ids": [5, 6, 8]}, STATE | {"output_token_ids": [2]}, {"request_id": "req-1"}):
+        with pytest.raises(ValueError, match="state's prompt and output tokens are not the request's"):
+            Handoff(_request(), [1], 3, LEASE, state, [2, 4, 64], "model")
 
 
 def test_encode_refuses_non_records():

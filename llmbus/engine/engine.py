@@ -369,7 +369,7 @@ class Engine:
         computed, cached = state["num_computed_tokens"], state.get("num_cached_tokens", 0)
         if not isinstance(salt, str):
             raise ValueError(f"handoff cache_salt must be a string, got {type(salt).__name__}")
-        if type(computed) is not int or not 0 < computed <= len(prompt) + len(outputs):
+        if type(computed) is not int or not 0 < computed < len(prompt) + len(outputs):  # the last token has no KV
             raise ValueError(f"handoff has {computed!r} computed tokens for {len(prompt) + len(outputs)} tokens")
         if type(cached) is not int or not 0 <= cached <= len(prompt):
             raise ValueError(f"handoff has {cached!r} cached tokens for a {len(prompt)}-token prompt")

@@ -38,14 +38,16 @@ def check_subject(kind: str, value: str) -> str:
     return value
 
 
-def check_token_subject(subject: str) -> str:
+def check_token_subject(subject: str, request_id: str) -> str:
     """Workers publish a request's events where it asks: not on a system subject (``$JS.API...``,
-    ``$JS.ACK...``) nor on llmbus's own other than ``llmbus.tok.<id>`` / ``llmbus.toks.<id>``
-    (an abort or kvpool subject), so a request cannot make a service speak where it must not."""
+    ``$JS.ACK...``) nor on llmbus's own other than its own ``llmbus.tok.<request_id>`` or a
+    gateway's ``llmbus.toks.<id>`` (not an abort or kvpool subject, nor another request's), so a
+    request cannot make a service speak where it must not."""
     check_subject("token_subject", subject)
     kind, _, rest = subject.partition(".")[2].partition(".")
-    if subject.startswith("$") or (subject.startswith("llmbus.") and (kind not in ("tok", "toks") or not rest or "." in rest)):
-        raise ValueError(f"token_subject must be llmbus.tok.<id>, llmbus.toks.<id> or outside llmbus.* "
+    ours = (kind == "tok" and rest == request_id) or (kind == "toks" and rest and "." not in rest)
+    if subject.startswith("$") or (subject.startswith("llmbus.") and not ours):
+        raise ValueError(f"token_subject must be llmbus.tok.{request_id}, llmbus.toks.<id> or outside llmbus.* "
                          f"and $*, got {subject!r}")
     return subject
 
@@ -139,7 +141,7 @@ class GenerateRequest:
         if self.lane not in ("",) + LANES:
             raise ValueError(f"lane must be one of {LANES} or empty, got {self.lane!r}")
         if self.token_subject:
-            check_token_subject(self.token_subject)
+            check_token_subject(self.token_subject, self.request_id)
 
 
 @dataclass(frozen=True)
@@ -379,10 +381,13 @@ class Handoff:
         if self.kv_shape[1] * self.kv_shape[2] > self.lease.block_bytes:
             raise ValueError(f"a block of {self.kv_shape[1] * self.kv_shape[2]} bytes does not fit the lease's "
                              f"{self.lease.block_bytes}-byte blocks")
-        if self.next_seq < 1:
-            raise ValueError(f"next_seq must be >= 1 (prefill published seq 0), got {self.next_seq}")
+        if not 1 <= self.next_seq <= MAX_TOKEN_ID:
+            raise ValueError(f"next_seq must be in [1, 2**31) (prefill published seq 0), got {self.next_seq}")
         if self.state.get("request_id") != self.request.request_id:
             raise ValueError(f"state is of request {self.state.get('request_id')!r}, not {self.request.request_id!r}")
+        if (self.state.get("prompt_token_ids") != self.request.prompt_token_ids
+                or self.state.get("output_token_ids") != self.output_token_ids):
+            raise ValueError("state's prompt and output tokens are not the request's and the handoff's")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_decode_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput
-from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, decode
+from llmbus.protocol import GenerateRequest, Handoff, Lease, ProtocolError, TokenEvent, decode
 from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import token_event
 
@@ -94,11 +94,12 @@ class DecodeWorker(EngineWorker):
             if handoff.kv_format != self.engine.config.kv_format:
                 raise ValueError(f"handoff KV is {handoff.kv_format}, this decode worker runs {self.engine.config.kv_format}")
             n, layers, layer_bytes = handoff.kv_shape
-            raw = await self.kv.read_blocks(handoff.lease)
+            lease = await self._confirmed(handoff.lease)
+            raw = await self.kv.read_blocks(lease)
             if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
                 await msg.ack()
                 return
-            kv = self.lease_rows(raw, n, handoff.lease.block_bytes, layers, layer_bytes)
+            kv = self.lease_rows(raw, n, lease.block_bytes, layers, layer_bytes)
             params = req.sampling.to_params()
             # NOTE: registered first: the engine may emit its first token before we resume
             self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
@@ -115,6 +116,15 @@ class DecodeWorker(EngineWorker):
             with contextlib.suppress(Exception):
                 await self.kv.release(handoff.lease.lease_id)
         await msg.ack()
+
+    async def _confirmed(self, lease: Lease) -> Lease:
+        """kvpool's own record of a handoff's lease (renewed for the read). The handoff came off the
+        bus: its block handles and segment are read only as kvpool granted them, so a forged lease
+        cannot point this worker at blocks (another request's KV) or sizes it was not given."""
+        granted = await self.kv.renew(lease.lease_id, lease.ttl_s)
+        if (granted.blocks, granted.block_bytes, granted.shm_name) != (lease.blocks, lease.block_bytes, lease.shm_name):
+            raise ValueError(f"the handoff's lease {lease.lease_id} is not as kvpool granted it")
+        return granted
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         self.events.put_nowait(outputs)

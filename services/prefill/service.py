@@ -179,7 +179,11 @@ class PrefillWorker(EngineWorker):
                 await self.kv.release(reply.lease.lease_id)
         layers = self.engine.layout.num_layers
         width = self._block_bytes // layers  # one layer's block in this cache's format
-        return hashes, local, self.lease_rows(raw, reply.num_blocks, reply.lease.block_bytes, layers, width)
+        try:
+            return hashes, local, self.lease_rows(raw, reply.num_blocks, reply.lease.block_bytes, layers, width)
+        except (ValueError, RuntimeError) as exc:  # a reply that does not add up: kvpool's fault, not the request's
+            log.warning("kvpool's prefix for %s does not fit this engine: %s", req.request_id, exc)
+            return hashes, local, None
 
     async def _store_from_tier0(self, req: GenerateRequest) -> None:
         """A request that ended on its first token never hands off, so its prompt's full blocks reach

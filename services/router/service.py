@@ -107,7 +107,7 @@ class Router:
             rid = raw["request_id"]
             subject = subjects.tokens(rid)
             with contextlib.suppress(ValueError):  # a subject it cannot have asked for: its own
-                subject = check_token_subject(raw.get("token_subject") or subject)
+                subject = check_token_subject(raw.get("token_subject") or subject, rid)
             event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id)
         except Exception:
             return
