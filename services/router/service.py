@@ -70,7 +70,7 @@ class Router:
         except ProtocolError as exc:
             log.warning("dropping malformed request: %s", exc)
             await self._fail_unreadable(msg.data, f"malformed request: {exc}")
-            await msg.term()
+            await _settle(msg.term())
             return
         try:
             if req.deadline is not None and req.deadline < time.time():
@@ -78,7 +78,7 @@ class Router:
             route = self.policy.route(req.model, len(req.prompt_token_ids), live_models(self.instances))
         except RouteError as exc:
             await self._fail(req, str(exc))
-            await msg.ack()
+            await _settle(msg.ack())
             return
         forwarded = dataclasses.replace(req, lane=route.lane)
         try:
@@ -87,12 +87,12 @@ class Router:
         except Exception as exc:  # no stream, timeout, disconnected: transient unless out of retries
             if worker.is_last_delivery(msg):
                 await self._fail(req, f"could not forward the request to prefill: {exc}")
-                await msg.term()
+                await _settle(msg.term())
             else:
-                await msg.nak(delay=1.0)
+                await _settle(msg.nak(delay=1.0))
             return
         self.routed += 1
-        await msg.ack()
+        await _settle(msg.ack())
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.failed += 1
@@ -123,3 +123,13 @@ class Router:
                 log.warning("could not read the registry: %s", exc)
             self.ctx.report(queue_depth=0)
             await asyncio.sleep(self.ctx.options.heartbeat_s)
+
+
+async def _settle(ack) -> None:
+    """An ack, nak or term after the request's fate is sent. Failing (NATS reconnecting), it must
+    not reach the loop's guard, which would fail a request already forwarded or failed: the message
+    comes back instead, and a second forward is a duplicate the prefill stream drops."""
+    try:
+        await ack
+    except Exception as exc:
+        log.debug("could not settle a request message: %s", exc)
