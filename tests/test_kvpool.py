@@ -240,11 +240,12 @@ def test_kvpool_bad_options_fail_before_connecting(tmp_path, extra, message):
 def test_kvpool_forgets_the_tier0_blocks_of_workers_gone_from_the_registry(tmp_path):
     """A worker that crashed sends no BlockRemoved, and any client may publish KV events under an id
     no worker has: kvpool drops the tier-0 blocks of a worker missing from the registry in two sweeps
-    running, and keeps those of a worker that is there."""
+    running, and keeps those of a worker that is there, as many as its cache holds (workers
+    announce what they cache, not what they evict): the ones announced last."""
     from llmbus.bus.server import EmbeddedNats
     from llmbus.bus.service import ServiceOptions, run_service
     from llmbus.bus.streams import StreamLimits
-    from llmbus.protocol import BlockStoredEvent, InstanceInfo, KVEvents, encode
+    from llmbus.protocol import BlockStoredEvent, InstanceInfo, KVEvents, PrefixHit, encode
     from services.kvpool.config import KVPoolConfig, PrefixConfig
     from services.kvpool.service import KVPool
 
@@ -258,7 +259,8 @@ def test_kvpool_forgets_the_tier0_blocks_of_workers_gone_from_the_registry(tmp_p
         options = ServiceOptions("kvpool", nats_url, heartbeat_s=0.1, limits=StreamLimits(registry_ttl_s=0.4))
         nc = await connect(nats_url)
         registry = await ensure_registry(nc.jetstream())
-        await registry.put(subjects.registry_key("decode", "w-live"), encode(InstanceInfo("w-live", "decode")))
+        live = InstanceInfo("w-live", "decode", total_blocks=3)
+        await registry.put(subjects.registry_key("decode", "w-live"), encode(live))
         holder: dict = {}
 
         async def service(ctx):
@@ -285,6 +287,14 @@ def test_kvpool_forgets_the_tier0_blocks_of_workers_gone_from_the_registry(tmp_p
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # more sweeps: the registered worker stays
         assert await t0_hits() == [("w-live", 3)]
+        later = [bytes([9, i]) * 8 for i in range(2)]  # its cache holds 3 blocks: 2 of the first chain go
+        events = KVEvents("w-live", stored=[BlockStoredEvent(later, None, 16, "t0", "w-live")])
+        await nc.publish(subjects.KVPOOL_EVENTS, encode(events))
+        for _ in range(200):
+            if await t0_hits() == []:
+                break
+            await asyncio.sleep(0.05)
+        assert await t0_hits() == [] and (await client.lookup(later)).hits == [PrefixHit("t0", "w-live", 2)]
         await registry.delete(subjects.registry_key("decode", "w-live"))
         holder["pool"].ctx.stop.set()
         assert await asyncio.wait_for(task, 20) == 0

@@ -32,6 +32,9 @@ def test_events_and_longest_prefix_per_location():
     idx.apply(BlockRemoved([h[1]], "t0", "w1"))
     assert idx.lookup(h) == {("t0", "w1"): 1, ("cpu", ""): 2} and idx.t0_workers() == {"w1": 2}
     assert idx.remove(h[1], "t0", "w1") is False  # idempotent
+    idx.apply(BlockStored(h[3:], h[2], 4, "t0", "w1"))
+    assert idx.limit_t0("w1", 5) == 0 and idx.limit_t0("w1", 2) == 1  # the oldest announced goes: h[0]
+    assert idx.lookup(h) == {("cpu", ""): 2} and idx.lookup(h[2:]) == {("t0", "w1"): 2}
     assert idx.drop_worker("w1") == 2 and idx.drop_worker("w1") == 0
     assert idx.lookup(h) == {("cpu", ""): 2} and idx.t0_workers() == {}
     with pytest.raises(ValueError, match="tier must be one of"):

@@ -76,7 +76,8 @@ class PrefixIndex:
         self._entries: dict[bytes, Entry] = {}
         self._lru: dict[str, OrderedDict[bytes, None]] = {t: OrderedDict() for t in POOL_TIERS}
         self._pins: dict[str, Pin] = {}
-        self._t0: dict[str, set[bytes]] = {}  # worker -> the blocks its tier 0 holds (drop_worker's work list)
+        # worker -> the blocks its tier 0 holds, oldest announced first (drop_worker's and limit_t0's work list)
+        self._t0: dict[str, OrderedDict[bytes, None]] = {}
         self._ids = itertools.count(1)
         self.reclaimed_pins = 0
 
@@ -101,7 +102,9 @@ class PrefixIndex:
             e.parent = parent
         e.token_count = token_count or e.token_count
         if tier == "t0":
-            self._t0.setdefault(worker, set()).add(h)
+            held = self._t0.setdefault(worker, OrderedDict())
+            held[h] = None
+            held.move_to_end(h)
         e.where[loc] = self._clock()
         if tier in self._lru:
             self._lru[tier][h] = None
@@ -116,7 +119,7 @@ class PrefixIndex:
         del e.where[loc]
         if tier == "t0":
             held = self._t0[worker]
-            held.discard(h)
+            held.pop(h, None)
             if not held:
                 del self._t0[worker]
         if tier in self._lru:
@@ -128,6 +131,15 @@ class PrefixIndex:
     def t0_workers(self) -> dict[str, int]:
         """Workers with tier-0 blocks in the index, and how many each."""
         return {worker: len(held) for worker, held in self._t0.items()}
+
+    def limit_t0(self, worker: str, max_blocks: int) -> int:
+        """Forget ``worker``'s oldest-announced tier-0 blocks past ``max_blocks`` (what its cache
+        holds at most: workers announce what they cache, not what they evict); returns how many."""
+        held = self._t0.get(worker)
+        excess = len(held) - max_blocks if held else 0
+        for h in list(itertools.islice(held, excess)) if excess > 0 else ():
+            self.remove(h, "t0", worker)
+        return max(0, excess)
 
     def drop_worker(self, worker: str) -> int:
         """Forget every tier-0 location of a worker that went away; returns how many. Costs that

@@ -111,17 +111,22 @@ class KVPool:
         """Drop the tier-0 blocks of workers missing from the registry in two sweeps running (one
         registry TTL apart, so a worker that has just started is not taken for gone): a worker that
         crashed sent no BlockRemoved, and an id no worker has (any client may publish KV events)
-        must not keep index entries for ever."""
+        must not keep index entries for ever. A live worker keeps at most the blocks its cache
+        holds (its registered total_blocks), the ones it announced last."""
         try:
-            live = {info.instance_id for info in await read_registry(self.ctx.registry)}
+            live = {info.instance_id: info.total_blocks for info in await read_registry(self.ctx.registry)}
         except Exception as exc:  # NATS reconnecting: next sweep
             log.debug("no registry read for the prefix index: %s", exc)
             return
         index = self.prefix.index
-        absent = set(index.t0_workers()) - live
+        held = index.t0_workers()
+        absent = set(held) - set(live)
         for worker in absent & self._absent:
             log.info("forgot %d tier-0 blocks of worker %s, gone from the registry", index.drop_worker(worker), worker)
         self._absent = absent - self._absent
+        for worker, total in live.items():  # workers announce what they cache, never what they evict
+            if total and held.get(worker, 0) > total:
+                index.limit_t0(worker, total)
 
     def _report(self) -> None:
         self.ctx.report(free_blocks=self.allocator.free_blocks, total_blocks=self.allocator.capacity,
