@@ -11,19 +11,33 @@ log = logging.getLogger("llmbus.bus")
 
 
 class _Client(Client):
-    """nats-py's client, except that a message it cannot make sense of is dropped with a warning
-    instead of stopping its read loop. In nats-py 2.16 a subject, reply subject or inline status
-    line (``NATS/1.0 <status>``) that is not UTF-8, or a header block too short to hold a status,
-    raised out of the loop: the connection stayed up but heard nothing until the ping timeout
-    (~40 s). Any client may publish such a message on a subject a service listens on (an abort
-    subject reaches every worker), and a copy stored in a stream would do it again on every
-    redelivery."""
+    """nats-py's client, hardened against messages it cannot read. In nats-py 2.16 a subject or
+    reply subject that is not UTF-8, an inline status line (``NATS/1.0 <status>``) that is not, or
+    a header block too short to hold a status, raised out of the read loop: the connection stayed
+    up but heard nothing until the ping timeout (~40 s). Any client may publish such a message on a
+    subject a service listens on (an abort subject reaches every worker).
+
+    Subjects are decoded with replacement characters, so such a message still reaches its
+    subscriber (a stream's consumer can then ack or term it, and a KV watcher's bookkeeping stays
+    whole); whatever else raises drops that one message, logged once at WARNING and then at DEBUG."""
+
+    _unreadable = 0
+
+    def _build_message(self, sid, subject, reply, data, headers):
+        try:
+            return super()._build_message(sid, subject, reply, data, headers)
+        except UnicodeDecodeError:
+            subject, reply = (bytes(b).decode(errors="replace").encode() for b in (subject, reply))
+            return super()._build_message(sid, subject, reply, data, headers)
 
     async def _process_msg(self, sid, subject, reply, data, headers) -> None:
         try:
             await super()._process_msg(sid, subject, reply, data, headers)
         except Exception as exc:  # NOTE: the parser has consumed the message: the stream stays in step
-            log.warning("dropping a message nats-py cannot read (subject %r): %r", bytes(subject)[:200], exc)
+            self._unreadable += 1
+            level = logging.WARNING if self._unreadable == 1 else logging.DEBUG
+            log.log(level, "dropped a message nats-py cannot read (%d so far; subject %r): %r",
+                    self._unreadable, bytes(subject)[:200], exc)
 
 
 async def connect(

@@ -8,6 +8,8 @@ messages the whole pool of replicas may hold unacked (the backpressure knob).
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
@@ -123,10 +125,16 @@ async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = No
         return await js.create_key_value(bucket=subjects.REGISTRY_BUCKET, ttl=limits.registry_ttl_s, history=1)
 
 
-async def read_registry(kv: KeyValue) -> list[InstanceInfo]:
+async def read_registry(kv: KeyValue, timeout_s: float = 5.0) -> list[InstanceInfo]:
     """Every live instance in the registry bucket; empty when none is (nats-py raises on an empty
     bucket). A key that expires between listing and reading, that nats-py refuses to read (a name
-    some other client put there), or that holds a record this version cannot decode, is skipped."""
+    some other client put there), or that holds a record this version cannot decode, is skipped.
+    TimeoutError after ``timeout_s``: listing keys waits on a watcher, which must not hold a
+    caller's loop for ever."""
+    return await asyncio.wait_for(_read_registry(kv), timeout_s)
+
+
+async def _read_registry(kv: KeyValue) -> list[InstanceInfo]:
     try:
         keys = await kv.keys()
     except NoKeysError:
