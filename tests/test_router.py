@@ -145,6 +145,41 @@ def test_a_bad_token_subject_fails_its_request_not_the_router(nats_server):
     asyncio.run(asyncio.wait_for(body(), 60))
 
 
+def test_a_request_that_comes_back_after_it_was_routed_is_not_failed(nats_server):
+    """A message whose ack was lost comes back after ack_wait: by then its deadline may have passed,
+    but prefill is serving it. The router acks it quietly instead of sending an error event."""
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        events = await _collect_token_events(nc)
+
+        async def scenario():
+            req = GenerateRequest("r-again", "rt", [1, 2], token_subject=subjects.tokens("r-again"),
+                                  deadline=time.time() + 1.0)
+            await js.publish(subjects.request_subject("rt"), encode(req), headers={subjects.MSG_ID_HEADER: "first"})
+            name = await ensure_prefill_consumer(js, "short", "rt")
+            w = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], name, max_deliver=5)
+            (forwarded,) = await w.fetch(10, timeout=5.0)
+            await forwarded.ack()
+            await asyncio.sleep(max(0.0, req.deadline - time.time()) + 0.1)
+            # the same request again, as a redelivery brings it (another message id: the stream keeps it)
+            await js.publish(subjects.request_subject("rt"), encode(req), headers={subjects.MSG_ID_HEADER: "again"})
+            for _ in range(100):
+                if (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await w.fetch(10, timeout=0.5) == []
+            await w.close()
+            await asyncio.sleep(0.2)
+            assert events == {}
+
+        router = await _with_router(nats_server, ("rt",), 4, scenario)
+        assert router.routed == 1 and router.failed == 0
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
 def test_router_process_reports_ready_registers_and_exits_cleanly(nats_server):
     import signal
     import subprocess

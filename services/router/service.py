@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 
 import msgpack
 
@@ -29,6 +30,8 @@ from services.router.policy import RouteError, RoutingPolicy, live_models
 
 log = logging.getLogger("llmbus.router")
 
+SETTLED_IDS = 65536  # ids remembered as routed or failed: far more than come back within ack_wait
+
 
 class Router:
     def __init__(self, ctx: ServiceContext, policy: RoutingPolicy, *, fetch_batch: int = 64) -> None:
@@ -39,6 +42,9 @@ class Router:
         self.routed = 0
         self.failed = 0
         self.tokens = TokenPublisher(ctx.nc)
+        # request ids whose fate was sent (forwarded or failed), newest last: a message that comes
+        # back because its ack failed is acked quietly, not routed (or failed) a second time
+        self._settled: OrderedDict[str, None] = OrderedDict()
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
@@ -72,6 +78,9 @@ class Router:
             await self._fail_unreadable(msg.data, f"malformed request: {exc}")
             await _settle(msg.term())
             return
+        if req.request_id in self._settled:
+            await _settle(msg.ack())
+            return
         try:
             if req.deadline is not None and req.deadline < time.time():
                 raise RouteError("the request's deadline passed before it was routed")
@@ -92,10 +101,17 @@ class Router:
                 await _settle(msg.nak(delay=1.0))
             return
         self.routed += 1
+        self._remember(req.request_id)
         await _settle(msg.ack())
+
+    def _remember(self, request_id: str) -> None:
+        self._settled[request_id] = None
+        if len(self._settled) > SETTLED_IDS:
+            self._settled.popitem(last=False)
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.failed += 1
+        self._remember(req.request_id)
         event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
                                    prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
         await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
