@@ -208,6 +208,12 @@ def test_read_registry_tolerates_empty_buckets_and_foreign_records(tmp_path):
         _raw_publish(url, f"PUB $KV.{subjects.REGISTRY_BUCKET}.k".encode() + b"\xff 2\r\nxx")
         await nc.flush()
         assert await asyncio.wait_for(read_registry(kv), 10) == [info]
+        # a read opens no watcher: nothing a timed-out read could leave behind, no consumer churn
+        subs = len(nc._subs)  # noqa: SLF001
+        for _ in range(3):
+            await read_registry(kv)
+        assert len(nc._subs) == subs  # noqa: SLF001
+        assert (await nc.jetstream().stream_info(f"KV_{subjects.REGISTRY_BUCKET}")).state.consumer_count == 0
         await kv.delete(subjects.registry_key("decode", "d-1"))
         await kv.purge(subjects.registry_key("decode", "junk"))
         assert await read_registry(kv) == []

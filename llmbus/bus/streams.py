@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import InvalidKeyError, KeyValueError, NoKeysError, NotFoundError
+from nats.js.errors import InvalidKeyError, KeyValueError, NotFoundError
 from nats.js.kv import KeyValue
 
 from llmbus.bus import subjects
@@ -126,23 +126,23 @@ async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = No
 
 
 async def read_registry(kv: KeyValue, timeout_s: float = 5.0) -> list[InstanceInfo]:
-    """Every live instance in the registry bucket; empty when none is (nats-py raises on an empty
-    bucket). A key that expires between listing and reading, that nats-py refuses to read (a name
-    some other client put there), or that holds a record this version cannot decode, is skipped.
-    TimeoutError after ``timeout_s``: listing keys waits on a watcher, which must not hold a
-    caller's loop for ever."""
+    """Every live instance in the registry bucket. A key that expires or is deleted between listing
+    and reading, that nats-py refuses to read (a name some other client put there), or that holds a
+    record this version cannot decode, is skipped. TimeoutError after ``timeout_s``.
+
+    NOTE: keys are listed from the bucket's stream info, one request, not with ``kv.keys()``: that
+    opens a watcher (a subscription and a server consumer) which it stops only when it completes,
+    so a read that times out would leak one on every registry refresh."""
     return await asyncio.wait_for(_read_registry(kv), timeout_s)
 
 
 async def _read_registry(kv: KeyValue) -> list[InstanceInfo]:
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+    prefix = f"$KV.{subjects.REGISTRY_BUCKET}."
+    info = await kv._js.stream_info(f"KV_{subjects.REGISTRY_BUCKET}", subjects_filter=f"{prefix}>")  # noqa: SLF001
     out: list[InstanceInfo] = []
-    for key in keys:
+    for subject in sorted(info.state.subjects or {}):
         try:
-            out.append(decode(InstanceInfo, (await kv.get(key)).value))
+            out.append(decode(InstanceInfo, (await kv.get(subject[len(prefix):])).value))
         except (KeyValueError, InvalidKeyError, ProtocolError):
             continue
     return out
