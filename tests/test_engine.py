@@ -194,6 +194,17 @@ def test_a_handoff_state_that_does_not_add_up_is_refused_before_it_is_decoded(mo
                          ({"num_cached_tokens": -1}, "-1 cached tokens")):
         with pytest.raises(ValueError, match=message):
             decode.import_sequence(state | bad, kv, GREEDY)
+    with pytest.raises(ValueError, match="expected \\[.*\\] for"):  # rows of another layout's width
+        decode.import_sequence(state, kv[:, :, :-8], GREEDY)
+    write_blocks = decode.write_blocks
+
+    def failing_write(*args):
+        raise RuntimeError("out of device memory")  # after the blocks were allocated
+
+    decode.write_blocks = failing_write
+    with pytest.raises(RuntimeError, match="out of device memory"):
+        decode.import_sequence(state, kv, GREEDY)
+    decode.write_blocks = write_blocks
     assert decode.leak_check() == {"requests": 0, "handoffs": 0, "free_blocks": decode.leak_check()["total_blocks"],
                                     "total_blocks": decode.leak_check()["total_blocks"], "tail_rows": 0}
     decode.import_sequence(state, kv, GREEDY)  # the same state, as prefill wrote it, decodes

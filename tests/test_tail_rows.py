@@ -188,7 +188,7 @@ def test_a_tail_that_does_not_fit_the_handoff_is_refused(model_dir):
     prefill.add_request("t", _prompt(21), GREEDY, prefill_only=True)
     prefill.step()
     state, kv = prefill.export_sequence("t")
-    with pytest.raises(ValueError, match="shape \\[2, 4, 1288\\]; expected \\[4, 4, bytes\\] for 21 tokens and a tail of 5"):
+    with pytest.raises(ValueError, match="shape \\[2, 4, 1288\\]; expected \\[4, 4, 1288\\] for 21 tokens and a tail of 5"):
         decode.import_sequence(state, kv[:2], GREEDY)
     with pytest.raises(ValueError, match="handoff tail of 4 float32 tokens for 21 computed tokens"):
         decode.import_sequence(state | {"tail_tokens": 4}, kv, GREEDY)

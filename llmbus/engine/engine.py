@@ -388,18 +388,23 @@ class Engine:
             raise ValueError(f"handoff tail of {tail_tokens} {tail_dtype} tokens for {computed} computed tokens "
                              f"in {self.layout.block_size}-token {self.config.kv_format} blocks")
         n_rows = n_blocks + (self._tail_rows_for(tail_tokens, tail_dtype, kv.shape[2]) if kv.dim() == 3 else 0)
-        if kv.dim() != 3 or kv.shape[0] != n_rows or kv.shape[1] != self.layout.num_layers:
+        layer_bytes = kv_block_bytes(self.layout, self.config.kv_format) // self.layout.num_layers
+        if kv.dim() != 3 or list(kv.shape) != [n_rows, self.layout.num_layers, layer_bytes]:
             raise ValueError(
-                f"handoff KV has shape {list(kv.shape)}; expected [{n_rows}, {self.layout.num_layers}, bytes] "
+                f"handoff KV has shape {list(kv.shape)}; expected [{n_rows}, {self.layout.num_layers}, {layer_bytes}] "
                 f"for {computed} tokens" + (f" and a tail of {tail_tokens}" if tail_tokens else "")
             )
         if not self.block_manager.allocate_computed(seq, computed):
             raise ValueError("no free KV blocks to import the sequence")
-        self.write_blocks(seq.block_table[:n_blocks], kv[:n_blocks])
-        if tail_tokens and self.runner.tails is not None:
-            shape = (self.layout.num_layers, 2, tail_tokens, self.layout.num_kv_heads, self.layout.head_dim)
-            exact = unpack_tail(kv[n_blocks:], shape, getattr(torch, tail_dtype))
-            self.runner.tails.received[request_id] = exact.to(self.device, getattr(torch, self.layout.dtype))
+        try:
+            self.write_blocks(seq.block_table[:n_blocks], kv[:n_blocks])
+            if tail_tokens and self.runner.tails is not None:
+                shape = (self.layout.num_layers, 2, tail_tokens, self.layout.num_kv_heads, self.layout.head_dim)
+                exact = unpack_tail(kv[n_blocks:], shape, getattr(torch, tail_dtype))
+                self.runner.tails.received[request_id] = exact.to(self.device, getattr(torch, self.layout.dtype))
+        except BaseException:  # out of device memory, say: the blocks just allocated must not be lost
+            self.block_manager.free(seq)
+            raise
         seq.num_cached_tokens = cached
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
