@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from nats.js.errors import NoStreamResponseError
@@ -108,6 +109,35 @@ def test_a_message_nats_py_cannot_read_does_not_deafen_the_connection(nats_serve
         await nc.close()
 
     run(body())
+
+
+def test_requests_refused_during_an_outage_leave_nothing_behind(tmp_path):
+    """nats-py filed each request's reply future before publishing, and a publish refused while
+    the server was away (its reconnect buffer full) left the future filed for good: one per request
+    made during an outage, on every kvpool call and every JetStream publish."""
+    from nats.errors import OutboundBufferLimitError
+
+    async def body(server):
+        nc = await connect(server.url)
+        await nc.request("$JS.API.INFO", b"", timeout=5)  # the reply inbox exists
+        server.stop()
+        while nc.is_connected:
+            await asyncio.sleep(0.02)
+        big = b"x" * (1536 * 1024)  # the default reconnect buffer is 2 MiB: the second does not fit
+        refused = 0
+        for _ in range(4):
+            try:
+                await nc.request("llmbus.test", big, timeout=0.1)
+            except OutboundBufferLimitError:
+                refused += 1
+            except Exception:  # the one that fits the buffer times out
+                pass
+        assert refused == 3 and nc._resp_map == {}  # noqa: SLF001
+        with contextlib.suppress(ConnectionError):  # nats-py flushes to the server that is gone
+            await nc.close()
+
+    with EmbeddedNats(tmp_path) as server:
+        run(body(server))
 
 
 def test_streams_idempotent_and_dedup_by_msg_id(nats_server):

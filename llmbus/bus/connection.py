@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from nats import errors as nats_errors
 from nats.aio.client import Client
 
 log = logging.getLogger("llmbus.bus")
@@ -22,6 +23,17 @@ class _Client(Client):
     whole); whatever else raises drops that one message, logged once at WARNING and then at DEBUG."""
 
     _unreadable = 0
+
+    async def _request_new_style(self, subject, payload, timeout=1, headers=None):
+        # NOTE: nats-py files the reply's future before it publishes and forgets it only once it
+        # resolves: a publish that raises (the reconnect buffer full, say) left one behind for good,
+        # one per request made during an outage. What that publish would refuse is refused first.
+        if len(payload) > self._max_payload:
+            raise nats_errors.MaxPayloadError
+        if not self.is_connected and (self._max_pending_size <= 0
+                                      or len(payload) + self._pending_data_size > self._max_pending_size):
+            raise nats_errors.OutboundBufferLimitError
+        return await super()._request_new_style(subject, payload, timeout, headers)
 
     def _build_message(self, sid, subject, reply, data, headers):
         try:
@@ -49,13 +61,13 @@ async def connect(
     """
     if not url:
         raise ValueError("a NATS URL is required, e.g. nats://127.0.0.1:4222")
-    errors: list[str] = []
+    errors: list[str] = []  # the last one only: the connection lives for days
 
     async def on_error(exc: Exception) -> None:
         msg = str(exc) or type(exc).__name__
         if not errors or errors[-1] != msg:  # NOTE: nats retries every 0.5 s; log each new error once
             log.warning("nats %s: %s", name, msg)
-        errors.append(msg)
+        errors[:] = [msg]
 
     async def on_disconnect() -> None:
         log.warning("nats %s: disconnected", name)
