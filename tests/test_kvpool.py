@@ -302,3 +302,32 @@ def test_kvpool_forgets_the_tier0_blocks_of_workers_gone_from_the_registry(tmp_p
 
     with EmbeddedNats(tmp_path) as server:
         run(body(server.url))
+
+
+def test_a_restarted_kvpool_s_old_segment_is_unmapped(nats_server):
+    """Each kvpool start makes a new segment: a worker that mapped the old one unmaps it when a lease
+    names the new one, or the old pool's memory would stay taken as long as the worker runs."""
+    from llmbus.bus import shm
+    from llmbus.protocol import Lease
+
+    old, new = (shm.create(shm.new_segment_name(), 4096) for _ in range(2))
+    try:
+        old.buf[:4] = b"old!"
+        new.buf[:4] = b"new!"
+
+        async def body():
+            nc = await connect(nats_server)
+            client = KVPoolClient(nc, transport="shm")
+            read = [await client.read_blocks(Lease(f"p-{i}-00", [0], 4096, seg.name, 60.0, 2e9, "p"))
+                    for i, seg in enumerate((old, new))]
+            mapped = dict(client._segments)  # noqa: SLF001
+            client.close()
+            await nc.close()
+            return read, mapped
+
+        read, mapped = run(body())
+        assert [bytes(r[:4]) for r in read] == [b"old!", b"new!"]
+        assert list(mapped) == [new.name]  # the old pool's mapping is gone
+    finally:
+        for seg in (old, new):
+            shm.destroy(seg)
