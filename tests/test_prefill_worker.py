@@ -318,6 +318,41 @@ def test_a_job_aborted_during_its_handoff_ends_quietly(nats_server, tmp_path, ca
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 
 
+def test_a_handoff_the_decode_stream_already_has_gives_its_lease_back(nats_server, tmp_path):
+    """A job redelivered after its handoff went out is handed off again; the decode stream drops the
+    second as a duplicate (same Nats-Msg-Id), so nobody will read or release its lease: prefill does
+    at once, instead of leaving the blocks taken until the lease expires (120 s)."""
+    from llmbus.bus.kvclient import KVPoolClient
+    from tests.test_decode_worker import _start_kvpool, _stop
+
+    model, rid = "duphandoff", "dup"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        await ensure_decode_consumer(js, model)
+        # the first handoff of this request, already in the decode stream
+        await js.publish(subjects.decode_subject(model), b"the first handoff", headers={subjects.MSG_ID_HEADER: rid})
+        events, first = await _token_events(nc, lambda ev: ev.request_id == rid)
+        client = KVPoolClient(nc, transport="bus")
+        async with _colocated_worker(nats_server, engine, model, colocated=False) as worker:
+            await _submit(js, model, rid, list(range(7, 47)), 8)
+            await asyncio.wait_for(first.wait(), 30)
+            while rid in worker.jobs:  # until the handoff is over (its job acked)
+                await asyncio.sleep(0.01)
+            assert (await client.stats()).active_leases == 0
+        assert [e.finish_reason for e in events[rid]] == [None]
+        await nc.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        _stop(kvpool)
+
+
 def test_an_engine_keeps_the_bytes_of_what_it_evicts(tmp_path):
     """keep_evicted: an evicted prefix block's bytes are copied before another sequence reuses it."""
     import torch

@@ -335,12 +335,15 @@ class PrefillWorker(EngineWorker):
                 next_seq=1,
                 num_cached_tokens=out.num_cached_tokens,
             )
-            await self.ctx.js.publish(subjects.decode_subject(self.model), encode(handoff),
-                                      headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
+            ack = await self.ctx.js.publish(subjects.decode_subject(self.model), encode(handoff),
+                                            headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.kv.release(lease.lease_id)
             raise
+        if ack.duplicate:  # a redelivered job handed off twice: decode reads the first lease, not this one
+            with contextlib.suppress(Exception):
+                await self.kv.release(lease.lease_id)
 
     async def on_abort(self, rid: str) -> None:
         job = self.jobs.pop(rid, None)
