@@ -271,6 +271,8 @@ def test_kvpool_forgets_the_tier0_blocks_of_workers_gone_from_the_registry(tmp_p
         while "pool" not in holder or not holder["pool"].ctx.is_ready:
             assert not task.done(), task.result()
             await asyncio.sleep(0.02)
+        # an id that is in the registry, but of no worker: nothing there holds a tier 0
+        await registry.put(subjects.registry_key("router", "ghost"), encode(InstanceInfo("ghost", "router")))
         for worker in ("w-live", "ghost"):
             events = KVEvents(worker, stored=[BlockStoredEvent(chain, None, 16, "t0", worker)])
             await nc.publish(subjects.KVPOOL_EVENTS, encode(events))

@@ -114,7 +114,8 @@ class KVPool:
         must not keep index entries for ever. A live worker keeps at most the blocks its cache
         holds (its registered total_blocks), the ones it announced last."""
         try:
-            live = {info.instance_id: info.total_blocks for info in await read_registry(self.ctx.registry)}
+            live = {info.instance_id: info.total_blocks for info in await read_registry(self.ctx.registry)
+                    if info.role in ("prefill", "decode")}  # only workers have a tier 0
         except Exception as exc:  # NATS reconnecting: next sweep
             log.debug("no registry read for the prefix index: %s", exc)
             return
