@@ -72,6 +72,43 @@ def test_submit_without_request_stream_is_503(tmp_path):
         _run(go(server.url))
 
 
+def test_a_submit_that_times_out_is_aborted_in_case_it_was_stored(tmp_path):
+    """A publish whose ack never came may have been stored all the same: the client gets its 503,
+    and the workers an Abort, or the request would be generated for nobody."""
+    from llmbus.bus import subjects
+    from llmbus.protocol import Abort, decode
+
+    async def go(url):
+        nc = await connect(url)
+        try:
+            taken, aborts = [], []
+
+            async def silent(msg):  # takes the request and never acks it: the publish times out
+                taken.append(msg.data)
+
+            async def on_abort(msg):
+                aborts.append(decode(Abort, msg.data))
+
+            await nc.subscribe(subjects.request_subject("demo"), cb=silent)
+            await nc.subscribe(subjects.abort("cmpl-y"), cb=on_abort)
+            bus = GatewayBus(nc, "gw-test", publish_timeout_s=0.3)
+            req = GenerateRequest("cmpl-y", "demo", [1, 2])
+            with pytest.raises(APIError) as exc:
+                await bus.submit(req, TokenStream("cmpl-y", 1.0))
+            assert (exc.value.status, exc.value.code) == (503, "service_unavailable")
+            await nc.flush()
+            for _ in range(50):
+                if aborts:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(taken) == 1 and aborts == [Abort("cmpl-y", "submit_failed")]
+        finally:
+            await nc.close()
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        _run(go(server.url))
+
+
 def test_gateway_does_not_import_torch():
     import subprocess
     import sys

@@ -353,6 +353,52 @@ def test_a_handoff_the_decode_stream_already_has_gives_its_lease_back(nats_serve
         _stop(kvpool)
 
 
+def test_a_job_whose_ack_fails_after_its_handoff_is_not_failed(nats_server, tmp_path, monkeypatch):
+    """Once the handoff is out, decode has the request: an ack that fails then (NATS reconnecting)
+    must not send the client an error event, which would end its stream, and so its abort, while
+    decode generates on for nobody."""
+    from nats.aio.msg import Msg
+
+    from llmbus.bus.kvclient import KVPoolClient
+    from tests.test_decode_worker import _start_kvpool, _stop
+
+    model, rid = "ackfails", "unacked"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
+    ack = Msg.ack
+
+    async def failing_ack(msg):
+        if msg.subject == subjects.prefill_subject("short", model):
+            raise ConnectionError("injected: the connection dropped")
+        return await ack(msg)
+
+    monkeypatch.setattr(Msg, "ack", failing_ack)
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        handoffs = await js.pull_subscribe_bind(await ensure_decode_consumer(js, model), stream=subjects.DECODE_STREAM)
+        events, first = await _token_events(nc, lambda ev: ev.request_id == rid)
+        async with _colocated_worker(nats_server, engine, model, colocated=False) as worker:
+            await _submit(js, model, rid, list(range(7, 47)), 8)
+            await asyncio.wait_for(first.wait(), 30)
+            while rid in worker.jobs:
+                await asyncio.sleep(0.01)
+            (msg,) = await handoffs.fetch(1, timeout=10)
+            handoff = decode(Handoff, msg.data)
+            await msg.ack()
+            await asyncio.sleep(0.2)
+        assert [e.finish_reason for e in events[rid]] == [None]  # the first token, and no failure
+        await KVPoolClient(nc, transport="bus").release(handoff.lease.lease_id)
+        await nc.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        _stop(kvpool)
+
+
 def test_an_engine_keeps_the_bytes_of_what_it_evicts(tmp_path):
     """keep_evicted: an evicted prefix block's bytes are copied before another sequence reuses it."""
     import torch

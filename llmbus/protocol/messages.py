@@ -204,7 +204,8 @@ class Abort:
     """Anyone -> workers on core subject ``llmbus.abort.<request_id>``: stop and free the request."""
 
     request_id: str
-    reason: str = ""  # "client_disconnected" | "stop_string" | "token_stream_failed" | "gateway_error" | free text
+    reason: str = ""  # "client_disconnected" | "stop_string" | "token_stream_failed" | "gateway_error" |
+    # "submit_failed" | free text
 
     def __post_init__(self) -> None:
         check_id("request_id", self.request_id)

@@ -10,6 +10,7 @@ retries), so no event can arrive before its stream is there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -72,6 +73,10 @@ class GatewayBus:
                                code="service_unavailable") from None
         except Exception as exc:  # timeouts, disconnects: the client sees 503, not a traceback
             sub.close()
+            # NOTE: a publish that timed out may still have been stored: the workers are told to drop
+            # it, or it would be generated for nobody, up to its max_tokens
+            with contextlib.suppress(Exception):
+                await self.abort(request.request_id, "submit_failed")
             raise server_error(f"could not enqueue the request: {type(exc).__name__}: {exc}", 503,
                                code="service_unavailable") from None
         return sub

@@ -262,7 +262,11 @@ class PrefillWorker(EngineWorker):
             # worker drops it (its recent aborts) and releases its lease
             await self._hand_off(req, out, state, kv)
             if not self._aborted(job):
-                await job.msg.ack()
+                try:
+                    await job.msg.ack()
+                except Exception as exc:  # NOTE: decode has the request now: no failure event, which
+                    # would end the client's stream (and so its abort) while decode runs on for nobody
+                    log.debug("could not ack the handed-off job %s: %s", rid, exc)
         except Exception as exc:
             if self._aborted(job):  # e.g. the export found the sequence gone: nothing failed
                 log.debug("prefill of %s ended by its abort: %r", rid, exc)
