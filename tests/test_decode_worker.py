@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +59,65 @@ async def _bus(nats_server: str):
     return nc, js, KVPoolClient(nc, transport="bus")
 
 
+def slow_steps(engine, seconds: float) -> None:
+    """Make each of ``engine``'s steps take ``seconds`` longer: what a request does before some
+    other event (a deadline) then no longer depends on how fast the machine is."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow_step
+
+
+async def _final_event(nc, rid: str) -> tuple[list[TokenEvent], asyncio.Event]:
+    """``rid``'s TokenEvents as they arrive, and an event set by its final one."""
+    events: list[TokenEvent] = []
+    done = asyncio.Event()
+
+    async def on_token(msg):
+        events.append(decode(TokenEvent, msg.data))
+        if events[-1].finish_reason:
+            done.set()
+
+    await nc.subscribe(subjects.tokens(rid), cb=on_token)
+    return events, done
+
+
+@contextlib.asynccontextmanager
+async def serving(nats_server: str, role: str, model: str, make):
+    """The worker ``make(ctx)`` builds, run as a ``role`` service until the block ends; yields it."""
+    holder: dict = {}
+
+    async def service(ctx):
+        holder["worker"] = make(ctx)
+        await holder["worker"].run()
+
+    task = asyncio.create_task(run_service(ServiceOptions(role, nats_server, models=(model,)), service))
+    while "worker" not in holder or not holder["worker"].ctx.is_ready:
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield holder["worker"]
+    finally:
+        holder["worker"].ctx.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
+def _decode_worker(nats_server: str, engine, model: str):
+    return serving(nats_server, "decode", model, lambda ctx: DecodeWorker(ctx, engine, model))
+
+
+def with_kvpool(nats_server: str, engine, body):
+    """``asyncio.run(body())`` beside a kvpool process sized for ``engine``'s blocks."""
+    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
+    try:
+        return asyncio.run(asyncio.wait_for(body(), 120))
+    finally:
+        _stop(kvpool)
+
+
 def _start_kvpool(nats_server: str, block_bytes: int) -> subprocess.Popen:
     kvpool = subprocess.Popen(
         [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes", str(block_bytes),
@@ -85,8 +145,6 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
         return import_sequence(state, kv, params)
 
     engine.import_sequence = recording_import
-    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
-
     async def body():
         nc, js, client = await _bus(nats_server)
         lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
@@ -140,10 +198,7 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
         await nc.close()
         return events
 
-    try:
-        events = asyncio.run(body())
-    finally:
-        _stop(kvpool)
+    events = with_kvpool(nats_server, engine, body)
     assert events == []  # no token decoded for nobody, no failure for a request its client gave up
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
@@ -156,8 +211,6 @@ def test_a_handoff_whose_lease_is_not_as_kvpool_granted_it_is_refused(nats_serve
     request's, holding that request's KV) is refused before a byte is read, and released."""
     model, rid = "forgedlease", "forged"
     source, engine, prompt, state, kv, first = _handed_off(tmp_path, rid)
-    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
-
     async def body():
         nc, js, client = await _bus(nats_server)
         own = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
@@ -167,37 +220,52 @@ def test_a_handoff_whose_lease_is_not_as_kvpool_granted_it_is_refused(nats_serve
                               sampling=SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=True))
         handoff = Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
                           lease=forged, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
-        events: list[TokenEvent] = []
-        failed = asyncio.Event()
-
-        async def on_token(msg):
-            events.append(decode(TokenEvent, msg.data))
-            failed.set()
-
-        await nc.subscribe(subjects.tokens(rid), cb=on_token)
-        holder: dict = {}
-
-        async def service(ctx):
-            holder["worker"] = DecodeWorker(ctx, engine, model)
-            await holder["worker"].run()
-
-        task = asyncio.create_task(run_service(ServiceOptions("decode", nats_server, models=(model,)), service))
-        await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
-        await asyncio.wait_for(failed.wait(), 30)
-        stats = await client.stats()
-        holder["worker"].ctx.stop.set()
-        assert await asyncio.wait_for(task, 30) == 0
+        events, failed = await _final_event(nc, rid)
+        async with _decode_worker(nats_server, engine, model):
+            await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+            await asyncio.wait_for(failed.wait(), 30)
+            stats = await client.stats()
         assert await client.release(other.lease_id)  # still the other request's, untouched
         await nc.close()
         return events, stats
 
-    try:
-        events, stats = asyncio.run(body())
-    finally:
-        _stop(kvpool)
+    events, stats = with_kvpool(nats_server, engine, body)
     (event,) = events
     assert event.finish_reason == "error"
     assert "is not as kvpool granted it" in event.error
     assert stats.active_leases == 1  # the forged handoff's own lease was released
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
+def test_a_decoding_request_past_its_deadline_is_ended_with_abort(nats_server, tmp_path):
+    """Past the gateway's deadline a decode worker ends the request itself, with a final ``abort``
+    event, instead of generating to max_tokens for a client that may be gone."""
+    model, rid = "decodedeadline", "late"
+    source, engine, prompt, state, kv, first = _handed_off(tmp_path, rid)
+    slow_steps(engine, 0.05)  # the 40 tokens would take 2 s: the deadline, 1 s away, comes first
+    async def body():
+        nc, js, client = await _bus(nats_server)
+        lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
+        await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
+        req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid), deadline=time.time() + 1.0,
+                              sampling=SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True))
+        handoff = Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
+                          lease=lease, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
+        events, done = await _final_event(nc, rid)
+        async with _decode_worker(nats_server, engine, model) as worker:
+            await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+            await asyncio.wait_for(done.wait(), 30)
+            await asyncio.sleep(0.3)  # steps a request still running would have published in
+            assert worker.active == {}
+        await nc.close()
+        return events
+
+    events = with_kvpool(nats_server, engine, body)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1)) and 1 < len(events) < 40
+    assert events[-1].finish_reason == "abort" and "deadline" in events[-1].error
+    assert all(e.finish_reason is None for e in events[:-1])
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+    with contextlib.suppress(Exception):
+        source.abort(rid)

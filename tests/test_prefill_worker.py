@@ -15,7 +15,7 @@ from pathlib import Path
 
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
-from llmbus.bus.service import READY_PREFIX, ServiceOptions, run_service
+from llmbus.bus.service import READY_PREFIX
 from llmbus.bus.streams import ensure_decode_consumer, ensure_streams
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine, kv_block_bytes
@@ -53,24 +53,11 @@ async def _token_events(nc, finished) -> tuple[dict[str, list[TokenEvent]], asyn
     return events, done
 
 
-@contextlib.asynccontextmanager
-async def _colocated_worker(nats_server: str, engine: Engine, model: str, colocated: bool = True):
+def _colocated_worker(nats_server: str, engine: Engine, model: str, colocated: bool = True):
     """A PrefillWorker (colocated unless told) run as a service until the block ends; yields the worker."""
-    holder: dict = {}
+    from tests.test_decode_worker import serving
 
-    async def service(ctx):
-        holder["worker"] = PrefillWorker(ctx, engine, model, colocated=colocated)
-        await holder["worker"].run()
-
-    task = asyncio.create_task(run_service(ServiceOptions("prefill", nats_server, models=(model,)), service))
-    while "worker" not in holder or not holder["worker"].ctx.is_ready:
-        assert not task.done(), task.result()
-        await asyncio.sleep(0.01)
-    try:
-        yield holder["worker"]
-    finally:
-        holder["worker"].ctx.stop.set()
-        assert await asyncio.wait_for(task, 30) == 0
+    return serving(nats_server, "prefill", model, lambda ctx: PrefillWorker(ctx, engine, model, colocated=colocated))
 
 
 def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
@@ -323,11 +310,10 @@ def test_a_handoff_the_decode_stream_already_has_gives_its_lease_back(nats_serve
     second as a duplicate (same Nats-Msg-Id), so nobody will read or release its lease: prefill does
     at once, instead of leaving the blocks taken until the lease expires (120 s)."""
     from llmbus.bus.kvclient import KVPoolClient
-    from tests.test_decode_worker import _start_kvpool, _stop
+    from tests.test_decode_worker import with_kvpool
 
     model, rid = "duphandoff", "dup"
     engine = _engine(tmp_path, enable_prefix_caching=False)
-    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
 
     async def body():
         nc = await connect(nats_server)
@@ -347,10 +333,7 @@ def test_a_handoff_the_decode_stream_already_has_gives_its_lease_back(nats_serve
         assert [e.finish_reason for e in events[rid]] == [None]
         await nc.close()
 
-    try:
-        asyncio.run(asyncio.wait_for(body(), 60))
-    finally:
-        _stop(kvpool)
+    with_kvpool(nats_server, engine, body)
 
 
 def test_a_job_whose_ack_fails_after_its_handoff_is_not_failed(nats_server, tmp_path, monkeypatch):
@@ -360,11 +343,10 @@ def test_a_job_whose_ack_fails_after_its_handoff_is_not_failed(nats_server, tmp_
     from nats.aio.msg import Msg
 
     from llmbus.bus.kvclient import KVPoolClient
-    from tests.test_decode_worker import _start_kvpool, _stop
+    from tests.test_decode_worker import with_kvpool
 
     model, rid = "ackfails", "unacked"
     engine = _engine(tmp_path, enable_prefix_caching=False)
-    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
     ack = Msg.ack
 
     async def failing_ack(msg):
@@ -393,10 +375,42 @@ def test_a_job_whose_ack_fails_after_its_handoff_is_not_failed(nats_server, tmp_
         await KVPoolClient(nc, transport="bus").release(handoff.lease.lease_id)
         await nc.close()
 
-    try:
-        asyncio.run(asyncio.wait_for(body(), 60))
-    finally:
-        _stop(kvpool)
+    with_kvpool(nats_server, engine, body)
+
+
+def test_a_colocated_request_past_its_deadline_is_ended_with_abort(nats_server, tmp_path):
+    """The gateway's deadline bounds how long a request runs when its client is gone and the abort
+    was lost: past it, the worker ends the request with a final ``abort`` event and frees it."""
+    from tests.test_decode_worker import slow_steps
+
+    model, rid = "deadline", "late"
+    engine = _engine(tmp_path)
+    slow_steps(engine, 0.05)  # 400 tokens would take 20 s: the 1 s deadline comes first
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        events, done = await _token_events(nc, lambda ev: ev.finish_reason is not None)
+        async with _colocated_worker(nats_server, engine, model) as worker:
+            req = GenerateRequest(rid, model, list(range(7, 47)), token_subject=subjects.tokens(rid),
+                                  sampling=SamplingSpec(max_tokens=400, temperature=0.0, ignore_eos=True),
+                                  deadline=time.time() + 1.0)
+            await js.publish(subjects.prefill_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
+            await asyncio.wait_for(done.wait(), 30)
+            await asyncio.sleep(0.3)  # steps a request still running would have published in
+            assert worker.jobs == {}
+            info = await js.consumer_info(subjects.PREFILL_STREAMS["short"], subjects.prefill_consumer("short", model))
+            assert info.num_ack_pending == 0
+        await nc.close()
+        return events[rid]
+
+    evs = asyncio.run(asyncio.wait_for(body(), 60))
+    assert [e.seq for e in evs] == list(range(len(evs))) and 1 < len(evs) < 400
+    assert evs[-1].finish_reason == "abort" and "deadline" in evs[-1].error
+    assert all(e.finish_reason is None for e in evs[:-1])
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 
 
 def test_an_engine_keeps_the_bytes_of_what_it_evicts(tmp_path):

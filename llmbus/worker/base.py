@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from llmbus.bus import subjects
@@ -47,6 +48,7 @@ class EngineWorker(abc.ABC):
         self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
         self.tokens = TokenPublisher(ctx.nc)
         self.loop: EngineLoop | None = None
+        self._tasks: set[asyncio.Task] = set()  # background work, held until done
 
     def start_engine(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_outputs)
@@ -70,6 +72,32 @@ class EngineWorker(abc.ABC):
     @abc.abstractmethod
     async def on_abort(self, rid: str) -> None:
         """Stop ``rid`` if this worker holds it."""
+
+    def spawn(self, coro) -> None:
+        """Run ``coro`` in the background, held until it is done."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def end_past_deadline(self, held: dict, now: float | None = None) -> list:
+        """End the requests in ``held`` (id -> record with ``request`` and ``next_seq``) whose
+        deadline has passed: each is removed from ``held`` and gets its final event, ``abort``
+        with the reason, at its next seq; returns the records. Called from the task that publishes
+        their events, so no event of theirs can follow; the caller stops them in the engine.
+
+        NOTE: the gateway's deadline (its --request-timeout) bounds how long a request whose client
+        is gone, and whose abort was lost, can hold a batch slot and blocks."""
+        now = time.time() if now is None else now
+        ended = [rid for rid, rec in held.items() if rec.request.deadline is not None and rec.request.deadline < now]
+        records = [held.pop(rid) for rid in ended]
+        for rec in records:
+            req = rec.request
+            log.info("ending %s: its deadline passed", req.request_id)
+            await self.publish(req, TokenEvent(req.request_id, rec.next_seq, finish_reason="abort",
+                                               error="the request's deadline passed", worker=self.ctx.instance_id,
+                                               prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+            self.recent_aborts.add(req.request_id)
+        return records
 
     @property
     @abc.abstractmethod

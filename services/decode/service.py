@@ -30,6 +30,9 @@ from llmbus.worker.events import token_event
 log = logging.getLogger("llmbus.decode")
 
 
+DEADLINE_CHECK_S = 1.0  # how often, at least, the requests' deadlines are checked
+
+
 @dataclass
 class Active:
     request: GenerateRequest
@@ -43,7 +46,6 @@ class DecodeWorker(EngineWorker):
         self.min_free_blocks = max(1, int(engine.runner.num_blocks * min_free_fraction))
         self.active: dict[str, Active] = {}
         self.events: asyncio.Queue = asyncio.Queue()
-        self._tasks: set[asyncio.Task] = set()
 
     @property
     def held(self) -> int:
@@ -132,7 +134,10 @@ class DecodeWorker(EngineWorker):
     async def _publisher(self) -> None:
         """One task publishes every TokenEvent, so each request's events leave in seq order."""
         while True:
-            outputs = await self.events.get()
+            try:
+                outputs = await asyncio.wait_for(self.events.get(), DEADLINE_CHECK_S)
+            except asyncio.TimeoutError:
+                outputs = []
             for out in outputs:
                 act = self.active.get(out.request_id)
                 if act is None:
@@ -146,9 +151,9 @@ class DecodeWorker(EngineWorker):
                 act.output_token_ids += out.new_token_ids
                 if reason is not None:
                     self.active.pop(out.request_id, None)
-                    task = asyncio.create_task(self._commit_prefix(act))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self.spawn(self._commit_prefix(act))
+            for act in await self.end_past_deadline(self.active):
+                self.spawn(self.loop.call(lambda e, rid=act.request.request_id: e.abort(rid)))
             self.report()
 
     async def _commit_prefix(self, act: Active) -> None:

@@ -39,6 +39,9 @@ from llmbus.worker.events import token_event
 log = logging.getLogger("llmbus.prefill")
 
 
+DEADLINE_CHECK_S = 1.0  # colocated mode: how often, at least, the requests' deadlines are checked
+
+
 @dataclass
 class Job:
     msg: object
@@ -57,7 +60,6 @@ class PrefillWorker(EngineWorker):
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
         self.jobs: dict[str, Job] = {}
-        self._tasks: set[asyncio.Task] = set()
 
     @property
     def held(self) -> int:
@@ -230,9 +232,7 @@ class PrefillWorker(EngineWorker):
             if self.colocated:
                 self.events.put_nowait((job, out))
                 continue
-            task = asyncio.create_task(self._finish(job, out))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self._finish(job, out))
 
     def _aborted(self, job: Job) -> bool:
         """Whether ``on_abort`` took the job: it stopped the sequence, acked the message and closed
@@ -286,18 +286,33 @@ class PrefillWorker(EngineWorker):
         """Colocated mode: one task publishes every TokenEvent, in seq order; a job is acked when its
         request finishes."""
         while True:
-            job, out = await self.events.get()
-            req = job.request
-            if out.finish_reason != "abort":
-                await self.publish(req, token_event(out, job.next_seq, self.ctx.instance_id, out.finish_reason))
-            job.next_seq += 1
-            if out.finish_reason is None:
-                continue
-            self.jobs.pop(req.request_id, None)
-            with contextlib.suppress(Exception):
-                await job.msg.ack()
-            await job.stack.aclose()
-            self.report()
+            try:
+                job, out = await asyncio.wait_for(self.events.get(), DEADLINE_CHECK_S)
+            except asyncio.TimeoutError:
+                job = out = None
+            if job is not None and not self._aborted(job):  # an aborted job's last outputs go nowhere
+                req = job.request
+                if out.finish_reason != "abort":
+                    await self.publish(req, token_event(out, job.next_seq, self.ctx.instance_id, out.finish_reason))
+                job.next_seq += 1
+                if out.finish_reason is not None:
+                    self.jobs.pop(req.request_id, None)
+                    await self._let_go(job)
+            for ended in await self.end_past_deadline(self.jobs):
+                self.spawn(self._stop(ended))
+
+    async def _stop(self, job: Job) -> None:
+        """Stop a job no longer in ``jobs`` in the engine, and let it go."""
+        rid = job.request.request_id
+        await self.loop.call(lambda e: e.abort(rid))
+        await self._let_go(job)
+
+    async def _let_go(self, job: Job) -> None:
+        """Ack a job taken out of ``jobs`` and close what it held."""
+        with contextlib.suppress(Exception):
+            await job.msg.ack()
+        await job.stack.aclose()
+        self.report()
 
     async def _write_back(self, period_s: float = 0.25) -> None:
         """Colocated mode: prompt blocks reach kvpool when this worker's cache evicts them, not when
@@ -351,13 +366,8 @@ class PrefillWorker(EngineWorker):
 
     async def on_abort(self, rid: str) -> None:
         job = self.jobs.pop(rid, None)
-        if job is None:
-            return
-        await self.loop.call(lambda e: e.abort(rid))
-        with contextlib.suppress(Exception):
-            await job.msg.ack()
-        await job.stack.aclose()
-        self.report()
+        if job is not None:
+            await self._stop(job)
 
     async def _release_all(self) -> None:
         """On shutdown, give unfinished jobs back to the stream so another replica takes them."""
