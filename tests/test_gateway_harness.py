@@ -122,7 +122,8 @@ def reply_script(ids: list[int], *, per_event: int = 1, finish: str = "stop", ca
                  logprobs=None, gap_after: int | None = None, silent_after: int | None = None,
                  delay: float = 0.0, error: str | None = None):
     """A script sending ``ids`` ``per_event`` at a time with exact cumulative usage, then a finish.
-    ``gap_after=k`` skips seq k+1; ``silent_after=k`` stops after k events; ``error`` fails at the end."""
+    ``gap_after=k`` skips seq k+1; ``silent_after=k`` stops after k events; ``error`` fails at the end
+    (or is the message of another ``finish``, such as a worker's ``abort``)."""
 
     async def script(req: GenerateRequest, emit) -> None:
         seq, sent = 0, 0
@@ -133,7 +134,7 @@ def reply_script(ids: list[int], *, per_event: int = 1, finish: str = "stop", ca
             sent += len(chunk)
             last = i == len(chunks) - 1
             lps = logprobs(chunk) if logprobs else None
-            reason = ("error" if error else finish) if last else None
+            reason = ("error" if error and finish == "stop" else finish) if last else None
             await emit(TokenEvent(req.request_id, seq, chunk, lps, reason, error if last else None,
                                   len(req.prompt_token_ids), cached, sent, "scripted"))
             seq += 2 if gap_after is not None and seq == gap_after else 1

@@ -180,6 +180,17 @@ def test_worker_error_non_stream_500_and_stream_event(http, worker, tokenizer):
     assert worker.aborts_for(events[0]["id"]) == []  # the worker ended it: nothing to abort
 
 
+def test_a_request_the_workers_end_at_its_deadline_is_a_503_saying_so(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "a b"), finish="abort", error="the request's deadline passed")
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS})
+    err = r.json()["error"]
+    assert (r.status_code, err["code"]) == (503, "aborted") and "deadline passed" in err["message"]
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-2]["error"]["code"] == "aborted" and "deadline passed" in events[-2]["error"]["message"]
+    assert events[-1] == "[DONE]" and worker.aborts_for(events[0]["id"]) == []  # the worker ended it
+
+
 def _logprob_entries(chunk):
     return [LogprobEntry(t, -0.25 * (j + 1), [(t, -0.25 * (j + 1)), (7, -3.0)]) for j, t in enumerate(chunk)]
 

@@ -108,8 +108,9 @@ class Generation:
                                                            code="worker_error"))
         if event.finish_reason == "abort":
             self.finished = True
-            return Piece("".join(text), error=server_error(
-                "the request was aborted by the workers (deadline or shutdown)", 503, code="aborted"))
+            why = event.error or "deadline or shutdown"
+            return Piece("".join(text), error=server_error(f"the request was aborted by the workers: {why}", 503,
+                                                           code="aborted"))
         if event.finish_reason is not None:
             self.finished = True
             text.append(self._feed(self._detok.finish()))
