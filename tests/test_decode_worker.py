@@ -109,6 +109,17 @@ def _decode_worker(nats_server: str, engine, model: str):
     return serving(nats_server, "decode", model, lambda ctx: DecodeWorker(ctx, engine, model))
 
 
+async def _handoff_in_pool(client, engine, model: str, prompt, state, kv, first, deadline: float | None = None):
+    """The Handoff prefill would publish for ``state``: its KV rows written to a fresh kvpool lease."""
+    rid = state["request_id"]
+    lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
+    await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
+    req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid), deadline=deadline,
+                          sampling=SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True))
+    return Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
+                   lease=lease, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
+
+
 def with_kvpool(nats_server: str, engine, body):
     """``asyncio.run(body())`` beside a kvpool process sized for ``engine``'s blocks."""
     kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
@@ -147,12 +158,7 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
     engine.import_sequence = recording_import
     async def body():
         nc, js, client = await _bus(nats_server)
-        lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
-        await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
-        req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid),
-                              sampling=SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True))
-        handoff = Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
-                          lease=lease, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
+        handoff = await _handoff_in_pool(client, engine, model, prompt, state, kv, first)
         events: list[TokenEvent] = []
 
         async def on_token(msg):
@@ -246,12 +252,7 @@ def test_a_decoding_request_past_its_deadline_is_ended_with_abort(nats_server, t
     slow_steps(engine, 0.05)  # the 40 tokens would take 2 s: the deadline, 1 s away, comes first
     async def body():
         nc, js, client = await _bus(nats_server)
-        lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
-        await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
-        req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid), deadline=time.time() + 1.0,
-                              sampling=SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True))
-        handoff = Handoff(request=req, output_token_ids=first, num_computed_tokens=state["num_computed_tokens"],
-                          lease=lease, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
+        handoff = await _handoff_in_pool(client, engine, model, prompt, state, kv, first, deadline=time.time() + 1.0)
         events, done = await _final_event(nc, rid)
         async with _decode_worker(nats_server, engine, model) as worker:
             await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
@@ -267,5 +268,38 @@ def test_a_decoding_request_past_its_deadline_is_ended_with_abort(nats_server, t
     assert all(e.finish_reason is None for e in events[:-1])
     leaks = engine.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+    with contextlib.suppress(Exception):
+        source.abort(rid)
+
+
+def test_a_handoff_ended_by_its_deadline_while_imported_gets_one_final_event(nats_server, tmp_path):
+    """The deadline can pass while the handoff is being imported: the worker's abort event is then
+    the request's final one, even when the import goes on to fail."""
+    model, rid = "importdeadline", "late-import"
+    source, engine, prompt, state, kv, first = _handed_off(tmp_path, rid)
+    import_sequence = engine.import_sequence
+
+    def slow_failing_import(*args):
+        time.sleep(1.6)  # past the deadline and a deadline check
+        import_sequence(*args)
+        raise RuntimeError("injected: the import failed after all")
+
+    engine.import_sequence = slow_failing_import
+
+    async def body():
+        nc, js, client = await _bus(nats_server)
+        handoff = await _handoff_in_pool(client, engine, model, prompt, state, kv, first, deadline=time.time() + 0.5)
+        events, done = await _final_event(nc, rid)
+        async with _decode_worker(nats_server, engine, model):
+            await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+            await asyncio.wait_for(done.wait(), 30)
+            await asyncio.sleep(1.6)  # the import's end, and what the worker does about it
+            assert (await client.stats()).active_leases == 0
+        await nc.close()
+        return events
+
+    events = with_kvpool(nats_server, engine, body)
+    assert [(e.seq, e.finish_reason) for e in events] == [(1, "abort")]
+    assert engine.leak_check()["requests"] == 0  # the expiry's abort reached the engine after the import
     with contextlib.suppress(Exception):
         source.abort(rid)

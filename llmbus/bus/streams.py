@@ -133,11 +133,13 @@ async def read_registry(kv: KeyValue, timeout_s: float = 5.0) -> list[InstanceIn
     NOTE: keys are listed from the bucket's stream info, one request, not with ``kv.keys()``: that
     opens a watcher (a subscription and a server consumer) which it stops only when it completes,
     so a read that times out would leak one on every registry refresh."""
-    return await asyncio.wait_for(_read_registry(kv), timeout_s)
+    async with asyncio.timeout(timeout_s):  # NOTE: not wait_for, which on 3.11 can swallow a cancel
+        return await _read_registry(kv)
 
 
 async def _read_registry(kv: KeyValue) -> list[InstanceInfo]:
     prefix = f"$KV.{subjects.REGISTRY_BUCKET}."
+    # NOTE: one page of at most 100,000 subjects (nats-py asks for no more): far past any registry
     info = await kv._js.stream_info(f"KV_{subjects.REGISTRY_BUCKET}", subjects_filter=f"{prefix}>")  # noqa: SLF001
     out: list[InstanceInfo] = []
     for subject in sorted(info.state.subjects or {}):

@@ -167,7 +167,7 @@ class TokenEvent:
     token_ids: list[int] = field(default_factory=list)  # new tokens in this event (may be empty at the end)
     logprobs: list[LogprobEntry] | None = None  # one entry per token in token_ids, when requested
     finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
-    error: str | None = None  # human-readable message when finish_reason == "error" (<= MAX_ERROR_CHARS)
+    error: str | None = None  # why, when finish_reason is "error" or "abort" (<= MAX_ERROR_CHARS)
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0  # output tokens so far, including these

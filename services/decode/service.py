@@ -107,7 +107,11 @@ class DecodeWorker(EngineWorker):
             self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
             await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
         except Exception as exc:
-            self.active.pop(rid, None)
+            # ended while it was taken (its deadline, an abort): its final event is out, no second one
+            if self.active.pop(rid, None) is None and rid in self.recent_aborts:
+                log.debug("handoff %s ended while taken: %s", rid, exc)
+                await msg.term()
+                return
             log.warning("cannot take handoff %s: %s", rid, exc)
             await self.publish(req, TokenEvent.failure(rid, f"decode could not take the request: {exc}",
                                                         seq=handoff.next_seq, worker=self.ctx.instance_id,
@@ -134,9 +138,10 @@ class DecodeWorker(EngineWorker):
     async def _publisher(self) -> None:
         """One task publishes every TokenEvent, so each request's events leave in seq order."""
         while True:
-            try:
-                outputs = await asyncio.wait_for(self.events.get(), DEADLINE_CHECK_S)
-            except asyncio.TimeoutError:
+            try:  # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow shutdown's cancel
+                async with asyncio.timeout(DEADLINE_CHECK_S):
+                    outputs = await self.events.get()
+            except TimeoutError:
                 outputs = []
             for out in outputs:
                 act = self.active.get(out.request_id)

@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-model-len", type=int, default=None, help="override every model's context length")
     p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of token-stream silence before failing")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="request deadline in seconds")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="request deadline in seconds: a request still generating this long after it was "
+                        "accepted is ended by its worker (503 aborted)")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
     config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,

@@ -286,9 +286,10 @@ class PrefillWorker(EngineWorker):
         """Colocated mode: one task publishes every TokenEvent, in seq order; a job is acked when its
         request finishes."""
         while True:
-            try:
-                job, out = await asyncio.wait_for(self.events.get(), DEADLINE_CHECK_S)
-            except asyncio.TimeoutError:
+            try:  # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow shutdown's cancel
+                async with asyncio.timeout(DEADLINE_CHECK_S):
+                    job, out = await self.events.get()
+            except TimeoutError:
                 job = out = None
             if job is not None and not self._aborted(job):  # an aborted job's last outputs go nowhere
                 req = job.request
