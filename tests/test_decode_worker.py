@@ -303,3 +303,30 @@ def test_a_handoff_ended_by_its_deadline_while_imported_gets_one_final_event(nat
     assert engine.leak_check()["requests"] == 0  # the expiry's abort reached the engine after the import
     with contextlib.suppress(Exception):
         source.abort(rid)
+
+
+def test_best_effort_stores_in_flight_are_bounded(nats_server, tmp_path):
+    """Each kvpool store holds a copy of its blocks until kvpool answers: with kvpool slow, a worker
+    runs MAX_STORES at once and skips the rest (losing only their reuse), instead of piling them up."""
+    from llmbus.worker.base import MAX_STORES
+
+    engine = _engine(make_demo_model(tmp_path / "m", "small"))
+
+    async def body():
+        release = asyncio.Event()
+        started: list[int] = []
+
+        async def slow_store(i: int) -> None:
+            started.append(i)
+            await release.wait()
+
+        async with _decode_worker(nats_server, engine, "boundedstores") as worker:
+            ran = [worker.spawn_store(slow_store(i)) for i in range(MAX_STORES + 3)]
+            await asyncio.sleep(0.1)
+            assert ran == [True] * MAX_STORES + [False] * 3 and worker.stores_in_flight == MAX_STORES
+            assert sorted(started) == list(range(MAX_STORES))
+            release.set()
+            await asyncio.sleep(0.1)
+            assert worker.stores_in_flight == 0 and worker.spawn_store(slow_store(99))
+
+    asyncio.run(asyncio.wait_for(body(), 60))

@@ -22,6 +22,8 @@ from llmbus.worker.engine_loop import EngineLoop
 
 log = logging.getLogger("llmbus.worker")
 
+MAX_STORES = 8  # best-effort kvpool stores a worker has in flight at most
+
 
 class RecentIds:
     """The last ``size`` ids seen (an abort can arrive before the work it cancels)."""
@@ -49,6 +51,7 @@ class EngineWorker(abc.ABC):
         self.tokens = TokenPublisher(ctx.nc)
         self.loop: EngineLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # background work, held until done
+        self.stores_in_flight = 0
 
     def start_engine(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_outputs)
@@ -78,6 +81,25 @@ class EngineWorker(abc.ABC):
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def spawn_store(self, coro) -> bool:
+        """Run a best-effort kvpool store in the background, unless ``MAX_STORES`` are in flight:
+        each holds a copy of its blocks while kvpool answers (up to four 5 s calls), so a slow kvpool
+        must not pile them up. A store skipped only loses that prefix's reuse. Whether it runs."""
+        if self.stores_in_flight >= MAX_STORES:
+            coro.close()
+            log.debug("skipping a kvpool store: %d in flight", self.stores_in_flight)
+            return False
+        self.stores_in_flight += 1
+
+        async def run() -> None:
+            try:
+                await coro
+            finally:
+                self.stores_in_flight -= 1
+
+        self.spawn(run())
+        return True
 
     async def end_past_deadline(self, held: dict, now: float | None = None) -> list:
         """End the requests in ``held`` (id -> record with ``request`` and ``next_seq``) whose

@@ -250,7 +250,7 @@ class PrefillWorker(EngineWorker):
                 if not self._aborted(job):
                     await job.msg.ack()
                 if out.finish_reason != "abort":
-                    await self._store_from_tier0(req)
+                    self.spawn_store(self._store_from_tier0(req))
                 return
             await self.publish(req, token_event(out, 0, self.ctx.instance_id, None))
             if self._aborted(job):
