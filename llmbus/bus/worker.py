@@ -7,11 +7,15 @@ Contract for a job ``msg`` from :meth:`PullWorker.fetch`:
   (transient failure: redeliver after s), ``msg.term()`` (poison: never redeliver).
 - ``is_last_delivery(msg)``: the server will not redeliver after this attempt; fail the request
   clearly (a TokenEvent with finish_reason "error") instead of nak-ing it into silence.
+
+``RecentIds`` remembers the last ids a consumer settled or was told about (an abort can arrive
+before the work it cancels; a redelivery can follow work already done).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -22,6 +26,22 @@ from nats.js import JetStreamContext
 
 # the wait for each job the consumer reported pending: another replica may have taken it meanwhile
 _READY_WAIT_S = 0.05
+
+
+class RecentIds:
+    """The last ``size`` ids seen, oldest forgotten first."""
+
+    def __init__(self, size: int = 10000) -> None:
+        self.size = size
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def add(self, rid: str) -> None:
+        self._ids[rid] = None
+        while len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._ids
 
 
 class PullWorker:

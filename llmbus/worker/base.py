@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -15,7 +14,7 @@ from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.tokens import TokenPublisher
-from llmbus.bus.worker import PullWorker
+from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.engine.engine import Engine, StepOutput
 from llmbus.protocol import Abort, GenerateRequest, ProtocolError, StoreReply, TokenEvent, decode
 from llmbus.worker.engine_loop import EngineLoop
@@ -23,22 +22,6 @@ from llmbus.worker.engine_loop import EngineLoop
 log = logging.getLogger("llmbus.worker")
 
 MAX_STORES = 8  # best-effort kvpool stores a worker has in flight at most
-
-
-class RecentIds:
-    """The last ``size`` ids seen (an abort can arrive before the work it cancels)."""
-
-    def __init__(self, size: int = 10000) -> None:
-        self.size = size
-        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
-
-    def add(self, rid: str) -> None:
-        self._ids[rid] = None
-        while len(self._ids) > self.size:
-            self._ids.popitem(last=False)
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._ids
 
 
 class EngineWorker(abc.ABC):

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import OrderedDict
 
 import msgpack
 
@@ -23,7 +22,7 @@ from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import read_registry
 from llmbus.bus.tokens import TokenPublisher
-from llmbus.bus.worker import PullWorker
+from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, check_token_subject,
                              decode, encode)
 from services.router.policy import RouteError, RoutingPolicy, live_models
@@ -42,9 +41,9 @@ class Router:
         self.routed = 0
         self.failed = 0
         self.tokens = TokenPublisher(ctx.nc)
-        # request ids whose fate was sent (forwarded or failed), newest last: a message that comes
-        # back because its ack failed is acked quietly, not routed (or failed) a second time
-        self._settled: OrderedDict[str, None] = OrderedDict()
+        # request ids whose fate was sent (forwarded or failed): a message that comes back because
+        # its ack failed is acked quietly, not routed (or failed) a second time
+        self._settled = RecentIds(SETTLED_IDS)
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
@@ -101,17 +100,12 @@ class Router:
                 await _settle(msg.nak(delay=1.0))
             return
         self.routed += 1
-        self._remember(req.request_id)
+        self._settled.add(req.request_id)
         await _settle(msg.ack())
-
-    def _remember(self, request_id: str) -> None:
-        self._settled[request_id] = None
-        if len(self._settled) > SETTLED_IDS:
-            self._settled.popitem(last=False)
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.failed += 1
-        self._remember(req.request_id)
+        self._settled.add(req.request_id)
         event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
                                    prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
         await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
