@@ -22,6 +22,7 @@ from llmbus.worker.engine_loop import EngineLoop
 log = logging.getLogger("llmbus.worker")
 
 MAX_STORES = 8  # best-effort kvpool stores a worker has in flight at most
+DEADLINE_CHECK_S = 1.0  # how often, at least, a publisher checks its requests' deadlines
 
 
 class EngineWorker(abc.ABC):
@@ -83,6 +84,17 @@ class EngineWorker(abc.ABC):
 
         self.spawn(run())
         return True
+
+    @staticmethod
+    async def next_or_none(queue: asyncio.Queue):
+        """The queue's next item, or None after DEADLINE_CHECK_S: a publisher's wait, so that it
+        checks its requests' deadlines even while the engine sends it nothing.
+        NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow shutdown's cancel."""
+        try:
+            async with asyncio.timeout(DEADLINE_CHECK_S):
+                return await queue.get()
+        except TimeoutError:
+            return None
 
     async def end_past_deadline(self, held: dict, now: float | None = None) -> list:
         """End the requests in ``held`` (id -> record with ``request`` and ``next_seq``) whose

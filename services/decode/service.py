@@ -30,9 +30,6 @@ from llmbus.worker.events import token_event
 log = logging.getLogger("llmbus.decode")
 
 
-DEADLINE_CHECK_S = 1.0  # how often, at least, the requests' deadlines are checked
-
-
 @dataclass
 class Active:
     request: GenerateRequest
@@ -138,12 +135,7 @@ class DecodeWorker(EngineWorker):
     async def _publisher(self) -> None:
         """One task publishes every TokenEvent, so each request's events leave in seq order."""
         while True:
-            try:  # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow shutdown's cancel
-                async with asyncio.timeout(DEADLINE_CHECK_S):
-                    outputs = await self.events.get()
-            except TimeoutError:
-                outputs = []
-            for out in outputs:
+            for out in await self.next_or_none(self.events) or ():
                 act = self.active.get(out.request_id)
                 if act is None:
                     continue

@@ -39,9 +39,6 @@ from llmbus.worker.events import token_event
 log = logging.getLogger("llmbus.prefill")
 
 
-DEADLINE_CHECK_S = 1.0  # colocated mode: how often, at least, the requests' deadlines are checked
-
-
 @dataclass
 class Job:
     msg: object
@@ -286,11 +283,7 @@ class PrefillWorker(EngineWorker):
         """Colocated mode: one task publishes every TokenEvent, in seq order; a job is acked when its
         request finishes."""
         while True:
-            try:  # NOTE: asyncio.timeout, not wait_for: on 3.11 wait_for can swallow shutdown's cancel
-                async with asyncio.timeout(DEADLINE_CHECK_S):
-                    job, out = await self.events.get()
-            except TimeoutError:
-                job = out = None
+            job, out = await self.next_or_none(self.events) or (None, None)
             if job is not None and not self._aborted(job):  # an aborted job's last outputs go nowhere
                 req = job.request
                 if out.finish_reason != "abort":
