@@ -10,7 +10,6 @@ the client refuses it once ``expires_at`` has passed (kvpool may have handed the
 from __future__ import annotations
 
 import contextlib
-
 import time
 
 from nats.aio.client import Client
@@ -178,26 +177,21 @@ class KVPoolClient:
                     raise KVPoolError(f"shared memory {lease.shm_name!r} is not on this host", "bad_request") from None
                 self._segments[lease.shm_name] = False  # remember: another host, use the bus
                 return None
-            self._forget_segments()
+            # NOTE: a segment not mapped yet means kvpool restarted (one kvpool per NATS, one lease
+            # segment each): the old one, unlinked by now, is unmapped, or its memory would stay
+            # taken for as long as this worker runs, once per restart. Every copy in or out of a
+            # segment is synchronous: none is under way here.
+            self.close()
             self._segments[lease.shm_name] = seg
         if seg and lease.expires_at <= time.time():
             raise KVPoolError(f"lease {lease.lease_id} has expired; renew it before touching its blocks", "unknown_lease")
         return seg or None
 
-    def _forget_segments(self) -> None:
-        """A lease names a segment this client has not mapped: kvpool restarted (one kvpool per
-        NATS, one lease segment each). The old segment, unlinked by now, is unmapped, or its memory
-        would stay taken for as long as this worker runs, once per kvpool restart.
-        NOTE: every copy in or out of a segment is synchronous: none is under way here."""
+    def close(self) -> None:
+        """Detach every shared-memory segment this client mapped (never unlinks: kvpool owns them);
+        one still exported (a view held elsewhere) is left to the garbage collector."""
         for seg in self._segments.values():
             if seg:
                 with contextlib.suppress(BufferError):
                     seg.close()
-        self._segments.clear()
-
-    def close(self) -> None:
-        """Detach every shared-memory segment this client mapped (never unlinks: kvpool owns them)."""
-        for seg in self._segments.values():
-            if seg:
-                seg.close()
         self._segments.clear()

@@ -9,7 +9,6 @@ messages the whole pool of replicas may hold unacked (the backpressure knob).
 from __future__ import annotations
 
 import asyncio
-
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext, api
