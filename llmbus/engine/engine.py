@@ -387,8 +387,8 @@ class Engine:
                 or tail_tokens and not self.kv_format.keeps_tails):
             raise ValueError(f"handoff tail of {tail_tokens} {tail_dtype} tokens for {computed} computed tokens "
                              f"in {self.layout.block_size}-token {self.config.kv_format} blocks")
-        n_rows = n_blocks + (self._tail_rows_for(tail_tokens, tail_dtype, kv.shape[2]) if kv.dim() == 3 else 0)
-        layer_bytes = kv_block_bytes(self.layout, self.config.kv_format) // self.layout.num_layers
+        layer_bytes = self.kv_format.bytes_per_block(self.layout) // self.layout.num_layers
+        n_rows = n_blocks + self._tail_rows_for(tail_tokens, tail_dtype, layer_bytes)
         if kv.dim() != 3 or list(kv.shape) != [n_rows, self.layout.num_layers, layer_bytes]:
             raise ValueError(
                 f"handoff KV has shape {list(kv.shape)}; expected [{n_rows}, {self.layout.num_layers}, {layer_bytes}] "
