@@ -42,6 +42,15 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         return now[len(before):]
 
+    def held_chars(self) -> int:
+        """How many whole characters ``add`` is holding back before a split one: where the text of
+        the next id starts, when that id completes the split character."""
+        if self._read == len(self._ids):
+            return 0
+        before = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
+        return max(0, len(now.rstrip(_REPLACEMENT)) - len(before))
+
     def finish(self) -> str:
         """Everything not yet emitted, incomplete characters included."""
         before = self._decode(self._ids[self._prefix:self._read])

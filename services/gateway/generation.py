@@ -94,7 +94,7 @@ class Generation:
         text = []
         for i, tid in enumerate(event.token_ids):
             self.completion_tokens += 1
-            offset = self._chars
+            offset = self._chars + (self._detok.held_chars() if self._logprobs else 0)
             text.append(self._feed(self._detok.add([tid])))
             if self._logprobs and event.logprobs is not None:
                 self._held.append(self._entry(event.logprobs[i], offset))
