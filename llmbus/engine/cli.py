@@ -8,7 +8,7 @@ import sys
 
 import orjson
 
-from llmbus.engine.config import add_engine_args, engine_config_from_args
+from llmbus.engine.config import add_engine_args, engine_config_from_args, option_error
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,16 +47,19 @@ def run(args: argparse.Namespace) -> int:
     from llmbus.engine.llm import LLM
     from llmbus.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-    )
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            logprobs=args.logprobs,
+        )
+    except ValueError as exc:
+        raise option_error(exc, args) from None
     prompts = _prompts(args.prompt) if args.prompt else [_parse_ids(t) for t in args.prompt_ids]
     llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
     for out in llm.generate(prompts, params):

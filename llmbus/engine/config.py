@@ -47,12 +47,14 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}")
         if self.dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.num_threads}")
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +87,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
 
 
+# the command-line option of each EngineConfig field whose name differs from it, for error messages
+_OPTION_OF = {"num_threads": "--threads", "long_prefill_token_threshold": "--long-prefill-threshold"}
+
+
+def option_error(exc: ValueError, args: argparse.Namespace) -> ValueError:
+    """``exc`` ("<field> must be ...") naming the command-line option instead of the field, where
+    ``args`` has that option; otherwise ``exc`` as it is."""
+    field, _, rest = str(exc).partition(" ")
+    option = _OPTION_OF.get(field, "--" + field.replace("_", "-"))
+    if not rest or not hasattr(args, option[2:].replace("-", "_")):  # kv_cache_bytes, for one, has no option
+        return exc
+    return ValueError(f"{option} {rest}")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the options ask for; a ValueError names the option, not the field."""
+    try:
+        return _engine_config(args)
+    except ValueError as exc:
+        raise option_error(exc, args) from None
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         dtype=args.dtype,
         device=args.device,
