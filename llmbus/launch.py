@@ -60,10 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _models(args, data_dir: Path) -> list[tuple[str, str]]:
+    from llmbus.bus.subjects import check_model_names
     from llmbus.worker.options import parse_model_spec
 
     if args.model:
         models = [parse_model_spec(m) for m in args.model]
+        check_model_names(name for name, _ in models)
     else:
         os.environ.setdefault("LLMBUS_DATA_DIR", str(data_dir))
         from llmbus.model.demo import ensure_demo_model

@@ -138,3 +138,22 @@ def test_an_unknown_option_shows_its_subcommands_usage(command, capsys):
     err = capsys.readouterr().err
     name = " ".join(c for c in command[:2] if not c.startswith("-"))
     assert exc.value.code == 2 and err.startswith(f"usage: llmbus {name} ") and "unrecognized arguments: --bogus" in err
+
+
+def test_model_names_that_would_share_a_work_queue_are_refused(model_dir, tmp_path):
+    """Names map to subject tokens ("." -> "_"): "a.b" and "a_b" would share one work queue, so
+    either model's workers could answer the other's requests. `llmbus up`, the gateway and a
+    worker refuse such names (and names with spaces) before anything starts."""
+    from services.gateway.config import GatewayConfig, ModelSpec
+
+    data = tmp_path / "data"
+    proc = run_cli("up", "--model", f"a.b={model_dir}", "--model", f"a_b={model_dir}", "--data-dir", str(data))
+    assert proc.returncode == 2 and "share the subject token 'a_b'" in proc.stderr, proc.stderr
+    assert not (data / "nats").exists()
+    with pytest.raises(ValueError, match="share the subject token"):
+        GatewayConfig("nats://x", (ModelSpec("q/w", "d"), ModelSpec("q_w", "d")))
+    with pytest.raises(ValueError, match="unique"):
+        GatewayConfig("nats://x", (ModelSpec("m", "d"), ModelSpec("m", "e")))
+    proc = subprocess.run([sys.executable, "-m", "services.decode", "--model", f"my model={model_dir}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "without spaces" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

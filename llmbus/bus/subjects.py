@@ -56,6 +56,22 @@ def model_token(model: str) -> str:
     return _UNSAFE.sub("_", model)
 
 
+def check_model_names(names) -> None:
+    """Served names: each non-empty without whitespace, and no two alike as subject tokens ("a.b"
+    and "a_b" would share one work queue, so either model's workers could take the other's
+    requests)."""
+    seen: dict[str, str] = {}
+    for name in names:
+        if not isinstance(name, str) or not name or any(c.isspace() for c in name):
+            raise ValueError(f"model name must be a non-empty string without spaces, got {name!r}")
+        token = model_token(name)
+        if token in seen:
+            other = seen[token]
+            raise ValueError(f"model names must be unique, got {name!r} twice" if other == name else
+                             f"model names {other!r} and {name!r} share the subject token {token!r}: rename one")
+        seen[token] = name
+
+
 def _lane(lane: str) -> str:
     if lane not in LANES:
         raise ValueError(f"lane must be one of {LANES}, got {lane!r}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from llmbus.bus.subjects import check_model_names
+
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
     """``NAME=DIR`` -> (name, dir). A bare ``DIR`` is named by its last path component."""
@@ -11,4 +13,5 @@ def parse_model_spec(spec: str) -> tuple[str, str]:
         name = spec.rstrip("/").rsplit("/", 1)[-1]
     if not name or not path:
         raise ValueError(f"--model must be NAME=DIR, got {spec!r}")
+    check_model_names([name])
     return name, path

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmbus.bus.subjects import check_model_names
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -14,8 +16,7 @@ class ModelSpec:
     max_model_len: int | None = None  # None: config.json max_position_embeddings
 
     def __post_init__(self) -> None:
-        if not self.name or self.name != self.name.strip() or any(c.isspace() for c in self.name):
-            raise ValueError(f"model name must be a non-empty string without spaces, got {self.name!r}")
+        check_model_names([self.name])
         if not self.path:
             raise ValueError(f"model {self.name!r}: directory must be given")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -47,9 +48,7 @@ class GatewayConfig:
             raise ValueError("nats_url must be given")
         if not self.models:
             raise ValueError("at least one --model NAME=DIR is required")
-        names = [m.name for m in self.models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique, got {names}")
+        check_model_names(m.name for m in self.models)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
