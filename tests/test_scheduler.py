@@ -291,6 +291,33 @@ def test_handed_off_sequence_joins_with_a_decode():
     assert_no_leaks(bm)
 
 
+def test_a_handoff_queued_behind_a_preempted_sequence_cannot_wedge_the_queue():
+    """b outgrows what a leaves and preempts itself to the head of the queue, blockless; a handoff h
+    then arrives holding its KV and waits behind b. Once a finishes, what is free is less than b
+    needs and nothing runs: h gives its blocks back (it recomputes later, as a preempted sequence
+    does) instead of everyone waiting forever."""
+    sched, bm, model = make(num_blocks=6)
+    pa, pb, ph = list(range(1, 3)), list(range(100, 108)), list(range(300, 312))
+    a, b = seq("a", pa, max_tokens=8), seq("b", pb, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched, model)
+    while b.status is not SequenceStatus.WAITING:
+        out, _ = step(sched, model)
+    assert out.preempted == [b] and b.block_table == []
+    h = seq("h", ph, max_tokens=2)
+    h.output_token_ids.append(next_token(ph))
+    assert bm.allocate_computed(h, len(ph))  # 3 of the 6 blocks, while b waits for 4
+    for pos in range(len(ph)):
+        model.cache[model.slot(h, pos)] = (pos, ph[pos])
+    sched.add(h)
+    run_to_end(sched, model)
+    assert all(s.status is SequenceStatus.FINISHED for s in (a, b, h)) and h.num_preemptions == 1
+    assert a.output_token_ids == reference_output(pa, 8) and b.output_token_ids == reference_output(pb, 8)
+    assert h.output_token_ids == reference_output(ph, 2)
+    assert_no_leaks(bm)
+
+
 def test_mixed_workload_with_sharing_preemption_and_aborts_leaks_nothing():
     sched, bm, model = make(
         num_blocks=12, max_num_batched_tokens=16, max_num_seqs=4, long_prefill_token_threshold=6

@@ -149,7 +149,8 @@ class Scheduler:
         # Waiting sequences, oldest first; skip admission after a preemption (the pool is full).
         rejected: list[Sequence] = []
         max_seqs = self.config.max_num_seqs
-        while self._waiting and budget > 0 and not preempted and len(self._running) < max_seqs:
+        pool_full = bool(preempted)
+        while self._waiting and budget > 0 and not pool_full and len(self._running) < max_seqs:
             seq = self._waiting[0]
             if self._never_fits(seq):
                 self._waiting.popleft()
@@ -158,8 +159,12 @@ class Scheduler:
                 continue
             remaining = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
             n = self._chunk(remaining, budget)
-            if n == 0 or not self.block_manager.allocate(seq, n):
-                break  # strict FCFS: the head waits for budget or blocks
+            if n == 0:
+                break  # strict FCFS: the head waits for budget
+            if not self.block_manager.allocate(seq, n):
+                if self._running or not self._release_waiting(seq, preempted):
+                    break  # strict FCFS: the head waits for blocks
+                continue
             self._waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
@@ -199,11 +204,31 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
+        self._drop_kv(seq)
+        seq.status = SequenceStatus.WAITING
+        self._waiting.appendleft(seq)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks; it computes its tokens again when it next runs."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self._waiting.appendleft(seq)
+
+    def _release_waiting(self, head: Sequence, preempted: list[Sequence]) -> bool:
+        """Nothing runs and ``head`` does not fit: free the blocks of the newest waiting sequence
+        behind it that holds some (an imported handoff, queued with its KV) and say whether one did.
+
+        NOTE: without this the queue wedges for good. A running sequence that outgrew the pool
+        preempted itself to the head, blockless; handoffs queued behind it hold blocks; once the
+        rest finish, what is free can be less than the head needs, and nothing else frees blocks.
+        The victim recomputes its tokens when its turn comes, as a preempted sequence does."""
+        holders = [s for s in self._waiting if s is not head and s.block_table]
+        if not holders:
+            return False
+        victim = max(holders, key=lambda s: s.arrival)
+        self._drop_kv(victim)
+        preempted.append(victim)
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._by_id.pop(seq.request_id, None)
