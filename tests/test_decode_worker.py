@@ -109,10 +109,11 @@ def _decode_worker(nats_server: str, engine, model: str):
     return serving(nats_server, "decode", model, lambda ctx: DecodeWorker(ctx, engine, model))
 
 
-async def _handoff_in_pool(client, engine, model: str, prompt, state, kv, first, deadline: float | None = None):
+async def _handoff_in_pool(client, engine, model: str, prompt, state, kv, first, deadline: float | None = None,
+                           ttl_s: float = 60):
     """The Handoff prefill would publish for ``state``: its KV rows written to a fresh kvpool lease."""
     rid = state["request_id"]
-    lease = await client.allocate(kv.shape[0], ttl_s=60, request_id=rid)
+    lease = await client.allocate(kv.shape[0], ttl_s=ttl_s, request_id=rid)
     await client.write_blocks(lease, 0, kv.reshape(kv.shape[0], -1).contiguous().numpy().data)
     req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid), deadline=deadline,
                           sampling=SamplingSpec(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -303,6 +304,42 @@ def test_a_handoff_ended_by_its_deadline_while_imported_gets_one_final_event(nat
     assert engine.leak_check()["requests"] == 0  # the expiry's abort reached the engine after the import
     with contextlib.suppress(Exception):
         source.abort(rid)
+
+
+def test_handoffs_wait_for_blocks_instead_of_failing(nats_server, tmp_path):
+    """Three handoffs of 3 blocks each (5 as they decode) reach a decode cache of 8: the third waits,
+    its KV in kvpool and its lease (2 s, shorter than the wait) renewed, until the first two finish
+    free their blocks; then it decodes. Before, it failed: "no free KV blocks to import"."""
+    model = "decodewaits"
+    model_dir = make_demo_model(tmp_path / "m", "small")
+    source = _engine(model_dir)
+    engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype="float32", device="cpu", num_blocks=8))
+    slow_steps(engine, 0.1)  # the first two's 39 steps take ~4 s: longer than the third's lease
+    rids = ["waits-a", "waits-b", "waits-c"]
+    prompts = {rid: list(range(7 + i, 47 + i)) for i, rid in enumerate(rids)}
+    prefilled = {rid: _prefilled(source, rid, prompts[rid]) for rid in rids}
+
+    async def body():
+        nc, js, client = await _bus(nats_server)
+        finals = {rid: await _final_event(nc, rid) for rid in rids}
+        async with _decode_worker(nats_server, engine, model):
+            for rid in rids:
+                state, kv, first = prefilled[rid]
+                handoff = await _handoff_in_pool(client, engine, model, prompts[rid], state, kv, first,
+                                                 ttl_s=2 if rid == rids[-1] else 60)
+                await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+            for rid in rids:
+                await asyncio.wait_for(finals[rid][1].wait(), 60)
+            assert (await client.stats()).active_leases == 0
+        await nc.close()
+        return {rid: events for rid, (events, _) in finals.items()}
+
+    events = with_kvpool(nats_server, engine, body)
+    for rid in rids:
+        assert events[rid][-1].finish_reason == "length", events[rid][-1]
+        assert sum(len(e.token_ids) for e in events[rid]) == 39  # after the first, which prefill sent
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 
 
 def test_best_effort_stores_in_flight_are_bounded(nats_server, tmp_path):

@@ -26,6 +26,10 @@ from llmbus.kv.layout import DTYPE_BYTES, KVLayout
 log = logging.getLogger("llmbus.engine")
 
 
+class OutOfBlocks(ValueError):
+    """The cache has too few free blocks for this now; it may have room after later steps."""
+
+
 @dataclass
 class StepOutput:
     request_id: str
@@ -395,7 +399,7 @@ class Engine:
                 f"for {computed} tokens" + (f" and a tail of {tail_tokens}" if tail_tokens else "")
             )
         if not self.block_manager.allocate_computed(seq, computed):
-            raise ValueError("no free KV blocks to import the sequence")
+            raise OutOfBlocks("no free KV blocks to import the sequence")
         try:
             self.write_blocks(seq.block_table[:n_blocks], kv[:n_blocks])
             if tail_tokens and self.runner.tails is not None:

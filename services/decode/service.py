@@ -2,6 +2,10 @@
 handed-off KV from kvpool into its own paged cache, joins the continuous batch, and streams one
 TokenEvent per step per request until the request finishes or is aborted.
 
+A handoff taken when the cache has too few free blocks for it waits, first come first served,
+with its KV in kvpool (its lease renewed) until finished requests free enough; while one waits the
+worker pulls no more, so the rest stay in the stream for other replicas.
+
 Per handoff: malformed or unusable -> a final error TokenEvent, lease released, ``term``; otherwise
 the blocks are read (shared memory on the same host, the bus elsewhere), the lease is released, the
 sequence is imported, and the handoff acked. An Abort stops a request at once and frees its blocks.
@@ -16,15 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_decode_consumer
 from llmbus.bus.worker import PullWorker
-from llmbus.engine.engine import Engine, StepOutput
+from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
 from llmbus.protocol import GenerateRequest, Handoff, Lease, ProtocolError, TokenEvent, decode
-from llmbus.worker.base import EngineWorker
+from llmbus.worker.base import DEADLINE_CHECK_S, EngineWorker
 from llmbus.worker.events import token_event
 
 log = logging.getLogger("llmbus.decode")
@@ -43,23 +48,75 @@ class DecodeWorker(EngineWorker):
         self.min_free_blocks = max(1, int(engine.runner.num_blocks * min_free_fraction))
         self.active: dict[str, Active] = {}
         self.events: asyncio.Queue = asyncio.Queue()
+        self.jobs: PullWorker | None = None  # the handoff consumer, once bound
+        self._waiting: list[str] = []  # takes waiting for room, first come first served
+        self._reserved = 0  # blocks promised to takes past their wait
+        self._room = asyncio.Event()  # set (and replaced) whenever room may have appeared
 
     @property
     def held(self) -> int:
         return len(self.active)
 
     @property
+    def total_blocks(self) -> int:
+        return self.engine.runner.num_blocks
+
+    @property
     def capacity(self) -> int:
-        """Handoffs this worker can take now: free batch slots, while enough blocks are free."""
-        if self.engine.num_free_blocks < self.min_free_blocks:
+        """Handoffs this worker can take now: free batch slots, while enough blocks are free and no
+        handoff taken waits for room (the rest wait in the stream, where another replica can take
+        them)."""
+        if self._waiting or self.engine.num_free_blocks < self.min_free_blocks:
             return 0
         return max(0, self.engine.config.max_num_seqs - len(self.active))
+
+    async def _room_for(self, handoff: Handoff, need: int) -> bool:
+        """Wait, first come first served, until the cache has ``need`` free blocks besides those
+        promised to other takes, and promise them to this one (``_unreserve`` gives them back).
+        Meanwhile the handoff's KV waits in kvpool: its lease is renewed. False if the request was
+        aborted or its deadline passed while it waited (its final event is then out)."""
+        req = handoff.request
+        rid = req.request_id
+        self._waiting.append(rid)
+        renewed = time.monotonic()
+        try:
+            while True:
+                room = self._room  # NOTE: taken before the check, so a step's notice between the two is not lost
+                if self._waiting[0] == rid and self.engine.num_free_blocks - self._reserved >= need:
+                    self._reserved += need
+                    return True
+                if rid in self.recent_aborts or await self.end_past_deadline({rid: Active(req, handoff.next_seq)}):
+                    return False
+                if time.monotonic() - renewed > handoff.lease.ttl_s / 3:
+                    await self.kv.renew(handoff.lease.lease_id, handoff.lease.ttl_s)
+                    renewed = time.monotonic()
+                await self._room_notice(room)
+        finally:
+            self._waiting.remove(rid)
+            self._notify_room()  # the next in line may fit now
+
+    @staticmethod
+    async def _room_notice(room: asyncio.Event) -> None:
+        """Until ``room`` is set, or DEADLINE_CHECK_S (deadlines, aborts and leases are checked then)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DEADLINE_CHECK_S):
+                await room.wait()
+
+    def _unreserve(self, blocks: int) -> None:
+        self._reserved -= blocks
+        self._notify_room()
+
+    def _notify_room(self) -> None:
+        """Wake the takes waiting for room (blocks were freed, or promised blocks were used)."""
+        room, self._room = self._room, asyncio.Event()
+        room.set()
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
         self.start_engine(self._on_outputs)
         consumer = await ensure_decode_consumer(self.ctx.js, self.model, limits)
-        worker = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer, max_deliver=limits.max_deliver)
+        worker = self.jobs = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer,
+                                                   max_deliver=limits.max_deliver)
         self.ctx.stack.push_async_callback(worker.close)
         await self.subscribe_aborts()
         self.report()
@@ -86,23 +143,49 @@ class DecodeWorker(EngineWorker):
             return
         req = handoff.request
         rid = req.request_id
+        keep_lease = False
         try:
-            if rid in self.recent_aborts or rid in self.active:
+            if rid in self.recent_aborts or rid in self.active or rid in self._waiting:
                 await msg.ack()
                 return
             if handoff.kv_format != self.engine.config.kv_format:
                 raise ValueError(f"handoff KV is {handoff.kv_format}, this decode worker runs {self.engine.config.kv_format}")
-            n, layers, layer_bytes = handoff.kv_shape
-            lease = await self._confirmed(handoff.lease)
-            raw = await self.kv.read_blocks(lease)
-            if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
-                await msg.ack()
-                return
-            kv = self.lease_rows(raw, n, lease.block_bytes, layers, layer_bytes)
+            computed = handoff.state.get("num_computed_tokens")
+            if type(computed) is not int or computed < 1:
+                raise ValueError(f"handoff has {computed!r} computed tokens")
+            blocks = self.engine.layout.num_blocks_for(computed)
+            if blocks > self.total_blocks:
+                raise ValueError(f"the request needs {blocks} KV blocks; this decode worker's cache has {self.total_blocks}")
+            need = min(blocks + 1, self.total_blocks)  # and one to grow into
             params = req.sampling.to_params()
-            # NOTE: registered first: the engine may emit its first token before we resume
-            self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
-            await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
+            async with self.jobs.working(msg):
+                while True:
+                    try:
+                        if not await self._room_for(handoff, need):
+                            await msg.ack()  # aborted, or past its deadline, while it waited: its end is out
+                            return
+                    except asyncio.CancelledError:  # shutdown: another replica takes it, lease and all
+                        keep_lease = True
+                        with contextlib.suppress(Exception):
+                            await msg.nak()
+                        raise
+                    try:
+                        lease = await self._confirmed(handoff.lease)
+                        raw = await self.kv.read_blocks(lease)
+                        if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
+                            await msg.ack()
+                            return
+                        n, layers, layer_bytes = handoff.kv_shape
+                        kv = self.lease_rows(raw, n, lease.block_bytes, layers, layer_bytes)
+                        # NOTE: registered first: the engine may emit its first token before we resume
+                        self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
+                        await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
+                        break
+                    except OutOfBlocks:  # steps since the wait took the room: wait for the next one
+                        self.active.pop(rid, None)
+                        await self._room_notice(self._room)
+                    finally:
+                        self._unreserve(need)
         except Exception as exc:
             # ended while it was taken (its deadline, an abort): its final event is out, no second one
             if self.active.pop(rid, None) is None and rid in self.recent_aborts:
@@ -116,8 +199,9 @@ class DecodeWorker(EngineWorker):
             await msg.term()
             return
         finally:
-            with contextlib.suppress(Exception):
-                await self.kv.release(handoff.lease.lease_id)
+            if not keep_lease:
+                with contextlib.suppress(Exception):
+                    await self.kv.release(handoff.lease.lease_id)
         await msg.ack()
 
     async def _confirmed(self, lease: Lease) -> Lease:
@@ -151,6 +235,7 @@ class DecodeWorker(EngineWorker):
                     self.spawn_store(self._commit_prefix(act))
             for act in await self.end_past_deadline(self.active):
                 self.spawn(self.loop.call(lambda e, rid=act.request.request_id: e.abort(rid)))
+            self._notify_room()
             self.report()
 
     async def _commit_prefix(self, act: Active) -> None:
@@ -178,4 +263,5 @@ class DecodeWorker(EngineWorker):
     async def on_abort(self, rid: str) -> None:
         if self.active.pop(rid, None) is not None:
             await self.loop.call(lambda e: e.abort(rid))
+            self._notify_room()
             self.report()
