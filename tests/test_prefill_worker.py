@@ -31,8 +31,9 @@ def _engine(tmp_path, **config) -> Engine:
                                  EngineConfig(dtype="float32", device="cpu", **config))
 
 
-async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, token_subject: str = "") -> None:
-    req = GenerateRequest(rid, model, prompt, token_subject=token_subject or subjects.tokens(rid),
+async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, token_subject: str = "",
+                  deadline: float | None = None) -> None:
+    req = GenerateRequest(rid, model, prompt, token_subject=token_subject or subjects.tokens(rid), deadline=deadline,
                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     await js.publish(subjects.prefill_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
 
@@ -51,6 +52,18 @@ async def _token_events(nc, finished) -> tuple[dict[str, list[TokenEvent]], asyn
 
     await nc.subscribe(subjects.TOKENS_WILDCARD, cb=on_token)
     return events, done
+
+
+async def _handing_off_bus(nats_server: str, model: str):
+    """A connection, its JetStream context (streams and ``model``'s decode consumer made) and a
+    kvpool client over the bus."""
+    from llmbus.bus.kvclient import KVPoolClient
+
+    nc = await connect(nats_server)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    await ensure_decode_consumer(js, model)
+    return nc, js, KVPoolClient(nc, transport="bus")
 
 
 def _colocated_worker(nats_server: str, engine: Engine, model: str, colocated: bool = True):
@@ -309,21 +322,16 @@ def test_a_handoff_the_decode_stream_already_has_gives_its_lease_back(nats_serve
     """A job redelivered after its handoff went out is handed off again; the decode stream drops the
     second as a duplicate (same Nats-Msg-Id), so nobody will read or release its lease: prefill does
     at once, instead of leaving the blocks taken until the lease expires (120 s)."""
-    from llmbus.bus.kvclient import KVPoolClient
     from tests.test_decode_worker import with_kvpool
 
     model, rid = "duphandoff", "dup"
     engine = _engine(tmp_path, enable_prefix_caching=False)
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
-        await ensure_decode_consumer(js, model)
+        nc, js, client = await _handing_off_bus(nats_server, model)
         # the first handoff of this request, already in the decode stream
         await js.publish(subjects.decode_subject(model), b"the first handoff", headers={subjects.MSG_ID_HEADER: rid})
         events, first = await _token_events(nc, lambda ev: ev.request_id == rid)
-        client = KVPoolClient(nc, transport="bus")
         async with _colocated_worker(nats_server, engine, model, colocated=False) as worker:
             await _submit(js, model, rid, list(range(7, 47)), 8)
             await asyncio.wait_for(first.wait(), 30)
@@ -331,6 +339,44 @@ def test_a_handoff_the_decode_stream_already_has_gives_its_lease_back(nats_serve
                 await asyncio.sleep(0.01)
             assert (await client.stats()).active_leases == 0
         assert [e.finish_reason for e in events[rid]] == [None]
+        await nc.close()
+
+    with_kvpool(nats_server, engine, body)
+
+
+def test_a_handoff_waits_while_kvpool_is_full_and_its_lease_lasts_to_the_deadline(nats_server, tmp_path):
+    """kvpool full (decode is behind, its handoffs' leases wait in the stream): the prefilled job
+    waits for room, holding its place in this worker, instead of failing with "kvpool has 0 free
+    blocks"; once room appears it hands off, with a lease that lasts until the request's deadline
+    (plus the usual TTL), not 120 s: the handoff may wait in the decode stream that long."""
+    from tests.test_decode_worker import with_kvpool
+
+    model, rid = "kvpoolfull", "waits-for-kvpool"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+
+    async def body():
+        nc, js, client = await _handing_off_bus(nats_server, model)
+        filler = await client.allocate((await client.stats()).free_blocks, ttl_s=60)
+        events, first = await _token_events(nc, lambda ev: ev.request_id == rid)
+        deadline = time.time() + 1000
+        async with _colocated_worker(nats_server, engine, model, colocated=False) as worker:
+            await _submit(js, model, rid, list(range(7, 47)), 8, deadline=deadline)
+            await asyncio.wait_for(first.wait(), 30)
+            await asyncio.sleep(0.5)  # a few retries
+            assert rid in worker.jobs and [e.finish_reason for e in events[rid]] == [None]
+            await client.release(filler.lease_id)
+            while rid in worker.jobs:  # until the handoff is out (its job acked)
+                await asyncio.sleep(0.01)
+        handoff = decode(Handoff, (await js.get_last_msg(subjects.DECODE_STREAM, subjects.decode_subject(model))).data)
+        assert handoff.request.request_id == rid and deadline - time.time() + 100 < handoff.lease.ttl_s
+        await client.release(handoff.lease.lease_id)
+        assert [e.finish_reason for e in events[rid]] == [None]
+        # KV larger than kvpool's whole capacity (16 blocks) never fits: it fails at once, no wait
+        async with _colocated_worker(nats_server, engine, model, colocated=False):
+            await _submit(js, model, "too-big-for-kvpool", list(range(7, 307)), 8, deadline=deadline)
+            while not any(e.finish_reason for e in events.get("too-big-for-kvpool", [])):
+                await asyncio.sleep(0.01)
+        assert "exceed kvpool's whole capacity" in events["too-big-for-kvpool"][-1].error
         await nc.close()
 
     with_kvpool(nats_server, engine, body)

@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 from llmbus.bus import subjects
+from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
@@ -37,6 +39,9 @@ from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import token_event
 
 log = logging.getLogger("llmbus.prefill")
+
+_LEASE_RETRY_S = 0.05  # first wait for a full kvpool; doubled each time, up to
+_LEASE_RETRY_MAX_S = 1.0
 
 
 @dataclass
@@ -49,13 +54,15 @@ class Job:
 
 class PrefillWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
-                 lease_ttl_s: float = 120.0, colocated: bool = False) -> None:  # fmt: skip
-        """``colocated``: decode here too instead of handing off (one worker does both phases)."""
+                 lease_ttl_s: float = 120.0, max_lease_ttl_s: float = 3600.0, colocated: bool = False) -> None:  # fmt: skip
+        """``colocated``: decode here too instead of handing off (one worker does both phases).
+        ``max_lease_ttl_s``: kvpool's --max-ttl, the longest a handoff's lease may be asked for."""
         super().__init__(ctx, engine, model)
         self.colocated = colocated
         self.events: asyncio.Queue = asyncio.Queue()
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
+        self.max_lease_ttl_s = max_lease_ttl_s
         self.jobs: dict[str, Job] = {}
 
     @property
@@ -257,7 +264,7 @@ class PrefillWorker(EngineWorker):
                 return
             # NOTE: an abort from here on finds the handoff published or about to be: the decode
             # worker drops it (its recent aborts) and releases its lease
-            await self._hand_off(req, out, state, kv)
+            await self._hand_off(job, out, state, kv)
             if not self._aborted(job):
                 try:
                     await job.msg.ack()
@@ -330,9 +337,39 @@ class PrefillWorker(EngineWorker):
         except Exception as exc:
             log.debug("could not write back %d evicted blocks: %s", len(chain), exc)
 
-    async def _hand_off(self, req: GenerateRequest, out: StepOutput, state: dict, kv) -> None:
+    async def _lease(self, job: Job, n_blocks: int):
+        """A kvpool lease of ``n_blocks`` for the handoff of ``job``. While kvpool is full (the
+        decode workers are behind, and its leases wait in their stream) the job waits, retrying,
+        until it is aborted or its deadline passes; the lease lasts until that deadline, as the
+        handoff may wait in the stream that long.
+
+        NOTE: a waiting job still counts against this worker's capacity, so prefill stops pulling
+        while kvpool is full instead of computing KV that has nowhere to go."""
+        req = job.request
+        wait = _LEASE_RETRY_S
+        while True:
+            ttl = self.lease_ttl_s if req.deadline is None else max(self.lease_ttl_s, req.deadline - time.time() + self.lease_ttl_s)
+            try:
+                return await self.kv.allocate(n_blocks, ttl_s=min(ttl, self.max_lease_ttl_s), request_id=req.request_id)
+            except KVPoolError as exc:
+                if exc.code != "exhausted" or self._aborted(job):
+                    raise
+                if n_blocks > (await self.kv.stats()).capacity_blocks:
+                    raise KVPoolError(f"the request's {n_blocks} KV blocks exceed kvpool's whole capacity", "exhausted") from None
+                if req.deadline is not None and time.time() + wait > req.deadline:
+                    raise KVPoolError("kvpool had no room for the request's KV before its deadline", "exhausted") from None
+                log.debug("kvpool is full; %s waits %.2fs for %d blocks", req.request_id, wait, n_blocks)
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, _LEASE_RETRY_MAX_S)
+
+    async def _hand_off(self, job: Job, out: StepOutput, state: dict, kv) -> None:
+        req = job.request
         n_blocks, num_layers, layer_bytes = kv.shape
-        lease = await self.kv.allocate(n_blocks, ttl_s=self.lease_ttl_s, request_id=req.request_id)
+        lease = await self._lease(job, n_blocks)
+        if self._aborted(job):  # NOTE: while it waited: decode would drop the handoff anyway
+            with contextlib.suppress(Exception):
+                await self.kv.release(lease.lease_id)
+            return
         try:
             await self.write_rows(lease, kv)
             await self._commit_prefix(req, lease, n_blocks, state["num_computed_tokens"])
