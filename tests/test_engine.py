@@ -173,6 +173,29 @@ def test_prefill_handoff_then_import_continues_identically(model_dir, prompts, h
     assert leaks["free_blocks"] == leaks["total_blocks"]
 
 
+def test_a_pending_handoff_holds_its_id_and_its_context(model_dir, prompts):
+    """A finished prefill's KV awaiting export keeps its request id (a second request under it
+    would overwrite it, or be aborted with it); aborting it says it dropped something; and an
+    engine whose context cannot hold the prompt plus the tokens already generated refuses the
+    import instead of decoding past its max_model_len."""
+    prefill = LLM(model_dir, dtype="float32", device="cpu").engine
+    prefill.add_request("h", prompts[4], GREEDY, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    with pytest.raises(ValueError, match="already in use"):
+        prefill.add_request("h", prompts[3], GREEDY)
+    state, kv = prefill.export_sequence("h")
+    n = len(state["prompt_token_ids"]) + len(state["output_token_ids"])
+    short = LLM(model_dir, dtype="float32", device="cpu", max_model_len=n).engine
+    with pytest.raises(ValueError, match=f"and {len(state['output_token_ids'])} generated but the model's context is {n}"):
+        short.import_sequence(state, kv, GREEDY)
+    prefill.add_request("g", prompts[3], GREEDY, prefill_only=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    assert prefill.abort("g") is True and prefill.abort("g") is False
+    assert prefill.leak_check()["handoffs"] == 0
+
+
 def test_a_handoff_state_that_does_not_add_up_is_refused_before_it_is_decoded(model_dir, prompts):
     """A handoff comes off the bus: whatever its state claims is checked before the sequence joins
     the batch, where a token outside the vocabulary or a salt that is no string would stop the

@@ -203,7 +203,7 @@ class Engine:
         cache_salt: str = "",
         prefill_only: bool = False,
     ) -> None:
-        if request_id in self._seqs:
+        if request_id in self._seqs or request_id in self._handoffs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
         seq = Sequence(
@@ -219,12 +219,15 @@ class Engine:
         self.scheduler.add(seq)
 
     def check_prompt(self, prompt_token_ids: list[int], extra: int = 0) -> None:
+        """A prompt (followed by ``extra`` tokens already generated, for an imported sequence) that
+        leaves room to generate one more token, in the context and in the cache."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if n >= self.max_model_len:
+        if n + extra >= self.max_model_len:
+            what = f"the prompt has {n} tokens" + (f" and {extra} generated" if extra else "")
             raise ValueError(
-                f"the prompt has {n} tokens but the model's context is {self.max_model_len} tokens "
+                f"{what} but the model's context is {self.max_model_len} tokens "
                 "(at least one must be left to generate)"
             )
         self._check_vocabulary(prompt_token_ids)
@@ -240,11 +243,12 @@ class Engine:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
-        self._handoffs.pop(request_id, None)
+        """Stop a request, or drop a finished prefill's KV awaiting export; whether there was one."""
+        handoff = self._handoffs.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         self._prefill_only.discard(request_id)
         if seq is None:
-            return False
+            return handoff is not None
         self.scheduler.abort(request_id)
         return True
 
