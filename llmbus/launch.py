@@ -101,6 +101,14 @@ def _kv_layout(models, args) -> str:
     return format_layout(cfg.kv_layout(16, args.dtype or cfg.dtype))
 
 
+def _worker_option(worker_args: list[str], name: str) -> str | None:
+    """The value ``--worker-arg`` gives the workers' option ``name`` (``--name=V`` or ``--name V``)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(name)
+    known, _ = parser.parse_known_args(worker_args)
+    return getattr(known, name.lstrip("-").replace("-", "_"))
+
+
 def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Child]:
     py = [sys.executable, "-m"]
     common = ["--nats-url", nats_url]
@@ -130,6 +138,9 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
                  for i in range(decoders)]
     gateway = py + ["services.gateway", *common, "--host", args.host, "--port", str(args.port),
                     "--token-timeout", str(args.token_timeout)]
+    context = _worker_option(args.worker_arg, "--max-model-len")
+    if context is not None:  # the gateway checks prompts against the context the workers serve
+        gateway += ["--max-model-len", context]
     for name, path in models:
         gateway += ["--model", f"{name}={path}"]
     plan.append(Child("gateway", gateway))

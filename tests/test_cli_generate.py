@@ -157,3 +157,24 @@ def test_model_names_that_would_share_a_work_queue_are_refused(model_dir, tmp_pa
     proc = subprocess.run([sys.executable, "-m", "services.decode", "--model", f"my model={model_dir}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "without spaces" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("worker_args", [["--worker-arg=--max-model-len=24"], ["--worker-arg=--max-model-len", "--worker-arg=24"]])
+def test_up_tells_the_gateway_the_context_its_workers_serve(model_dir, worker_args):
+    """`llmbus up --worker-arg=--max-model-len=N` shortens the workers' context; the gateway must
+    check prompts against the same N, so a prompt too long for it is a 400 context_length_exceeded
+    there, not a worker's error (a 500) after queueing. An override never lengthens a context."""
+    import argparse
+
+    from llmbus.launch import _plan, register
+    from services.gateway.config import ModelSpec
+    from services.gateway.models import ServedModel
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--model", f"m={model_dir}", *worker_args])
+    gateway = next(c for c in _plan(args, "nats://127.0.0.1:4222", [("m", str(model_dir))]) if c.name == "gateway")
+    assert gateway.argv[gateway.argv.index("--max-model-len") + 1] == "24"
+    assert ServedModel.load(ModelSpec("m", str(model_dir), 24)).max_model_len == 24
+    full = ServedModel.load(ModelSpec("m", str(model_dir))).max_model_len
+    assert ServedModel.load(ModelSpec("m", str(model_dir), full + 100)).max_model_len == full

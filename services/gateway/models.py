@@ -28,8 +28,9 @@ class ServedModel:
             raise FileNotFoundError(f"model {spec.name!r}: directory not found: {path}")
         config = ModelConfig.from_file(path / "config.json")
         tokenizer = Tokenizer.from_dir(path)
-        return cls(spec.name, path, config, tokenizer, spec.max_model_len or config.max_model_len,
-                   int(time.time()))
+        # like the engine's: an override shortens the model's context, never lengthens it
+        limit = min(spec.max_model_len or config.max_model_len, config.max_model_len)
+        return cls(spec.name, path, config, tokenizer, limit, int(time.time()))
 
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "llmbus",
