@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kvpool-arg", action="append", default=[],
                    help="extra kvpool option, e.g. --kvpool-arg=--ssd-bytes=1000000000 (see python -m services.kvpool -h)")
     p.add_argument("--long-threshold", type=int, default=1024, help="prompt tokens above which the long lane is used")
-    p.add_argument("--token-timeout", type=float, default=60.0, help="gateway: seconds of stream silence before failing")
+    p.add_argument("--token-timeout", type=float, default=60.0, help="gateway: seconds of stream silence before failing "
+                   "(while the model's workers are busy: queued, waits up to the request deadline)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=run)

@@ -2,13 +2,18 @@
 usage, stop strings, multi-byte characters split across tokens, gaps, silence, worker errors, and
 the Abort after a client disconnect."""
 
+import asyncio
+import contextlib
+import time
+
 import httpx
 import openai
 import pytest
 
-from llmbus.protocol import LogprobEntry
+from llmbus.bus import subjects
+from llmbus.protocol import InstanceInfo, LogprobEntry, encode
 from tests.test_gateway_harness import (  # noqa: F401
-    MAX_MODEL_LEN, gateway, gw_nats, http, model_dir, scratch, reply_script, sse_events, tokenizer, wait_for, worker,
+    MAX_MODEL_LEN, TOKEN_TIMEOUT_S, gateway, gw_nats, http, model_dir, scratch, reply_script, sse_events, tokenizer, wait_for, worker,
 )
 
 CHAT = "/v1/chat/completions"
@@ -167,6 +172,46 @@ def test_silence_ends_stream_with_timeout_error(http, worker, tokenizer):
         events = sse_events(r)
     assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tokenizer.decode(_ids(tokenizer, "a b c d e f")[:2])
     assert events[-2]["error"]["code"] == "timeout" and events[-1] == "[DONE]"
+
+
+@contextlib.contextmanager
+def _busy_worker_in_registry(url: str, model: str):
+    """A live prefill worker of ``model`` holding requests, as its registry heartbeat says."""
+    import nats
+
+    key = "prefill.busy-in-registry"
+
+    async def registry(change):
+        nc = await nats.connect(url)
+        await change(await nc.jetstream().key_value(subjects.REGISTRY_BUCKET))
+        await nc.close()
+
+    info = InstanceInfo("busy-in-registry", "prefill", [model], free_blocks=0, queue_depth=3, updated_at=time.time())
+    asyncio.run(registry(lambda kv: kv.put(key, encode(info))))
+    try:
+        yield
+    finally:
+        asyncio.run(registry(lambda kv: kv.delete(key)))
+
+
+def test_silence_while_the_models_workers_are_busy_is_queueing(http, worker, gw_nats, tokenizer):
+    """A request queued behind others (in a stream, or waiting for blocks) hears nothing for longer
+    than --token-timeout. While the registry shows a live worker of its model holding requests, the
+    gateway keeps waiting (up to the request's deadline) instead of failing it as "the workers
+    stopped answering"; with no busy worker the same silence still fails."""
+    ids = _ids(tokenizer, "a b c")
+    script = reply_script(ids)
+
+    async def queued(req, emit):
+        await asyncio.sleep(3 * TOKEN_TIMEOUT_S)
+        await script(req, emit)
+
+    worker.script = queued
+    with _busy_worker_in_registry(gw_nats, "demo"):
+        r = http.post(COMP, json={"model": "demo", "prompt": "x"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == tokenizer.decode(ids)
+    r = http.post(COMP, json={"model": "demo", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
 
 
 def test_worker_error_non_stream_500_and_stream_event(http, worker, tokenizer):

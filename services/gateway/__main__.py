@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (see the listening line)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--max-model-len", type=int, default=None, help="shorten every model's context to this (the workers' --max-model-len)")
-    p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of token-stream silence before failing")
+    p.add_argument("--token-timeout", type=float, default=60.0, help="seconds of token-stream silence before failing "
+                   "(while the model's workers are busy: queued, waits up to --request-timeout)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="request deadline in seconds: a request still generating this long after it was "
                         "accepted is ended by its worker (503 aborted)")

@@ -10,21 +10,26 @@ retries), so no event can arrive before its stream is there.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 
 import nats
 from nats.js.errors import NoStreamResponseError
 
 from llmbus.bus import subjects
+from llmbus.bus.streams import read_registry
 from llmbus.bus.tokens import read_batch
-from llmbus.protocol import Abort, GenerateRequest, encode
+from llmbus.protocol import Abort, GenerateRequest, InstanceInfo, encode
 from services.gateway.errors import server_error
 from services.gateway.token_stream import TokenStream
 
 
 log = logging.getLogger("llmbus.gateway")
+
+REGISTRY_READ_S = 1.0  # how old a registry read may be when silent streams ask whether workers are busy
 
 
 class Listening:
@@ -44,6 +49,23 @@ class GatewayBus:
         self.js = nc.jetstream(timeout=publish_timeout_s)
         self.token_subject = subjects.token_batches(instance_id)
         self._streams: dict[str, TokenStream] = {}
+        self._instances: list[InstanceInfo] = []
+        self._read_at = -REGISTRY_READ_S
+        self._reading = asyncio.Lock()
+
+    async def workers_busy(self, model: str) -> bool:
+        """Whether a live prefill or decode worker of ``model`` holds requests (its registry entry,
+        read at most once a second): a request silent for a while is then queued behind theirs,
+        not lost. False when the registry cannot be read."""
+        async with self._reading:
+            if time.monotonic() - self._read_at >= REGISTRY_READ_S:
+                try:
+                    self._instances = await read_registry(await self.js.key_value(subjects.REGISTRY_BUCKET))
+                except Exception as exc:
+                    log.debug("could not read the registry: %r", exc)
+                    self._instances = []
+                self._read_at = time.monotonic()
+        return any(i.role in ("prefill", "decode") and model in i.models and i.queue_depth > 0 for i in self._instances)
 
     async def start(self):
         """Subscribe to this gateway's token batches; returns the subscription (drained with the

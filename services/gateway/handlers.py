@@ -42,7 +42,9 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
         raise APIError(503, "the gateway is not connected to the bus yet", type="server_error",
                        code="service_unavailable")
     rid = prepared.request.request_id
-    stream = TokenStream(rid, gw.config.token_timeout_s)
+    bus = gw.bus
+    stream = TokenStream(rid, gw.config.token_timeout_s, busy=lambda: bus.workers_busy(model.name),
+                         deadline=prepared.request.deadline)
     tok = model.tokenizer
     gen = Generation(stream, IncrementalDetokenizer(tok, prepared.request.prompt_token_ids),
                      tok.token_bytes,

@@ -7,8 +7,14 @@ The bus subscription pushes raw payloads into :meth:`TokenStream.push`; the requ
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from llmbus.protocol import ProtocolError, TokenEvent, decode
+
+
+log = logging.getLogger("llmbus.gateway")
 
 
 class StreamFailure(Exception):
@@ -20,11 +26,19 @@ class StreamFailure(Exception):
 
 
 class TokenStream:
-    def __init__(self, request_id: str, silence_timeout_s: float) -> None:
+    """``busy()``, when given, is asked after each silent ``silence_timeout_s``: while it says the
+    workers are busy, silence is queueing (the request waits behind others, in a stream or for
+    blocks) and the wait goes on, up to ``deadline`` (unix seconds). Without it, or past the
+    deadline, silence fails the stream."""
+
+    def __init__(self, request_id: str, silence_timeout_s: float, *, busy: Callable[[], Awaitable[bool]] | None = None,
+                 deadline: float | None = None) -> None:
         if silence_timeout_s <= 0:
             raise ValueError(f"silence_timeout_s must be > 0, got {silence_timeout_s}")
         self.request_id = request_id
         self.silence_timeout_s = silence_timeout_s
+        self.busy = busy
+        self.deadline = deadline
         self._queue: asyncio.Queue[bytes | TokenEvent | ProtocolError] = asyncio.Queue()
         self._next_seq = 0
 
@@ -32,6 +46,11 @@ class TokenStream:
         """Called by the bus for every event addressed to this request: an encoded TokenEvent, one
         already read out of a batch, or the error that made a batch entry unreadable."""
         self._queue.put_nowait(payload)
+
+    async def _queued(self) -> bool:
+        if self.busy is None or self.deadline is not None and time.time() >= self.deadline:
+            return False
+        return await self.busy()
 
     async def next(self) -> TokenEvent:
         """The next event in order. Duplicates (seq already seen) are skipped.
@@ -46,6 +65,10 @@ class TokenStream:
                 async with asyncio.timeout(self.silence_timeout_s):
                     payload = await self._queue.get()
             except TimeoutError:
+                if await self._queued():
+                    log.debug("%s: silent for %gs while the workers are busy: still queued", self.request_id,
+                              self.silence_timeout_s)
+                    continue
                 raise StreamFailure(f"no token event for {self.silence_timeout_s:g}s (expected seq "
                                     f"{self._next_seq}); the workers stopped answering", "timeout") from None
             try:
