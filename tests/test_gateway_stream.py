@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from llmbus.bus import subjects
-from llmbus.protocol import InstanceInfo, LogprobEntry, encode
+from llmbus.protocol import InstanceInfo, LogprobEntry, TokenEvent, encode
 from tests.test_gateway_harness import (  # noqa: F401
     MAX_MODEL_LEN, TOKEN_TIMEOUT_S, gateway, gw_nats, http, model_dir, scratch, reply_script, sse_events, tokenizer, wait_for, worker,
 )
@@ -223,6 +223,24 @@ def test_worker_error_non_stream_500_and_stream_event(http, worker, tokenizer):
         events = sse_events(r)
     assert "out of KV blocks" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
     assert worker.aborts_for(events[0]["id"]) == []  # the worker ended it: nothing to abort
+
+
+def test_a_request_a_worker_finds_invalid_is_a_400(http, worker, tokenizer):
+    """A worker can refuse what the gateway could not check (a prompt larger than the workers'
+    whole KV cache): error_code "invalid_request" makes that the client's 400, not a 500 that
+    OpenAI clients retry."""
+    message = "invalid request: the prompt needs 69 KV blocks but this engine has only 64"
+
+    async def refuse(req, emit):
+        await emit(TokenEvent.failure(req.request_id, message, code="invalid_request"))
+
+    worker.script = refuse
+    r = http.post(COMP, json={"model": "demo", "prompt": "x"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["message"] == message
+    with http.stream("POST", COMP, json={"model": "demo", "prompt": "x", "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-2]["error"]["message"] == message and events[-1] == "[DONE]"
 
 
 def test_a_request_the_workers_end_at_its_deadline_is_a_503_saying_so(http, worker, tokenizer):

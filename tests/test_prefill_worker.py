@@ -252,11 +252,16 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
                     await asyncio.sleep(0.01)
 
             await asyncio.wait_for(failed(), 30)
+            await _submit(js, model, "too-long", [7] * engine.max_model_len, 4)
             await _submit(js, model, "next", list(range(7, 47)), 4)
             await asyncio.wait_for(done.wait(), 30)
             assert worker.jobs == {}
         (failure,) = events["unlucky"]
         assert failure.finish_reason == "error" and "injected failure" in failure.error
+        assert failure.error_code == ""  # ours: the gateway answers 500
+        (failure,) = events["too-long"]
+        assert failure.finish_reason == "error" and "context" in failure.error
+        assert failure.error_code == "invalid_request"  # the request's: the gateway answers 400
         assert [len(e.token_ids) for e in events["next"]] == [1, 1, 1, 1]
         name = subjects.prefill_consumer("short", model)
         info = await js.consumer_info(subjects.PREFILL_STREAMS["short"], name)

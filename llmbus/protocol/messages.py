@@ -153,6 +153,9 @@ class LogprobEntry:
     top: list[tuple[int, float]] = field(default_factory=list)  # [(token id, logprob)], most likely first
 
 
+INVALID_REQUEST = "invalid_request"  # TokenEvent.error_code: the request's own fault
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """Worker -> gateway, one per engine step per request: alone on ``llmbus.tok.<request_id>``, or
@@ -172,9 +175,15 @@ class TokenEvent:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0  # output tokens so far, including these
     worker: str = ""  # instance id of the sender
+    # with finish_reason "error": "invalid_request" when the request itself is at fault (a prompt
+    # too long for the worker's context or cache, bad sampling values): the gateway answers 400;
+    # "" for anything else (a server error). Readers treat codes they do not know as "".
+    error_code: str = ""
 
     def __post_init__(self) -> None:
         check_id("request_id", self.request_id)
+        if len(self.error_code) > 64:
+            raise ValueError(f"error_code is {len(self.error_code)} characters, at most 64")
         if self.seq < 0:
             raise ValueError(f"seq must be >= 0, got {self.seq}")
         if self.finish_reason not in FINISH_REASONS:
@@ -184,9 +193,12 @@ class TokenEvent:
         _brief(self, "error")
 
     @classmethod
-    def failure(cls, request_id: str, message: str, *, seq: int = 0, worker: str = "", prompt_tokens: int = 0):
-        """The final event of a request that failed before (or while) producing tokens."""
-        return cls(request_id, seq, finish_reason="error", error=message, worker=worker, prompt_tokens=prompt_tokens)
+    def failure(cls, request_id: str, message: str, *, seq: int = 0, worker: str = "", prompt_tokens: int = 0,
+                code: str = ""):
+        """The final event of a request that failed before (or while) producing tokens; ``code``:
+        its ``error_code``."""
+        return cls(request_id, seq, finish_reason="error", error=message, worker=worker, prompt_tokens=prompt_tokens,
+                   error_code=code)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from llmbus.protocol import LogprobEntry, TokenEvent
-from services.gateway.errors import APIError, server_error
+from llmbus.protocol.messages import INVALID_REQUEST
+from services.gateway.errors import APIError, invalid, server_error
 from services.gateway.shapes import TokenLogprob, Usage, token_text
 from services.gateway.stop import StopStringMatcher
 from services.gateway.token_stream import StreamFailure, TokenStream
@@ -104,6 +105,8 @@ class Generation:
         if event.finish_reason == "error":
             self.finished = True
             message = event.error or "the worker failed without a message"
+            if event.error_code == INVALID_REQUEST:  # e.g. a prompt too long for the workers' cache
+                return Piece("".join(text), error=invalid(message, code="invalid_request"))
             return Piece("".join(text), error=server_error(f"generation failed: {message}", 500,
                                                            code="worker_error"))
         if event.finish_reason == "abort":

@@ -34,7 +34,7 @@ from llmbus.bus.streams import ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
 from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
-from llmbus.protocol.messages import LANES
+from llmbus.protocol.messages import INVALID_REQUEST, LANES
 from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import token_event
 
@@ -153,9 +153,11 @@ class PrefillWorker(EngineWorker):
             await job.stack.aclose()
             if not isinstance(exc, ValueError):
                 log.warning("could not take job %s: %r", rid, exc)
-            text = f"invalid request: {exc}" if isinstance(exc, ValueError) else f"prefill could not take the request: {exc!r}"
+            bad = isinstance(exc, ValueError)
+            text = f"invalid request: {exc}" if bad else f"prefill could not take the request: {exc!r}"
             await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
-                                                        prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+                                                        prompt_tokens=len(req.prompt_token_ids),
+                                                        code=INVALID_REQUEST if bad else ""))  # fmt: skip
             await msg.term()
 
     async def _cached_prefix(self, req: GenerateRequest):
