@@ -196,6 +196,37 @@ def test_a_pending_handoff_holds_its_id_and_its_context(model_dir, prompts):
     assert prefill.leak_check()["handoffs"] == 0
 
 
+def test_imports_wait_while_a_preempted_sequence_waits_to_resume(model_dir):
+    """A sequence preempted for blocks goes first: while one waits to resume, import_sequence
+    refuses (OutOfBlocks, which a decode worker waits out) instead of taking the blocks it needs,
+    which a steady stream of handoffs could otherwise do for ever."""
+    from llmbus.engine.engine import OutOfBlocks
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prefill = LLM(model_dir, dtype="float32", device="cpu").engine
+    states = {}
+    for rid, n in (("a", 20), ("b", 40), ("c", 5)):
+        prefill.add_request(rid, list(range(3, 3 + n)), params, prefill_only=True)
+        while prefill.has_unfinished():
+            prefill.step()
+        states[rid] = prefill.export_sequence(rid)
+    decode = LLM(model_dir, dtype="float32", device="cpu", num_blocks=6).engine
+    for rid in ("a", "b"):
+        decode.import_sequence(*states[rid], params)
+    while not decode.resuming:
+        decode.step()
+    assert decode.num_preemptions == 1 and decode.num_free_blocks >= 1
+    with pytest.raises(OutOfBlocks, match="resume"):
+        decode.import_sequence(*states["c"], params)
+    while decode.resuming or decode.num_free_blocks == 0:  # b back in the batch, and c's block free
+        decode.step()
+    decode.import_sequence(*states["c"], params)
+    while decode.has_unfinished():
+        decode.step()
+    leaks = decode.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_a_handoff_state_that_does_not_add_up_is_refused_before_it_is_decoded(model_dir, prompts):
     """A handoff comes off the bus: whatever its state claims is checked before the sequence joins
     the batch, where a token outside the vocabulary or a salt that is no string would stop the

@@ -133,6 +133,9 @@ class Engine:
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
         self.num_preemptions = 0
+        # a sequence preempted for blocks waits to resume (as of the last step; other threads read it):
+        # imports wait until it has its blocks back, or a stream of them could starve it
+        self.resuming = False
         self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []  # filled once keep_evicted() is on
         if config.warmup or (config.warmup is None and self.device.type == "cuda"):
             try:
@@ -304,9 +307,11 @@ class Engine:
             self._prefill_only.discard(seq.request_id)
             results.append(self._output(seq, [], None, seq.finish_reason or "length"))
         if not out.scheduled:
+            self.resuming = self.scheduler.waiting_to_resume()
             return results
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
+        self.resuming = self.scheduler.waiting_to_resume()
         for request_id, (token, lp) in sampled.items():
             seq = self._seqs[request_id]
             reason = seq.finish_reason
@@ -402,6 +407,8 @@ class Engine:
                 f"handoff KV has shape {list(kv.shape)}; expected [{n_rows}, {self.layout.num_layers}, {layer_bytes}] "
                 f"for {computed} tokens" + (f" and a tail of {tail_tokens}" if tail_tokens else "")
             )
+        if self.scheduler.waiting_to_resume():
+            raise OutOfBlocks("sequences preempted for blocks resume before more are imported")
         if not self.block_manager.allocate_computed(seq, computed):
             raise OutOfBlocks("no free KV blocks to import the sequence")
         try:

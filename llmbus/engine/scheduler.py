@@ -84,6 +84,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def waiting_to_resume(self) -> bool:
+        """Whether a sequence preempted for blocks waits to run again (it needs blocks first)."""
+        return any(s.num_preemptions and not s.block_table for s in self._waiting)
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (it may already hold blocks with computed KV, e.g. a handoff)."""
         if seq.request_id in self._by_id:

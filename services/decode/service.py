@@ -72,7 +72,8 @@ class DecodeWorker(EngineWorker):
 
     async def _room_for(self, handoff: Handoff, need: int) -> bool:
         """Wait, first come first served, until the cache has ``need`` free blocks besides those
-        promised to other takes, and promise them to this one (``_unreserve`` gives them back).
+        promised to other takes, and no sequence preempted for blocks waits to resume (it goes
+        first), and promise them to this one (``_unreserve`` gives them back).
         Meanwhile the handoff's KV waits in kvpool: its lease is renewed. False if the request was
         aborted or its deadline passed while it waited (its final event is then out)."""
         req = handoff.request
@@ -82,7 +83,8 @@ class DecodeWorker(EngineWorker):
         try:
             while True:
                 room = self._room  # NOTE: taken before the check, so a step's notice between the two is not lost
-                if self._waiting[0] == rid and self.engine.num_free_blocks - self._reserved >= need:
+                if (self._waiting[0] == rid and not self.engine.resuming
+                        and self.engine.num_free_blocks - self._reserved >= need):
                     self._reserved += need
                     return True
                 if rid in self.recent_aborts or await self.end_past_deadline({rid: Active(req, handoff.next_seq)}):
