@@ -121,19 +121,19 @@ async def _handoff_in_pool(client, engine, model: str, prompt, state, kv, first,
                    lease=lease, state=state, kv_shape=list(kv.shape), kv_format=engine.config.kv_format)
 
 
-def with_kvpool(nats_server: str, engine, body):
+def with_kvpool(nats_server: str, engine, body, kvpool_args=()):
     """``asyncio.run(body())`` beside a kvpool process sized for ``engine``'s blocks."""
-    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format))
+    kvpool = _start_kvpool(nats_server, kv_block_bytes(engine.layout, engine.config.kv_format), kvpool_args)
     try:
         return asyncio.run(asyncio.wait_for(body(), 120))
     finally:
         _stop(kvpool)
 
 
-def _start_kvpool(nats_server: str, block_bytes: int) -> subprocess.Popen:
+def _start_kvpool(nats_server: str, block_bytes: int, args=()) -> subprocess.Popen:
     kvpool = subprocess.Popen(
         [sys.executable, "-m", "services.kvpool", "--nats-url", nats_server, "--block-bytes", str(block_bytes),
-         "--capacity-blocks", "16", "--log-level", "WARNING"],
+         "--capacity-blocks", "16", "--log-level", "WARNING", *args],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert kvpool.stdout.readline().startswith(f"{READY_PREFIX} kvpool ")

@@ -223,6 +223,15 @@ def test_imports_wait_while_a_preempted_sequence_waits_to_resume(model_dir):
     decode.import_sequence(*states["c"], params)
     while decode.has_unfinished():
         decode.step()
+    # the same again, but aborts empty the engine, which then takes no step: resuming is current
+    for rid in ("a", "b"):
+        decode.import_sequence(*states[rid], params)
+    while not decode.resuming:
+        decode.step()
+    assert decode.abort("a") and decode.abort("b") and not decode.resuming
+    decode.import_sequence(*states["c"], params)
+    while decode.has_unfinished():
+        decode.step()
     leaks = decode.leak_check()
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 

@@ -353,11 +353,20 @@ def test_a_handoff_waits_while_kvpool_is_full_and_its_lease_lasts_to_the_deadlin
     """kvpool full (decode is behind, its handoffs' leases wait in the stream): the prefilled job
     waits for room, holding its place in this worker, instead of failing with "kvpool has 0 free
     blocks"; once room appears it hands off, with a lease that lasts until the request's deadline
-    (plus the usual TTL), not 120 s: the handoff may wait in the decode stream that long."""
+    (plus the usual TTL; at most kvpool's --max-ttl), not 120 s: the handoff may wait in the decode
+    stream that long. A deadline that passes while it waits ends it with ``abort``."""
     from tests.test_decode_worker import with_kvpool
 
     model, rid = "kvpoolfull", "waits-for-kvpool"
     engine = _engine(tmp_path, enable_prefix_caching=False)
+
+    def final(events, rid):
+        async def wait():
+            while not any(e.finish_reason for e in events.get(rid, [])):
+                await asyncio.sleep(0.01)
+            return events[rid][-1]
+
+        return asyncio.wait_for(wait(), 30)
 
     async def body():
         nc, js, client = await _handing_off_bus(nats_server, model)
@@ -372,19 +381,24 @@ def test_a_handoff_waits_while_kvpool_is_full_and_its_lease_lasts_to_the_deadlin
             await client.release(filler.lease_id)
             while rid in worker.jobs:  # until the handoff is out (its job acked)
                 await asyncio.sleep(0.01)
-        handoff = decode(Handoff, (await js.get_last_msg(subjects.DECODE_STREAM, subjects.decode_subject(model))).data)
-        assert handoff.request.request_id == rid and deadline - time.time() + 100 < handoff.lease.ttl_s
-        await client.release(handoff.lease.lease_id)
-        assert [e.finish_reason for e in events[rid]] == [None]
-        # KV larger than kvpool's whole capacity (16 blocks) never fits: it fails at once, no wait
-        async with _colocated_worker(nats_server, engine, model, colocated=False):
+            handoff = decode(Handoff, (await js.get_last_msg(subjects.DECODE_STREAM, subjects.decode_subject(model))).data)
+            assert handoff.request.request_id == rid and handoff.lease.ttl_s == 900  # kvpool's --max-ttl
+            await client.release(handoff.lease.lease_id)
+            assert [e.finish_reason for e in events[rid]] == [None]
+            # KV larger than kvpool's whole capacity (16 blocks) never fits: it fails at once, no wait
             await _submit(js, model, "too-big-for-kvpool", list(range(7, 307)), 8, deadline=deadline)
-            while not any(e.finish_reason for e in events.get("too-big-for-kvpool", [])):
+            assert "exceed kvpool's whole capacity" in (await final(events, "too-big-for-kvpool")).error
+            # full again, and the deadline passes while the job waits
+            filler = await client.allocate((await client.stats()).free_blocks, ttl_s=60)
+            await _submit(js, model, "waits-past-deadline", list(range(7, 47)), 8, deadline=time.time() + 1.0)
+            ended = await final(events, "waits-past-deadline")
+            assert (ended.seq, ended.finish_reason) == (1, "abort") and "deadline" in ended.error
+            await client.release(filler.lease_id)
+            while worker.jobs:
                 await asyncio.sleep(0.01)
-        assert "exceed kvpool's whole capacity" in events["too-big-for-kvpool"][-1].error
         await nc.close()
 
-    with_kvpool(nats_server, engine, body)
+    with_kvpool(nats_server, engine, body, kvpool_args=["--max-ttl", "900"])
 
 
 def test_a_job_whose_ack_fails_after_its_handoff_is_not_failed(nats_server, tmp_path, monkeypatch):

@@ -133,8 +133,8 @@ class Engine:
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
         self.num_preemptions = 0
-        # a sequence preempted for blocks waits to resume (as of the last step; other threads read it):
-        # imports wait until it has its blocks back, or a stream of them could starve it
+        # a sequence preempted for blocks waits to resume (as of the last step or abort; other threads
+        # read it): imports wait until it has its blocks back, or a stream of them could starve it
         self.resuming = False
         self._evicted: list[tuple[bytes, bytes, torch.Tensor]] = []  # filled once keep_evicted() is on
         if config.warmup or (config.warmup is None and self.device.type == "cuda"):
@@ -253,6 +253,7 @@ class Engine:
         if seq is None:
             return handoff is not None
         self.scheduler.abort(request_id)
+        self.resuming = self.scheduler.waiting_to_resume()  # NOTE: an idle engine takes no step to update it
         return True
 
     def has_unfinished(self) -> bool:

@@ -346,6 +346,7 @@ class PoolStats:
     reclaimed_leases: int = 0  # leases reclaimed on expiry since start
     tiers: list[TierStats] = field(default_factory=list)  # the prefix cache's tiers (cpu, ssd); [] when off
     prefix_blocks: int = 0  # blocks the prefix index knows of (any location)
+    max_ttl_s: float = 0.0  # the longest lease TTL it grants (--max-ttl); 0 from a kvpool that does not say
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,8 @@ class KVPool:
                                        c.evictions, c.demotions, c.promotions))  # fmt: skip
             known = len(self.prefix.index)
         return PoolStats(self.ctx.instance_id, a.capacity, a.free_blocks, a.leased_blocks, a.active_leases,
-                         self.config.block_bytes, self.tier.name, a.reclaimed_total, tiers, known)  # fmt: skip
+                         self.config.block_bytes, self.tier.name, a.reclaimed_total, tiers, known,
+                         self.config.max_ttl_s)  # fmt: skip
 
     # --- prefix cache -------------------------------------------------------------------------
 

@@ -44,6 +44,11 @@ _LEASE_RETRY_S = 0.05  # first wait for a full kvpool; doubled each time, up to
 _LEASE_RETRY_MAX_S = 1.0
 
 
+class DeadlinePassed(Exception):
+    """The request's deadline passed while it waited: it ends with ``abort``, as a worker ends any
+    request at its deadline."""
+
+
 @dataclass
 class Job:
     msg: object
@@ -54,15 +59,14 @@ class Job:
 
 class PrefillWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
-                 lease_ttl_s: float = 120.0, max_lease_ttl_s: float = 3600.0, colocated: bool = False) -> None:  # fmt: skip
-        """``colocated``: decode here too instead of handing off (one worker does both phases).
-        ``max_lease_ttl_s``: kvpool's --max-ttl, the longest a handoff's lease may be asked for."""
+                 lease_ttl_s: float = 120.0, colocated: bool = False) -> None:  # fmt: skip
+        """``colocated``: decode here too instead of handing off (one worker does both phases)."""
         super().__init__(ctx, engine, model)
         self.colocated = colocated
         self.events: asyncio.Queue = asyncio.Queue()
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
-        self.max_lease_ttl_s = max_lease_ttl_s
+        self._max_ttl: float | None = None  # kvpool's --max-ttl, once asked
         self.jobs: dict[str, Job] = {}
 
     @property
@@ -273,6 +277,13 @@ class PrefillWorker(EngineWorker):
                 except Exception as exc:  # NOTE: decode has the request now: no failure event, which
                     # would end the client's stream (and so its abort) while decode runs on for nobody
                     log.debug("could not ack the handed-off job %s: %s", rid, exc)
+        except DeadlinePassed as exc:
+            log.info("ending %s: %s", rid, exc)
+            await self.publish(req, TokenEvent(rid, 1, finish_reason="abort", error=str(exc), worker=self.ctx.instance_id,
+                                               prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+            self.recent_aborts.add(rid)
+            with contextlib.suppress(Exception):
+                await job.msg.ack()
         except Exception as exc:
             if self._aborted(job):  # e.g. the export found the sequence gone: nothing failed
                 log.debug("prefill of %s ended by its abort: %r", rid, exc)
@@ -342,27 +353,35 @@ class PrefillWorker(EngineWorker):
     async def _lease(self, job: Job, n_blocks: int):
         """A kvpool lease of ``n_blocks`` for the handoff of ``job``. While kvpool is full (the
         decode workers are behind, and its leases wait in their stream) the job waits, retrying,
-        until it is aborted or its deadline passes; the lease lasts until that deadline, as the
-        handoff may wait in the stream that long.
+        until it is aborted or its deadline passes (DeadlinePassed); the lease lasts until that
+        deadline, as the handoff may wait in the stream that long (at most kvpool's --max-ttl).
 
         NOTE: a waiting job still counts against this worker's capacity, so prefill stops pulling
         while kvpool is full instead of computing KV that has nowhere to go."""
         req = job.request
         wait = _LEASE_RETRY_S
         while True:
-            ttl = self.lease_ttl_s if req.deadline is None else max(self.lease_ttl_s, req.deadline - time.time() + self.lease_ttl_s)
+            ttl = self.lease_ttl_s
+            if req.deadline is not None:
+                ttl = min(max(ttl, req.deadline - time.time() + ttl), await self._max_lease_ttl())
             try:
-                return await self.kv.allocate(n_blocks, ttl_s=min(ttl, self.max_lease_ttl_s), request_id=req.request_id)
+                return await self.kv.allocate(n_blocks, ttl_s=ttl, request_id=req.request_id)
             except KVPoolError as exc:
                 if exc.code != "exhausted" or self._aborted(job):
                     raise
                 if n_blocks > (await self.kv.stats()).capacity_blocks:
                     raise KVPoolError(f"the request's {n_blocks} KV blocks exceed kvpool's whole capacity", "exhausted") from None
                 if req.deadline is not None and time.time() + wait > req.deadline:
-                    raise KVPoolError("kvpool had no room for the request's KV before its deadline", "exhausted") from None
+                    raise DeadlinePassed("the request's deadline passed while kvpool had no room for its KV") from None
                 log.debug("kvpool is full; %s waits %.2fs for %d blocks", req.request_id, wait, n_blocks)
                 await asyncio.sleep(wait)
                 wait = min(2 * wait, _LEASE_RETRY_MAX_S)
+
+    async def _max_lease_ttl(self) -> float:
+        """kvpool's --max-ttl, asked once (a kvpool that does not say: the lease TTL alone)."""
+        if self._max_ttl is None:
+            self._max_ttl = (await self.kv.stats()).max_ttl_s or self.lease_ttl_s
+        return self._max_ttl
 
     async def _hand_off(self, job: Job, out: StepOutput, state: dict, kv) -> None:
         req = job.request
