@@ -342,6 +342,44 @@ def test_handoffs_wait_for_blocks_instead_of_failing(nats_server, tmp_path):
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 
 
+def test_a_handoff_waiting_for_room_at_shutdown_goes_to_another_replica(nats_server, tmp_path):
+    """A decode worker that stops while a handoff waits for blocks gives it back to the stream with
+    its lease kept: the next replica decodes it, instead of it failing on a released lease."""
+    model = "decodehandsback"
+    model_dir = make_demo_model(tmp_path / "m", "small")
+    source = _engine(model_dir)
+    engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype="float32", device="cpu", num_blocks=8))
+    slow_steps(engine, 0.1)
+    rids = ["back-a", "back-b", "back-c"]
+    prompts = {rid: list(range(7 + i, 47 + i)) for i, rid in enumerate(rids)}
+    prefilled = {rid: _prefilled(source, rid, prompts[rid]) for rid in rids}
+
+    async def body():
+        nc, js, client = await _bus(nats_server)
+        events, done = await _final_event(nc, rids[-1])
+        async with _decode_worker(nats_server, engine, model) as worker:
+            for rid in rids:
+                state, kv, first = prefilled[rid]
+                handoff = await _handoff_in_pool(client, engine, model, prompts[rid], state, kv, first)
+                await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+            while worker._waiting != [rids[-1]]:
+                await asyncio.sleep(0.01)
+        assert events == [] and (await client.stats()).active_leases == 1  # c's, kept for the next replica
+        other = _engine(model_dir)
+        async with _decode_worker(nats_server, other, model) as worker:
+            await asyncio.wait_for(done.wait(), 60)
+            while worker.stores_in_flight:  # the finished request's prefix store holds a lease of its own
+                await asyncio.sleep(0.01)
+            assert (await client.stats()).active_leases == 0
+        await nc.close()
+        return events, other
+
+    events, other = with_kvpool(nats_server, engine, body)
+    assert events[-1].finish_reason == "length" and sum(len(e.token_ids) for e in events) == 39
+    leaks = other.leak_check()  # (the stopped worker's engine goes with it, a and b still in it)
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_best_effort_stores_in_flight_are_bounded(nats_server, tmp_path):
     """Each kvpool store holds a copy of its blocks until kvpool answers: with kvpool slow, a worker
     runs MAX_STORES at once and skips the rest (losing only their reuse), instead of piling them up."""

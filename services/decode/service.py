@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from llmbus.bus import subjects
+from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_decode_consumer
 from llmbus.bus.worker import PullWorker
@@ -33,6 +34,10 @@ from llmbus.worker.base import DEADLINE_CHECK_S, EngineWorker
 from llmbus.worker.events import token_event
 
 log = logging.getLogger("llmbus.decode")
+
+
+class _Stopping(Exception):
+    """The worker is shutting down: a handoff not yet joined goes back to the stream."""
 
 
 @dataclass
@@ -50,6 +55,7 @@ class DecodeWorker(EngineWorker):
         self.events: asyncio.Queue = asyncio.Queue()
         self.jobs: PullWorker | None = None  # the handoff consumer, once bound
         self._waiting: list[str] = []  # takes waiting for room, first come first served
+        self._taking: set[str] = set()  # request ids of every take in progress
         self._reserved = 0  # blocks promised to takes past their wait
         self._room = asyncio.Event()  # set (and replaced) whenever room may have appeared
 
@@ -70,18 +76,22 @@ class DecodeWorker(EngineWorker):
             return 0
         return max(0, self.engine.config.max_num_seqs - len(self.active))
 
-    async def _room_for(self, handoff: Handoff, need: int) -> bool:
-        """Wait, first come first served, until the cache has ``need`` free blocks besides those
+    async def _room_for(self, handoff: Handoff, need: int, *, ahead: bool = False) -> bool:
+        """Wait, first come first served (``ahead``: at the head of the line, for a take that had
+        its turn and must wait again), until the cache has ``need`` free blocks besides those
         promised to other takes, and no sequence preempted for blocks waits to resume (it goes
         first), and promise them to this one (``_unreserve`` gives them back).
         Meanwhile the handoff's KV waits in kvpool: its lease is renewed. False if the request was
-        aborted or its deadline passed while it waited (its final event is then out)."""
+        aborted or its deadline passed while it waited (its final event is then out); _Stopping
+        when the worker is shutting down."""
         req = handoff.request
         rid = req.request_id
-        self._waiting.append(rid)
+        self._waiting.insert(0, rid) if ahead else self._waiting.append(rid)
         renewed = time.monotonic()
         try:
             while True:
+                if self.ctx.stop.is_set():
+                    raise _Stopping
                 room = self._room  # NOTE: taken before the check, so a step's notice between the two is not lost
                 if (self._waiting[0] == rid and not self.engine.resuming
                         and self.engine.num_free_blocks - self._reserved >= need):
@@ -90,8 +100,13 @@ class DecodeWorker(EngineWorker):
                 if rid in self.recent_aborts or await self.end_past_deadline({rid: Active(req, handoff.next_seq)}):
                     return False
                 if time.monotonic() - renewed > handoff.lease.ttl_s / 3:
-                    await self.kv.renew(handoff.lease.lease_id, handoff.lease.ttl_s)
-                    renewed = time.monotonic()
+                    try:
+                        await self.kv.renew(handoff.lease.lease_id, handoff.lease.ttl_s)
+                        renewed = time.monotonic()
+                    except KVPoolError as exc:  # gone for good, or kvpool slow to answer: try again
+                        if exc.code == "unknown_lease":
+                            raise
+                        log.debug("could not renew the lease of %s yet: %s", rid, exc)
                 await self._room_notice(room)
         finally:
             self._waiting.remove(rid)
@@ -145,11 +160,13 @@ class DecodeWorker(EngineWorker):
             return
         req = handoff.request
         rid = req.request_id
+        if rid in self.recent_aborts or rid in self.active or rid in self._taking:
+            with contextlib.suppress(Exception):
+                await msg.ack()  # aborted already, or a redelivery of a handoff this worker holds
+            return
+        self._taking.add(rid)  # NOTE: from here to the end of the take, so a redelivery cannot take it twice
         keep_lease = False
         try:
-            if rid in self.recent_aborts or rid in self.active or rid in self._waiting:
-                await msg.ack()
-                return
             if handoff.kv_format != self.engine.config.kv_format:
                 raise ValueError(f"handoff KV is {handoff.kv_format}, this decode worker runs {self.engine.config.kv_format}")
             computed = handoff.state.get("num_computed_tokens")
@@ -158,36 +175,23 @@ class DecodeWorker(EngineWorker):
             blocks = self.engine.layout.num_blocks_for(computed)
             if blocks > self.total_blocks:
                 raise ValueError(f"the request needs {blocks} KV blocks; this decode worker's cache has {self.total_blocks}")
-            need = min(blocks + 1, self.total_blocks)  # and one to grow into
-            params = req.sampling.to_params()
             async with self.jobs.working(msg):
-                while True:
-                    try:
-                        if not await self._room_for(handoff, need):
-                            await msg.ack()  # aborted, or past its deadline, while it waited: its end is out
-                            return
-                    except asyncio.CancelledError:  # shutdown: another replica takes it, lease and all
+                try:
+                    joined = await self._join(handoff, min(blocks + 1, self.total_blocks))  # and one to grow into
+                except (asyncio.CancelledError, _Stopping) as exc:  # shutdown
+                    if rid in self.active:  # it may have joined the batch: ours to end (run() tells the client)
+                        with contextlib.suppress(Exception):
+                            await msg.ack()
+                    else:  # another replica takes it, lease and all
                         keep_lease = True
                         with contextlib.suppress(Exception):
                             await msg.nak()
+                    if isinstance(exc, asyncio.CancelledError):
                         raise
-                    try:
-                        lease = await self._confirmed(handoff.lease)
-                        raw = await self.kv.read_blocks(lease)
-                        if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
-                            await msg.ack()
-                            return
-                        n, layers, layer_bytes = handoff.kv_shape
-                        kv = self.lease_rows(raw, n, lease.block_bytes, layers, layer_bytes)
-                        # NOTE: registered first: the engine may emit its first token before we resume
-                        self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
-                        await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
-                        break
-                    except OutOfBlocks:  # steps since the wait took the room: wait for the next one
-                        self.active.pop(rid, None)
-                        await self._room_notice(self._room)
-                    finally:
-                        self._unreserve(need)
+                    return
+            if not joined:  # aborted, or past its deadline, before it joined: its end is out
+                await msg.ack()
+                return
         except Exception as exc:
             # ended while it was taken (its deadline, an abort): its final event is out, no second one
             if self.active.pop(rid, None) is None and rid in self.recent_aborts:
@@ -201,10 +205,43 @@ class DecodeWorker(EngineWorker):
             await msg.term()
             return
         finally:
+            self._taking.discard(rid)
             if not keep_lease:
                 with contextlib.suppress(Exception):
                     await self.kv.release(handoff.lease.lease_id)
         await msg.ack()
+
+    async def _join(self, handoff: Handoff, need: int) -> bool:
+        """Wait for room, read the handoff's KV from kvpool (once) and import the sequence; False if
+        it was aborted or its deadline passed first. An import that still finds too few blocks
+        (steps since the wait took them) waits again, at the head of the line."""
+        req = handoff.request
+        rid = req.request_id
+        params = req.sampling.to_params()
+        kv, again = None, False
+        while True:
+            if not await self._room_for(handoff, need, ahead=again):
+                return False
+            try:
+                if kv is None:
+                    lease = await self._confirmed(handoff.lease)
+                    raw = await self.kv.read_blocks(lease)
+                    if rid in self.recent_aborts:  # NOTE: aborted during the read: on_abort found nothing to stop
+                        return False
+                    n, layers, layer_bytes = handoff.kv_shape
+                    kv = self.lease_rows(raw, n, lease.block_bytes, layers, layer_bytes)
+                if self.ctx.stop.is_set():
+                    raise _Stopping
+                # NOTE: registered first: the engine may emit its first token before we resume
+                self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
+                await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
+                return True
+            except OutOfBlocks:
+                self.active.pop(rid, None)
+                again = True
+                await self._room_notice(self._room)
+            finally:
+                self._unreserve(need)
 
     async def _confirmed(self, lease: Lease) -> Lease:
         """kvpool's own record of a handoff's lease (renewed for the read). The handoff came off the
