@@ -198,7 +198,8 @@ def test_silence_while_the_models_workers_are_busy_is_queueing(http, worker, gw_
     """A request queued behind others (in a stream, or waiting for blocks) hears nothing for longer
     than --token-timeout. While the registry shows a live worker of its model holding requests, the
     gateway keeps waiting (up to the request's deadline) instead of failing it as "the workers
-    stopped answering"; with no busy worker the same silence still fails."""
+    stopped answering"; with no busy worker, or when the worker that sent its last event is gone
+    from the registry, silence still fails."""
     ids = _ids(tokenizer, "a b c")
     script = reply_script(ids)
 
@@ -209,7 +210,12 @@ def test_silence_while_the_models_workers_are_busy_is_queueing(http, worker, gw_
     worker.script = queued
     with _busy_worker_in_registry(gw_nats, "demo"):
         r = http.post(COMP, json={"model": "demo", "prompt": "x"})
-    assert r.status_code == 200 and r.json()["choices"][0]["text"] == tokenizer.decode(ids)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == tokenizer.decode(ids)
+        # the worker that sent its last event is not in the registry: it died holding it
+        worker.script = reply_script(ids, silent_after=1)
+        r = http.post(COMP, json={"model": "demo", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
+    worker.script = queued
     r = http.post(COMP, json={"model": "demo", "prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "timeout"
 

@@ -53,10 +53,11 @@ class GatewayBus:
         self._read_at = -REGISTRY_READ_S
         self._reading = asyncio.Lock()
 
-    async def workers_busy(self, model: str) -> bool:
+    async def workers_busy(self, model: str, last_worker: str = "") -> bool:
         """Whether a live prefill or decode worker of ``model`` holds requests (its registry entry,
         read at most once a second): a request silent for a while is then queued behind theirs,
-        not lost. False when the registry cannot be read."""
+        not lost. False when the registry cannot be read, or when ``last_worker``, the sender of
+        the request's last event, is gone from it (it died holding the request)."""
         async with self._reading:
             if time.monotonic() - self._read_at >= REGISTRY_READ_S:
                 try:
@@ -65,6 +66,8 @@ class GatewayBus:
                     log.debug("could not read the registry: %r", exc)
                     self._instances = []
                 self._read_at = time.monotonic()
+        if last_worker and all(i.instance_id != last_worker for i in self._instances):
+            return False
         return any(i.role in ("prefill", "decode") and model in i.models and i.queue_depth > 0 for i in self._instances)
 
     async def start(self):

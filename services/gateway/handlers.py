@@ -43,7 +43,7 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
                        code="service_unavailable")
     rid = prepared.request.request_id
     bus = gw.bus
-    stream = TokenStream(rid, gw.config.token_timeout_s, busy=lambda: bus.workers_busy(model.name),
+    stream = TokenStream(rid, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
                          deadline=prepared.request.deadline)
     tok = model.tokenizer
     gen = Generation(stream, IncrementalDetokenizer(tok, prepared.request.prompt_token_ids),

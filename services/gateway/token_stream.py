@@ -26,19 +26,20 @@ class StreamFailure(Exception):
 
 
 class TokenStream:
-    """``busy()``, when given, is asked after each silent ``silence_timeout_s``: while it says the
-    workers are busy, silence is queueing (the request waits behind others, in a stream or for
-    blocks) and the wait goes on, up to ``deadline`` (unix seconds). Without it, or past the
-    deadline, silence fails the stream."""
+    """``busy(last_worker)``, when given, is asked after each silent ``silence_timeout_s`` (with the
+    sender of the last event, "" before the first): while it says the workers are busy, silence is
+    queueing (the request waits behind others, in a stream or for blocks) and the wait goes on, up
+    to ``deadline`` (unix seconds). Without it, or past the deadline, silence fails the stream."""
 
-    def __init__(self, request_id: str, silence_timeout_s: float, *, busy: Callable[[], Awaitable[bool]] | None = None,
-                 deadline: float | None = None) -> None:
+    def __init__(self, request_id: str, silence_timeout_s: float, *,
+                 busy: Callable[[str], Awaitable[bool]] | None = None, deadline: float | None = None) -> None:
         if silence_timeout_s <= 0:
             raise ValueError(f"silence_timeout_s must be > 0, got {silence_timeout_s}")
         self.request_id = request_id
         self.silence_timeout_s = silence_timeout_s
         self.busy = busy
         self.deadline = deadline
+        self.last_worker = ""  # who sent the last event
         self._queue: asyncio.Queue[bytes | TokenEvent | ProtocolError] = asyncio.Queue()
         self._next_seq = 0
 
@@ -50,7 +51,7 @@ class TokenStream:
     async def _queued(self) -> bool:
         if self.busy is None or self.deadline is not None and time.time() >= self.deadline:
             return False
-        return await self.busy()
+        return await self.busy(self.last_worker)
 
     async def next(self) -> TokenEvent:
         """The next event in order. Duplicates (seq already seen) are skipped.
@@ -85,4 +86,5 @@ class TokenStream:
             if event.seq > self._next_seq:
                 raise StreamFailure(f"token events {self._next_seq}..{event.seq - 1} were lost", "gap")
             self._next_seq += 1
+            self.last_worker = event.worker
             return event
