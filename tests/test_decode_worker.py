@@ -322,7 +322,7 @@ def test_handoffs_wait_for_blocks_instead_of_failing(nats_server, tmp_path):
     async def body():
         nc, js, client = await _bus(nats_server)
         finals = {rid: await _final_event(nc, rid) for rid in rids}
-        async with _decode_worker(nats_server, engine, model):
+        async with _decode_worker(nats_server, engine, model) as worker:
             for rid in rids:
                 state, kv, first = prefilled[rid]
                 handoff = await _handoff_in_pool(client, engine, model, prompts[rid], state, kv, first,
@@ -330,6 +330,8 @@ def test_handoffs_wait_for_blocks_instead_of_failing(nats_server, tmp_path):
                 await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
             for rid in rids:
                 await asyncio.wait_for(finals[rid][1].wait(), 60)
+            while worker.stores_in_flight:  # each finished request's prefix store holds a lease of its own
+                await asyncio.sleep(0.01)
             assert (await client.stats()).active_leases == 0
         await nc.close()
         return {rid: events for rid, (events, _) in finals.items()}
