@@ -213,6 +213,33 @@ def test_a_handoff_aborted_while_its_blocks_are_read_is_dropped(nats_server, tmp
         source.abort(rid)
 
 
+def test_a_handoff_that_arrives_after_its_abort_gives_its_lease_back(nats_server, tmp_path):
+    """A request aborted while its handoff still waits in the decode stream (its client gave up
+    during a backlog): the worker that pulls it drops it and releases its lease, which would
+    otherwise hold kvpool blocks until the request's deadline."""
+    model, rid = "abortedinstream", "aborted-in-stream"
+    source, engine, prompt, state, kv, first = _handed_off(tmp_path, rid)
+
+    async def body():
+        nc, js, client = await _bus(nats_server)
+        handoff = await _handoff_in_pool(client, engine, model, prompt, state, kv, first)
+        async with _decode_worker(nats_server, engine, model) as worker:
+            await nc.publish(subjects.abort(rid), encode(Abort(rid, "client_disconnected")))
+            while rid not in worker.recent_aborts:
+                await asyncio.sleep(0.005)
+            await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
+            for _ in range(500):
+                if (await client.stats()).active_leases == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await client.stats()).active_leases == 0 and worker.active == {}
+        await nc.close()
+
+    with_kvpool(nats_server, engine, body)
+    with contextlib.suppress(Exception):
+        source.abort(rid)
+
+
 def test_a_handoff_whose_lease_is_not_as_kvpool_granted_it_is_refused(nats_server, tmp_path):
     """A handoff comes off the bus: a lease naming blocks kvpool did not grant it (here another
     request's, holding that request's KV) is refused before a byte is read, and released."""

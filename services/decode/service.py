@@ -163,6 +163,8 @@ class DecodeWorker(EngineWorker):
         if rid in self.recent_aborts or rid in self.active or rid in self._taking:
             with contextlib.suppress(Exception):
                 await msg.ack()  # aborted already, or a redelivery of a handoff this worker holds
+                if rid in self.recent_aborts and rid not in self._taking:  # nobody else will read it
+                    await self.kv.release(handoff.lease.lease_id)
             return
         self._taking.add(rid)  # NOTE: from here to the end of the take, so a redelivery cannot take it twice
         keep_lease = False
