@@ -302,17 +302,16 @@ class Engine:
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
+        self.resuming = self.scheduler.waiting_to_resume()  # (only schedule() changes who waits)
         results: list[StepOutput] = []
         for seq in out.rejected:  # can never fit this engine: finished without a token
             self._seqs.pop(seq.request_id, None)
             self._prefill_only.discard(seq.request_id)
             results.append(self._output(seq, [], None, seq.finish_reason or "length"))
         if not out.scheduled:
-            self.resuming = self.scheduler.waiting_to_resume()
             return results
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
-        self.resuming = self.scheduler.waiting_to_resume()
         for request_id, (token, lp) in sampled.items():
             seq = self._seqs[request_id]
             reason = seq.finish_reason
