@@ -108,13 +108,16 @@ class EngineWorker(abc.ABC):
         ended = [rid for rid, rec in held.items() if rec.request.deadline is not None and rec.request.deadline < now]
         records = [held.pop(rid) for rid in ended]
         for rec in records:
-            req = rec.request
-            log.info("ending %s: its deadline passed", req.request_id)
-            await self.publish(req, TokenEvent(req.request_id, rec.next_seq, finish_reason="abort",
-                                               error="the request's deadline passed", worker=self.ctx.instance_id,
-                                               prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
-            self.recent_aborts.add(req.request_id)
+            await self.end_with_abort(rec.request, rec.next_seq, "the request's deadline passed")
         return records
+
+    async def end_with_abort(self, req: GenerateRequest, seq: int, why: str) -> None:
+        """A request this worker ends on its own: its final event, ``abort`` with ``why``, at
+        ``seq``; remembered as aborted, so nothing of it is taken or published again."""
+        log.info("ending %s: %s", req.request_id, why)
+        await self.publish(req, TokenEvent(req.request_id, seq, finish_reason="abort", error=why,
+                                           worker=self.ctx.instance_id, prompt_tokens=len(req.prompt_token_ids)))
+        self.recent_aborts.add(req.request_id)
 
     @property
     @abc.abstractmethod

@@ -278,10 +278,7 @@ class PrefillWorker(EngineWorker):
                     # would end the client's stream (and so its abort) while decode runs on for nobody
                     log.debug("could not ack the handed-off job %s: %s", rid, exc)
         except DeadlinePassed as exc:
-            log.info("ending %s: %s", rid, exc)
-            await self.publish(req, TokenEvent(rid, 1, finish_reason="abort", error=str(exc), worker=self.ctx.instance_id,
-                                               prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
-            self.recent_aborts.add(rid)
+            await self.end_with_abort(req, 1, str(exc))
             with contextlib.suppress(Exception):
                 await job.msg.ack()
         except Exception as exc:
