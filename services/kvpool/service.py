@@ -126,7 +126,7 @@ class KVPool:
             log.info("forgot %d tier-0 blocks of worker %s, gone from the registry", index.drop_worker(worker), worker)
         self._absent = absent - self._absent
         for worker, total in live.items():  # workers announce what they cache, never what they evict
-            if total and held.get(worker, 0) > total:
+            if total:
                 index.limit_t0(worker, total)
 
     def _report(self) -> None:
