@@ -7,8 +7,8 @@ with its KV in kvpool (its lease renewed) until finished requests free enough; w
 worker pulls no more, so the rest stay in the stream for other replicas.
 
 Per handoff: malformed or unusable -> a final error TokenEvent, lease released, ``term``; otherwise
-the blocks are read (shared memory on the same host, the bus elsewhere), the lease is released, the
-sequence is imported, and the handoff acked. An Abort stops a request at once and frees its blocks.
+the blocks are read (shared memory on the same host, the bus elsewhere), the sequence is imported,
+the lease released, and the handoff acked. An Abort stops a request at once and frees its blocks.
 
 A finished request's full blocks (prompt and output, those still in this engine's prefix cache)
 are committed to kvpool's tiers, skipping what kvpool already holds, so a later request that
