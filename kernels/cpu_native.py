@@ -153,8 +153,8 @@ def _load() -> ctypes.CDLL | None:
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.have_bf16_dot.argtypes = []
         lib.linear_bf16.argtypes = lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        lib.linear_f32.restype = lib.have_linear_f32.restype = ctypes.c_int
-        lib.have_linear_f32.argtypes = []
+        lib.linear_f32.restype = lib.have_linear_f32.restype = lib.have_linear_bf16.restype = ctypes.c_int
+        lib.have_linear_f32.argtypes = lib.have_linear_bf16.argtypes = []
         for sfx in ("bf16", "f32"):
             norm, silu, rot = getattr(lib, f"rms_norm_{sfx}"), getattr(lib, f"silu_mul_{sfx}"), getattr(lib, f"rope_{sfx}")
             norm.restype = silu.restype = rot.restype = None
@@ -547,17 +547,26 @@ LINEAR_BLOCK = 16  # output rows per block of ``to_blocked``'s layout (the kerne
 
 @functools.cache
 def has_linear_f32() -> bool:
-    """Whether the library loaded and this CPU has the AVX-512 its float32 linear kernel uses."""
+    """Whether the library loaded and this CPU has what its float32 linear kernel is written with
+    (AVX-512, or AVX2 with FMA)."""
     return _load() is not None and bool(_lib.have_linear_f32())
 
 
+@functools.cache
+def has_linear_bf16() -> bool:
+    """Whether the library loaded and this CPU has what its bf16 linear kernel is written with
+    (the bf16 dot instruction, or AVX2 with FMA widening the weights)."""
+    return _load() is not None and bool(_lib.have_linear_bf16())
+
+
 def _has_linear(dtype: torch.dtype) -> bool:
-    return has_bf16_dot() if dtype == torch.bfloat16 else dtype == torch.float32 and has_linear_f32()
+    return has_linear_bf16() if dtype == torch.bfloat16 else dtype == torch.float32 and has_linear_f32()
 
 
 def linear_supported(weight: torch.Tensor) -> bool:
-    """Whether ``linear`` can serve this ``[out, in]`` weight: bf16 on a CPU with the bf16 dot
-    instruction (``in`` a multiple of 2) or float32 on one with AVX-512, ``out`` a multiple of 16."""
+    """Whether ``linear`` can serve this ``[out, in]`` weight: bf16 (``in`` a multiple of 2) or
+    float32, on a CPU with AVX-512 or AVX2 with FMA (bf16's dot instruction where it has one),
+    ``out`` a multiple of 16."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
             and weight.shape[0] % LINEAR_BLOCK == 0 and _has_linear(weight.dtype)
             and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))  # fmt: skip

@@ -37,7 +37,7 @@ def _greedy(engine: Engine, prompt: list[int]) -> tuple[list[int], list[float]]:
 def test_packed_linear_equals_f_linear(dtype, atol, rows, with_bias, gemm, monkeypatch):
     monkeypatch.setenv("LLMBUS_CPU_GEMM", gemm)
     if not cpu_linear.packing_supported(dtype, CPU):
-        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+        pytest.skip(f"no packed layout for {dtype} here (LLMBUS_CPU_GEMM={gemm})")
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 80, generator=g).to(dtype)
     b = torch.randn(96, generator=g).to(dtype) if with_bias else None
@@ -75,7 +75,17 @@ def test_engine_packs_its_model_and_keeps_one_copy(tmp_path):
     assert outs["packed"][1] == pytest.approx(outs["plain"][1], abs=1e-4)
 
 
-needs_bf16_dot = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
+needs_bf16_kernel = pytest.mark.skipif(not cpu_native.has_linear_bf16(), reason="no bf16 linear kernel here (or no C compiler)")
+
+
+def test_cpus_with_avx2_and_fma_have_both_linear_kernels():
+    """AVX2 with FMA is enough for the blocked kernels of both dtypes (bf16 widened), so CPUs
+    without AVX-512 (or without the bf16 dot instruction) still run the fused decode layers."""
+    flags = set(cpu_native._cpu_flags().split())
+    if not cpu_native.available() or not ({"avx2", "fma"} <= flags or "avx512f" in flags):
+        pytest.skip("no C compiler, or a CPU with neither AVX2 with FMA nor AVX-512")
+    assert cpu_native.has_linear_f32() and cpu_native.has_linear_bf16()
+    assert cpu_linear.packing_supported(torch.bfloat16, CPU) and cpu_linear.packing_supported(torch.float32, CPU)
 
 
 def _needs_kernel(dtype: torch.dtype) -> None:
@@ -123,7 +133,7 @@ def test_blocked_layout_round_trips_and_takes_strided_rows(dtype, shape):
     assert not cpu_native.linear_supported(torch.zeros(16, 0, dtype=dtype))  # nothing to block
 
 
-@needs_bf16_dot
+@needs_bf16_kernel
 def test_pack_chooses_the_blocked_layout_for_bf16_where_it_applies(monkeypatch):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(32, 64, generator=g).to(torch.bfloat16)
@@ -131,19 +141,28 @@ def test_pack_chooses_the_blocked_layout_for_bf16_where_it_applies(monkeypatch):
     packed = cpu_linear.pack(w)
     assert packed.blocked is not None and packed.onednn is None
     assert torch.equal(cpu_linear.linear(x, w, None, packed), cpu_native.linear(x.reshape(6, 64), packed.blocked, None).reshape(2, 3, 32))
-    # outputs not a multiple of 16, or oneDNN asked for: oneDNN's layout (fp32: blocked with AVX-512)
-    assert cpu_linear.pack(torch.randn(20, 64).to(torch.bfloat16)).onednn is not None
+    # outputs not a multiple of 16, or oneDNN asked for: oneDNN's layout where it has one for bf16
+    narrow = torch.randn(20, 64).to(torch.bfloat16)
+    onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert cpu_linear.can_pack(narrow) == onednn_bf16
+    if onednn_bf16:
+        assert cpu_linear.pack(narrow).onednn is not None
+    else:
+        with pytest.raises(ValueError, match="no packed layout"):
+            cpu_linear.pack(narrow)
     assert cpu_linear.pack(torch.randn(20, 64)).onednn is not None
     assert (cpu_linear.pack(torch.randn(32, 64)).blocked is not None) == cpu_native.has_linear_f32()
     monkeypatch.setenv("LLMBUS_CPU_GEMM", "onednn")
-    assert cpu_linear.pack(w).blocked is None
+    assert cpu_linear.can_pack(w) == onednn_bf16
+    if onednn_bf16:
+        assert cpu_linear.pack(w).blocked is None
     # rows the kernel does not take (features strided): the plain product from the unblocked weight
     cols = torch.randn(64, 2, generator=g).to(torch.bfloat16).T
     got = cpu_linear.linear(cols, w, None, PackedWeight(blocked=cpu_native.to_blocked(w)))
     assert torch.equal(got, F.linear(cols, w))
 
 
-@needs_bf16_dot
+@needs_bf16_kernel
 def test_bf16_engine_with_blocked_weights_generates_as_the_plain_model(tmp_path):
     model_dir = make_demo_model(tmp_path / "m", "small")
     prompt = list(range(3, 40))
@@ -156,6 +175,21 @@ def test_bf16_engine_with_blocked_weights_generates_as_the_plain_model(tmp_path)
         outs[name] = _greedy(engine, prompt)
     assert outs["blocked"][0] == outs["plain"][0]
     assert outs["blocked"][1] == pytest.approx(outs["plain"][1], abs=0.05)
+
+
+def test_a_weight_no_layout_takes_leaves_the_model_unpacked(tmp_path, monkeypatch):
+    """A bf16 model whose vocabulary is not a multiple of 16 (its head no blocked kernel takes) on a
+    CPU where oneDNN has no bf16: nothing is packed, not half the model, and it still generates."""
+    from llmbus.model.demo import write_random_model
+
+    monkeypatch.setattr(cpu_linear, "_onednn_supported", lambda dtype, device: dtype == torch.float32)
+    model_dir = write_random_model(tmp_path / "m", {"vocab_size": 1000, "num_hidden_layers": 2, "dtype": "bfloat16"})
+    engine = Engine.from_model_dir(str(model_dir), EngineConfig(dtype="bfloat16", device="cpu"))
+    model = engine.model
+    assert model.packed_lm_head is None and model.layers[0].mlp.packed == {} and model.decode_stack is None
+    assert model.layers[0].mlp.down_weight.numel() > 0  # the plain weights are kept
+    toks, _ = _greedy(engine, list(range(3, 20)))
+    assert len(toks) == 12 and all(0 <= t < 1000 for t in toks)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -18,10 +18,10 @@ from llmbus.kv.formats import KVFormat
 from llmbus.model.loader import load_model
 from tests.model_factory import PagedDriver, write_random_model
 
-needs_bf16 = pytest.mark.skipif(not cpu_native.has_bf16_dot(), reason="no bf16 dot instruction (or no C compiler)")
-# float32 needs only AVX-512 (its linear kernel), bf16 the bf16 dot instruction
+# the dtype's linear kernel: AVX-512 or AVX2 with FMA (bf16 with the bf16 dot instruction where there is one)
+needs_bf16 = pytest.mark.skipif(not cpu_native.has_linear_bf16(), reason="no bf16 linear kernel here (or no C compiler)")
 DTYPES = [pytest.param("bfloat16", marks=needs_bf16),
-          pytest.param("float32", marks=pytest.mark.skipif(not cpu_native.has_linear_f32(), reason="no AVX-512"))]
+          pytest.param("float32", marks=pytest.mark.skipif(not cpu_native.has_linear_f32(), reason="no float32 linear kernel here"))]
 
 CASES = {
     "llama_gqa2": ("llama", {}),
@@ -160,10 +160,11 @@ def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMBUS_CPU_FUSED_LAYERS", "0")
     model = load_model(model_dir, dtype="bfloat16").model
     assert model.pack_cpu_weights() and model.decode_stack is None
-    monkeypatch.setenv("LLMBUS_CPU_GEMM", "onednn")  # not blocked: no stack either
-    monkeypatch.delenv("LLMBUS_CPU_FUSED_LAYERS")
+    monkeypatch.setenv("LLMBUS_CPU_GEMM", "onednn")  # not blocked: no stack either (nor packing where
+    monkeypatch.delenv("LLMBUS_CPU_FUSED_LAYERS")  # oneDNN has no bf16)
     model = load_model(model_dir, dtype="bfloat16").model
-    assert model.pack_cpu_weights() and model.decode_stack is None
+    assert model.pack_cpu_weights() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert model.decode_stack is None
 
 
 @needs_bf16

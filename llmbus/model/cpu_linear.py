@@ -7,9 +7,11 @@ Measured on 2 AMD EPYC cores for the large demo model's projections: a decode-si
 faster. The results are the same products (oneDNN computes them either way in bf16; in fp32 the
 summation order may differ in the last bits).
 
-bf16 weights go further where the CPU has the bf16 dot instruction, and float32 weights where it
-has AVX-512: they are blocked once for our own kernel (``kernels.cpu_native.linear``, the layout
-and the reasons in kernels/cpu_decode.c) instead of oneDNN's, still one copy. A decode step at
+bf16 and float32 weights go further on CPUs with AVX-512 or AVX2 with FMA (bf16 with the bf16 dot
+instruction where there is one, else widened): they are blocked once for our own kernel
+(``kernels.cpu_native.linear``, the layout and the reasons in kernels/cpu_decode.c) instead of
+oneDNN's, still one copy; where neither serves a weight (bf16 on a CPU without oneDNN's bf16 and
+outputs not a multiple of 16), the model keeps its plain weights. A decode step at
 low batch is bound by reading the weights once; oneDNN reads them at 11-15 GB/s on one core for
 1-8 rows, the blocked kernel at 17-23 (the large demo model's projections,
 scripts/bench_cpu_linear.py: bf16, one row, one thread 13.9 -> 7.8 ms; 32 rows 31.9 -> 30.6 ms;
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
+from kernels.cpu_native import LINEAR_BLOCK
 
 # rows the packed layout is tuned for: the measured speed barely depends on it (1, 32 or 2,048)
 BATCH_HINT = 32
@@ -40,7 +43,7 @@ class PackedWeight:
     blocked: torch.Tensor | None = None  # kernels.cpu_native.to_blocked's layout
 
 
-def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+def _onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """True where oneDNN can run this dtype's packed linear on this device."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -51,11 +54,30 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _blocked_wanted(weight: torch.Tensor) -> bool:
+    return os.environ.get("LLMBUS_CPU_GEMM") != "onednn" and cpu_native.linear_supported(weight)
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where a packed layout serves this dtype on this device: oneDNN's, or ours (bf16 on a
+    CPU without oneDNN's bf16 but with AVX2, for one)."""
+    if device.type != "cpu":
+        return False
+    return _onednn_supported(dtype, device) or _blocked_wanted(torch.zeros(LINEAR_BLOCK, 2, dtype=dtype))
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack` has a layout for this ``[out, in]`` weight."""
+    return _blocked_wanted(weight) or _onednn_supported(weight.dtype, weight.device)
+
+
 def pack(weight: torch.Tensor) -> PackedWeight:
     """``[out, in]`` -> a layout usable only by :func:`linear`: blocked for our kernel where it
-    serves the weight, else oneDNN's."""
-    if os.environ.get("LLMBUS_CPU_GEMM") != "onednn" and cpu_native.linear_supported(weight):
+    serves the weight, else oneDNN's (``can_pack`` says whether either does)."""
+    if _blocked_wanted(weight):
         return PackedWeight(blocked=cpu_native.to_blocked(weight))
+    if not _onednn_supported(weight.dtype, weight.device):
+        raise ValueError(f"no packed layout for a {weight.dtype} {list(weight.shape)} weight on this CPU")
     return PackedWeight(onednn=torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT))
 
 

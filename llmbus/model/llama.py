@@ -18,7 +18,7 @@ from kernels import cpu_native, reference
 from kernels.kv_cache import PagedKVCache
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
-from llmbus.model.cpu_linear import PackedWeight, linear, pack, packing_supported
+from llmbus.model.cpu_linear import PackedWeight, can_pack, linear, pack, packing_supported
 from llmbus.model.rope import RotaryEmbedding
 
 
@@ -151,21 +151,24 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_cpu_weights(self) -> bool:
         """Reorder every projection weight once into a layout for a faster CPU product
-        (``llmbus.model.cpu_linear``: ours blocked for bf16 with the bf16 dot instruction and for
-        float32 with AVX-512, else oneDNN's) and free the plain copies, so the model holds one copy
-        of each. Returns False, changing nothing, where packing is unsupported (not CPU, fp16, no
-        bf16 instructions).
+        (``llmbus.model.cpu_linear``: ours blocked for bf16 and float32 on CPUs with AVX-512 or
+        AVX2, else oneDNN's) and free the plain copies, so the model holds one copy of each.
+        Returns False, changing nothing, where packing is unsupported (not CPU, fp16, a weight no
+        layout takes).
 
         After this the projection parameters are empty: the model only runs forward."""
         weight = self.embed_tokens
         if self.packed_lm_head is not None or not packing_supported(weight.dtype, weight.device):
             return False
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for module, name in ((attn, "qkv"), (attn, "o"), (mlp, "gate_up"), (mlp, "down")):
-                param = getattr(module, f"{name}_weight")
-                module.packed[name] = pack(param)
-                param.data = param.data.new_empty(0)
+        projections = [(module, name) for layer in self.layers
+                       for module, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"),
+                                            (layer.mlp, "down"))]  # fmt: skip
+        if not all(can_pack(w) for w in [*(getattr(m, f"{n}_weight") for m, n in projections), self.lm_head_weight]):
+            return False  # NOTE: e.g. bf16 outputs not a multiple of 16 where oneDNN has no bf16
+        for module, name in projections:
+            param = getattr(module, f"{name}_weight")
+            module.packed[name] = pack(param)
+            param.data = param.data.new_empty(0)
         self.packed_lm_head = pack(self.lm_head_weight)
         for norm in [self.norm] + [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
             norm.fused = True
