@@ -1,5 +1,8 @@
 """All of a model's projections, one decode step's worth: oneDNN's packed GEMM against our blocked kernel.
 
+Where oneDNN has no packed layout for the dtype (bf16 on a CPU without its bf16 support) the
+baseline is ``F.linear`` over the plain weights, which is what a model runs there unpacked.
+
 The shapes of ``--demo`` (default: large) demo model's layers (fused q/k/v, o, fused gate/up, down)
 and its lm_head, random weights in ``--dtype`` (bfloat16 or float32), both layouts built in one process; each repetition runs every
 product once per layout, alternating, with fresh inputs of ``--rows`` rows; the median of
@@ -19,10 +22,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import cpu_native  # noqa: E402
+from llmbus.model import cpu_linear  # noqa: E402
 from llmbus.model.demo import DEMO_SIZES  # noqa: E402
 
 
@@ -45,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     if not cpu_native.linear_supported(torch.zeros(16, 2, dtype=dtype)):
-        print(f"this CPU (or build) has no blocked {args.dtype} kernel (bf16: the bf16 dot instruction; float32: AVX-512)")
+        print(f"this CPU (or build) has no blocked {args.dtype} kernel (it needs AVX-512, or AVX2 with FMA)")
         return 1
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in shapes(args.demo)]
     total = sum(w.numel() * w.element_size() for w in weights)
     in_features = [w.shape[1] for w in weights]
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    base = "onednn" if cpu_linear._onednn_supported(dtype, torch.device("cpu")) else "plain"
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights] if base == "onednn" else weights
     blocked = [cpu_native.to_blocked(w) for w in weights]
     del weights
 
@@ -63,23 +69,27 @@ def main(argv: list[str] | None = None) -> int:
             x = xs[k]
             if kind == "onednn":
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            elif kind == "plain":
+                F.linear(x, p)
             else:
                 cpu_native.linear(x, b, None)
         return time.perf_counter() - t
 
-    result = {"demo": args.demo, "dtype": args.dtype, "threads": args.threads, "weight_bytes": total, "rows": {}}
+    result = {"demo": args.demo, "dtype": args.dtype, "threads": args.threads, "weight_bytes": total, "baseline": base,
+              "rows": {}}
     print(f"{args.demo} demo model, {args.dtype}, {total / 1e6:.0f} MB of projections, {args.threads} thread(s), "
           f"median of {args.reps}")
     for rows in (int(r) for r in args.rows.split(",")):
-        times: dict[str, list[float]] = {"onednn": [], "blocked": []}
+        times: dict[str, list[float]] = {base: [], "blocked": []}
         for _ in range(args.reps):
             for kind in times:
                 times[kind].append(step(kind, rows))
         med = {k: statistics.median(v) for k, v in times.items()}
         result["rows"][rows] = {k: 1e3 * v for k, v in med.items()}
-        print(f"rows {rows:5d}: oneDNN {1e3 * med['onednn']:7.2f} ms ({total / med['onednn'] / 1e9:5.1f} GB/s), "
+        name = {"onednn": "oneDNN", "plain": "F.linear (plain)"}[base]
+        print(f"rows {rows:5d}: {name} {1e3 * med[base]:7.2f} ms ({total / med[base] / 1e9:5.1f} GB/s), "
               f"blocked {1e3 * med['blocked']:7.2f} ms ({total / med['blocked'] / 1e9:5.1f} GB/s), "
-              f"{med['blocked'] / med['onednn']:.2f}x", flush=True)
+              f"{med['blocked'] / med[base]:.2f}x", flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
