@@ -155,6 +155,35 @@ def test_bad_slots_and_tables_are_refused(tmp_path):
 
 
 @needs_bf16
+def test_a_layer_table_is_checked_again_after_an_edit(tmp_path):
+    """The check that every layer has its weights is kept from step to step (a model's table does
+    not change), but not past an edit in place or for another table."""
+    model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=2))
+    driver = PagedDriver(model, num_blocks=8)
+    driver.step([("a", list(range(5, 25)))])
+    cfg, attn = model.config, model.layers[0].self_attn
+    cos = sin = torch.zeros(1, cfg.head_dim // 2, dtype=torch.bfloat16)
+
+    def run(layers: torch.Tensor) -> None:
+        h = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+        cpu_native.decode_layers(h, cos, sin, layers, driver.caches, torch.tensor([20]),
+                                 torch.tensor([driver.tables["a"]], dtype=torch.int32), torch.tensor([21], dtype=torch.int32),
+                                 attn.num_heads, cfg.intermediate_size, 1e-6, attn.scale)  # fmt: skip
+
+    stack = model.decode_stack.clone()
+    run(stack)
+    run(stack)  # found whole before: not checked again
+    stack[1, 3] = 0  # layer 1 loses its o projection
+    with pytest.raises(ValueError, match="norm and projection weights"):
+        run(stack)
+    other = model.decode_stack.clone()
+    other[0, 0] = 0
+    with pytest.raises(ValueError, match="norm and projection weights"):
+        run(other)
+    run(model.decode_stack)
+
+
+@needs_bf16
 def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     model_dir = write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=4)
     monkeypatch.setenv("LLMBUS_CPU_FUSED_LAYERS", "0")
