@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmbus.bus.connection import NATS_URL_ENV, has_credentials
 from llmbus.kv.formats import KV_FORMATS
 
 READY = "llmbus-ready"
@@ -35,7 +36,8 @@ class Child:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the whole service on this machine")
-    p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one")
+    p.add_argument("--nats-url", default="", help="use this NATS server instead of starting one (credentials as "
+                   "nats://user:password@host:port or nats://token@host:port; the services get them by environment)")
     p.add_argument("--data-dir", default="", help="JetStream store and demo models (default $LLMBUS_DATA_DIR or ~/.cache/llmbus)")
     p.add_argument("--model", action="append", default=[], metavar="NAME=DIR",
                    help="a served model (repeatable; default: the small demo model)")
@@ -111,8 +113,10 @@ def _worker_option(worker_args: list[str], name: str) -> str | None:
 
 
 def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Child]:
+    """The services to start. A NATS URL with credentials reaches them through ``$LLMBUS_NATS_URL``
+    (set by ``up`` for its children), not their command lines, which any local user can read."""
     py = [sys.executable, "-m"]
-    common = ["--nats-url", nats_url]
+    common = [] if has_credentials(nats_url) else ["--nats-url", nats_url]
     decoders = 0 if args.colocated else args.decode
     workers = len(models) * (args.prefill + decoders)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, workers))
@@ -203,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         nats.start()
         print(f"llmbus up: nats-server at {nats.url} (store {data_dir / 'nats'})", flush=True)
     nats_url = args.nats_url or nats.url
+    if has_credentials(nats_url):
+        os.environ[NATS_URL_ENV] = nats_url  # the children inherit it (_plan)
     children = _plan(args, nats_url, models, data_dir)
     code = 0
     try:

@@ -4,11 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 
 from nats import errors as nats_errors
 from nats.aio.client import Client
 
 log = logging.getLogger("llmbus.bus")
+
+# NOTE: where a NATS URL with credentials (nats://user:password@host, nats://token@host) can be
+# given without putting them on a command line, which any local user can read in ps
+NATS_URL_ENV = "LLMBUS_NATS_URL"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+_USERINFO = re.compile(r"(?<=://)[^/@,\s]*@")
+
+
+def default_nats_url() -> str:
+    """``$LLMBUS_NATS_URL``, else the local default."""
+    return os.environ.get(NATS_URL_ENV, "").strip() or DEFAULT_NATS_URL
+
+
+def has_credentials(url: str) -> bool:
+    return bool(_USERINFO.search(url))
+
+
+def redact(url: str) -> str:
+    """``url`` (comma-separated ones too) with any user, password or token shown as ``***``: for
+    messages and logs."""
+    return _USERINFO.sub("***@", url)
 
 
 class _Client(Client):
@@ -66,7 +89,7 @@ async def connect(
     async def on_error(exc: Exception) -> None:
         msg = str(exc) or type(exc).__name__
         if not errors or errors[-1] != msg:  # NOTE: nats retries every 0.5 s; log each new error once
-            log.warning("nats %s: %s", name, msg)
+            log.warning("nats %s: %s", name, redact(msg))
         errors[:] = [msg]
 
     async def on_disconnect() -> None:
@@ -94,4 +117,4 @@ async def connect(
         return nc
     except Exception as exc:  # nats raises NoServersError, OSError, TimeoutError...
         why = errors[-1] if errors else (str(exc) or type(exc).__name__)
-        raise ConnectionError(f"cannot connect to NATS at {url}: {why}") from None
+        raise ConnectionError(f"cannot connect to NATS at {redact(url)}: {redact(why)}") from None

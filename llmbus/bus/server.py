@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+_SECRET = re.compile(r"[A-Za-z0-9._~-]*")
+
+
 @dataclass(frozen=True)
 class NatsServerConfig:
     host: str = "127.0.0.1"
@@ -27,8 +31,19 @@ class NatsServerConfig:
     sync_interval: str = "2s"  # JetStream fsync interval, or "always" (durable on power loss, slower)
     max_store: str = ""  # e.g. "10G"; "" = the server's default
     start_timeout_s: float = 15.0
+    # clients must authenticate: a user and password, or a token (none: anyone who reaches the port)
+    user: str = ""
+    password: str = ""
+    token: str = ""
 
     def __post_init__(self) -> None:
+        for name in ("user", "password", "token"):
+            if not _SECRET.fullmatch(getattr(self, name)):
+                raise ValueError(f"{name} may hold only letters, digits and ._~- (it goes into a URL and the config)")
+        if bool(self.user) != bool(self.password):
+            raise ValueError("user and password go together")
+        if self.token and self.user:
+            raise ValueError("give a user and password, or a token, not both")
         if not (self.port == -1 or 0 < self.port < 65536):
             raise ValueError(f"port must be -1 (free port) or 1-65535, got {self.port}")
         if not 0 < self.max_payload <= 64 * 1024 * 1024:
@@ -51,7 +66,8 @@ def nats_server_binary() -> Path:
 
 
 class EmbeddedNats:
-    """A nats-server child process. ``url`` is valid between start() and stop()."""
+    """A nats-server child process. ``url`` is valid between start() and stop(); ``client_url``
+    is it with the config's credentials, what a client connects with."""
 
     def __init__(self, data_dir: str | os.PathLike, config: NatsServerConfig | None = None) -> None:
         self.data_dir = Path(data_dir)
@@ -73,6 +89,8 @@ class EmbeddedNats:
             f'  sync_interval: "{c.sync_interval}"' if c.sync_interval != "always" else "  sync_interval: always",
             f"  max_file_store: {c.max_store}" if c.max_store else "",
             "}",
+            f'authorization {{ user: "{c.user}", password: "{c.password}" }}' if c.user else "",
+            f'authorization {{ token: "{c.token}" }}' if c.token else "",
         ]
         path = self.data_dir / "nats-server.conf"
         path.write_text("\n".join(line for line in lines if line) + "\n")
@@ -119,6 +137,12 @@ class EmbeddedNats:
             self._log.close()
             self._log = None
         self.url = ""
+
+    @property
+    def client_url(self) -> str:
+        c = self.config
+        secret = f"{c.user}:{c.password}@" if c.user else f"{c.token}@" if c.token else ""
+        return self.url.replace("://", f"://{secret}", 1) if self.url else ""
 
     @property
     def pid(self) -> int | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from llmbus import aio
 from llmbus.bus import subjects
-from llmbus.bus.connection import connect
+from llmbus.bus.connection import DEFAULT_NATS_URL, NATS_URL_ENV, connect, default_nats_url
 from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
 from llmbus.protocol import InstanceInfo, check_id, encode
 from llmbus.protocol.messages import ROLES
@@ -163,7 +163,10 @@ async def _drain(nc) -> None:
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server(s), comma-separated")
+    parser.add_argument("--nats-url", default=default_nats_url(),
+                        help=f"NATS server(s), comma-separated; credentials as nats://user:password@host:port or "
+                             f"nats://token@host:port (default ${NATS_URL_ENV}, else {DEFAULT_NATS_URL}; the variable "
+                             "keeps credentials off the command line)")  # fmt: skip
     parser.add_argument("--instance-id", default="", help="this instance's id (default: <role>-<random>)")
     parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
 
