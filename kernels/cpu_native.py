@@ -560,7 +560,8 @@ def has_linear_bf16() -> bool:
     return _load() is not None and bool(_lib.have_linear_bf16())
 
 
-def _has_linear(dtype: torch.dtype) -> bool:
+def has_linear(dtype: torch.dtype) -> bool:
+    """Whether ``linear`` runs this dtype here (bf16 or float32, by the CPU's instructions)."""
     return has_linear_bf16() if dtype == torch.bfloat16 else dtype == torch.float32 and has_linear_f32()
 
 
@@ -569,7 +570,7 @@ def linear_supported(weight: torch.Tensor) -> bool:
     float32, on a CPU with AVX-512 or AVX2 with FMA (bf16's dot instruction where it has one),
     ``out`` a multiple of 16."""
     return (weight.device.type == "cpu" and weight.dim() == 2 and weight.numel() > 0
-            and weight.shape[0] % LINEAR_BLOCK == 0 and _has_linear(weight.dtype)
+            and weight.shape[0] % LINEAR_BLOCK == 0 and has_linear(weight.dtype)
             and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))  # fmt: skip
 
 
@@ -597,7 +598,7 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
     weight's dtype, from the weight blocked by ``to_blocked``. None where the kernel does not apply
     (other rows, a bias of another dtype, no kernel for the dtype here): the caller unblocks."""
     dtype = blocked.dtype
-    if not _fusable(x) or x.dtype != dtype or not _has_linear(dtype) or (bias is not None and bias.dtype != dtype):
+    if not _fusable(x) or x.dtype != dtype or not has_linear(dtype) or (bias is not None and bias.dtype != dtype):
         return None
     k = blocked.shape[1] * (2 if dtype == torch.bfloat16 else 1)
     if x.shape[1] != k:

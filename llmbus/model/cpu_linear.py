@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_native
-from kernels.cpu_native import LINEAR_BLOCK
 
 # rows the packed layout is tuned for: the measured speed barely depends on it (1, 32 or 2,048)
 BATCH_HINT = 32
@@ -55,7 +54,11 @@ def _onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _blocked_wanted(weight: torch.Tensor) -> bool:
-    return os.environ.get("LLMBUS_CPU_GEMM") != "onednn" and cpu_native.linear_supported(weight)
+    return _blocked_allowed() and cpu_native.linear_supported(weight)
+
+
+def _blocked_allowed() -> bool:
+    return os.environ.get("LLMBUS_CPU_GEMM") != "onednn"
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -63,7 +66,7 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     CPU without oneDNN's bf16 but with AVX2, for one)."""
     if device.type != "cpu":
         return False
-    return _onednn_supported(dtype, device) or _blocked_wanted(torch.zeros(LINEAR_BLOCK, 2, dtype=dtype))
+    return _onednn_supported(dtype, device) or _blocked_allowed() and cpu_native.has_linear(dtype)
 
 
 def can_pack(weight: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from kernels import cpu_native, reference
 from kernels.kv_cache import PagedKVCache
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
-from llmbus.model.cpu_linear import PackedWeight, can_pack, linear, pack, packing_supported
+from llmbus.model.cpu_linear import PackedWeight, can_pack, linear, pack
 from llmbus.model.rope import RotaryEmbedding
 
 
@@ -157,14 +157,13 @@ class LlamaForCausalLM(nn.Module):
         layout takes).
 
         After this the projection parameters are empty: the model only runs forward."""
-        weight = self.embed_tokens
-        if self.packed_lm_head is not None or not packing_supported(weight.dtype, weight.device):
+        if self.packed_lm_head is not None:
             return False
         projections = [(module, name) for layer in self.layers
                        for module, name in ((layer.self_attn, "qkv"), (layer.self_attn, "o"), (layer.mlp, "gate_up"),
                                             (layer.mlp, "down"))]  # fmt: skip
         if not all(can_pack(w) for w in [*(getattr(m, f"{n}_weight") for m, n in projections), self.lm_head_weight]):
-            return False  # NOTE: e.g. bf16 outputs not a multiple of 16 where oneDNN has no bf16
+            return False  # not CPU, fp16, or e.g. bf16 outputs not a multiple of 16 where oneDNN has no bf16
         for module, name in projections:
             param = getattr(module, f"{name}_weight")
             module.packed[name] = pack(param)
