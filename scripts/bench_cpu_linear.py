@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    if not cpu_native.linear_supported(torch.zeros(16, 2, dtype=dtype)):
+    if not cpu_native.has_linear(dtype):
         print(f"this CPU (or build) has no blocked {args.dtype} kernel (it needs AVX-512, or AVX2 with FMA)")
         return 1
     torch.set_num_threads(args.threads)
@@ -58,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(w.numel() * w.element_size() for w in weights)
     in_features = [w.shape[1] for w in weights]
     base = "onednn" if cpu_linear._onednn_supported(dtype, torch.device("cpu")) else "plain"
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights] if base == "onednn" else weights
+    baseline = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights] if base == "onednn" else weights
     blocked = [cpu_native.to_blocked(w) for w in weights]
     del weights
 
     def step(kind: str, rows: int) -> float:
         xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in set(in_features)}
         t = time.perf_counter()
-        for p, b, k in zip(onednn, blocked, in_features):
+        for p, b, k in zip(baseline, blocked, in_features):
             x = xs[k]
             if kind == "onednn":
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
