@@ -95,6 +95,18 @@ def test_prefix_cache_reuses_shared_prefix(model_dir, prompts, hf_outputs):
     assert again.token_ids == first.token_ids == hf_outputs[4]
 
 
+def test_copies_sent_together_are_prefilled_once(model_dir, prompts, hf_outputs):
+    """A request's n choices reach the engine as n copies of one prompt at once: the copies wait a
+    step for the first one's blocks and read them, and still match transformers."""
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    outs = llm.generate([prompts[4]] * 4 + [prompts[3]], GREEDY)
+    assert [o.token_ids for o in outs] == [hf_outputs[4]] * 4 + [hf_outputs[3]]
+    # 71 prompt tokens: 4 full blocks computed by the first copy, read by the other three
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64, 0]
+    leaks = llm.engine.leak_check()
+    assert leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_seeded_sampling_is_independent_of_batch(model_dir, prompts):
     llm = LLM(model_dir, dtype="float32", device="cpu")
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)

@@ -105,6 +105,31 @@ class BlockManager:
             hits.pop()
         return hits
 
+    def next_block_hash(self, seq: Sequence) -> bytes | None:
+        """The hash of the first block of ``seq`` a prefix hit could serve (a full block before its
+        last token) that this cache does not hold: the first block its prefill would compute.
+        None when prefix caching is off, ``seq`` holds blocks, or every such block is cached."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return None
+        hits = self._prefix_hits(seq)
+        bs, j = self.block_size, len(hits)
+        tokens = seq.all_token_ids
+        if (j + 1) * bs > len(tokens) - 1:
+            return None
+        return block_hash(hits[-1][0] if hits else self._root(seq), tokens[j * bs : (j + 1) * bs])
+
+    def pending_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the full blocks of ``seq``'s tokens it has not committed yet: what its prefill
+        adds to the cache as it computes them."""
+        bs = self.block_size
+        tokens = seq.all_token_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else self._root(seq)
+        out: list[bytes] = []
+        for i in range(len(seq.block_hashes), len(tokens) // bs):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens ``allocate`` would take from the prefix cache now (no side effects).
 

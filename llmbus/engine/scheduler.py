@@ -151,29 +151,46 @@ class Scheduler:
                 budget -= n
 
         # Waiting sequences, oldest first; skip admission after a preemption (the pool is full).
+        # A sequence whose next uncached block a running prefill is computing right now waits a
+        # step (or as many as that prefill takes) and then takes it, and every block after it the
+        # two share, from the prefix cache instead of computing them again: n copies of one prompt
+        # (a request's n choices) or a burst sharing a system prompt are prefilled once.
         rejected: list[Sequence] = []
         max_seqs = self.config.max_num_seqs
         pool_full = bool(preempted)
-        while self._waiting and budget > 0 and not pool_full and len(self._running) < max_seqs:
-            seq = self._waiting[0]
+        bm = self.block_manager
+        inflight: set[bytes] | None = None  # blocks running prefills will commit; built when first needed
+        i = 0
+        while i < len(self._waiting) and budget > 0 and not pool_full and len(self._running) < max_seqs:
+            seq = self._waiting[i]
             if self._never_fits(seq):
-                self._waiting.popleft()
+                del self._waiting[i]
                 self._finish(seq, "length")
                 rejected.append(seq)
                 continue
-            remaining = seq.num_tokens - self.block_manager.cached_prefix_tokens(seq)
+            first_uncached = bm.next_block_hash(seq)
+            if first_uncached is not None:
+                if inflight is None:
+                    inflight = {h for s in self._running if s.num_tokens - s.num_computed_tokens > 1
+                                for h in bm.pending_hashes(s)}  # fmt: skip
+                if first_uncached in inflight:
+                    i += 1
+                    continue
+            remaining = seq.num_tokens - bm.cached_prefix_tokens(seq)
             n = self._chunk(remaining, budget)
             if n == 0:
                 break  # strict FCFS: the head waits for budget
-            if not self.block_manager.allocate(seq, n):
+            if not bm.allocate(seq, n):
                 if self._running or not self._release_waiting(seq, preempted):
                     break  # strict FCFS: the head waits for blocks
                 continue
-            self._waiting.popleft()
+            del self._waiting[i]
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             scheduled[seq.request_id] = self._entry(seq, n)
             budget -= n
+            if inflight is not None:
+                inflight.update(bm.pending_hashes(seq))
 
         entries = sorted(scheduled.values(), key=lambda e: e.num_new_tokens != 1)
         return SchedulerOutput(
