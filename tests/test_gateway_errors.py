@@ -105,7 +105,8 @@ def test_wrong_types(http, path, field, value):
 @pytest.mark.parametrize("field,value", [
     ("temperature", 2.5), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
     ("presence_penalty", 3), ("frequency_penalty", -2.5), ("top_k", -2), ("min_p", 2),
-    ("repetition_penalty", 0), ("n", 2), ("stop", ["a", ""]), ("logprobs", 21),
+    ("repetition_penalty", 0), ("n", 0), ("n", 129), ("stop", ["a", ""]), ("logprobs", 21), ("seed", 2**63),
+    ("seed", -(2**63) - 1),
 ])
 def test_invalid_values(http, field, value):
     err = _error(http.post(COMP, json={"model": "demo", "prompt": "hi", field: value}), 400)
@@ -178,7 +179,7 @@ def test_openai_client_maps_errors(gateway):
         client.completions.create(model="demo", prompt=list(range(5, 5 + MAX_MODEL_LEN)))
     assert exc.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="demo", messages=MSGS, n=3)
+        client.chat.completions.create(model="demo", messages=MSGS, n=200)
     assert exc.value.param == "n"
 
 

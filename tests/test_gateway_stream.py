@@ -387,3 +387,108 @@ def test_client_disconnect_non_stream_publishes_abort(gateway, worker, tokenizer
     rid = wait_for(lambda: len(worker.requests) > seen and worker.requests[seen][0].request_id)
     aborts = wait_for(lambda: worker.aborts_for(rid), what="the disconnect abort")
     assert [a.reason for a in aborts] == ["client_disconnected"]
+
+
+# --- n choices: one bus request per choice, merged into one response ------------------------------
+
+def _per_choice(scripts: dict[str, object]):
+    """A script answering choice ``<id>-<i>`` with ``scripts[i]``."""
+    async def script(req, emit):
+        await scripts[req.request_id.rsplit("-", 1)[1]](req, emit)
+    return script
+
+
+def test_n_choices_non_stream_each_its_own_request(http, worker, tokenizer):
+    texts = ["Red.", "Green and blue.", "Yellow"]
+    ids = [_ids(tokenizer, t) for t in texts]
+    worker.script = _per_choice({str(i): reply_script(ids[i], per_event=2, cached=(0, 16, 16)[i],
+                                                      finish=("stop", "length", "stop")[i]) for i in range(3)})
+    seen = len(worker.requests)
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "n": 3, "seed": 7, "temperature": 0.8})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    reqs = sorted((req for req, _ in worker.requests[seen:]), key=lambda q: q.request_id)
+    assert [q.request_id for q in reqs] == [f"{body['id']}-{i}" for i in range(3)]
+    assert len({tuple(q.prompt_token_ids) for q in reqs}) == 1
+    # each choice draws its own tokens; a seeded request still repeats exactly
+    assert [q.sampling.seed for q in reqs] == [7, 8, 9] and {q.sampling.temperature for q in reqs} == {0.8}
+    prompt = len(reqs[0].prompt_token_ids)
+    assert body["choices"] == [
+        {"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+         "finish_reason": ("stop", "length", "stop")[i]} for i in range(3)]
+    # the prompt counts once; cached: what every choice found cached (the first computed it)
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": sum(map(len, ids)),
+                             "total_tokens": prompt + sum(map(len, ids)), "prompt_tokens_details": {"cached_tokens": 0}}
+    assert all(worker.aborts_for(q.request_id) == [] for q in reqs)
+
+
+def test_n_choices_stream_interleave_by_index(http, worker, tokenizer):
+    texts = ["one two three four", "five six"]
+    ids = [_ids(tokenizer, t) for t in texts]
+    worker.script = _per_choice({str(i): reply_script(ids[i], delay=0.01) for i in range(2)})
+    body = {"model": "demo", "prompt": "Count", "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", COMP, json=body) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert all(len(c["choices"]) == 1 and c["usage"] is None for c in chunks)
+    by_index = {i: [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i] for i in range(2)}
+    for i in range(2):
+        assert "".join(c["text"] for c in by_index[i]) == texts[i]
+        assert [c["finish_reason"] for c in by_index[i]][-1] == "stop"
+        assert all(c["finish_reason"] is None for c in by_index[i][:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == sum(map(len, ids))
+    assert usage["usage"]["prompt_tokens"] == len(tokenizer.encode("Count"))
+
+
+def test_n_choices_chat_stream_starts_every_choice_with_its_role(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "Hi"))
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "n": 3, "stream": True}) as r:
+        events = sse_events(r)
+    assert [e["choices"][0] for e in events[:3]] == [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        for i in range(3)]
+    finishes = sorted(e["choices"][0]["index"] for e in events[3:-1] if e["choices"][0]["finish_reason"])
+    assert finishes == [0, 1, 2]
+
+
+def test_one_failing_choice_fails_the_request_and_aborts_the_others(http, worker, tokenizer):
+    slow = reply_script(_ids(tokenizer, "word " * 60), delay=0.05)
+    worker.script = _per_choice({"0": slow, "1": reply_script(_ids(tokenizer, "a b"), error="out of KV blocks")})
+    seen = len(worker.requests)
+    r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "n": 2})
+    assert r.status_code == 500 and "out of KV blocks" in r.json()["error"]["message"]
+    rid = next(req.request_id for req, _ in worker.requests[seen:] if req.request_id.endswith("-0"))
+    assert [a.reason for a in wait_for(lambda: worker.aborts_for(rid), what="the abort")] == ["gateway_error"]
+    assert worker.aborts_for(rid[:-1] + "1") == []  # the worker ended that one itself
+    seen = len(worker.requests)
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "n": 2, "stream": True}) as r:
+        events = sse_events(r)
+    assert "out of KV blocks" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    rid = next(req.request_id for req, _ in worker.requests[seen:] if req.request_id.endswith("-0"))
+    assert wait_for(lambda: worker.aborts_for(rid), what="the abort")
+
+
+def test_client_disconnect_aborts_every_choice(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "word " * 60), delay=0.05)
+    with http.stream("POST", CHAT, json={"model": "demo", "messages": MSGS, "stream": True, "n": 3}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    rid = httpx.Response(200, content=first[6:]).json()["id"]
+    for i in range(3):
+        aborts = wait_for(lambda: worker.aborts_for(f"{rid}-{i}"), what=f"choice {i}'s abort")
+        assert [a.reason for a in aborts] == ["client_disconnected"]
+
+
+def test_openai_client_reads_n_choices(gateway, worker, tokenizer):
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0)
+    texts = ["alpha", "beta gamma"]
+    worker.script = _per_choice({str(i): reply_script(_ids(tokenizer, t)) for i, t in enumerate(texts)})
+    out = client.completions.create(model="demo", prompt="Name", n=2, max_tokens=10)
+    assert [c.text for c in out.choices] == texts and [c.index for c in out.choices] == [0, 1]
+    stream = client.chat.completions.create(model="demo", messages=MSGS, n=2, stream=True)
+    parts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+    assert parts == {0: texts[0], 1: texts[1]}

@@ -1,4 +1,5 @@
-"""One request's output: TokenEvents -> text pieces (detokenized, stop strings applied) -> a finish.
+"""One request's output: TokenEvents -> text pieces (detokenized, stop strings applied) -> a finish;
+and a request's ``n`` choices, one Generation each, as one sequence of pieces.
 
 Shared by the streamed and the non-streamed paths. Tokens are fed one at a time so the usage count
 stops exactly at the token that completed a stop string.
@@ -6,6 +7,8 @@ stops exactly at the token that completed a stop string.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -139,3 +142,39 @@ class Generation:
     def _entry(self, e: LogprobEntry, offset: int) -> TokenLogprob:
         token, raw = self._named(e.token_id)
         return TokenLogprob(token, raw, e.logprob, offset, tuple((*self._named(t), lp) for t, lp in e.top))
+
+
+async def choice_pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+    """The pieces of every choice, ``(index, piece)``, in the order they arrive, until each choice
+    has had its last piece. A consumer that stops early (an error piece, a client gone) closes this
+    generator, which stops the rest. Use it inside ``contextlib.aclosing``."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0].pieces()) as pieces:
+            async for piece in pieces:
+                yield 0, piece
+        return
+    queue: asyncio.Queue[tuple[int, Piece | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation) -> None:
+        try:
+            async with contextlib.aclosing(gen.pieces()) as pieces:
+                async for piece in pieces:
+                    queue.put_nowait((i, piece))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            i, piece = await queue.get()
+            if piece is None:
+                live -= 1
+                if tasks[i].done() and not tasks[i].cancelled() and tasks[i].exception() is not None:
+                    raise tasks[i].exception()
+                continue
+            yield i, piece
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

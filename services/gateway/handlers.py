@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
@@ -13,14 +15,15 @@ from starlette.responses import Response
 
 from services.gateway.aborts import abort_unless_finished
 from llmbus.model.tokenizer import IncrementalDetokenizer
-from services.gateway.bus_client import GatewayBus
+from llmbus.protocol import GenerateRequest
+from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation
+from services.gateway.generation import Generation, choice_pieces
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
-from services.gateway.shapes import Shapes, TokenLogprob
+from services.gateway.shapes import Shapes, TokenLogprob, Usage
 from services.gateway.sse import SSEResponse, chunks
 from services.gateway.token_stream import TokenStream
 
@@ -41,42 +44,86 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
     if gw.bus is None:
         raise APIError(503, "the gateway is not connected to the bus yet", type="server_error",
                        code="service_unavailable")
-    rid = prepared.request.request_id
     bus = gw.bus
-    stream = TokenStream(rid, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
-                         deadline=prepared.request.deadline)
     tok = model.tokenizer
-    gen = Generation(stream, IncrementalDetokenizer(tok, prepared.request.prompt_token_ids),
-                     tok.token_bytes,
-                     stops=req.stop, logprobs=req.logprobs is not None,
-                     prompt_tokens=len(prepared.request.prompt_token_ids))
-    shapes = Shapes(req.kind, rid, model.name, prepared.created)
-    sub = await gw.bus.submit(prepared.request, stream)
+    choices: list[_Choice] = []
+    try:
+        for request in choice_requests(prepared.request, req.n):
+            stream = TokenStream(request.request_id, gw.config.token_timeout_s,
+                                 busy=lambda worker: bus.workers_busy(model.name, worker), deadline=request.deadline)
+            gen = Generation(stream, IncrementalDetokenizer(tok, request.prompt_token_ids), tok.token_bytes,
+                             stops=req.stop, logprobs=req.logprobs is not None,
+                             prompt_tokens=len(request.prompt_token_ids))
+            choices.append(_Choice(request.request_id, gen, await bus.submit(request, stream)))
+    except BaseException:
+        async with _guard(bus, choices):  # the choices already queued are aborted
+            raise
+    shapes = Shapes(req.kind, prepared.request.request_id, model.name, prepared.created)
+    gens = [c.gen for c in choices]
 
     def guard():
-        return abort_unless_finished(gw.bus, rid, sub, gen)
+        return _guard(bus, choices)
 
     if req.stream:
-        return SSEResponse(chunks(gen, shapes, req.include_usage), guard)
+        return SSEResponse(chunks(gens, shapes, req.include_usage), guard)
     async with guard():
-        body = await _until_disconnect(http, _collect(gen, shapes))
-    if body is None:  # the client hung up; the guard has published the abort
+        body = await _until_disconnect(http, _collect(gens, shapes))
+    if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-async def _collect(gen: Generation, shapes: Shapes) -> dict:
-    text: list[str] = []
-    logprobs: list[TokenLogprob] | None = [] if gen.wants_logprobs else None
-    async for piece in gen.pieces():
-        if piece.error is not None:
-            raise piece.error
-        text.append(piece.text)
-        if logprobs is not None and piece.logprobs:
-            logprobs.extend(piece.logprobs)
-        if piece.finish_reason is not None:
-            return shapes.response("".join(text), piece.finish_reason, logprobs, piece.usage)
-    raise APIError(500, "the token stream ended without a finish", type="server_error", code="internal_error")
+def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The bus requests of a request's ``n`` choices: itself for one; else copies with ids
+    ``<id>-<i>`` and, where it is seeded, seeds ``seed + i`` (wrapped to 64 bits), so each
+    choice draws its own tokens and a seeded request still repeats exactly. The copies reach the
+    workers together, and the engine prefills their shared prompt once (the first computes its
+    blocks, the others read them)."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        seed = request.sampling.seed
+        sampling = request.sampling if seed is None else dataclasses.replace(
+            request.sampling, seed=(seed + i + 2**63) % 2**64 - 2**63)
+        out.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=sampling))
+    return out
+
+
+@dataclass
+class _Choice:
+    request_id: str  # its bus request
+    gen: Generation
+    sub: Listening
+
+
+@contextlib.asynccontextmanager
+async def _guard(bus: GatewayBus, choices: list[_Choice]) -> AsyncIterator[None]:
+    """Every choice's abort context (``abort_unless_finished``) at once."""
+    async with contextlib.AsyncExitStack() as stack:
+        for c in choices:
+            await stack.enter_async_context(abort_unless_finished(bus, c.request_id, c.sub, c.gen))
+        yield
+
+
+async def _collect(gens: list[Generation], shapes: Shapes) -> dict:
+    n = len(gens)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob] | None] = [[] if g.wants_logprobs else None for g in gens]
+    ends: dict[int, tuple[str, Usage]] = {}
+    async with contextlib.aclosing(choice_pieces(gens)) as pieces:
+        async for i, piece in pieces:
+            if piece.error is not None:
+                raise piece.error
+            texts[i].append(piece.text)
+            if logprobs[i] is not None and piece.logprobs:
+                logprobs[i].extend(piece.logprobs)
+            if piece.finish_reason is not None:
+                ends[i] = (piece.finish_reason, piece.usage)
+    if len(ends) < n:
+        raise APIError(500, "the token stream ended without a finish", type="server_error", code="internal_error")
+    choices = [shapes.choice(i, "".join(texts[i]), ends[i][0], logprobs[i]) for i in range(n)]
+    return shapes.response(choices, Usage.of_choices([ends[i][1] for i in range(n)]))
 
 
 async def _until_disconnect(http: Request, coro) -> dict | None:

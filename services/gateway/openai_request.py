@@ -13,6 +13,7 @@ from services.gateway import fields as f
 from services.gateway.errors import invalid, missing, wrong_type
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 128  # n: OpenAI's own bound
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class OpenAIRequest:
     prompt: str | tuple[int, ...] | None = None  # completion
     messages: tuple[dict, ...] = ()  # chat: {"role": str, "content": str, ...}
     stream: bool = False
+    n: int = 1  # choices: each its own generation over the same prompt
     include_usage: bool = False
     max_tokens: int | None = None  # None: the remaining context
     max_tokens_param: str = "max_tokens"  # the field that set it (chat: or max_completion_tokens)
@@ -67,9 +69,6 @@ def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
 def _common_checks(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", None, code="invalid_request_body")
-    n = f.get_int(body, "n", default=1)
-    if n != 1:
-        raise invalid(f"Only n=1 is supported, got n={n}.", "n", code="unsupported_parameter")
     return body
 
 
@@ -87,7 +86,7 @@ def _shared(body: dict, max_stop: int) -> dict:
         "top_p": f.get_float(body, "top_p", lo=0.0, hi=1.0, default=1.0, lo_open=True),
         "top_k": f.get_int(body, "top_k", lo=-1, default=0),
         "min_p": f.get_float(body, "min_p", lo=0.0, hi=1.0, default=0.0),
-        "seed": f.get_int(body, "seed"),
+        "seed": f.get_int(body, "seed", lo=-(2**63), hi=2**63 - 1),
         "presence_penalty": f.get_float(body, "presence_penalty", lo=-2.0, hi=2.0, default=0.0),
         "frequency_penalty": f.get_float(body, "frequency_penalty", lo=-2.0, hi=2.0, default=0.0),
         "repetition_penalty": f.get_float(body, "repetition_penalty", lo=0.0, hi=10.0, default=1.0,
@@ -95,8 +94,8 @@ def _shared(body: dict, max_stop: int) -> dict:
         "ignore_eos": f.get_bool(body, "ignore_eos"),
         "stop_token_ids": f.get_int_list(body, "stop_token_ids"),
     }
-    return {"stream": stream, "include_usage": include_usage, "stop": f.get_stop(body, "stop", max_stop),
-            "sampling": sampling, "user": f.get_str(body, "user")}
+    return {"stream": stream, "include_usage": include_usage, "n": f.get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1),
+            "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user")}
 
 
 def _prompt(body: dict) -> str | tuple[int, ...]:

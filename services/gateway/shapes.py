@@ -33,6 +33,14 @@ class Usage:
     completion_tokens: int
     cached_tokens: int = 0
 
+    @staticmethod
+    def of_choices(usages: list[Usage]) -> Usage:
+        """A request's usage from its choices': the prompt counted once and the completions summed.
+        Cached tokens: those every choice found cached, so a prompt that the first choice computed
+        and the others then read counts as computed, as it was for this request."""
+        return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
+                     min(u.cached_tokens for u in usages))
+
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -52,17 +60,18 @@ class Shapes:
                 "system_fingerprint": None}
 
     def chunk(self, text: str | None, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-              *, first: bool = False, include_usage: bool = False) -> dict:
-        """A stream chunk. For chat, ``first`` adds delta.role; ``text=None`` gives an empty delta."""
+              *, first: bool = False, include_usage: bool = False, index: int = 0) -> dict:
+        """A stream chunk of choice ``index``. For chat, ``first`` adds delta.role; ``text=None``
+        gives an empty delta."""
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": text or ""} if first else {}
             if not first and text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
                       "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": self._logprobs(logprobs),
+            choice = {"index": index, "text": text or "", "logprobs": self._logprobs(logprobs),
                       "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
@@ -76,18 +85,17 @@ class Shapes:
         body["usage"] = usage.body()
         return body
 
-    def response(self, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None,
-                 usage: Usage) -> dict:
-        """The whole non-streamed response."""
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None) -> dict:
+        """One choice of the non-streamed response."""
         if self.kind == "chat":
-            body = self._head("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
-        else:
-            body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
-                      "finish_reason": finish_reason}
-        body["choices"] = [choice]
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+
+    def response(self, choices: list[dict], usage: Usage) -> dict:
+        """The whole non-streamed response: ``choices`` from ``choice``, in index order."""
+        body = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        body["choices"] = choices
         body["usage"] = usage.body()
         return body
 

@@ -12,8 +12,8 @@ import logging
 
 import orjson
 
-from services.gateway.generation import Generation
-from services.gateway.shapes import Shapes
+from services.gateway.generation import Generation, choice_pieces
+from services.gateway.shapes import Shapes, Usage
 
 DONE = b"data: [DONE]\n\n"
 log = logging.getLogger("llmbus.gateway")
@@ -23,22 +23,30 @@ def event(body: dict) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def chunks(gen: Generation, shapes: Shapes, include_usage: bool) -> AsyncIterator[bytes]:
-    """OpenAI's stream: (chat) a role chunk, content chunks, a chunk with finish_reason, a usage
-    chunk with empty choices when asked, then ``[DONE]``. A failure ends it with an error event."""
+async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool) -> AsyncIterator[bytes]:
+    """OpenAI's stream: (chat) a role chunk per choice, content chunks, a chunk with finish_reason
+    per choice (each chunk names its choice by ``index``; choices interleave as their tokens come),
+    a usage chunk with empty choices when asked, then ``[DONE]``. A failure of any choice ends it
+    with an error event."""
     if shapes.kind == "chat":
-        yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage))
-    async for piece in gen.pieces():
-        if piece.error is not None:
-            yield event(piece.error.body())
-            break
-        if piece.text or piece.logprobs:
-            yield event(shapes.chunk(piece.text, None, piece.logprobs, include_usage=include_usage))
-        if piece.finish_reason is not None:
-            empty = None if shapes.kind == "chat" else ""
-            yield event(shapes.chunk(empty, piece.finish_reason, None, include_usage=include_usage))
-            if include_usage and piece.usage is not None:
-                yield event(shapes.usage_chunk(piece.usage))
+        for i in range(len(gens)):
+            yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage, index=i))
+    usages: list[Usage] = []
+    async with contextlib.aclosing(choice_pieces(gens)) as pieces:
+        async for i, piece in pieces:
+            if piece.error is not None:
+                yield event(piece.error.body())
+                break
+            if piece.text or piece.logprobs:
+                yield event(shapes.chunk(piece.text, None, piece.logprobs, include_usage=include_usage, index=i))
+            if piece.finish_reason is not None:
+                empty = None if shapes.kind == "chat" else ""
+                yield event(shapes.chunk(empty, piece.finish_reason, None, include_usage=include_usage, index=i))
+                if piece.usage is not None:
+                    usages.append(piece.usage)
+        else:
+            if include_usage and len(usages) == len(gens):
+                yield event(shapes.usage_chunk(Usage.of_choices(usages)))
     yield DONE
 
 

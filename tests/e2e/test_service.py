@@ -88,6 +88,28 @@ def test_token_id_prompt_and_stop_string(client, reference):
         assert cut.choices[0].text == ref.text[: ref.text.index(stop)]
 
 
+def test_n_choices(client, stack, reference):
+    prompt = "Once upon a time in a quiet village"
+    ref = reference.generate([prompt], greedy(16))[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, n=3,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.text for c in out.choices] == [ref.text] * 3 and [c.index for c in out.choices] == [0, 1, 2]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ref.prompt_token_ids), 48)
+    # seeded: choice i draws as a one-choice request seeded seed + i does, streamed or not
+    sampled = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0.9, extra_body={"ignore_eos": True})
+    out = client.completions.create(n=3, seed=11, **sampled)
+    alone = [client.completions.create(seed=11 + i, **sampled).choices[0].text for i in range(3)]
+    assert [c.text for c in out.choices] == alone and len(set(alone)) > 1
+    parts = ["", "", ""]
+    for chunk in client.completions.create(n=3, seed=11, stream=True, **sampled):
+        for c in chunk.choices:
+            parts[c.index] += c.text
+    assert parts == alone
+    state = stack.wait_idle()
+    assert state["kvpool_leased_blocks"] == 0
+    assert all(v == (0, 0) for v in state["workers"].values()), state
+
+
 def test_32_concurrent_streams_complete_in_order(stack, reference):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(32)]
     refs = reference.generate(prompts, greedy(24))
