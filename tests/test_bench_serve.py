@@ -27,8 +27,8 @@ TTFT_S, GAP_S = 0.05, 0.02
 _state = {"in_flight": 0, "max_in_flight": 0, "bodies": []}
 
 
-def _chunk(i: int, text: str, chat: bool, finish=None, usage=None) -> str:
-    choice = {"index": 0, "finish_reason": finish}
+def _chunk(i: int, text: str, chat: bool, finish=None, usage=None, index: int = 0) -> str:
+    choice = {"index": index, "finish_reason": finish}
     if chat:
         choice["delta"] = {"content": text}
     else:
@@ -231,15 +231,17 @@ async def _llama_style(reader, writer):
     """One response per connection: usage rides with the last text, no [DONE], abrupt close."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
-    n = json.loads(await reader.readexactly(length))["max_tokens"]
+    body = json.loads(await reader.readexactly(length))
+    n = body["max_tokens"]
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
     await asyncio.sleep(TTFT_S)
     for i in range(1, n + 1):
-        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3} if i == n else None
-        data = _chunk(i, "t", False, finish="length" if i == n else None, usage=usage).encode()
-        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        await writer.drain()
-        await asyncio.sleep(GAP_S)
+        for choice in range(body.get("n", 1)):  # each choice's usage rides on its own last chunk
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3} if i == n else None
+            data = _chunk(i, "t", False, finish="length" if i == n else None, usage=usage, index=choice).encode()
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(GAP_S)
     writer.close()  # NOTE: no terminating zero-length chunk: the client sees the body cut short
 
 
@@ -256,6 +258,19 @@ def test_llama_server_quirks_are_counted_right():
     for r in records:
         assert r.usage_reported and r.output_tokens == 5 and len(r.itl_s) == 4
         assert TTFT_S * 0.9 <= r.ttft_s and GAP_S * 0.9 <= r.tpot_s < GAP_S + 0.1
+
+
+def test_usage_per_choice_is_summed_over_n_choices():
+    async def main():
+        server = await asyncio.start_server(_llama_style, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            cfg = RequestConfig(base_url=f"http://127.0.0.1:{port}/v1", model="gguf", extra_body={"n": 3})
+            return await run_serve(cfg, LoadConfig(max_concurrency=1, progress=False), _items(2, out_len=4))
+
+    records, summary = asyncio.run(main())
+    assert summary["completed"] == 2, [r.error for r in records]
+    assert all(r.usage_reported and r.output_tokens == 12 and r.prompt_tokens == 3 for r in records)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -109,6 +109,58 @@ def test_a_submit_that_times_out_is_aborted_in_case_it_was_stored(tmp_path):
         _run(go(server.url))
 
 
+@pytest.mark.parametrize("how", ["refused", "cancelled"])
+def test_choices_are_enqueued_all_or_none(tmp_path, how):
+    """A request's choices go out together; when one cannot be enqueued (its publish gets no ack),
+    or the handler is cancelled meanwhile (the client left), none is left behind: every route is
+    dropped and every choice aborted."""
+    import json
+
+    from llmbus.bus import subjects
+    from llmbus.protocol import Abort, decode
+    from services.gateway.handlers import _submit_all, choice_requests
+
+    async def go(url):
+        nc = await connect(url)
+        try:
+            aborts = []
+
+            async def stream(msg):  # plays JetStream: acks every choice but "-1" ("cancelled": none)
+                rid = msg.headers[subjects.MSG_ID_HEADER]
+                if how == "refused" and not rid.endswith("-1"):
+                    await msg.respond(json.dumps({"stream": "REQUESTS", "seq": 1}).encode())
+
+            async def on_abort(msg):
+                aborts.append(decode(Abort, msg.data))
+
+            await nc.subscribe(subjects.request_subject("demo"), cb=stream)
+            await nc.subscribe(subjects.ABORTS_WILDCARD, cb=on_abort)
+            bus = GatewayBus(nc, "gw-test", publish_timeout_s=0.5)
+            requests = choice_requests(GenerateRequest("cmpl-z", "demo", [1, 2]), 3)
+            submit = asyncio.ensure_future(_submit_all(bus, requests, [TokenStream(r.request_id, 1.0) for r in requests]))
+            if how == "refused":
+                with pytest.raises(APIError) as exc:
+                    await submit
+                assert exc.value.status == 503
+            else:
+                await asyncio.sleep(0.1)
+                submit.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await submit
+            await nc.flush()
+            for _ in range(100):
+                if {a.request_id for a in aborts} == {r.request_id for r in requests}:
+                    break
+                await asyncio.sleep(0.02)
+            assert {a.request_id for a in aborts} == {"cmpl-z-0", "cmpl-z-1", "cmpl-z-2"}
+            assert bus._streams == {}
+        finally:
+            await nc.close()
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        _run(go(server.url))
+
+
 def test_gateway_does_not_import_torch():
     import subprocess
     import sys

@@ -93,6 +93,7 @@ async def send(client: httpx.AsyncClient, cfg: RequestConfig, item: BenchItem, r
     last = None
     chunks = 0
     finished = False
+    usages: dict[int | None, dict] = {}  # the latest usage by the choice its chunk carried (None: none)
     try:
         async with client.stream("POST", cfg.url, json=cfg.body(item), headers=headers, timeout=cfg.timeout_s) as resp:
             rec.status = resp.status_code
@@ -126,18 +127,14 @@ async def send(client: httpx.AsyncClient, cfg: RequestConfig, item: BenchItem, r
                     finished = True
                 usage = data.get("usage")
                 if usage:
-                    rec.usage_reported = True
-                    rec.output_tokens = int(usage.get("completion_tokens") or 0)
-                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        rec.cached_tokens = int(details["cached_tokens"])
+                    usages[choices[0].get("index") if choices else None] = usage
     except (httpx.HTTPError, OSError, ValueError, TypeError, AttributeError) as exc:  # JSON errors are ValueErrors
         # NOTE: a server that closes the connection once it has sent the last token and usage
         # (llama-server) completed the request; anything cut earlier is an error.
         if not (finished or rec.usage_reported):
             rec.error = f"{type(exc).__name__}: {exc}"[:300]
             return
+    _read_usage(rec, usages)
     if last is None:
         rec.error = "stream ended without any token"
         return
@@ -148,6 +145,21 @@ async def send(client: httpx.AsyncClient, cfg: RequestConfig, item: BenchItem, r
     if not rec.usage_reported:
         rec.output_tokens = chunks  # fallback, flagged by usage_reported=False; never re-tokenized
     rec.success = True
+
+
+def _read_usage(rec: RequestRecord, usages: dict[int | None, dict]) -> None:
+    """The request's usage from its stream's: one chunk with empty choices is the whole request's
+    (OpenAI, vLLM, llmbus); usage riding on a choice's chunks (llama-server) is that choice's, the
+    last one each, and a request with ``n`` choices sums them."""
+    if not usages:
+        return
+    parts = [usages[None]] if None in usages else list(usages.values())
+    rec.usage_reported = True
+    rec.output_tokens = sum(int(u.get("completion_tokens") or 0) for u in parts)
+    rec.prompt_tokens = int(parts[0].get("prompt_tokens") or 0)
+    cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for u in parts]
+    if all(c is not None for c in cached):
+        rec.cached_tokens = min(int(c) for c in cached)
 
 
 def _error_message(body: str) -> str:

@@ -104,6 +104,9 @@ class GatewayBus:
                 await self.abort(request.request_id, "submit_failed")
             raise server_error(f"could not enqueue the request: {type(exc).__name__}: {exc}", 503,
                                code="service_unavailable") from None
+        except BaseException:  # cancelled (the client left): the caller aborts it
+            sub.close()
+            raise
         return sub
 
     async def abort(self, request_id: str, reason: str) -> None:

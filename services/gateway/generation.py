@@ -46,7 +46,7 @@ class Generation:
 
     def __init__(self, stream: TokenStream, detok, token_bytes: Callable[[int], bytes], *,
                  stops: tuple[str, ...], logprobs: bool, prompt_tokens: int) -> None:
-        self._stream = stream
+        self.stream = stream
         self._detok = detok
         self._token_bytes = token_bytes
         self._matcher = StopStringMatcher(stops)
@@ -68,7 +68,7 @@ class Generation:
     async def pieces(self) -> AsyncIterator[Piece]:
         while True:
             try:
-                event = await self._stream.next()
+                event = await self.stream.next()
             except StreamFailure as exc:
                 self.failed = True
                 yield Piece("", error=server_error(f"generation failed: {exc}", 503, code=exc.code))

@@ -46,18 +46,14 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
                        code="service_unavailable")
     bus = gw.bus
     tok = model.tokenizer
-    choices: list[_Choice] = []
-    try:
-        for request in choice_requests(prepared.request, req.n):
-            stream = TokenStream(request.request_id, gw.config.token_timeout_s,
-                                 busy=lambda worker: bus.workers_busy(model.name, worker), deadline=request.deadline)
-            gen = Generation(stream, IncrementalDetokenizer(tok, request.prompt_token_ids), tok.token_bytes,
-                             stops=req.stop, logprobs=req.logprobs is not None,
-                             prompt_tokens=len(request.prompt_token_ids))
-            choices.append(_Choice(request.request_id, gen, await bus.submit(request, stream)))
-    except BaseException:
-        async with _guard(bus, choices):  # the choices already queued are aborted
-            raise
+    requests = choice_requests(prepared.request, req.n)
+    choices = [_Choice(r.request_id, Generation(
+        TokenStream(r.request_id, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
+                    deadline=r.deadline),
+        IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
+        logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids))) for r in requests]
+    for c, sub in zip(choices, await _submit_all(bus, requests, [c.gen.stream for c in choices])):
+        c.sub = sub
     shapes = Shapes(req.kind, prepared.request.request_id, model.name, prepared.created)
     gens = [c.gen for c in choices]
 
@@ -71,6 +67,29 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
     return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def _submit_all(bus: GatewayBus, requests: list[GenerateRequest], streams: list[TokenStream]) -> list[Listening]:
+    """Enqueue every choice at once (each publish waits for JetStream's ack), so they reach the
+    workers together. If one is refused, or the handler is cancelled meanwhile, none stays: the
+    others are cancelled, their streams closed and every choice aborted, then the error raised."""
+    tasks = [asyncio.ensure_future(bus.submit(r, s)) for r, s in zip(requests, streams)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await asyncio.shield(_withdraw(bus, requests, tasks))
+        raise
+
+
+async def _withdraw(bus: GatewayBus, requests: list[GenerateRequest], tasks: list[asyncio.Future]) -> None:
+    for task in tasks:
+        task.cancel()
+    for result in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(result, Listening):
+            result.close()
+    for r in requests:
+        with contextlib.suppress(Exception):
+            await bus.abort(r.request_id, "submit_failed")
 
 
 def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
@@ -94,7 +113,7 @@ def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
 class _Choice:
     request_id: str  # its bus request
     gen: Generation
-    sub: Listening
+    sub: Listening | None = None  # once submitted
 
 
 @contextlib.asynccontextmanager
