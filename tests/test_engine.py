@@ -107,6 +107,18 @@ def test_copies_sent_together_are_prefilled_once(model_dir, prompts, hf_outputs)
     assert leaks["free_blocks"] == leaks["total_blocks"]
 
 
+def test_logit_bias_steers_and_bans(model_dir, prompts, hf_outputs):
+    llm = LLM(model_dir, dtype="float32", device="cpu")
+    forced = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logit_bias=[(7, 100.0)])
+    banned = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logit_bias=[(hf_outputs[0][0], -100.0)])
+    outs = llm.generate([prompts[0], prompts[0], prompts[1]], [forced, banned, GREEDY])
+    assert outs[0].token_ids == [7] * 5
+    assert outs[1].token_ids[0] != hf_outputs[0][0] and hf_outputs[0][0] not in outs[1].token_ids
+    assert outs[2].token_ids == hf_outputs[1]  # its batch-mates' biases are not its own
+    with pytest.raises(ValueError, match="logit_bias id 512 is outside the vocabulary"):
+        llm.engine.add_request("bad", prompts[0], SamplingParams(logit_bias=[(512, 1.0)]))
+
+
 def test_seeded_sampling_is_independent_of_batch(model_dir, prompts):
     llm = LLM(model_dir, dtype="float32", device="cpu")
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)

@@ -492,3 +492,14 @@ def test_openai_client_reads_n_choices(gateway, worker, tokenizer):
         for c in chunk.choices:
             parts[c.index] += c.delta.content or ""
     assert parts == {0: texts[0], 1: texts[1]}
+
+
+def test_logit_bias_reaches_the_workers_as_pairs(http, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "ok"))
+    r = http.post(COMP, json={"model": "demo", "prompt": "x", "logit_bias": {"5": 10, "77": -100.0}})
+    assert r.status_code == 200, r.text
+    req, _ = _last_request(worker, r.json()["id"])
+    assert req.sampling.logit_bias == [(5, 10.0), (77, -100.0)]
+    for bias in ({"a": 1}, {"-3": 1}, {"5": 101}, {"5": "high"}, {"5": True}, {"999999": 1}, [1, 2]):
+        r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bias, r.text)

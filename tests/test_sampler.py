@@ -418,3 +418,34 @@ def test_overflowing_temperature_falls_back_to_the_best_raw_logit(sampler_path):
     logits[0, 3] = -1e35
     out = Sampler(seed=0)(logits, [seq(SamplingParams(temperature=1e-5 * 1.5))])
     assert out.token_ids == [3]
+
+
+@pytest.mark.usefixtures("sampler_path")
+def test_logit_bias_draws_as_from_biased_logits():
+    """A row's logit_bias acts as if added to its logits: tokens equal the unbiased sampler's over
+    logits + bias, row by row, greedy and seeded alike; logprobs still describe the raw logits."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, V, generator=g) * 3
+    bias = ((5, 100.0), (9, -4.5), (int(logits[1].argmax()), -100.0))
+    plain = [SamplingParams(temperature=0), SamplingParams(temperature=0),
+             SamplingParams(temperature=0.8, seed=11, logprobs=2), SamplingParams(temperature=1.0, seed=12)]
+    biased = [SamplingParams(temperature=0, logit_bias=bias[:1]), SamplingParams(temperature=0, logit_bias=bias[1:]),
+              SamplingParams(temperature=0.8, seed=11, logprobs=2, logit_bias=bias), plain[3]]
+    shifted = logits.clone()
+    for row, p in enumerate(biased):
+        for token, b in p.logit_bias:
+            shifted[row, token] += b
+    got = Sampler()(logits, [seq(p, rid=f"r{i}") for i, p in enumerate(biased)])
+    want = Sampler()(shifted, [seq(p, rid=f"r{i}") for i, p in enumerate(plain)])
+    assert got.token_ids == want.token_ids
+    assert got.token_ids[0] == 5 and got.token_ids[1] != int(logits[1].argmax())
+    raw = Sampler()(logits, [seq(p, rid=f"r{i}") for i, p in enumerate(plain)]).logprobs[2]
+    assert got.logprobs[2].top == raw.top and got.logprobs[2].token_id == got.token_ids[2]
+
+
+def test_logit_bias_is_checked():
+    assert SamplingParams(logit_bias=[(3, 1), (4, -2.5)]).logit_bias == ((3, 1.0), (4, -2.5))
+    for bad, match in (([(3, 101)], "in \\[-100, 100\\]"), ([(-1, 1.0)], "integers >= 0"), ([(2, 1), (2, 3)], "twice"),
+                       ([(1.5, 1)], "integers"), ([(1,)], "pairs"), ([(1, float("nan"))], "in \\[-100")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(logit_bias=bad)

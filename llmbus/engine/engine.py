@@ -209,6 +209,7 @@ class Engine:
         if request_id in self._seqs or request_id in self._handoffs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
+        self._check_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -240,10 +241,10 @@ class Engine:
                 f"the prompt needs {needed} KV blocks but this engine has only {self.runner.num_blocks}"
             )
 
-    def _check_vocabulary(self, token_ids: list[int]) -> None:
+    def _check_vocabulary(self, token_ids: list[int], what: str = "token") -> None:
         bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"{what} id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request, or drop a finished prefill's KV awaiting export; whether there was one."""
@@ -378,6 +379,7 @@ class Engine:
         outputs = list(state["output_token_ids"])
         self.check_prompt(prompt, extra=len(outputs))
         self._check_vocabulary(outputs)
+        self._check_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
         salt = state.get("cache_salt", "")
         computed, cached = state["num_computed_tokens"], state.get("num_cached_tokens", 0)
         if not isinstance(salt, str):

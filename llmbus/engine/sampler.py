@@ -1,7 +1,7 @@
 """Turns one step's logits into one token per sequence: penalties, greedy or warped random draws.
 
 Per row, in order: repetition penalty (HF convention, over prompt + output tokens), presence and
-frequency penalties (OpenAI convention, over output tokens), then argmax (temperature 0) or
+frequency penalties (OpenAI convention, over output tokens), the request's logit bias, then argmax (temperature 0) or
 temperature, top-k, top-p, min-p (each as the transformers logits warper of the same name) and a
 draw by the exponential race ``argmax(probs / Exponential(1))``. On CPU the warp and the race run
 in C (``kernels.cpu_native.sample``: thresholds by radix selection instead of a sort, the same race
@@ -120,6 +120,19 @@ def apply_penalties(
     return out
 
 
+def add_logit_bias(x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    """Add each of ``rows``' ``logit_bias`` to its logits, in place; returns ``x``."""
+    index, cols, values = [], [], []
+    for i in rows:
+        for token, bias in seqs[i].params.logit_bias:
+            index.append(i)
+            cols.append(token)
+            values.append(bias)
+    where = torch.tensor([index, cols], dtype=torch.long).to(x.device, non_blocking=True)
+    x.index_put_((where[0], where[1]), torch.tensor(values, dtype=x.dtype).to(x.device), accumulate=True)
+    return x
+
+
 def warp_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filtering, row i by params[i] (none greedy).
 
@@ -195,6 +208,9 @@ class Sampler:
         elif pen:
             x = raw.clone()
             x[pen] = apply_penalties(raw[pen], [seqs[i] for i in pen], self._prompt_cache)
+        biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        if biased:
+            x = add_logit_bias(raw.clone() if x is raw else x, seqs, biased)
         rand = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_EPS]
         greedy = self._greedy(x) if not rand and x is raw else None
         if greedy is not None:  # NOTE: all greedy, unpenalised: C finds the tokens and the bad rows

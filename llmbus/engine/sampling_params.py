@@ -20,9 +20,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; n >= 0: sampled token's logprob plus top-n
+    # (token id, bias) pairs: each bias is added to that token's logit before sampling (OpenAI's
+    # logit_bias: -100 bans a token, +100 all but forces it)
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0 <= self.temperature < math.inf:  # NOTE: so written, NaN fails too
@@ -47,3 +51,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _bias_pairs(pairs) -> tuple[tuple[int, float], ...]:
+    out: dict[int, float] = {}
+    for pair in pairs:
+        try:
+            token, bias = pair
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}") from None
+        if type(token) is not int or token < 0:
+            raise ValueError(f"logit_bias token ids must be integers >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {bias!r} for token {token}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return tuple(out.items())

@@ -98,6 +98,7 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob plus top-n
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias), ids unique
 
     def to_params(self):
         """Build (and so validate) the engine's SamplingParams. Workers call this; it raises ValueError."""
@@ -108,7 +109,7 @@ class SamplingSpec:
             top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, logprobs=self.logprobs,
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=tuple(self.logit_bias),
         )  # fmt: skip
 
 

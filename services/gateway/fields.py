@@ -91,6 +91,20 @@ def get_int_list(body: dict, name: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def get_logit_bias(body: dict, name: str) -> list[tuple[int, float]]:
+    """OpenAI's ``logit_bias``: an object mapping token ids (JSON keys, so strings) to biases in
+    [-100, 100]; as (token id, bias) pairs."""
+    value = get_dict(body, name)
+    out = []
+    for key, bias in (value or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid(f"'{name}' keys must be token ids (non-negative integers), got {key!r}.", name)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise invalid(f"'{name}' values must be numbers from -100 to 100, got {bias!r} for token {key}.", name)
+        out.append((int(key), float(bias)))
+    return out
+
+
 def reject_unsupported(body: dict, name: str, allowed: tuple = (None,)) -> None:
     """Fail clearly on a known OpenAI field this server does not implement."""
     value = body.get(name)

@@ -35,7 +35,7 @@ class OpenAIRequest:
 
 def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
     body = _common_checks(body)
-    for name in ("suffix", "best_of", "logit_bias"):
+    for name in ("suffix", "best_of"):
         f.reject_unsupported(body, name, (None, 1) if name == "best_of" else (None,))
     f.reject_unsupported(body, "echo", (None, False))
     logprobs = f.get_int(body, "logprobs", lo=0, hi=20)
@@ -46,7 +46,7 @@ def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
 
 def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     body = _common_checks(body)
-    for name in ("logit_bias", "tools", "functions", "audio"):
+    for name in ("tools", "functions", "audio"):
         f.reject_unsupported(body, name)
     for name in ("tool_choice", "function_call"):
         f.reject_unsupported(body, name, (None, "none"))
@@ -93,6 +93,7 @@ def _shared(body: dict, max_stop: int) -> dict:
                                           lo_open=True),
         "ignore_eos": f.get_bool(body, "ignore_eos"),
         "stop_token_ids": f.get_int_list(body, "stop_token_ids"),
+        "logit_bias": f.get_logit_bias(body, "logit_bias"),
     }
     return {"stream": stream, "include_usage": include_usage, "n": f.get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1),
             "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user")}

@@ -67,9 +67,10 @@ def _prompt_ids(req: OpenAIRequest, model: ServedModel) -> list[int]:
 def _sampling(req: OpenAIRequest, max_tokens: int, model: ServedModel) -> SamplingSpec:
     s = req.sampling
     vocab = model.config.vocab_size
-    bad = [t for t in s["stop_token_ids"] if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"'stop_token_ids' has ids outside the vocabulary [0, {vocab}): {bad[:5]}", "stop_token_ids")
+    for name, ids in (("stop_token_ids", s["stop_token_ids"]), ("logit_bias", [t for t, _ in s["logit_bias"]])):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"'{name}' has ids outside the vocabulary [0, {vocab}): {bad[:5]}", name)
     kwargs = dict(s, max_tokens=max_tokens, logprobs=req.logprobs, stop_token_ids=list(s["stop_token_ids"]))
     try:  # the engine's own validation, so a request the workers would refuse fails here, clearly
         SamplingParams(**{**kwargs, "stop_token_ids": tuple(kwargs["stop_token_ids"])})

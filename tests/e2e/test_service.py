@@ -110,6 +110,17 @@ def test_n_choices(client, stack, reference):
     assert all(v == (0, 0) for v in state["workers"].values()), state
 
 
+def test_logit_bias(client, reference):
+    prompt = "The weather today is"
+    plain = reference.generate([prompt], greedy(6))[0]
+    ban = {str(t): -100 for t in set(plain.token_ids)}
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logit_bias=ban,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    biased = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                            logit_bias=[(int(t), float(b)) for t, b in ban.items()])
+    assert out.choices[0].text == reference.generate([prompt], biased)[0].text != plain.text
+
+
 def test_32_concurrent_streams_complete_in_order(stack, reference):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(32)]
     refs = reference.generate(prompts, greedy(24))
