@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# A request's n choices and bursts sharing a prompt, through the service (docs/benchmarks.md,
+# "n choices and prompts in flight"). For each demo model in SIZES:
+#   1. random 256-token prompts, 64 output tokens, temperature 0.8, n=4 per request, at
+#      concurrency 1 and 4, against `llmbus up --colocated` and llama-server (its n_cmpl, "n");
+#   2. shared-prefix bursts (every request at once: 512-token system prompt, 32-token question,
+#      32 output tokens) against llmbus and, when BASE_TREE names another checkout of llmbus
+#      (a `git worktree`), that tree's service, alternating, ROUNDS times.
+# Env: OUT (bench-results/choices), SIZES ("small large"), ROUNDS (3), BASE_TREE (unset: no A/B),
+#      GGUF_DIR (bench-results/models: <size>-sp.<f32|bf16>.gguf, made by bench_suite.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+OUT=$(realpath -m "${OUT:-bench-results/choices}")
+GGUF_DIR=${GGUF_DIR:-bench-results/models}
+mkdir -p "$OUT"
+SP=""
+start() {  # name port command...: waits until it serves (llmbus: until every service is up)
+    local name=$1 port=$2; shift 2
+    "$@" > "$OUT/$name.log" 2>&1 & SP=$!
+    for _ in $(seq 1 300); do
+        if curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
+            [[ $name != llmbus* ]] && return 0
+            grep -q "llmbus up: ready" "$OUT/$name.log" && return 0
+        fi
+        kill -0 $SP 2>/dev/null || break
+        sleep 1
+    done
+    echo "skip $name: it did not come up (see $OUT/$name.log)" >&2; stop; return 1
+}
+stop() { [ -n "$SP" ] && { kill $SP 2>/dev/null; wait $SP 2>/dev/null; SP=""; sleep 2; }; }
+trap stop EXIT
+llmbus() {  # name tree model: `llmbus up` from that tree
+    local name=$1 tree=$2 model=$3 ok
+    rm -rf "$OUT/data-$name"
+    pushd "$tree" > /dev/null
+    start "$name" 8300 env PYTHONPATH="$tree" "$PY" -m llmbus.cli up --model "$size=$ROOT/$model" --port 8300 \
+        --data-dir "$OUT/data-$name" --colocated
+    ok=$?
+    popd > /dev/null
+    return $ok
+}
+bench() {  # port label out args...
+    local port=$1 label=$2 out=$3; shift 3
+    "$PY" -m llmbus.cli bench serve --base-url "http://127.0.0.1:$port" --model "$size" --tokenizer "$model" \
+        --server-pid "$SP" --no-progress --label "$label" --out "$OUT/$out.json" "$@" > /dev/null 2>&1 \
+        || echo "bench $out failed" >&2
+}
+for size in ${SIZES:-small large}; do
+    model=bench-results/models/$size-sp
+    [ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece --out "$model" > /dev/null
+    if [ "$size" = small ]; then np=32; burst=(--groups 4 --prompts-per-group 16 --max-concurrency 64)
+    else np=8; burst=(--groups 2 --prompts-per-group 8 --max-concurrency 16); fi
+    choices=(--dataset random --num-prompts $np --input-len 256 --output-len 64 --ignore-eos --temperature 0.8 --warmup 2
+             --extra-body '{"n": 4}')
+    shared=(--dataset shared-prefix "${burst[@]}" --system-len 512 --question-len 32 --output-len 32 --ignore-eos)
+    # 1. n=4 against llama-server
+    if llmbus "llmbus-$size" "$ROOT" "$model"; then
+        for c in 1 4; do bench 8300 "llmbus n4 c$c" "$size-llmbus-n4-c$c" "${choices[@]}" --seed $c --max-concurrency $c; done
+        stop
+    fi
+    gguf=$(ls "$GGUF_DIR/$size-sp".*.gguf 2>/dev/null | head -1)
+    if [ -x .peers/llamacpp/llama-server ] && [ -n "$gguf" ]; then
+        if start "llamacpp-$size" 8200 env SERVED_NAME="$size" bash scripts/peers/run_llamacpp.sh "$gguf" 8200 32; then
+            for c in 1 4; do bench 8200 "llamacpp n4 c$c" "$size-llamacpp-n4-c$c" "${choices[@]}" --seed $c --max-concurrency $c; done
+            stop
+        fi
+    else echo "skip llama.cpp: no llama-server or no GGUF of $size in $GGUF_DIR" >&2; fi
+    # 2. bursts, alternating with the base tree
+    for round in $(seq 1 "${ROUNDS:-3}"); do
+        if [ -n "${BASE_TREE:-}" ] && llmbus "base-$size" "$BASE_TREE" "$model"; then
+            bench 8300 "base burst r$round" "$size-base-burst-r$round" "${shared[@]}" --seed $round; stop
+        fi
+        if llmbus "llmbus-$size" "$ROOT" "$model"; then
+            bench 8300 "llmbus burst r$round" "$size-llmbus-burst-r$round" "${shared[@]}" --seed $round; stop
+        fi
+    done
+done
+echo "reports: $OUT"
