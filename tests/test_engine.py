@@ -119,6 +119,39 @@ def test_logit_bias_steers_and_bans(model_dir, prompts, hf_outputs):
         llm.engine.add_request("bad", prompts[0], SamplingParams(logit_bias=[(512, 1.0)]))
 
 
+@pytest.fixture(scope="module")
+def hf_prompt_logprobs(model_dir, prompts):
+    """Per prompt, transformers' log-softmax at each position over the prompt: [n - 1, vocab]."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [hf(torch.tensor([p])).logits[0, :-1].float().log_softmax(-1) for p in prompts]
+
+
+@pytest.mark.parametrize("regime", ["default", "chunked-small", "preemption"])
+def test_prompt_logprobs_equal_transformers(model_dir, prompts, hf_prompt_logprobs, hf_outputs, regime):
+    llm = LLM(model_dir, dtype="float32", device="cpu", **REGIMES[regime])
+    llm.generate([prompts[4]], GREEDY)  # its blocks are now cached: a scoring request must not read them
+    params = [SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, prompt_logprobs=k) for k in (0, 3)]
+    outs = llm.generate([prompts[4], prompts[1], prompts[0], prompts[3]], params + params)
+    for out, i, k in zip(outs, (4, 1, 0, 3), (0, 3, 0, 3)):
+        ref, prompt = hf_prompt_logprobs[i], prompts[i]
+        assert out.token_ids == hf_outputs[i]
+        assert [e.token_id for e in out.prompt_logprobs] == prompt[1:]
+        got = torch.tensor([e.logprob for e in out.prompt_logprobs])
+        torch.testing.assert_close(got, ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=2e-4, rtol=1e-4)
+        for e, row in zip(out.prompt_logprobs, ref):
+            assert len(e.top) == k
+            if k:
+                assert [t for t, _ in e.top] == row.topk(k).indices.tolist()
+    assert outs[0].num_cached_tokens == 0
+    if regime == "preemption":
+        assert llm.engine.num_preemptions > 0
+    leaks = llm.engine.leak_check()
+    assert leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_seeded_sampling_is_independent_of_batch(model_dir, prompts):
     llm = LLM(model_dir, dtype="float32", device="cpu")
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)

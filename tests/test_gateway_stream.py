@@ -503,3 +503,58 @@ def test_logit_bias_reaches_the_workers_as_pairs(http, worker, tokenizer):
     for bias in ({"a": 1}, {"-3": 1}, {"5": 101}, {"5": "high"}, {"5": True}, {"999999": 1}, [1, 2]):
         r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bias, r.text)
+
+
+# --- echo: the prompt leads the text; with logprobs, its tokens lead the logprobs -----------------
+
+def _scoring_script(reply: list[int], scores: dict[int, float]):
+    """Answers with ``reply`` in one event; its first event scores every prompt token after the
+    first with ``scores.get(token, -1.0)`` when the request asked for prompt logprobs."""
+    async def script(req, emit):
+        k = req.sampling.prompt_logprobs
+        prompt = None
+        if k is not None:
+            prompt = [LogprobEntry(t, scores.get(t, -1.0), [(t, -0.5)] * k) for t in req.prompt_token_ids[1:]]
+        lps = [LogprobEntry(t, -0.25, [(t, -0.25)]) for t in reply] if req.sampling.logprobs is not None else None
+        await emit(TokenEvent(req.request_id, 0, reply, lps, "length", None, len(req.prompt_token_ids), 0,
+                              len(reply), "scripted", prompt_logprobs=prompt))
+    return script
+
+
+def test_echo_scores_a_prompt_with_max_tokens_0(http, worker, tokenizer):
+    prompt = "The cat sat on the mat"
+    ids = tokenizer.encode(prompt)
+    scores = {t: -0.1 * (i + 1) for i, t in enumerate(ids)}
+    worker.script = _scoring_script(_ids(tokenizer, "!"), scores)
+    r = http.post(COMP, json={"model": "demo", "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    req, _ = _last_request(worker, r.json()["id"])
+    assert (req.sampling.prompt_logprobs, req.sampling.max_tokens) == (1, 1)  # one token, dropped
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tokenizer.token_bytes(t).decode() for t in ids]
+    assert lp["token_logprobs"] == [None] + [scores[t] for t in ids[1:]]
+    assert lp["top_logprobs"][0] is None and all(len(d) == 1 for d in lp["top_logprobs"][1:])
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(prompt)
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 0)
+
+
+def test_echo_leads_the_completion_text_and_logprobs(http, worker, tokenizer):
+    prompt, reply = "Once upon", _ids(tokenizer, " a time")
+    worker.script = _scoring_script(reply, {})
+    r = http.post(COMP, json={"model": "demo", "prompt": prompt, "echo": True, "max_tokens": 5})
+    req, _ = _last_request(worker, r.json()["id"])
+    assert r.json()["choices"][0]["text"] == prompt + " a time" and req.sampling.prompt_logprobs is None
+    r = http.post(COMP, json={"model": "demo", "prompt": prompt, "echo": True, "max_tokens": 5, "logprobs": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    n = len(tokenizer.encode(prompt))
+    assert len(lp["tokens"]) == n + len(reply) and lp["token_logprobs"][n:] == [-0.25] * len(reply)
+    assert lp["text_offset"][n] == len(prompt)  # the completion's offsets count the echoed prompt
+    with http.stream("POST", COMP, json={"model": "demo", "prompt": prompt, "echo": True, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[0]["choices"][0]["text"].startswith(prompt)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == prompt + " a time"
+    r = http.post(COMP, json={"model": "demo", "prompt": prompt, "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

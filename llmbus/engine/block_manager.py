@@ -87,8 +87,9 @@ class BlockManager:
         return root_hash(self.model_id, self.kv_format, seq.cache_salt)
 
     def _prefix_hits(self, seq: Sequence) -> list[tuple[bytes, int]]:
-        """(hash, block id) of the longest cached run of the seq's full blocks, leaving one token."""
-        if not self.enable_prefix_caching:
+        """(hash, block id) of the longest cached run of the seq's full blocks, leaving one token;
+        none for a seq that wants its prompt's logprobs: it computes every position."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         tokens = seq.all_token_ids
         bs = self.block_size
@@ -109,7 +110,7 @@ class BlockManager:
         """The hash of the first block of ``seq`` a prefix hit could serve (a full block before its
         last token) that this cache does not hold: the first block its prefill would compute.
         None when prefix caching is off, ``seq`` holds blocks, or every such block is cached."""
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return None
         hits = self._prefix_hits(seq)
         bs, j = self.block_size, len(hits)

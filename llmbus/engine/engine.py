@@ -39,6 +39,8 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # params.prompt_logprobs: with the first token, an entry per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def kv_block_bytes(layout: KVLayout, kv_format: str) -> int:
@@ -328,6 +330,7 @@ class Engine:
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs, reason: str | None) -> StepOutput:
+        first = len(seq.output_token_ids) == 1 and len(tokens) == 1
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -336,6 +339,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            prompt_logprobs=seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None,
         )
 
     # --- disaggregation -----------------------------------------------------------------------

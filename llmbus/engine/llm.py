@@ -20,6 +20,7 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None  # entry i scores prompt token i + 1
 
 
 class LLM:
@@ -57,6 +58,7 @@ class LLM:
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
         finished: dict[str, tuple[str, int]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         for ids, p in zip(encoded, params):
             rid = f"offline-{next(self._ids)}"
             engine.add_request(rid, ids, p)
@@ -69,6 +71,8 @@ class LLM:
                     tokens[out.request_id].extend(out.new_token_ids)
                     if out.logprobs:
                         logprobs[out.request_id].extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finish_reason is not None:
                         finished[out.request_id] = (out.finish_reason, out.num_cached_tokens)
         except BaseException:
@@ -87,6 +91,7 @@ class LLM:
                     finish_reason=reason,
                     logprobs=logprobs[rid] if p.logprobs is not None else None,
                     num_cached_tokens=cached,
+                    prompt_logprobs=prompt_logprobs.get(rid),
                 )
             )
         return results

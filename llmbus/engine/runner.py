@@ -13,16 +13,19 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, build_attention_metadata, seals_and_starts
 from llmbus.engine.graphs import DecodeGraphs
-from llmbus.engine.sampler import Sampler
+from llmbus.engine.sampler import Sampler, logprob_entries
 from llmbus.engine.scheduler import ScheduledSeq, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.kv.layout import KVLayout
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored per LM-head call
 
 
 @dataclass
@@ -32,6 +35,8 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: list[int]  # rows of the batch whose hidden state is sampled
     sample_seqs: list[Sequence]
+    # rows whose logits score the next prompt token (params.prompt_logprobs): (row, seq, token)
+    prompt_rows: list[tuple[int, Sequence, int]] = field(default_factory=list)
 
 
 class TailRows:
@@ -138,11 +143,26 @@ class ModelRunner:
             # NOTE: metadata built on the host, copied into the recording's buffers
             batches = [self._prepare(out.scheduled, torch.device("cpu"))]
             batch = batches[0]
-            hidden = [self._sampled_rows(self.graphs.run(batch.ids, batch.positions, batch.meta), batch)]
+            hidden = [self._rows(self.graphs.run(batch.ids, batch.positions, batch.meta), batch)]
         else:
             batches = [self._prepare(g) for g in self._split(out.scheduled)]
             hidden = self._forward_all(batches)
-        return self._sample([h for h in hidden if h is not None], [s for b in batches for s in b.sample_seqs])
+        for batch, (_, prompt) in zip(batches, hidden):
+            if prompt is not None:
+                self._score_prompt(prompt, batch.prompt_rows)
+        return self._sample([h for h, _ in hidden if h is not None], [s for b in batches for s in b.sample_seqs])
+
+    def _score_prompt(self, hidden: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None:
+        """Append each prompt row's entry to its sequence's ``prompt_logprobs``, a few hundred rows
+        of logits at a time (a long prompt's [T, vocab] at once would be gigabytes)."""
+        for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            part = rows[start : start + PROMPT_LOGITS_ROWS]
+            logits = self.model.compute_logits(hidden[start : start + len(part)])
+            targets = [t for _, _, t in part]
+            tokens = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+            for (_, seq, _), entry in zip(part, logprob_entries(logits, tokens, targets,
+                                                                [s.params.prompt_logprobs for _, s, _ in part])):
+                seq.prompt_logprobs.append(entry)
 
     def _graphable(self, entries: list[ScheduledSeq]) -> bool:
         """Whether a step runs recorded: decodes only, within the recorded sizes and lengths."""
@@ -174,8 +194,9 @@ class ModelRunner:
             loads[i] += _cost(e)
         return [sorted(g, key=lambda e: e.num_new_tokens != 1) for g in groups]
 
-    def _forward_all(self, batches: list[_Batch]) -> list[torch.Tensor | None]:
-        """Each batch's sampled rows: one batch on the intra-op threads, micro-batches one a thread."""
+    def _forward_all(self, batches: list[_Batch]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Each batch's sampled and prompt rows: one batch on the intra-op threads, micro-batches one
+        a thread."""
         if len(batches) == 1:
             self._set_threads(self._threads)
             return [self._forward(batches[0])]
@@ -183,12 +204,19 @@ class ModelRunner:
         futures = [self._pool.submit(self._forward_in_thread, b) for b in batches[1:]]
         return [self._forward(batches[0])] + [f.result() for f in futures]
 
-    def _forward_in_thread(self, batch: _Batch) -> torch.Tensor | None:
+    def _forward_in_thread(self, batch: _Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         with torch.inference_mode():  # NOTE: inference mode is per thread
             return self._forward(batch)
 
-    def _forward(self, batch: _Batch) -> torch.Tensor | None:
-        return self._sampled_rows(self.model(batch.ids, batch.positions, self.kv_caches, batch.meta), batch)
+    def _forward(self, batch: _Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._rows(self.model(batch.ids, batch.positions, self.kv_caches, batch.meta), batch)
+
+    def _rows(self, hidden: torch.Tensor, batch: _Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows of ``hidden`` the step samples from, and those that score prompt tokens."""
+        prompt = None
+        if batch.prompt_rows:
+            prompt = hidden[torch.tensor([r for r, _, _ in batch.prompt_rows], dtype=torch.int64, device=hidden.device)]
+        return self._sampled_rows(hidden, batch), prompt
 
     def _sampled_rows(self, hidden: torch.Tensor, batch: _Batch) -> torch.Tensor | None:
         """The rows of ``hidden`` the step samples from (None: none, e.g. one-token prompt chunks
@@ -204,11 +232,16 @@ class ModelRunner:
         spans: list[tuple[list[int], int, int]] = []  # (block table, num computed, num new)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[int, Sequence, int]] = []
         tail_rows: list[tuple[int, int]] | None = [] if self.tails is not None else None
         rows = 0
         for entry in entries:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                # position p's logits score prompt token p + 1; each once (not again after a preemption)
+                first, end = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)
+                prompt_rows.extend((rows + p - start, seq, seq.prompt_token_ids[p + 1]) for p in range(first, end))
             if tail_rows is not None:
                 tail_rows.append(self._tail_rows(seq, start, n))
             if n == 1:
@@ -223,7 +256,7 @@ class ModelRunner:
         device = device or self.device
         meta, positions = build_attention_metadata(spans, self.layout.block_size, device, tail_rows)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        return _Batch(ids, positions, meta, sample_rows, sample_seqs)
+        return _Batch(ids, positions, meta, sample_rows, sample_seqs, prompt_rows)
 
     def _tail_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
         """``seq``'s tail rows for this step; newly taken ones start from what its filling block

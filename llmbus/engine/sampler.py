@@ -294,13 +294,20 @@ class Sampler:
         out: list[TokenLogprob | None] = [None] * len(seqs)
         if not want:
             return out
-        lp = raw[want].log_softmax(dim=-1)
-        chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
-        n_max = min(max(seqs[i].params.logprobs for i in want), lp.shape[1])
-        top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-        for j, i in enumerate(want):
-            n = seqs[i].params.logprobs
-            top = list(zip(top_i[j][:n], top_v[j][:n]))
-            out[i] = TokenLogprob(token_id=token_list[i], logprob=chosen[j], top=top)
+        entries = logprob_entries(raw[want], tokens[want], [token_list[i] for i in want],
+                                  [seqs[i].params.logprobs for i in want])
+        for i, entry in zip(want, entries):
+            out[i] = entry
         return out
+
+
+def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], tops: list[int]) -> list[TokenLogprob]:
+    """Per row of ``raw`` logits [R, V]: ``log_softmax``'s value at ``tokens[r]`` and its ``tops[r]``
+    most likely tokens, as TokenLogprobs (``token_list``: ``tokens`` on the host)."""
+    lp = raw.float().log_softmax(dim=-1)
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    n_max = min(max(tops), lp.shape[1])
+    top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprob(token_id=t, logprob=c, top=list(zip(ti[:n], tv[:n])))
+            for t, c, ti, tv, n in zip(token_list, chosen, top_i, top_v, tops)]

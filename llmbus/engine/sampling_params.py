@@ -23,6 +23,10 @@ class SamplingParams:
     # (token id, bias) pairs: each bias is added to that token's logit before sampling (OpenAI's
     # logit_bias: -100 bans a token, +100 all but forces it)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # None: none; n >= 0: each prompt token's logprob (given the tokens before it) plus the top-n
+    # (OpenAI completions' echo with logprobs). Such a prompt is computed whole, never read from
+    # the prefix cache: cached blocks have no logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -45,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

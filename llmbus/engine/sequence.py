@@ -37,6 +37,9 @@ class Sequence:
     cache_salt: str = ""  # tenant salt for prefix hashing; set by the server, never by a client
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: entry i for prompt token i+1 (the first token has none), filled as
+    # the prefill's chunks are computed
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)

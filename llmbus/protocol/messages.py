@@ -99,6 +99,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob plus top-n
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias), ids unique
+    prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob plus top-n
 
     def to_params(self):
         """Build (and so validate) the engine's SamplingParams. Workers call this; it raises ValueError."""
@@ -110,6 +111,7 @@ class SamplingSpec:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=tuple(self.logit_bias),
+            prompt_logprobs=self.prompt_logprobs,
         )  # fmt: skip
 
 
@@ -180,6 +182,9 @@ class TokenEvent:
     # too long for the worker's context or cache, bad sampling values): the gateway answers 400;
     # "" for anything else (a server error). Readers treat codes they do not know as "".
     error_code: str = ""
+    # sampling.prompt_logprobs: on the event with the first token, an entry per prompt token after
+    # the first (entry i scores prompt token i + 1)
+    prompt_logprobs: list[LogprobEntry] | None = None
 
     def __post_init__(self) -> None:
         check_id("request_id", self.request_id)

@@ -9,15 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from llmbus.model.detokenizer import IncrementalDetokenizer
 from llmbus.protocol import LogprobEntry, TokenEvent
 from llmbus.protocol.messages import INVALID_REQUEST
 from services.gateway.errors import APIError, invalid, server_error
 from services.gateway.shapes import TokenLogprob, Usage, token_text
 from services.gateway.stop import StopStringMatcher
 from services.gateway.token_stream import StreamFailure, TokenStream
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, to lead its text: ``text`` as the client sent it (or its ids
+    decoded), ``ids`` its tokens, for their logprob entries."""
+
+    text: str
+    ids: list[int]
+    tokenizer: object
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,8 @@ class Generation:
     matched stop string."""
 
     def __init__(self, stream: TokenStream, detok, token_bytes: Callable[[int], bytes], *,
-                 stops: tuple[str, ...], logprobs: bool, prompt_tokens: int) -> None:
+                 stops: tuple[str, ...], logprobs: bool, prompt_tokens: int, echo: Echo | None = None,
+                 keep_output: bool = True) -> None:
         self.stream = stream
         self._detok = detok
         self._token_bytes = token_bytes
@@ -60,6 +73,9 @@ class Generation:
         self.finished = False  # the workers are done with the request (no abort needed)
         self.stopped_by_string = False  # we ended it: the workers must be told to abort
         self.failed = False  # the token stream broke (gap, silence): the workers must be told too
+        self._echo = echo  # until the first event takes it
+        self._base = 0  # characters of echoed prompt before the completion's text
+        self._keep = keep_output  # False: max_tokens 0, the one token the workers make is dropped
 
     @property
     def wants_logprobs(self) -> bool:
@@ -86,16 +102,53 @@ class Generation:
         return out
 
     def _release(self, everything: bool = False) -> list[TokenLogprob]:
-        """The held entries whose text has started to go out (``everything``: all of them)."""
+        """The held entries whose text has started to go out (``everything``: all of them), their
+        offsets counted from the start of the returned text (an echoed prompt first)."""
         n = len(self._held)
         if not everything:
             n = next((i for i, e in enumerate(self._held) if e.offset >= self._sent), n)
         out, self._held = self._held[:n], self._held[n:]
-        return out
+        return [dataclasses.replace(e, offset=e.offset + self._base) for e in out] if self._base else out
+
+    def _echoed(self, event: TokenEvent) -> tuple[str, list[TokenLogprob]]:
+        """The prompt's text and (with logprobs) an entry per prompt token: the first has no
+        logprob; the others are the event's ``prompt_logprobs`` (none where a worker sent none)."""
+        echo, self._echo = self._echo, None
+        self._base = len(echo.text)
+        if not self._logprobs:
+            return echo.text, []
+        scored = event.prompt_logprobs or []
+        detok = IncrementalDetokenizer(echo.tokenizer, [])
+        entries, chars = [], 0
+        for i, tid in enumerate(echo.ids):
+            offset = min(chars + detok.held_chars(), len(echo.text))
+            chars += len(detok.add([tid]))
+            if 0 < i <= len(scored):
+                entries.append(self._entry(scored[i - 1], offset))
+            else:
+                token, raw = self._named(tid)
+                entries.append(TokenLogprob(token, raw, None, offset, None))
+        return echo.text, entries
 
     def _consume(self, event: TokenEvent) -> Piece:
         self.cached_tokens = max(self.cached_tokens, event.cached_tokens)
-        text = []
+        text: list[str] = []
+        lead: list[TokenLogprob] = []
+        if self._echo is not None:
+            prompt, lead = self._echoed(event)
+            text.append(prompt)
+        if not self._keep:  # max_tokens 0: the prompt alone
+            if event.finish_reason in ("stop", "length"):
+                self.finished = True
+                usage = Usage(event.prompt_tokens or self.prompt_tokens, 0, self.cached_tokens)
+                return Piece("".join(text), lead if self._logprobs else None, "length", usage)
+            event = dataclasses.replace(event, token_ids=[], logprobs=None)
+        piece = self._tokens(event, text)
+        if lead:
+            piece = dataclasses.replace(piece, logprobs=lead + (piece.logprobs or []))
+        return piece
+
+    def _tokens(self, event: TokenEvent, text: list[str]) -> Piece:
         for i, tid in enumerate(event.token_ids):
             self.completion_tokens += 1
             offset = self._chars + (self._detok.held_chars() if self._logprobs else 0)

@@ -19,7 +19,7 @@ from llmbus.protocol import GenerateRequest
 from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation, choice_pieces
+from services.gateway.generation import Echo, Generation, choice_pieces
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
@@ -51,7 +51,10 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
         TokenStream(r.request_id, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
                     deadline=r.deadline),
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
-        logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids))) for r in requests]
+        logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
+        echo=Echo(req.prompt if isinstance(req.prompt, str) else tok.decode(r.prompt_token_ids), r.prompt_token_ids,
+                  tok) if req.echo else None,
+        keep_output=req.max_tokens != 0)) for r in requests]
     for c, sub in zip(choices, await _submit_all(bus, requests, [c.gen.stream for c in choices])):
         c.sub = sub
     shapes = Shapes(req.kind, prepared.request.request_id, model.name, prepared.created)

@@ -24,6 +24,7 @@ class OpenAIRequest:
     messages: tuple[dict, ...] = ()  # chat: {"role": str, "content": str, ...}
     stream: bool = False
     n: int = 1  # choices: each its own generation over the same prompt
+    echo: bool = False  # completions: the prompt leads the text (and, with logprobs, its tokens the logprobs)
     include_usage: bool = False
     max_tokens: int | None = None  # None: the remaining context
     max_tokens_param: str = "max_tokens"  # the field that set it (chat: or max_completion_tokens)
@@ -37,10 +38,13 @@ def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
     body = _common_checks(body)
     for name in ("suffix", "best_of"):
         f.reject_unsupported(body, name, (None, 1) if name == "best_of" else (None,))
-    f.reject_unsupported(body, "echo", (None, False))
     logprobs = f.get_int(body, "logprobs", lo=0, hi=20)
+    echo = f.get_bool(body, "echo")
+    max_tokens = f.get_int(body, "max_tokens", lo=0)
+    if max_tokens == 0 and not echo:  # scoring a prompt: echo it, generate nothing
+        raise invalid("'max_tokens' may be 0 only with 'echo': true (to score the prompt).", "max_tokens")
     return OpenAIRequest(kind="completion", model=f.get_str(body, "model", required=True),
-                         prompt=_prompt(body), max_tokens=f.get_int(body, "max_tokens", lo=1),
+                         prompt=_prompt(body), max_tokens=max_tokens, echo=echo,
                          logprobs=logprobs, **_shared(body, max_stop))
 
 

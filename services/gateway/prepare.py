@@ -29,6 +29,8 @@ def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) ->
                        f"{n} tokens, leaving no room for output. Shorten the prompt.",
                        param=param, code="context_length_exceeded")
     max_tokens = req.max_tokens if req.max_tokens is not None else limit - n
+    # NOTE: max_tokens 0 (echo: score the prompt) asks the workers for one token, which is dropped
+    max_tokens = max(max_tokens, 1)
     if n + max_tokens > limit:
         name = req.max_tokens_param
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -71,7 +73,8 @@ def _sampling(req: OpenAIRequest, max_tokens: int, model: ServedModel) -> Sampli
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise invalid(f"'{name}' has ids outside the vocabulary [0, {vocab}): {bad[:5]}", name)
-    kwargs = dict(s, max_tokens=max_tokens, logprobs=req.logprobs, stop_token_ids=list(s["stop_token_ids"]))
+    kwargs = dict(s, max_tokens=max_tokens, logprobs=req.logprobs, stop_token_ids=list(s["stop_token_ids"]),
+                  prompt_logprobs=req.logprobs if req.echo else None)
     try:  # the engine's own validation, so a request the workers would refuse fails here, clearly
         SamplingParams(**{**kwargs, "stop_token_ids": tuple(kwargs["stop_token_ids"])})
     except ValueError as exc:

@@ -22,9 +22,9 @@ class TokenLogprob:
 
     token: str
     raw: bytes
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it to predict it)
     offset: int
-    top: tuple[tuple[str, bytes, float], ...]  # most likely first
+    top: tuple[tuple[str, bytes, float], ...] | None  # most likely first
 
 
 @dataclass(frozen=True)
@@ -113,9 +113,11 @@ def _chat_entry(e: TokenLogprob) -> dict:
             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(raw)} for t, raw, lp in e.top]}
 
 
-def _top_dict(e: TokenLogprob) -> dict[str, float]:
+def _top_dict(e: TokenLogprob) -> dict[str, float] | None:
     """Completions' ``{token: logprob}``. NOTE: two tokens can share a name (an added token and the
-    text it spells): the likelier keeps it."""
+    text it spells): the likelier keeps it. None for an echoed prompt's first token."""
+    if e.top is None:
+        return None
     top: dict[str, float] = {}
     for t, _, lp in e.top:
         top.setdefault(t, lp)

@@ -165,8 +165,9 @@ class PrefillWorker(EngineWorker):
             await msg.term()
 
     async def _cached_prefix(self, req: GenerateRequest):
-        """(reusable hashes, blocks already in tier 0, KV rows from kvpool or None)."""
-        if not self.engine.config.enable_prefix_caching:
+        """(reusable hashes, blocks already in tier 0, KV rows from kvpool or None). Nothing for a
+        request that scores its prompt (prompt_logprobs): it computes every position."""
+        if not self.engine.config.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return [], 0, None
         hashes = self.engine.reusable_prefix_hashes(req.prompt_token_ids, req.cache_salt)
         local = await self.loop.call(lambda e: e.local_prefix_blocks(hashes))

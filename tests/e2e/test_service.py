@@ -121,6 +121,18 @@ def test_logit_bias(client, reference):
     assert out.choices[0].text == reference.generate([prompt], biased)[0].text != plain.text
 
 
+def test_echo_scores_the_prompt(client, reference):
+    """What evaluation harnesses send to score text: echo, logprobs, max_tokens 0."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    ref = reference.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    choice = out.choices[0]
+    assert choice.text == prompt and out.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ref.prompt_token_ids) and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs], abs=1e-4)
+    assert [len(top) for top in choice.logprobs.top_logprobs[1:]] == [len({t for t, _ in e.top}) for e in ref.prompt_logprobs]
+
+
 def test_32_concurrent_streams_complete_in_order(stack, reference):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(32)]
     refs = reference.generate(prompts, greedy(24))
