@@ -138,8 +138,12 @@ def test_chat_specific_rules(http):
 def test_prompt_token_ids_out_of_vocabulary(http):
     err = _error(http.post(COMP, json={"model": "demo", "prompt": [1, 2, 10**9]}), 400)
     assert err["param"] == "prompt" and "vocabulary" in err["message"]
-    err = _error(http.post(COMP, json={"model": "demo", "prompt": ["a", "b"]}), 400)
-    assert err["param"] == "prompt" and err["code"] == "unsupported_parameter"
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": ["a", [1, 10**9]]}), 400)
+    assert err["param"] == "prompt[1]" and "vocabulary" in err["message"]
+    for batch in (["a", 3], [[1, 2], []], ["a", [1, "x"]]):
+        assert _error(http.post(COMP, json={"model": "demo", "prompt": batch}), 400)["param"] == "prompt"
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": ["a"] * 100, "n": 3}), 400)
+    assert err["param"] == "n" and "300 choices" in err["message"]
 
 
 def test_unknown_model_404(http):

@@ -558,3 +558,26 @@ def test_echo_leads_the_completion_text_and_logprobs(http, worker, tokenizer):
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == prompt + " a time"
     r = http.post(COMP, json={"model": "demo", "prompt": prompt, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_batch_of_prompts_gives_n_choices_each_in_prompt_order(http, worker, tokenizer):
+    prompts = ["Red", [5, 17, 300], "Blue sky"]
+    replies = {str(i): _ids(tokenizer, f"answer {i}") for i in range(6)}
+    worker.script = _per_choice({k: reply_script(v, cached=4) for k, v in replies.items()})
+    seen = len(worker.requests)
+    r = http.post(COMP, json={"model": "demo", "prompt": prompts, "n": 2, "seed": 3, "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    reqs = {q.request_id: q for q, _ in worker.requests[seen:]}
+    ids = [tokenizer.encode("Red"), [5, 17, 300], tokenizer.encode("Blue sky")]
+    for i in range(6):  # choice i answers prompt i // n
+        q = reqs[f"{body['id']}-{i}"]
+        assert q.prompt_token_ids == ids[i // 2] and q.sampling.seed == 3 + i
+    texts = [c["text"] for c in body["choices"]]
+    echoed = ["Red", tokenizer.decode([5, 17, 300]), "Blue sky"]
+    assert texts == [echoed[i // 2] + f"answer {i}" for i in range(6)]
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    usage = body["usage"]  # each prompt once, every completion
+    assert usage["prompt_tokens"] == sum(map(len, ids))
+    assert usage["completion_tokens"] == sum(map(len, replies.values()))
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * 3

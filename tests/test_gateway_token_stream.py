@@ -136,7 +136,7 @@ def test_choices_are_enqueued_all_or_none(tmp_path, how):
             await nc.subscribe(subjects.request_subject("demo"), cb=stream)
             await nc.subscribe(subjects.ABORTS_WILDCARD, cb=on_abort)
             bus = GatewayBus(nc, "gw-test", publish_timeout_s=0.5)
-            requests = choice_requests(GenerateRequest("cmpl-z", "demo", [1, 2]), 3)
+            requests = choice_requests([GenerateRequest("cmpl-z", "demo", [1, 2])], 3)
             submit = asyncio.ensure_future(_submit_all(bus, requests, [TokenStream(r.request_id, 1.0) for r in requests]))
             if how == "refused":
                 with pytest.raises(APIError) as exc:

@@ -46,27 +46,27 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
                        code="service_unavailable")
     bus = gw.bus
     tok = model.tokenizer
-    requests = choice_requests(prepared.request, req.n)
+    requests = choice_requests(prepared.requests, req.n)
+    texts = [text for text in prepared.texts for _ in range(req.n)]
     choices = [_Choice(r.request_id, Generation(
         TokenStream(r.request_id, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
                     deadline=r.deadline),
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
         logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
-        echo=Echo(req.prompt if isinstance(req.prompt, str) else tok.decode(r.prompt_token_ids), r.prompt_token_ids,
-                  tok) if req.echo else None,
-        keep_output=req.max_tokens != 0)) for r in requests]
+        echo=Echo(tok.decode(r.prompt_token_ids) if text is None else text, r.prompt_token_ids, tok) if req.echo else None,
+        keep_output=req.max_tokens != 0)) for r, text in zip(requests, texts)]
     for c, sub in zip(choices, await _submit_all(bus, requests, [c.gen.stream for c in choices])):
         c.sub = sub
-    shapes = Shapes(req.kind, prepared.request.request_id, model.name, prepared.created)
+    shapes = Shapes(req.kind, prepared.requests[0].request_id, model.name, prepared.created)
     gens = [c.gen for c in choices]
 
     def guard():
         return _guard(bus, choices)
 
     if req.stream:
-        return SSEResponse(chunks(gens, shapes, req.include_usage), guard)
+        return SSEResponse(chunks(gens, shapes, req.include_usage, req.n), guard)
     async with guard():
-        body = await _until_disconnect(http, _collect(gens, shapes))
+        body = await _until_disconnect(http, _collect(gens, shapes, req.n))
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
     return Response(orjson.dumps(body), media_type="application/json")
@@ -95,16 +95,18 @@ async def _withdraw(bus: GatewayBus, requests: list[GenerateRequest], tasks: lis
             await bus.abort(r.request_id, "submit_failed")
 
 
-def choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """The bus requests of a request's ``n`` choices: itself for one; else copies with ids
-    ``<id>-<i>`` and, where it is seeded, seeds ``seed + i`` (wrapped to 64 bits), so each
-    choice draws its own tokens and a seeded request still repeats exactly. The copies reach the
-    workers together, and the engine prefills their shared prompt once (the first computes its
-    blocks, the others read them)."""
-    if n == 1:
-        return [request]
+def choice_requests(prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """The bus requests of a request's choices, ``n`` per prompt (one prompt but for a completions
+    batch), in choice order: choice ``i`` answers prompt ``i // n``. One choice is the request
+    itself; more are copies with ids ``<id>-<i>`` and, where it is seeded, seeds ``seed + i``
+    (wrapped to 64 bits), so each choice draws its own tokens and a seeded request still repeats
+    exactly. A prompt's copies reach the workers together, and the engine prefills it once (the
+    first computes its blocks, the others read them)."""
+    if len(prompts) * n == 1:
+        return list(prompts)
     out = []
-    for i in range(n):
+    for i in range(len(prompts) * n):
+        request = prompts[i // n]
         seed = request.sampling.seed
         sampling = request.sampling if seed is None else dataclasses.replace(
             request.sampling, seed=(seed + i + 2**63) % 2**64 - 2**63)
@@ -128,9 +130,8 @@ async def _guard(bus: GatewayBus, choices: list[_Choice]) -> AsyncIterator[None]
         yield
 
 
-async def _collect(gens: list[Generation], shapes: Shapes) -> dict:
-    n = len(gens)
-    texts: list[list[str]] = [[] for _ in range(n)]
+async def _collect(gens: list[Generation], shapes: Shapes, n: int) -> dict:
+    texts: list[list[str]] = [[] for _ in gens]
     logprobs: list[list[TokenLogprob] | None] = [[] if g.wants_logprobs else None for g in gens]
     ends: dict[int, tuple[str, Usage]] = {}
     async with contextlib.aclosing(choice_pieces(gens)) as pieces:
@@ -142,10 +143,10 @@ async def _collect(gens: list[Generation], shapes: Shapes) -> dict:
                 logprobs[i].extend(piece.logprobs)
             if piece.finish_reason is not None:
                 ends[i] = (piece.finish_reason, piece.usage)
-    if len(ends) < n:
+    if len(ends) < len(gens):
         raise APIError(500, "the token stream ended without a finish", type="server_error", code="internal_error")
-    choices = [shapes.choice(i, "".join(texts[i]), ends[i][0], logprobs[i]) for i in range(n)]
-    return shapes.response(choices, Usage.of_choices([ends[i][1] for i in range(n)]))
+    choices = [shapes.choice(i, "".join(texts[i]), ends[i][0], logprobs[i]) for i in range(len(gens))]
+    return shapes.response(choices, Usage.of_choices([ends[i][1] for i in range(len(gens))], n))
 
 
 async def _until_disconnect(http: Request, coro) -> dict | None:

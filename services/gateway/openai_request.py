@@ -14,13 +14,14 @@ from services.gateway.errors import invalid, missing, wrong_type
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128  # n: OpenAI's own bound
+MAX_BATCH = 256  # completions: choices in one request (prompts x n)
 
 
 @dataclass(frozen=True)
 class OpenAIRequest:
     kind: str  # "completion" | "chat"
     model: str
-    prompt: str | tuple[int, ...] | None = None  # completion
+    prompt: tuple[str | tuple[int, ...], ...] = ()  # completion: the prompts (a batch has several)
     messages: tuple[dict, ...] = ()  # chat: {"role": str, "content": str, ...}
     stream: bool = False
     n: int = 1  # choices: each its own generation over the same prompt
@@ -43,9 +44,12 @@ def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
     max_tokens = f.get_int(body, "max_tokens", lo=0)
     if max_tokens == 0 and not echo:  # scoring a prompt: echo it, generate nothing
         raise invalid("'max_tokens' may be 0 only with 'echo': true (to score the prompt).", "max_tokens")
+    prompts, shared = _prompt(body), _shared(body, max_stop)
+    if len(prompts) * shared["n"] > MAX_BATCH:
+        raise invalid(f"{len(prompts)} prompts with n={shared['n']} make {len(prompts) * shared['n']} choices; "
+                      f"at most {MAX_BATCH} per request.", "n")
     return OpenAIRequest(kind="completion", model=f.get_str(body, "model", required=True),
-                         prompt=_prompt(body), max_tokens=max_tokens, echo=echo,
-                         logprobs=logprobs, **_shared(body, max_stop))
+                         prompt=prompts, max_tokens=max_tokens, echo=echo, logprobs=logprobs, **shared)
 
 
 def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
@@ -103,24 +107,27 @@ def _shared(body: dict, max_stop: int) -> dict:
             "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user")}
 
 
-def _prompt(body: dict) -> str | tuple[int, ...]:
-    """A string, a list of token ids, or a one-element list of either (batches are not served)."""
+def _prompt(body: dict) -> tuple[str | tuple[int, ...], ...]:
+    """A string, a list of token ids, or a batch: a list of either (each its own choices)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise missing("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
-        return prompt
+        return (prompt,)
     if isinstance(prompt, list):
         if not prompt:
             raise invalid("'prompt' must not be empty.", "prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return tuple(prompt)
-        if all(isinstance(p, (str, list)) for p in prompt):
-            raise invalid("Batched prompts are not supported; send one prompt per request.", "prompt",
-                          code="unsupported_parameter")
-    raise wrong_type("prompt", "a string or an array of token ids", prompt)
+        if _token_ids(prompt):
+            return (tuple(prompt),)
+        if all(isinstance(p, str) or isinstance(p, list) and p and _token_ids(p) for p in prompt):
+            if len(prompt) > MAX_BATCH:
+                raise invalid(f"'prompt' holds at most {MAX_BATCH} prompts, got {len(prompt)}.", "prompt")
+            return tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
+    raise wrong_type("prompt", "a string, an array of token ids, or an array of either", prompt)
+
+
+def _token_ids(value: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _messages(body: dict) -> tuple[dict, ...]:

@@ -16,18 +16,31 @@ from services.gateway.openai_request import OpenAIRequest
 
 @dataclass(frozen=True)
 class Prepared:
-    request: GenerateRequest
+    requests: list[GenerateRequest]  # one per prompt (a completions batch has several), one id for all
+    texts: list[str | None]  # each prompt as text (a token-id prompt: None), for echo
     created: int  # unix seconds, the "created" field of every response body
 
 
 def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) -> Prepared:
-    prompt_ids = _prompt_ids(req, model)
-    param = "messages" if req.kind == "chat" else "prompt"
-    limit, n = model.max_model_len, len(prompt_ids)
+    now = time.time()
+    request_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    prompts: list[str | tuple[int, ...] | None] = [None] if req.kind == "chat" else list(req.prompt)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        where = "messages" if req.kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        prompt_ids = _prompt_ids(req, prompt, model, where)
+        spec = _sampling(req, _max_tokens(req, len(prompt_ids), model.max_model_len, where), model)
+        requests.append(GenerateRequest(request_id=request_id, model=model.name, prompt_token_ids=prompt_ids,
+                                        sampling=spec, deadline=now + request_timeout_s, created=now))  # fmt: skip
+    return Prepared(requests, [p if isinstance(p, str) else None for p in prompts], int(now))
+
+
+def _max_tokens(req: OpenAIRequest, n: int, limit: int, where: str) -> int:
+    """The completion's token limit for an ``n``-token prompt, checked against the context."""
     if n >= limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
                        f"{n} tokens, leaving no room for output. Shorten the prompt.",
-                       param=param, code="context_length_exceeded")
+                       param=where, code="context_length_exceeded")
     max_tokens = req.max_tokens if req.max_tokens is not None else limit - n
     # NOTE: max_tokens 0 (echo: score the prompt) asks the workers for one token, which is dropped
     max_tokens = max(max_tokens, 1)
@@ -36,15 +49,10 @@ def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) ->
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                        f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} for the completion). "
                        f"Reduce the prompt or '{name}'.", param=name, code="context_length_exceeded")
-    spec = _sampling(req, max_tokens, model)
-    now = time.time()
-    request_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    request = GenerateRequest(request_id=request_id, model=model.name, prompt_token_ids=prompt_ids,
-                              sampling=spec, deadline=now + request_timeout_s, created=now)  # fmt: skip
-    return Prepared(request, int(now))
+    return max_tokens
 
 
-def _prompt_ids(req: OpenAIRequest, model: ServedModel) -> list[int]:
+def _prompt_ids(req: OpenAIRequest, prompt: str | tuple[int, ...] | None, model: ServedModel, where: str) -> list[int]:
     tok = model.tokenizer
     if req.kind == "chat":
         try:
@@ -53,16 +61,16 @@ def _prompt_ids(req: OpenAIRequest, model: ServedModel) -> list[int]:
             raise invalid(f"The messages cannot be rendered with this model's chat template: {exc}",
                           "messages") from None
         ids = tok.encode(text, add_special_tokens=False)
-    elif isinstance(req.prompt, str):
-        ids = tok.encode(req.prompt, add_special_tokens=True)
+    elif isinstance(prompt, str):
+        ids = tok.encode(prompt, add_special_tokens=True)
     else:
         vocab = model.config.vocab_size
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise invalid(f"'prompt' has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt")
-        ids = list(req.prompt)
+            raise invalid(f"'{where}' has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", where)
+        ids = list(prompt)
     if not ids:
-        raise invalid("The prompt is empty after tokenization.", "messages" if req.kind == "chat" else "prompt")
+        raise invalid("The prompt is empty after tokenization.", where)
     return list(ids)
 
 

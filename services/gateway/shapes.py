@@ -34,12 +34,14 @@ class Usage:
     cached_tokens: int = 0
 
     @staticmethod
-    def of_choices(usages: list[Usage]) -> Usage:
-        """A request's usage from its choices': the prompt counted once and the completions summed.
-        Cached tokens: those every choice found cached, so a prompt that the first choice computed
-        and the others then read counts as computed, as it was for this request."""
-        return Usage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages),
-                     min(u.cached_tokens for u in usages))
+    def of_choices(usages: list[Usage], n: int = 1) -> Usage:
+        """A request's usage from its choices', ``n`` consecutive ones per prompt: each prompt
+        counted once, the completions summed. Cached tokens: per prompt, those every one of its
+        choices found cached, so a prompt that the first choice computed and the others then read
+        counts as computed, as it was for this request."""
+        groups = [usages[i : i + n] for i in range(0, len(usages), n)]
+        return Usage(sum(g[0].prompt_tokens for g in groups), sum(u.completion_tokens for u in usages),
+                     sum(min(u.cached_tokens for u in g) for g in groups))
 
     def body(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

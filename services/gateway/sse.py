@@ -23,7 +23,7 @@ def event(body: dict) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool) -> AsyncIterator[bytes]:
+async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool, n: int = 1) -> AsyncIterator[bytes]:
     """OpenAI's stream: (chat) a role chunk per choice, content chunks, a chunk with finish_reason
     per choice (each chunk names its choice by ``index``; choices interleave as their tokens come),
     a usage chunk with empty choices when asked, then ``[DONE]``. A failure of any choice ends it
@@ -31,7 +31,7 @@ async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool) ->
     if shapes.kind == "chat":
         for i in range(len(gens)):
             yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage, index=i))
-    usages: list[Usage] = []
+    usages: dict[int, Usage] = {}
     async with contextlib.aclosing(choice_pieces(gens)) as pieces:
         async for i, piece in pieces:
             if piece.error is not None:
@@ -43,10 +43,10 @@ async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool) ->
                 empty = None if shapes.kind == "chat" else ""
                 yield event(shapes.chunk(empty, piece.finish_reason, None, include_usage=include_usage, index=i))
                 if piece.usage is not None:
-                    usages.append(piece.usage)
+                    usages[i] = piece.usage
         else:
             if include_usage and len(usages) == len(gens):
-                yield event(shapes.usage_chunk(Usage.of_choices(usages)))
+                yield event(shapes.usage_chunk(Usage.of_choices([usages[i] for i in range(len(gens))], n)))
     yield DONE
 
 

@@ -121,6 +121,16 @@ def test_logit_bias(client, reference):
     assert out.choices[0].text == reference.generate([prompt], biased)[0].text != plain.text
 
 
+def test_a_batch_of_prompts(client, reference):
+    prompts = ["The quick brown fox", "Once upon a time", [5, 17, 300, 42]]
+    refs = reference.generate(prompts, greedy(8))
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.text for c in out.choices] == [r.text for r in refs for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
+    assert out.usage.completion_tokens == 8 * 6
+
+
 def test_echo_scores_the_prompt(client, reference):
     """What evaluation harnesses send to score text: echo, logprobs, max_tokens 0."""
     prompt = "The quick brown fox jumps over the lazy dog"
