@@ -9,6 +9,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from services.gateway.errors import APIError
+
 from tests.test_gateway_harness import MAX_BODY_BYTES, MAX_MODEL_LEN, gateway, gw_nats, http, model_dir, scratch, worker  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,3 +202,16 @@ def test_a_port_in_use_is_a_one_line_error(model_dir):
                                   cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert proc.returncode == 2 and f"cannot listen on {host}:{port}" in proc.stderr, proc.stderr
             assert "Traceback" not in proc.stderr
+
+
+def test_a_scored_prompt_must_fit_one_bus_message():
+    """echo with logprobs sends the prompt's entries in one token event: a prompt too long for that
+    is a clear 400, sized by the logprobs asked for."""
+    from services.gateway.prepare import SCORED_BYTES, _check_scored_length
+
+    _check_scored_length(SCORED_BYTES // 56, 1, "prompt")
+    with pytest.raises(APIError) as exc:
+        _check_scored_length(SCORED_BYTES // 56 + 1, 1, "prompt[2]")
+    assert (exc.value.status, exc.value.param) == (400, "prompt[2]") and "logprobs=1" in exc.value.message
+    with pytest.raises(APIError):
+        _check_scored_length(4000, 20, "prompt")

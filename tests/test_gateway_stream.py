@@ -3,6 +3,7 @@ usage, stop strings, multi-byte characters split across tokens, gaps, silence, w
 the Abort after a client disconnect."""
 
 import asyncio
+import json
 import contextlib
 import time
 
@@ -500,7 +501,8 @@ def test_logit_bias_reaches_the_workers_as_pairs(http, worker, tokenizer):
     assert r.status_code == 200, r.text
     req, _ = _last_request(worker, r.json()["id"])
     assert req.sampling.logit_bias == [(5, 10.0), (77, -100.0)]
-    for bias in ({"a": 1}, {"-3": 1}, {"5": 101}, {"5": "high"}, {"5": True}, {"999999": 1}, [1, 2]):
+    for bias in ({"a": 1}, {"-3": 1}, {"5": 101}, {"5": "high"}, {"5": True}, {"999999": 1}, [1, 2], {"9" * 5000: 1},
+                 {str(t): 1 for t in range(1025)}):
         r = http.post(CHAT, json={"model": "demo", "messages": MSGS, "logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bias, r.text)
 
@@ -581,3 +583,23 @@ def test_a_batch_of_prompts_gives_n_choices_each_in_prompt_order(http, worker, t
     assert usage["prompt_tokens"] == sum(map(len, ids))
     assert usage["completion_tokens"] == sum(map(len, replies.values()))
     assert usage["prompt_tokens_details"]["cached_tokens"] == 4 * 3
+
+
+def test_a_choice_cut_by_a_stop_string_is_aborted_while_the_others_go_on(http, worker, tokenizer):
+    async def waits_for_the_abort(req, emit):  # choice 1 ends only once choice 0's abort is out
+        first = req.request_id[:-1] + "0"
+        await emit(TokenEvent(req.request_id, 0, _ids(tokenizer, "still"), completion_tokens=1))
+        for _ in range(250):
+            if worker.aborts_for(first):
+                await emit(TokenEvent(req.request_id, 1, _ids(tokenizer, " here"), finish_reason="length",
+                                      completion_tokens=2))
+                return
+            await asyncio.sleep(0.02)
+        await emit(TokenEvent(req.request_id, 1, finish_reason="error", error="choice 0 was never aborted"))
+
+    worker.script = _per_choice({"0": reply_script(_ids(tokenizer, "one two STOP three four"), finish="length"),
+                                 "1": waits_for_the_abort})
+    r = http.post(COMP, json={"model": "demo", "prompt": "x", "n": 2, "stop": ["STOP"]})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["one two ", "still here"]
+    assert [a.reason for a in worker.aborts_for(r.json()["id"] + "-0")] == ["stop_string"]  # once

@@ -449,3 +449,5 @@ def test_logit_bias_is_checked():
                        ([(1.5, 1)], "integers"), ([(1,)], "pairs"), ([(1, float("nan"))], "in \\[-100")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="at most 1024 tokens"):
+        SamplingParams(logit_bias=[(i, 1.0) for i in range(1025)])

@@ -212,6 +212,25 @@ def test_a_waiting_copy_runs_when_the_prefill_it_waits_for_goes_away(end):
     assert_no_leaks(bm)
 
 
+def test_a_waiting_copy_keeps_its_batch_slot():
+    """A copy waiting for a prefill holds its place against max_num_seqs: a later, unrelated
+    request does not take the last slot and leave the copy waiting for a whole sequence to end."""
+    sched, bm, model = make(max_num_seqs=2, max_num_batched_tokens=100, long_prefill_token_threshold=4)
+    prompt = list(range(60, 73))
+    a, b, c = seq("a", prompt, max_tokens=30), seq("b", prompt, max_tokens=30), seq("c", [1, 2, 3], max_tokens=30)
+    for s in (a, b, c):
+        sched.add(s)
+    assert plan(step(sched, model)[0]) == [("a", 4, False)]  # b waits for a; c does not overtake it
+    while b.status is SequenceStatus.WAITING:
+        assert c.status is SequenceStatus.WAITING
+        step(sched, model)
+    assert b.num_cached_tokens == 12 and a.num_computed_tokens == 13
+    run_to_end(sched, model)
+    for s in (a, b):
+        assert s.output_token_ids == reference_output(prompt, 30)
+    assert_no_leaks(bm)
+
+
 def test_without_prefix_caching_copies_are_computed_side_by_side():
     bm = BlockManager(64, BS, enable_prefix_caching=False)
     sched, model = Scheduler(SchedulerConfig(), bm), PagedEcho(bm)

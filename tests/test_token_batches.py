@@ -58,6 +58,35 @@ def test_publisher_batches_one_turn_per_subject_and_keeps_order(nats_server):
     assert [e.seq for b in batches[1:] for e in b if e.request_id == "big"] == list(range(MAX_BATCH_EVENTS + 5))
 
 
+def test_an_event_too_big_for_the_server_loses_only_its_own_request(nats_server):
+    """A batch the server refuses (one event in it over max_payload: a long prompt's logprobs) goes
+    out again event by event, so the other requests' events still arrive."""
+    from llmbus.protocol import LogprobEntry
+
+    batch = subjects.token_batches("gw-big")
+
+    async def body():
+        nc = await connect(nats_server)
+        got: list[TokenEvent] = []
+
+        async def on_msg(msg):
+            got.extend(decode(TokenEvents, msg.data).events)
+
+        await nc.subscribe(batch, cb=on_msg)
+        pub = TokenPublisher(nc)
+        huge = [LogprobEntry(7, -1.0, [(7, -1.0)] * 20)] * (nc.max_payload // 200)
+        await pub.publish(batch, _ev("a", 0))
+        await pub.publish(batch, TokenEvent("b", 0, [1], prompt_logprobs=huge))
+        await pub.publish(batch, _ev("c", 0))
+        await pub.drain()
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        await nc.close()
+        return got
+
+    assert [(e.request_id, e.seq) for e in asyncio.run(body())] == [("a", 0), ("c", 0)]
+
+
 def test_read_batch_fails_only_the_bad_event():
     good = encode(_ev("ok", 0))
     bad = {"request_id": "broken", "seq": -1}

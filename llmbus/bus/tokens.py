@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 import msgpack
+from nats.errors import MaxPayloadError
 
 from llmbus.bus import subjects
 from llmbus.protocol import ProtocolError, TokenEvent, TokenEvents, encode
@@ -54,12 +55,21 @@ class TokenPublisher:
                 pending, self._pending = self._pending, {}
                 for subject, events in pending.items():
                     for i in range(0, len(events), MAX_BATCH_EVENTS):
-                        try:
-                            await self.nc.publish(subject, encode(TokenEvents(events[i : i + MAX_BATCH_EVENTS])))
-                        except Exception as exc:  # a closed connection: the gateway's silence timeout reports it
-                            log.warning("could not publish %d token events on %s: %s", len(events), subject, exc)
+                        await self._send(subject, events[i : i + MAX_BATCH_EVENTS])
         finally:
             self._flushing = None
+
+    async def _send(self, subject: str, events: list[TokenEvent]) -> None:
+        try:
+            await self.nc.publish(subject, encode(TokenEvents(events)))
+        except MaxPayloadError:
+            if len(events) > 1:  # one by one: only an event too big itself is lost, not the batch
+                for event in events:
+                    await self._send(subject, [event])
+            else:  # its request's gateway finds the gap or the silence
+                log.warning("token event %d of %s is bigger than the server takes", events[0].seq, events[0].request_id)
+        except Exception as exc:  # a closed connection: the gateway's silence timeout reports it
+            log.warning("could not publish %d token events on %s: %s", len(events), subject, exc)
 
     async def drain(self) -> None:
         """Wait until every event handed to ``publish`` has been given to the connection."""

@@ -120,19 +120,6 @@ def apply_penalties(
     return out
 
 
-def add_logit_bias(x: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-    """Add each of ``rows``' ``logit_bias`` to its logits, in place; returns ``x``."""
-    index, cols, values = [], [], []
-    for i in rows:
-        for token, bias in seqs[i].params.logit_bias:
-            index.append(i)
-            cols.append(token)
-            values.append(bias)
-    where = torch.tensor([index, cols], dtype=torch.long).to(x.device, non_blocking=True)
-    x.index_put_((where[0], where[1]), torch.tensor(values, dtype=x.dtype).to(x.device), accumulate=True)
-    return x
-
-
 def warp_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p filtering, row i by params[i] (none greedy).
 
@@ -179,8 +166,18 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._bias_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # LLMBUS_CPU_SAMPLER=torch: the torch path on CPU too (for comparison)
         self._native = os.environ.get("LLMBUS_CPU_SAMPLER", "native") != "torch"
+
+    def _bias(self, seq: Sequence, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``seq``'s logit bias as (token ids, biases) on ``device``, built once per sequence."""
+        cached = self._bias_cache.get(seq)
+        if cached is None or cached[0].device != device or cached[1].dtype != dtype:
+            tokens, biases = zip(*seq.params.logit_bias)
+            cached = (torch.tensor(tokens, dtype=torch.long).to(device), torch.tensor(biases, dtype=dtype).to(device))
+            self._bias_cache[seq] = cached
+        return cached
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -210,7 +207,10 @@ class Sampler:
             x[pen] = apply_penalties(raw[pen], [seqs[i] for i in pen], self._prompt_cache)
         biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         if biased:
-            x = add_logit_bias(raw.clone() if x is raw else x, seqs, biased)
+            x = raw.clone() if x is raw else x
+            for i in biased:
+                cols, values = self._bias(seqs[i], x.device, x.dtype)
+                x[i].index_add_(0, cols, values)
         rand = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_EPS]
         greedy = self._greedy(x) if not rand and x is raw else None
         if greedy is not None:  # NOTE: all greedy, unpenalised: C finds the tokens and the bad rows

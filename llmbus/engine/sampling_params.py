@@ -60,9 +60,13 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024  # the sampler applies every entry at every step
 
 
 def _bias_pairs(pairs) -> tuple[tuple[int, float], ...]:
+    pairs = tuple(pairs)
+    if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}")
     out: dict[int, float] = {}
     for pair in pairs:
         try:

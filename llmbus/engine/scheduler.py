@@ -154,14 +154,15 @@ class Scheduler:
         # A sequence whose next uncached block a running prefill is computing right now waits a
         # step (or as many as that prefill takes) and then takes it, and every block after it the
         # two share, from the prefix cache instead of computing them again: n copies of one prompt
-        # (a request's n choices) or a burst sharing a system prompt are prefilled once.
+        # (a request's n choices) or a burst sharing a system prompt are prefilled once. It keeps
+        # its place in the batch meanwhile: nothing behind it takes the last slot.
         rejected: list[Sequence] = []
         max_seqs = self.config.max_num_seqs
         pool_full = bool(preempted)
         bm = self.block_manager
         inflight: set[bytes] | None = None  # blocks running prefills will commit; built when first needed
-        i = 0
-        while i < len(self._waiting) and budget > 0 and not pool_full and len(self._running) < max_seqs:
+        i = 0  # NOTE: == the sequences skipped, waiting for a prefill: they keep their batch slots
+        while i < len(self._waiting) and budget > 0 and not pool_full and len(self._running) + i < max_seqs:
             seq = self._waiting[i]
             if self._never_fits(seq):
                 del self._waiting[i]

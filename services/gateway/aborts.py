@@ -35,6 +35,16 @@ async def abort_unless_finished(bus: GatewayBus, request_id: str, sub: Listening
             await _shielded(_abort(bus, request_id, reason))
 
 
+async def release_ended(bus: GatewayBus, request_id: str, sub: Listening, generation: Generation) -> None:
+    """A choice that has had its last piece while others of its request go on: stop routing its
+    events and, if the workers are still generating it (a stop string ended it here), abort it
+    now rather than when the whole request ends."""
+    sub.close()
+    if not generation.finished and generation.stopped_by_string:
+        generation.finished = True  # its abort is out: the request's guard sends no second one
+        await _shielded(_abort(bus, request_id, "stop_string"))
+
+
 async def _abort(bus: GatewayBus, request_id: str, reason: str) -> None:
     try:
         await bus.abort(request_id, reason)

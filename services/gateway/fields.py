@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmbus.engine.sampling_params import MAX_LOGIT_BIAS_TOKENS as MAX_LOGIT_BIAS
 from services.gateway.errors import invalid, missing, wrong_type
 
 
@@ -94,10 +95,12 @@ def get_int_list(body: dict, name: str) -> tuple[int, ...]:
 def get_logit_bias(body: dict, name: str) -> list[tuple[int, float]]:
     """OpenAI's ``logit_bias``: an object mapping token ids (JSON keys, so strings) to biases in
     [-100, 100]; as (token id, bias) pairs."""
-    value = get_dict(body, name)
+    value = get_dict(body, name) or {}
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"'{name}' takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}.", name)
     out = []
-    for key, bias in (value or {}).items():
-        if not (key.isascii() and key.isdigit()):
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
             raise invalid(f"'{name}' keys must be token ids (non-negative integers), got {key!r}.", name)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise invalid(f"'{name}' values must be numbers from -100 to 100, got {bias!r} for token {key}.", name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from llmbus.model.detokenizer import IncrementalDetokenizer
@@ -25,11 +25,27 @@ from services.gateway.token_stream import StreamFailure, TokenStream
 @dataclass(frozen=True)
 class Echo:
     """A completion's prompt, to lead its text: ``text`` as the client sent it (or its ids
-    decoded), ``ids`` its tokens, for their logprob entries."""
+    decoded); for logprob entries, each of its tokens' name and bytes and where its text starts.
+    Built once per prompt, off the event loop (a long prompt takes a while to detokenize)."""
 
     text: str
     ids: list[int]
-    tokenizer: object
+    names: list[tuple[str, bytes]]  # empty without logprobs
+    offsets: list[int]
+
+    @classmethod
+    def build(cls, text: str | None, ids: list[int], tokenizer, logprobs: bool) -> Echo:
+        text = tokenizer.decode(ids) if text is None else text
+        if not logprobs:
+            return cls(text, ids, [], [])
+        detok = IncrementalDetokenizer(tokenizer, [])
+        names, offsets, chars = [], [], 0
+        for tid in ids:
+            offsets.append(min(chars + detok.held_chars(), len(text)))
+            chars += len(detok.add([tid]))
+            raw = tokenizer.token_bytes(tid)
+            names.append((token_text(raw), raw))
+        return cls(text, ids, names, offsets)
 
 
 @dataclass(frozen=True)
@@ -118,15 +134,12 @@ class Generation:
         if not self._logprobs:
             return echo.text, []
         scored = event.prompt_logprobs or []
-        detok = IncrementalDetokenizer(echo.tokenizer, [])
-        entries, chars = [], 0
-        for i, tid in enumerate(echo.ids):
-            offset = min(chars + detok.held_chars(), len(echo.text))
-            chars += len(detok.add([tid]))
+        entries = []
+        for i, ((token, raw), offset) in enumerate(zip(echo.names, echo.offsets)):
             if 0 < i <= len(scored):
-                entries.append(self._entry(scored[i - 1], offset))
+                e = scored[i - 1]
+                entries.append(TokenLogprob(token, raw, e.logprob, offset, tuple((*self._named(t), lp) for t, lp in e.top)))
             else:
-                token, raw = self._named(tid)
                 entries.append(TokenLogprob(token, raw, None, offset, None))
         return echo.text, entries
 
@@ -197,9 +210,11 @@ class Generation:
         return TokenLogprob(token, raw, e.logprob, offset, tuple((*self._named(t), lp) for t, lp in e.top))
 
 
-async def choice_pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece]]:
+async def choice_pieces(gens: list[Generation], ended: Callable[[int], Awaitable[None]] | None = None
+                        ) -> AsyncIterator[tuple[int, Piece]]:
     """The pieces of every choice, ``(index, piece)``, in the order they arrive, until each choice
-    has had its last piece. A consumer that stops early (an error piece, a client gone) closes this
+    has had its last piece; ``ended(i)``, when given, is awaited once choice ``i`` has (while the
+    others go on). A consumer that stops early (an error piece, a client gone) closes this
     generator, which stops the rest. Use it inside ``contextlib.aclosing``."""
     if len(gens) == 1:
         async with contextlib.aclosing(gens[0].pieces()) as pieces:
@@ -213,6 +228,8 @@ async def choice_pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piec
             async with contextlib.aclosing(gen.pieces()) as pieces:
                 async for piece in pieces:
                     queue.put_nowait((i, piece))
+            if ended is not None:
+                await ended(i)
         finally:
             queue.put_nowait((i, None))
 

@@ -13,13 +13,13 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.aborts import abort_unless_finished
+from services.gateway.aborts import abort_unless_finished, release_ended
 from llmbus.model.tokenizer import IncrementalDetokenizer
 from llmbus.protocol import GenerateRequest
 from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
-from services.gateway.generation import Echo, Generation, choice_pieces
+from services.gateway.generation import Generation, choice_pieces
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
@@ -47,14 +47,13 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
     bus = gw.bus
     tok = model.tokenizer
     requests = choice_requests(prepared.requests, req.n)
-    texts = [text for text in prepared.texts for _ in range(req.n)]
+    echoes = [echo for echo in prepared.echoes for _ in range(req.n)]
     choices = [_Choice(r.request_id, Generation(
         TokenStream(r.request_id, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
                     deadline=r.deadline),
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
         logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
-        echo=Echo(tok.decode(r.prompt_token_ids) if text is None else text, r.prompt_token_ids, tok) if req.echo else None,
-        keep_output=req.max_tokens != 0)) for r, text in zip(requests, texts)]
+        echo=echo, keep_output=req.max_tokens != 0)) for r, echo in zip(requests, echoes)]
     for c, sub in zip(choices, await _submit_all(bus, requests, [c.gen.stream for c in choices])):
         c.sub = sub
     shapes = Shapes(req.kind, prepared.requests[0].request_id, model.name, prepared.created)
@@ -63,10 +62,13 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
     def guard():
         return _guard(bus, choices)
 
+    async def ended(i: int) -> None:  # one choice done while others go on
+        await release_ended(bus, choices[i].request_id, choices[i].sub, choices[i].gen)
+
     if req.stream:
-        return SSEResponse(chunks(gens, shapes, req.include_usage, req.n), guard)
+        return SSEResponse(chunks(gens, shapes, req.include_usage, req.n, ended), guard)
     async with guard():
-        body = await _until_disconnect(http, _collect(gens, shapes, req.n))
+        body = await _until_disconnect(http, _collect(gens, shapes, req.n, ended))
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
     return Response(orjson.dumps(body), media_type="application/json")
@@ -130,11 +132,11 @@ async def _guard(bus: GatewayBus, choices: list[_Choice]) -> AsyncIterator[None]
         yield
 
 
-async def _collect(gens: list[Generation], shapes: Shapes, n: int) -> dict:
+async def _collect(gens: list[Generation], shapes: Shapes, n: int, ended=None) -> dict:
     texts: list[list[str]] = [[] for _ in gens]
     logprobs: list[list[TokenLogprob] | None] = [[] if g.wants_logprobs else None for g in gens]
     ends: dict[int, tuple[str, Usage]] = {}
-    async with contextlib.aclosing(choice_pieces(gens)) as pieces:
+    async with contextlib.aclosing(choice_pieces(gens, ended)) as pieces:
         async for i, piece in pieces:
             if piece.error is not None:
                 raise piece.error

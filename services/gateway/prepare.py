@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.protocol import GenerateRequest, SamplingSpec
 from services.gateway.errors import APIError, invalid
+from services.gateway.generation import Echo
 from services.gateway.models import ServedModel
 from services.gateway.openai_request import OpenAIRequest
 
@@ -17,7 +18,7 @@ from services.gateway.openai_request import OpenAIRequest
 @dataclass(frozen=True)
 class Prepared:
     requests: list[GenerateRequest]  # one per prompt (a completions batch has several), one id for all
-    texts: list[str | None]  # each prompt as text (a token-id prompt: None), for echo
+    echoes: list[Echo | None]  # per prompt, with echo: what leads its choices' text
     created: int  # unix seconds, the "created" field of every response body
 
 
@@ -29,10 +30,26 @@ def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float) ->
     for i, prompt in enumerate(prompts):
         where = "messages" if req.kind == "chat" else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         prompt_ids = _prompt_ids(req, prompt, model, where)
+        if req.echo and req.logprobs is not None:
+            _check_scored_length(len(prompt_ids), req.logprobs, where)
         spec = _sampling(req, _max_tokens(req, len(prompt_ids), model.max_model_len, where), model)
         requests.append(GenerateRequest(request_id=request_id, model=model.name, prompt_token_ids=prompt_ids,
                                         sampling=spec, deadline=now + request_timeout_s, created=now))  # fmt: skip
-    return Prepared(requests, [p if isinstance(p, str) else None for p in prompts], int(now))
+    echoes = [Echo.build(p if isinstance(p, str) else None, r.prompt_token_ids, model.tokenizer, req.logprobs is not None)
+              if req.echo else None for p, r in zip(prompts, requests)]
+    return Prepared(requests, echoes, int(now))
+
+
+# NOTE: a prompt's logprobs travel in one token event, which must fit a NATS message (1 MiB by
+# default): an entry is ~40 bytes plus ~16 per alternative
+SCORED_BYTES = 1 << 20
+
+
+def _check_scored_length(n: int, top: int, where: str) -> None:
+    most = SCORED_BYTES // (40 + 16 * top)
+    if n > most:
+        raise invalid(f"echo with logprobs={top} scores prompts of at most {most} tokens; this one has {n}. "
+                      "Ask for fewer logprobs or send a shorter prompt.", where)
 
 
 def _max_tokens(req: OpenAIRequest, n: int, limit: int, where: str) -> int:

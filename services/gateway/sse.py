@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import AsyncContextManager
 
 import logging
@@ -23,7 +23,8 @@ def event(body: dict) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool, n: int = 1) -> AsyncIterator[bytes]:
+async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool, n: int = 1,
+                 ended: Callable[[int], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
     """OpenAI's stream: (chat) a role chunk per choice, content chunks, a chunk with finish_reason
     per choice (each chunk names its choice by ``index``; choices interleave as their tokens come),
     a usage chunk with empty choices when asked, then ``[DONE]``. A failure of any choice ends it
@@ -32,7 +33,7 @@ async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool, n:
         for i in range(len(gens)):
             yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage, index=i))
     usages: dict[int, Usage] = {}
-    async with contextlib.aclosing(choice_pieces(gens)) as pieces:
+    async with contextlib.aclosing(choice_pieces(gens, ended)) as pieces:
         async for i, piece in pieces:
             if piece.error is not None:
                 yield event(piece.error.body())
