@@ -3,6 +3,7 @@ everything (including 404, 405, 413 and unexpected failures)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import orjson
@@ -32,15 +33,39 @@ def build_app(gw: Gateway) -> Starlette:
         return _json(gw.models.get(request.path_params["model"]).card())
 
     async def completions(request: Request):
-        body = await read_json(request, gw.config.max_body_bytes)
-        return await serve(gw, request, parse_completion(body, gw.config.max_stop_strings))
+        async with counted("completions") as answer:
+            body = await read_json(request, gw.config.max_body_bytes)
+            return answer(await serve(gw, request, parse_completion(body, gw.config.max_stop_strings)))
 
     async def chat(request: Request):
-        body = await read_json(request, gw.config.max_body_bytes)
-        return await serve(gw, request, parse_chat(body, gw.config.max_stop_strings))
+        async with counted("chat") as answer:
+            body = await read_json(request, gw.config.max_body_bytes)
+            return answer(await serve(gw, request, parse_chat(body, gw.config.max_stop_strings)))
+
+    @contextlib.asynccontextmanager
+    async def counted(endpoint: str):
+        """Counts the endpoint's answer by status: the response's, an APIError's, or 500."""
+        status = [500]
+
+        def answer(response):
+            status[0] = getattr(response, "status_code", 200)  # a stream starts 200
+            return response
+
+        try:
+            yield answer
+        except APIError as exc:
+            status[0] = exc.status
+            raise
+        finally:
+            gw.metrics.http.add(1, endpoint, str(status[0]))
+
+    async def metrics(request: Request) -> Response:
+        instances = await gw.bus.instances() if gw.bus is not None else []
+        return Response(gw.metrics.render(instances), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),  # names may hold "/" (org/name)
         Route("/v1/completions", completions, methods=["POST"]),

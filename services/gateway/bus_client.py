@@ -58,6 +58,14 @@ class GatewayBus:
         read at most once a second): a request silent for a while is then queued behind theirs,
         not lost. False when the registry cannot be read, or when ``last_worker``, the sender of
         the request's last event, is gone from it (it died holding the request)."""
+        instances = await self.instances()
+        if last_worker and all(i.instance_id != last_worker for i in instances):
+            return False
+        return any(i.role in ("prefill", "decode") and model in i.models and i.queue_depth > 0 for i in instances)
+
+    async def instances(self) -> list[InstanceInfo]:
+        """The registry's live instances, as read at most ``REGISTRY_READ_S`` ago (empty when it
+        cannot be read)."""
         async with self._reading:
             if time.monotonic() - self._read_at >= REGISTRY_READ_S:
                 try:
@@ -66,9 +74,7 @@ class GatewayBus:
                     log.debug("could not read the registry: %r", exc)
                     self._instances = []
                 self._read_at = time.monotonic()
-        if last_worker and all(i.instance_id != last_worker for i in self._instances):
-            return False
-        return any(i.role in ("prefill", "decode") and model in i.models and i.queue_depth > 0 for i in self._instances)
+        return self._instances
 
     async def start(self):
         """Subscribe to this gateway's token batches; returns the subscription (drained with the

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -19,7 +20,8 @@ from llmbus.protocol import GenerateRequest
 from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
-from services.gateway.generation import Generation, choice_pieces
+from services.gateway.generation import Generation, Piece, choice_pieces
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
@@ -35,9 +37,11 @@ class Gateway:
     config: GatewayConfig
     models: ModelRegistry
     bus: GatewayBus | None = None  # set once the NATS connection is up
+    metrics: GatewayMetrics = dataclasses.field(default_factory=GatewayMetrics)
 
 
 async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
+    arrival = time.monotonic()
     model = gw.models.get(req.model)
     # NOTE: rendering and tokenizing a large prompt takes a while: keep it off the event loop
     prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s)
@@ -65,10 +69,13 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
     async def ended(i: int) -> None:  # one choice done while others go on
         await release_ended(bus, choices[i].request_id, choices[i].sub, choices[i].gen)
 
+    def pieces():  # every choice's, observed for /metrics
+        return gw.metrics.request(model.name, req.n, arrival).watch(choice_pieces(gens, ended), len(gens))
+
     if req.stream:
-        return SSEResponse(chunks(gens, shapes, req.include_usage, req.n, ended), guard)
+        return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard)
     async with guard():
-        body = await _until_disconnect(http, _collect(gens, shapes, req.n, ended))
+        body = await _until_disconnect(http, _collect(pieces, gens, shapes, req.n))
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
     return Response(orjson.dumps(body), media_type="application/json")
@@ -132,12 +139,13 @@ async def _guard(bus: GatewayBus, choices: list[_Choice]) -> AsyncIterator[None]
         yield
 
 
-async def _collect(gens: list[Generation], shapes: Shapes, n: int, ended=None) -> dict:
+async def _collect(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], gens: list[Generation], shapes: Shapes,
+                   n: int) -> dict:
     texts: list[list[str]] = [[] for _ in gens]
     logprobs: list[list[TokenLogprob] | None] = [[] if g.wants_logprobs else None for g in gens]
     ends: dict[int, tuple[str, Usage]] = {}
-    async with contextlib.aclosing(choice_pieces(gens, ended)) as pieces:
-        async for i, piece in pieces:
+    async with contextlib.aclosing(pieces()) as stream:
+        async for i, piece in stream:
             if piece.error is not None:
                 raise piece.error
             texts[i].append(piece.text)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import AsyncContextManager
 
 import logging
 
 import orjson
 
-from services.gateway.generation import Generation, choice_pieces
+from services.gateway.generation import Piece
 from services.gateway.shapes import Shapes, Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -23,18 +23,18 @@ def event(body: dict) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool, n: int = 1,
-                 ended: Callable[[int], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
-    """OpenAI's stream: (chat) a role chunk per choice, content chunks, a chunk with finish_reason
-    per choice (each chunk names its choice by ``index``; choices interleave as their tokens come),
-    a usage chunk with empty choices when asked, then ``[DONE]``. A failure of any choice ends it
-    with an error event."""
+async def chunks(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], choices: int, shapes: Shapes,
+                 include_usage: bool, n: int = 1) -> AsyncIterator[bytes]:
+    """OpenAI's stream of ``choices`` choices' ``pieces()``: (chat) a role chunk per choice, content
+    chunks, a chunk with finish_reason per choice (each chunk names its choice by ``index``; choices
+    interleave as their tokens come), a usage chunk with empty choices when asked, then ``[DONE]``.
+    A failure of any choice ends it with an error event."""
     if shapes.kind == "chat":
-        for i in range(len(gens)):
+        for i in range(choices):
             yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage, index=i))
     usages: dict[int, Usage] = {}
-    async with contextlib.aclosing(choice_pieces(gens, ended)) as pieces:
-        async for i, piece in pieces:
+    async with contextlib.aclosing(pieces()) as stream:
+        async for i, piece in stream:
             if piece.error is not None:
                 yield event(piece.error.body())
                 break
@@ -46,8 +46,8 @@ async def chunks(gens: list[Generation], shapes: Shapes, include_usage: bool, n:
                 if piece.usage is not None:
                     usages[i] = piece.usage
         else:
-            if include_usage and len(usages) == len(gens):
-                yield event(shapes.usage_chunk(Usage.of_choices([usages[i] for i in range(len(gens))], n)))
+            if include_usage and len(usages) == choices:
+                yield event(shapes.usage_chunk(Usage.of_choices([usages[i] for i in range(choices)], n)))
     yield DONE
 
 

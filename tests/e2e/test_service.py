@@ -143,6 +143,16 @@ def test_echo_scores_the_prompt(client, reference):
     assert [len(top) for top in choice.logprobs.top_logprobs[1:]] == [len({t for t, _ in e.top}) for e in ref.prompt_logprobs]
 
 
+def test_metrics_show_the_requests_and_every_worker(stack, client):
+    client.completions.create(model=MODEL, prompt="Count to three", max_tokens=4, temperature=0)
+    text = httpx.get(stack.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    ok = [line for line in text.splitlines() if line.startswith(f'llmbus_gateway_requests_total{{model="{MODEL}",outcome="ok"}}')]
+    assert ok and float(ok[0].split()[-1]) >= 1
+    roles = {i.role for i in stack.instances() if i.role in ("prefill", "decode")}
+    for role in roles:
+        assert f'role="{role}"' in text and "llmbus_worker_kv_blocks{" in text
+
+
 def test_32_concurrent_streams_complete_in_order(stack, reference):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(32)]
     refs = reference.generate(prompts, greedy(24))
