@@ -603,3 +603,20 @@ def test_a_choice_cut_by_a_stop_string_is_aborted_while_the_others_go_on(http, w
     assert r.status_code == 200, r.text
     assert [c["text"] for c in r.json()["choices"]] == ["one two ", "still here"]
     assert [a.reason for a in worker.aborts_for(r.json()["id"] + "-0")] == ["stop_string"]  # once
+
+
+def test_echo_with_n_choices_scores_each_prompt_once(http, worker, tokenizer):
+    prompts = ["The cat sat", "A dog ran far"]
+    scores = {t: -0.5 for p in prompts for t in tokenizer.encode(p)}
+    worker.script = _scoring_script(_ids(tokenizer, "!"), scores)
+    seen = len(worker.requests)
+    r = http.post(COMP, json={"model": "demo", "prompt": prompts, "n": 3, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    asked = sorted((q.request_id, q.sampling.prompt_logprobs) for q, _ in worker.requests[seen:])
+    body = r.json()
+    # choices 0 and 3 score their prompts; their copies read the blocks from the cache instead
+    assert [k for _, k in sorted(asked, key=lambda a: int(a[0].rsplit("-", 1)[1]))] == [1, None, None, 1, None, None]
+    for i, choice in enumerate(body["choices"]):
+        ids = tokenizer.encode(prompts[i // 3])
+        assert choice["text"] == prompts[i // 3]
+        assert choice["logprobs"]["token_logprobs"] == [None] + [-0.5] * (len(ids) - 1)

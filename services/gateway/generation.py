@@ -92,6 +92,9 @@ class Generation:
         self._echo = echo  # until the first event takes it
         self._base = 0  # characters of echoed prompt before the completion's text
         self._keep = keep_output  # False: max_tokens 0, the one token the workers make is dropped
+        # echo with logprobs and n > 1: one choice of a prompt scores it, the others read its scores here
+        self.prompt_scores: asyncio.Future | None = None
+        self.scores_prompt = False  # this choice is the one that scores it
 
     @property
     def wants_logprobs(self) -> bool:
@@ -105,6 +108,12 @@ class Generation:
                 self.failed = True
                 yield Piece("", error=server_error(f"generation failed: {exc}", 503, code=exc.code))
                 return
+            if self._echo is not None and self.prompt_scores is not None:  # its first event
+                if self.scores_prompt:  # its copies read the scores from here
+                    if not self.prompt_scores.done():
+                        self.prompt_scores.set_result(event.prompt_logprobs)
+                elif event.finish_reason not in ("error", "abort"):
+                    event = dataclasses.replace(event, prompt_logprobs=await self.prompt_scores)
             piece = self._consume(event)
             yield piece
             if piece.last:

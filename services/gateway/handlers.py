@@ -58,6 +58,13 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
         logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
         echo=echo, keep_output=req.max_tokens != 0)) for r, echo in zip(requests, echoes)]
+    if req.echo and req.logprobs is not None and req.n > 1:  # choice i * n scores prompt i for its copies
+        loop = asyncio.get_running_loop()
+        for i in range(0, len(choices), req.n):
+            scores = loop.create_future()
+            for c in choices[i : i + req.n]:
+                c.gen.prompt_scores = scores
+            choices[i].gen.scores_prompt = True
     for c, sub in zip(choices, await _submit_all(bus, requests, [c.gen.stream for c in choices])):
         c.sub = sub
     shapes = Shapes(req.kind, prepared.requests[0].request_id, model.name, prepared.created)
@@ -110,7 +117,8 @@ def choice_requests(prompts: list[GenerateRequest], n: int) -> list[GenerateRequ
     itself; more are copies with ids ``<id>-<i>`` and, where it is seeded, seeds ``seed + i``
     (wrapped to 64 bits), so each choice draws its own tokens and a seeded request still repeats
     exactly. A prompt's copies reach the workers together, and the engine prefills it once (the
-    first computes its blocks, the others read them)."""
+    first computes its blocks, the others read them); only the first scores it (echo with logprobs),
+    which would keep the others from the cache."""
     if len(prompts) * n == 1:
         return list(prompts)
     out = []
@@ -119,6 +127,8 @@ def choice_requests(prompts: list[GenerateRequest], n: int) -> list[GenerateRequ
         seed = request.sampling.seed
         sampling = request.sampling if seed is None else dataclasses.replace(
             request.sampling, seed=(seed + i + 2**63) % 2**64 - 2**63)
+        if i % n:  # the prompt's first choice scores it (echo); the copies read its blocks from the cache
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         out.append(dataclasses.replace(request, request_id=f"{request.request_id}-{i}", sampling=sampling))
     return out
 

@@ -141,6 +141,11 @@ def test_echo_scores_the_prompt(client, reference):
     assert len(choice.logprobs.tokens) == len(ref.prompt_token_ids) and choice.logprobs.token_logprobs[0] is None
     assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs], abs=1e-4)
     assert [len(top) for top in choice.logprobs.top_logprobs[1:]] == [len({t for t, _ in e.top}) for e in ref.prompt_logprobs]
+    # n choices: one scores the prompt, every choice shows its scores
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0, n=2)
+    for c in out.choices:
+        n = len(ref.prompt_token_ids)
+        assert c.logprobs.token_logprobs[1:n] == pytest.approx([e.logprob for e in ref.prompt_logprobs], abs=1e-4)
 
 
 def test_metrics_show_the_requests_and_every_worker(stack, client):
