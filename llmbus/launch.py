@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--long-threshold", type=int, default=1024, help="prompt tokens above which the long lane is used")
     p.add_argument("--token-timeout", type=float, default=60.0, help="gateway: seconds of stream silence before failing "
                    "(while the model's workers are busy: queued, waits up to the request deadline)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="gateway: JSON {api key: tenant}; /v1 answers only listed keys and tenants never share "
+                        "prefix-cache blocks (default: open)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=run)
@@ -148,6 +151,8 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
         gateway += ["--max-model-len", context]
     for name, path in models:
         gateway += ["--model", f"{name}={path}"]
+    if args.api_keys_file:
+        gateway += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
     plan.append(Child("gateway", gateway))
     return plan
 

@@ -145,11 +145,11 @@ def reply_script(ids: list[int], *, per_event: int = 1, finish: str = "stop", ca
 
 
 class GatewayProcess:
-    def __init__(self, nats_url: str, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, nats_url: str, model_dir: Path, log_path: Path, extra: tuple[str, ...] = ()) -> None:
         self.log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "services.gateway", "--nats-url", nats_url, "--model", f"demo={model_dir}",
                "--host", "127.0.0.1", "--port", "0", "--max-model-len", str(MAX_MODEL_LEN),
-               "--token-timeout", str(TOKEN_TIMEOUT_S), "--max-body-bytes", str(MAX_BODY_BYTES)]
+               "--token-timeout", str(TOKEN_TIMEOUT_S), "--max-body-bytes", str(MAX_BODY_BYTES), *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = ""

@@ -123,9 +123,9 @@ class GenerateRequest:
     model: str  # model name as served (GET /v1/models)
     prompt_token_ids: list[int]  # the rendered, tokenized prompt
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
-    tenant: str = ""  # tenant name; "" = anonymous (the gateway, which has no API keys, sends "")
+    tenant: str = ""  # tenant name; "" = anonymous (a gateway without --api-keys-file sends "")
     # prefix-hash salt: requests with different salts never share a cached block. Set by whatever
-    # authenticates tenants, never taken from a client's request (the gateway sends "")
+    # authenticates tenants, never taken from a client's request (the gateway: the key's tenant)
     cache_salt: str = ""
     priority: int = 0  # reserved: larger to run first within a lane (not read yet)
     deadline: float | None = None  # unix seconds; the router fails a request that reaches it later

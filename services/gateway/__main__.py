@@ -23,6 +23,7 @@ from services.gateway.bus_client import GatewayBus
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.handlers import Gateway
 from services.gateway.models import ModelRegistry
+from services.gateway.tenants import Tenants
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
@@ -38,11 +39,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="request deadline in seconds: a request still generating this long after it was "
                         "accepted is ended by its worker (503 aborted)")
+    p.add_argument("--api-keys-file", default=None,
+                   help="JSON {api key: tenant}: /v1 answers only listed keys (Authorization: Bearer KEY), and "
+                        "tenants never share prefix-cache blocks (default: open, one shared cache)")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
     config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,
                            max_body_bytes=a.max_body_bytes, token_timeout_s=a.token_timeout,
-                           request_timeout_s=a.request_timeout)
+                           request_timeout_s=a.request_timeout, api_keys_file=a.api_keys_file)
     return config, a.instance_id, a.log_level
 
 
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, instance_id, log_level = parse_args(argv)
         setup_logging(log_level)
-        gw = Gateway(config, ModelRegistry.load(config.models))  # before connecting: bad dirs fail fast
+        tenants = Tenants.load(config.api_keys_file) if config.api_keys_file else None
+        gw = Gateway(config, ModelRegistry.load(config.models), tenants=tenants)  # before connecting: fail fast
         sock = bind(config.host, config.port)  # and a port that cannot be had
         options = ServiceOptions(role="gateway", nats_url=config.nats_url, instance_id=instance_id,
                                  models=tuple(m.name for m in config.models))

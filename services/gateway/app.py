@@ -27,20 +27,24 @@ def build_app(gw: Gateway) -> Starlette:
         return _json({"status": "ok"})
 
     async def models(request: Request) -> Response:
+        gw.tenant(request)
         return _json(gw.models.listing())
 
     async def model(request: Request) -> Response:
+        gw.tenant(request)
         return _json(gw.models.get(request.path_params["model"]).card())
 
     async def completions(request: Request):
         async with counted("completions") as answer:
+            tenant = gw.tenant(request)
             body = await read_json(request, gw.config.max_body_bytes)
-            return answer(await serve(gw, request, parse_completion(body, gw.config.max_stop_strings)))
+            return answer(await serve(gw, request, parse_completion(body, gw.config.max_stop_strings), tenant))
 
     async def chat(request: Request):
         async with counted("chat") as answer:
+            tenant = gw.tenant(request)
             body = await read_json(request, gw.config.max_body_bytes)
-            return answer(await serve(gw, request, parse_chat(body, gw.config.max_stop_strings)))
+            return answer(await serve(gw, request, parse_chat(body, gw.config.max_stop_strings), tenant))
 
     @contextlib.asynccontextmanager
     async def counted(endpoint: str):

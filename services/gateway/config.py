@@ -41,6 +41,7 @@ class GatewayConfig:
     token_timeout_s: float = 60.0  # longest silence on a token subject before the stream fails
     request_timeout_s: float = 600.0  # the request's deadline, sent to workers
     max_stop_strings: int = 16
+    api_keys_file: str | None = None  # JSON {key: tenant} (services/gateway/tenants.py); None: open
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -27,6 +27,7 @@ from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
 from services.gateway.shapes import Shapes, TokenLogprob, Usage
 from services.gateway.sse import SSEResponse, chunks
+from services.gateway.tenants import Tenants
 from services.gateway.token_stream import TokenStream
 
 
@@ -38,13 +39,19 @@ class Gateway:
     models: ModelRegistry
     bus: GatewayBus | None = None  # set once the NATS connection is up
     metrics: GatewayMetrics = dataclasses.field(default_factory=GatewayMetrics)
+    tenants: Tenants | None = None  # --api-keys-file: keys -> tenants; None: open, one shared cache
+
+    def tenant(self, http: Request) -> str:
+        """The caller's tenant ("" on an open gateway); APIError 401 for a missing or wrong key."""
+        return "" if self.tenants is None else self.tenants.tenant(http.headers.get("authorization"))
 
 
-async def serve(gw: Gateway, http: Request, req: OpenAIRequest):
+async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""):
+    """``tenant`` salts the prefix caches: tenants never share cached blocks."""
     arrival = time.monotonic()
     model = gw.models.get(req.model)
     # NOTE: rendering and tokenizing a large prompt takes a while: keep it off the event loop
-    prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s)
+    prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s, tenant)
     if gw.bus is None:
         raise APIError(503, "the gateway is not connected to the bus yet", type="server_error",
                        code="service_unavailable")

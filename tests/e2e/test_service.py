@@ -279,6 +279,28 @@ def test_colocated_stack_gives_the_same_text(model_dir, tmp_path, reference):
         assert s.stop() == 0
 
 
+def test_tenants_never_share_cached_prompts(model_dir, tmp_path):
+    """With API keys, a tenant's prompt is cached for that tenant only: another tenant sending the
+    same prompt computes it (and cannot learn, from cached_tokens or speed, that it was sent)."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-tenant-a-1": "a", "sk-tenant-b-1": "b"}))
+    s = Stack(MODEL, model_dir, tmp_path / "tenants", "--colocated", "--api-keys-file", str(keys), "--token-timeout", "10")
+    try:
+        prompt = "A shared secret system prompt that is long enough to fill a few cache blocks. " * 3
+
+        def cached(key: str) -> int:
+            c = openai.OpenAI(base_url=s.base_url, api_key=key, max_retries=0, timeout=120)
+            return c.completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage.prompt_tokens_details.cached_tokens
+
+        assert cached("sk-tenant-a-1") == 0
+        assert cached("sk-tenant-a-1") > 0  # the same tenant reads its own blocks
+        assert cached("sk-tenant-b-1") == 0  # another tenant does not
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.base_url, api_key="sk-nobody", max_retries=0).models.list()
+    finally:
+        assert s.stop() == 0
+
+
 def test_int4r_stack_serves_through_the_handoff(model_dir, tmp_path):
     """`llmbus up --kv-format int4r`: prefill hands rotated per-token INT4 blocks to decode through
     kvpool, with the filling block's exact keys and values (the handoff's tail rows); greedy output
