@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-keys-file", default=None,
                    help="gateway: JSON {api key: tenant}; /v1 answers only listed keys and tenants never share "
                         "prefix-cache blocks (default: open)")
+    p.add_argument("--tool-parser", default=None, choices=("hermes",),
+                   help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=run)
@@ -153,6 +155,8 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
         gateway += ["--model", f"{name}={path}"]
     if args.api_keys_file:
         gateway += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
+    if args.tool_parser:
+        gateway += ["--tool-parser", args.tool_parser]
     plan.append(Child("gateway", gateway))
     return plan
 

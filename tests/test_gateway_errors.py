@@ -134,7 +134,18 @@ def test_chat_specific_rules(http):
     err = _error(http.post(CHAT, json={"model": "demo", "messages": []}), 400)
     assert err["param"] == "messages"
     err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [{"type": "function"}]}), 400)
-    assert (err["param"], err["code"]) == ("tools", "unsupported_parameter")
+    assert err["param"] == "tools[0]"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [tool]}), 400)
+    assert (err["param"], err["code"]) == ("tools", "unsupported_parameter")  # this gateway has no --tool-parser
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [tool], "tool_choice": choice}), 400)
+        assert (err["param"], err["code"]) == ("tool_choice", "unsupported_parameter")
+    bad = [{"type": "function", "function": {"name": "no spaces"}}, {"type": "function", "function": {"name": "f", "parameters": 3}}]
+    for t in bad:
+        assert _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [t]}), 400)["param"].startswith("tools[0]")
+    msgs = MSGS + [{"role": "tool", "content": "sunny"}]  # a tool result names its call
+    assert _error(http.post(CHAT, json={"model": "demo", "messages": msgs}), 400)["param"] == f"messages[{len(MSGS)}].tool_call_id"
 
 
 def test_prompt_token_ids_out_of_vocabulary(http):

@@ -42,11 +42,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
     p.add_argument("--api-keys-file", default=None,
                    help="JSON {api key: tenant}: /v1 answers only listed keys (Authorization: Bearer KEY), and "
                         "tenants never share prefix-cache blocks (default: open, one shared cache)")
+    p.add_argument("--tool-parser", default=None, choices=("hermes",),
+                   help="read tool calls in chat output (hermes: <tool_call>{json}</tool_call>, Qwen2.5 and "
+                        "Hermes models); without it requests with tools are refused")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
     config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,
                            max_body_bytes=a.max_body_bytes, token_timeout_s=a.token_timeout,
-                           request_timeout_s=a.request_timeout, api_keys_file=a.api_keys_file)
+                           request_timeout_s=a.request_timeout, api_keys_file=a.api_keys_file,
+                           tool_parser=a.tool_parser)
     return config, a.instance_id, a.log_level
 
 

@@ -42,6 +42,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # the request's deadline, sent to workers
     max_stop_strings: int = 16
     api_keys_file: str | None = None  # JSON {key: tenant} (services/gateway/tenants.py); None: open
+    tool_parser: str | None = None  # how tool calls read in the models' output (tools.PARSERS); None: no tools
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -58,3 +59,5 @@ class GatewayConfig:
             raise ValueError(f"token_timeout_s must be > 0, got {self.token_timeout_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.tool_parser not in (None, "hermes"):
+            raise ValueError(f"--tool-parser must be hermes, got {self.tool_parser!r}")

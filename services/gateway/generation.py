@@ -20,6 +20,7 @@ from services.gateway.errors import APIError, invalid, server_error
 from services.gateway.shapes import TokenLogprob, Usage, token_text
 from services.gateway.stop import StopStringMatcher
 from services.gateway.token_stream import StreamFailure, TokenStream
+from services.gateway.tools import ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,10 @@ class Piece:
 
     text: str
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop" | "length" on success
+    finish_reason: str | None = None  # "stop" | "length" | "tool_calls" on success
     usage: Usage | None = None
     error: APIError | None = None
+    tool_calls: tuple[dict, ...] = ()  # calls completed in this piece (chat with tools)
 
     @property
     def last(self) -> bool:
@@ -74,7 +76,7 @@ class Generation:
 
     def __init__(self, stream: TokenStream, detok, token_bytes: Callable[[int], bytes], *,
                  stops: tuple[str, ...], logprobs: bool, prompt_tokens: int, echo: Echo | None = None,
-                 keep_output: bool = True) -> None:
+                 keep_output: bool = True, tools: ToolCallParser | None = None) -> None:
         self.stream = stream
         self._detok = detok
         self._token_bytes = token_bytes
@@ -95,6 +97,7 @@ class Generation:
         # echo with logprobs and n > 1: one choice of a prompt scores it, the others read its scores here
         self.prompt_scores: asyncio.Future | None = None
         self.scores_prompt = False  # this choice is the one that scores it
+        self._tools = tools  # chat with tools: calls read out of the text
 
     @property
     def wants_logprobs(self) -> bool:
@@ -115,9 +118,22 @@ class Generation:
                 elif event.finish_reason not in ("error", "abort"):
                     event = dataclasses.replace(event, prompt_logprobs=await self.prompt_scores)
             piece = self._consume(event)
+            if self._tools is not None and piece.error is None:
+                piece = self._read_calls(piece)
             yield piece
             if piece.last:
                 return
+
+    def _read_calls(self, piece: Piece) -> Piece:
+        """The piece's text with tool calls taken out (held while a call may be forming); a
+        finish after calls is "tool_calls", as OpenAI's."""
+        text, calls = self._tools.feed(piece.text)
+        reason = piece.finish_reason
+        if piece.last:
+            text += self._tools.finish()
+            if reason == "stop" and self._tools.calls:
+                reason = "tool_calls"
+        return dataclasses.replace(piece, text=text, tool_calls=tuple(calls), finish_reason=reason)
 
     def _feed(self, text: str) -> str:
         """Detokenized text through the stop matcher; what may go out now."""

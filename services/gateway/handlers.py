@@ -29,6 +29,7 @@ from services.gateway.shapes import Shapes, TokenLogprob, Usage
 from services.gateway.sse import SSEResponse, chunks
 from services.gateway.tenants import Tenants
 from services.gateway.token_stream import TokenStream
+from services.gateway.tools import ToolCallParser
 
 
 @dataclass
@@ -50,6 +51,9 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
     """``tenant`` salts the prefix caches: tenants never share cached blocks."""
     arrival = time.monotonic()
     model = gw.models.get(req.model)
+    if req.tools and gw.config.tool_parser is None:
+        raise APIError(400, "This server reads no tool calls: start the gateway with --tool-parser (e.g. hermes) "
+                       "for a model trained to call tools.", param="tools", code="unsupported_parameter")
     # NOTE: rendering and tokenizing a large prompt takes a while: keep it off the event loop
     prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s, tenant)
     if gw.bus is None:
@@ -64,7 +68,8 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
                     deadline=r.deadline),
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
         logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
-        echo=echo, keep_output=req.max_tokens != 0)) for r, echo in zip(requests, echoes)]
+        echo=echo, keep_output=req.max_tokens != 0, tools=ToolCallParser() if req.tools else None))
+        for r, echo in zip(requests, echoes)]
     if req.echo and req.logprobs is not None and req.n > 1:  # choice i * n scores prompt i for its copies
         loop = asyncio.get_running_loop()
         for i in range(0, len(choices), req.n):
@@ -159,6 +164,7 @@ async def _guard(bus: GatewayBus, choices: list[_Choice]) -> AsyncIterator[None]
 async def _collect(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], gens: list[Generation], shapes: Shapes,
                    n: int) -> dict:
     texts: list[list[str]] = [[] for _ in gens]
+    calls: list[list[dict]] = [[] for _ in gens]
     logprobs: list[list[TokenLogprob] | None] = [[] if g.wants_logprobs else None for g in gens]
     ends: dict[int, tuple[str, Usage]] = {}
     async with contextlib.aclosing(pieces()) as stream:
@@ -166,13 +172,14 @@ async def _collect(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], gens:
             if piece.error is not None:
                 raise piece.error
             texts[i].append(piece.text)
+            calls[i].extend(piece.tool_calls)
             if logprobs[i] is not None and piece.logprobs:
                 logprobs[i].extend(piece.logprobs)
             if piece.finish_reason is not None:
                 ends[i] = (piece.finish_reason, piece.usage)
     if len(ends) < len(gens):
         raise APIError(500, "the token stream ended without a finish", type="server_error", code="internal_error")
-    choices = [shapes.choice(i, "".join(texts[i]), ends[i][0], logprobs[i]) for i in range(len(gens))]
+    choices = [shapes.choice(i, "".join(texts[i]), ends[i][0], logprobs[i], calls[i]) for i in range(len(gens))]
     return shapes.response(choices, Usage.of_choices([ends[i][1] for i in range(len(gens))], n))
 
 

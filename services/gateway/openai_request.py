@@ -6,6 +6,8 @@ The result is a plain frozen record; tokenization, context checks and SamplingPa
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,7 @@ from services.gateway.errors import invalid, missing, wrong_type
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128  # n: OpenAI's own bound
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_BATCH = 256  # completions: choices in one request (prompts x n)
 
 
@@ -26,6 +29,7 @@ class OpenAIRequest:
     stream: bool = False
     n: int = 1  # choices: each its own generation over the same prompt
     echo: bool = False  # completions: the prompt leads the text (and, with logprobs, its tokens the logprobs)
+    tools: tuple[dict, ...] = ()  # chat: function tools the model may call (rendered by its chat template)
     include_usage: bool = False
     max_tokens: int | None = None  # None: the remaining context
     max_tokens_param: str = "max_tokens"  # the field that set it (chat: or max_completion_tokens)
@@ -54,10 +58,10 @@ def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
 
 def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     body = _common_checks(body)
-    for name in ("tools", "functions", "audio"):
+    for name in ("functions", "audio"):
         f.reject_unsupported(body, name)
-    for name in ("tool_choice", "function_call"):
-        f.reject_unsupported(body, name, (None, "none"))
+    f.reject_unsupported(body, "function_call", (None, "none"))
+    tools = _tools(body)
     response_format = f.get_dict(body, "response_format")
     if response_format is not None and response_format.get("type") != "text":
         raise invalid("Only response_format {'type': 'text'} is supported.", "response_format",
@@ -71,7 +75,36 @@ def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     max_tokens, param = (older, "max_tokens") if newer is None else (newer, "max_completion_tokens")
     return OpenAIRequest(kind="chat", model=f.get_str(body, "model", required=True),
                          messages=_messages(body), max_tokens=max_tokens, max_tokens_param=param,
-                         logprobs=(top or 0) if want else None, **_shared(body, max_stop))
+                         logprobs=(top or 0) if want else None, tools=tools, **_shared(body, max_stop))
+
+
+def _tools(body: dict) -> tuple[dict, ...]:
+    """``tools`` (function tools), unless ``tool_choice`` is "none". ``tool_choice`` "required" or a
+    named function would need decoding constrained to a call: refused."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise invalid("Only tool_choice 'auto' and 'none' are supported (the model decides whether to call a tool).",
+                      "tool_choice", code="unsupported_parameter")
+    tools = body.get("tools")
+    if tools is None or tools == [] or choice == "none":
+        return ()
+    if not isinstance(tools, list):
+        raise wrong_type("tools", "an array", tools)
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise invalid(f"'{where}' must be {{'type': 'function', 'function': {{...}}}}.", where)
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise invalid(f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'.", f"{where}.function.name")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise wrong_type(f"{where}.function.parameters", "an object (a JSON Schema)", fn["parameters"])
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise wrong_type(f"{where}.function.description", "a string", fn["description"])
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters") if k in fn}})
+    return tuple(out)
 
 
 def _common_checks(body: Any) -> dict:
@@ -154,8 +187,35 @@ def _messages(body: dict) -> tuple[dict, ...]:
         clean = {"role": role, "content": _content(msg.get("content"), f"{where}.content", role)}
         if isinstance(msg.get("name"), str):
             clean["name"] = msg["name"]
+        if role == "assistant" and msg.get("tool_calls") is not None:
+            clean["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str):
+                raise wrong_type(f"{where}.tool_call_id", "a string", msg.get("tool_call_id"))
+            clean["tool_call_id"] = msg["tool_call_id"]
         out.append(clean)
     return tuple(out)
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's earlier tool calls, for the chat template: each
+    ``{"id", "type": "function", "function": {"name", "arguments"}}``; ``arguments`` a JSON string
+    (parsed for the template, as Hugging Face templates expect a mapping)."""
+    if not isinstance(calls, list):
+        raise wrong_type(where, "an array", calls)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+            raise invalid(f"'{where}[{j}]' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}.",
+                          f"{where}[{j}]")
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            raise invalid(f"'{where}[{j}].function.arguments' must be a JSON string.", f"{where}[{j}]") from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
 
 
 def _content(content: Any, where: str, role: str) -> str:

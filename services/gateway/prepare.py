@@ -75,7 +75,8 @@ def _prompt_ids(req: OpenAIRequest, prompt: str | tuple[int, ...] | None, model:
     tok = model.tokenizer
     if req.kind == "chat":
         try:
-            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            extra = {"tools": list(req.tools)} if req.tools else {}
+            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, **extra)
         except ValueError as exc:
             raise invalid(f"The messages cannot be rendered with this model's chat template: {exc}",
                           "messages") from None

@@ -62,13 +62,16 @@ class Shapes:
                 "system_fingerprint": None}
 
     def chunk(self, text: str | None, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-              *, first: bool = False, include_usage: bool = False, index: int = 0) -> dict:
+              *, first: bool = False, include_usage: bool = False, index: int = 0,
+              tool_calls: list[tuple[int, dict]] = ()) -> dict:
         """A stream chunk of choice ``index``. For chat, ``first`` adds delta.role; ``text=None``
-        gives an empty delta."""
+        gives an empty delta; ``tool_calls``: (the call's index in its choice, the call)."""
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": text or ""} if first else {}
-            if not first and text is not None:
+            if not first and text is not None and (text or not tool_calls):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in tool_calls]
             choice = {"index": index, "delta": delta, "logprobs": self._logprobs(logprobs),
                       "finish_reason": finish_reason}
             body = self._head("chat.completion.chunk")
@@ -87,11 +90,15 @@ class Shapes:
         body["usage"] = usage.body()
         return body
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: list[TokenLogprob] | None,
+               tool_calls: list[dict] = ()) -> dict:
         """One choice of the non-streamed response."""
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+            message: dict = {"role": "assistant", "content": text}
+            if tool_calls:  # the text around the calls, if any, stays content
+                message = {"role": "assistant", "content": text.strip() or None, "tool_calls": list(tool_calls)}
+            return {"index": index, "message": message, "logprobs": self._logprobs(logprobs),
+                    "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
 
     def response(self, choices: list[dict], usage: Usage) -> dict:

@@ -33,13 +33,17 @@ async def chunks(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], choices
         for i in range(choices):
             yield event(shapes.chunk("", None, None, first=True, include_usage=include_usage, index=i))
     usages: dict[int, Usage] = {}
+    calls = [0] * choices  # tool calls sent per choice
     async with contextlib.aclosing(pieces()) as stream:
         async for i, piece in stream:
             if piece.error is not None:
                 yield event(piece.error.body())
                 break
-            if piece.text or piece.logprobs:
-                yield event(shapes.chunk(piece.text, None, piece.logprobs, include_usage=include_usage, index=i))
+            if piece.text or piece.logprobs or piece.tool_calls:
+                numbered = list(enumerate(piece.tool_calls, start=calls[i]))
+                calls[i] += len(numbered)
+                yield event(shapes.chunk(piece.text, None, piece.logprobs, include_usage=include_usage, index=i,
+                                         tool_calls=numbered))
             if piece.finish_reason is not None:
                 empty = None if shapes.kind == "chat" else ""
                 yield event(shapes.chunk(empty, piece.finish_reason, None, include_usage=include_usage, index=i))

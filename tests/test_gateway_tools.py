@@ -1,0 +1,126 @@
+"""Tool calls: the hermes parser on its own (any split of the text), and the gateway with
+``--tool-parser hermes`` against a scripted worker: the tools reach the chat template, calls come
+back as OpenAI tool calls (streamed and not, through the openai client too)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import openai
+import pytest
+
+from services.gateway.tools import ToolCallParser
+from tests.test_gateway_harness import (  # noqa: F401
+    GatewayProcess, gw_nats, model_dir, reply_script, scratch, sse_events, tokenizer, worker,
+)
+from tests.test_gateway_stream import CHAT, _ids, _last_request
+
+CALL_A = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+CALL_B = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+TEXT = "Let me check. " + CALL_A + "\n" + CALL_B + " <tool_ca"
+
+
+def _run(chunks: list[str]) -> tuple[str, list[dict]]:
+    p = ToolCallParser()
+    content, calls = [], []
+    for c in chunks:
+        text, new = p.feed(c)
+        content.append(text)
+        calls += new
+    content.append(p.finish())
+    return "".join(content), calls
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_calls_are_read_however_the_text_is_split(seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(TEXT)), rng.randrange(1, 30)))
+    chunks = [TEXT[a:b] for a, b in zip([0, *cuts], [*cuts, len(TEXT)])]
+    content, calls = _run(chunks)
+    assert content == "Let me check. \n <tool_ca"  # a tag that never completes goes out as text
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris", "unit": "C"}), ("function", "get_time", {})]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+
+
+def test_what_is_not_a_call_stays_text():
+    for block in ("<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                  '<tool_call>["get_time"]</tool_call>'):
+        assert _run([block]) == (block, [])
+    assert _run(["<tool_call>{\"name\": \"f\""]) == ("<tool_call>{\"name\": \"f\"", [])  # never closed
+    p = ToolCallParser()
+    assert p.feed("a <tool") == ("a ", []) and p.feed("box>") == ("<toolbox>", [])
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(gw_nats, model_dir, worker, scratch):
+    """A gateway reading hermes tool calls, over a copy of the model whose chat template shows the
+    tools and earlier calls (as tool-calling models' templates do)."""
+    path = scratch / "tools-model"
+    if not path.exists():
+        shutil.copytree(model_dir, path)
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        config["chat_template"] = (
+            "{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+            "{% for c in m.get('tool_calls', []) %}[call {{ c.function.name }} city={{ c.function.arguments.city }}]"
+            "{% endfor %}{% if m.get('tool_call_id') %} (for {{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    proc = GatewayProcess(gw_nats, path, scratch / "gateway-tools.log", ("--tool-parser", "hermes", "--max-model-len", "1024"))
+    yield proc.url
+    assert proc.stop() == 0
+
+
+def test_a_call_comes_back_as_an_openai_tool_call(tools_gateway, worker, tokenizer):
+    import httpx
+
+    worker.script = reply_script(_ids(tokenizer, "Sure. " + CALL_A), per_event=3)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    with httpx.Client(base_url=tools_gateway, timeout=30) as http:
+        r = http.post(CHAT, json={"model": "demo", "messages": history, "tools": TOOLS})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        req, _ = _last_request(worker, body["id"])
+        prompt = tokenizer.decode(req.prompt_token_ids)
+        assert '"name": "get_weather"' in prompt and "[call get_weather city=Rome]" in prompt and "(for call_1)" in prompt
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
+        with http.stream("POST", CHAT, json={"model": "demo", "messages": history, "tools": TOOLS, "stream": True}) as s:
+            events = sse_events(s)
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [(c["index"], c["function"]["name"]) for c in streamed] == [(0, "get_weather")]
+        assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    client = openai.OpenAI(base_url=tools_gateway + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="demo", messages=history, tools=TOOLS)
+    assert out.choices[0].message.tool_calls[0].function.name == "get_weather"
+    worker.script = reply_script(_ids(tokenizer, "No tool needed."))
+    out = client.chat.completions.create(model="demo", messages=history, tools=TOOLS)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("No tool needed.", "stop")
+    assert out.choices[0].message.tool_calls is None
+
+
+def test_up_hands_the_tool_parser_to_the_gateway(model_dir):
+    import argparse
+
+    from llmbus.launch import _plan, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["up", "--model", f"m={model_dir}", "--tool-parser", "hermes"])
+    gateway = next(c for c in _plan(args, "nats://127.0.0.1:4222", [("m", str(model_dir))]) if c.name == "gateway")
+    assert gateway.argv[gateway.argv.index("--tool-parser") + 1] == "hermes"
