@@ -60,8 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-keys-file", default=None,
                    help="gateway: JSON {api key: tenant}; /v1 answers only listed keys and tenants never share "
                         "prefix-cache blocks (default: open)")
-    p.add_argument("--tool-parser", default=None, choices=("hermes",),
-                   help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json"),
+                   help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>; "
+                        "llama3_json: the answer is {\"name\", \"parameters\"})")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=run)

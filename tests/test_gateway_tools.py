@@ -11,7 +11,7 @@ import shutil
 import openai
 import pytest
 
-from services.gateway.tools import ToolCallParser
+from services.gateway.tools import Llama3JsonParser, ToolCallParser, make_parser
 from tests.test_gateway_harness import (  # noqa: F401
     GatewayProcess, gw_nats, model_dir, reply_script, scratch, sse_events, tokenizer, worker,
 )
@@ -22,15 +22,16 @@ CALL_B = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
 TEXT = "Let me check. " + CALL_A + "\n" + CALL_B + " <tool_ca"
 
 
-def _run(chunks: list[str]) -> tuple[str, list[dict]]:
-    p = ToolCallParser()
+def _run(chunks: list[str], p=None) -> tuple[str, list[dict]]:
+    p = p or ToolCallParser()
     content, calls = [], []
     for c in chunks:
         text, new = p.feed(c)
         content.append(text)
         calls += new
-    content.append(p.finish())
-    return "".join(content), calls
+    rest, more = p.finish()
+    content.append(rest)
+    return "".join(content), calls + more
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -52,6 +53,25 @@ def test_what_is_not_a_call_stays_text():
     assert _run(["<tool_call>{\"name\": \"f\""]) == ("<tool_call>{\"name\": \"f\"", [])  # never closed
     p = ToolCallParser()
     assert p.feed("a <tool") == ("a ", []) and p.feed("box>") == ("<toolbox>", [])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_llama3_json_calls_are_the_whole_answer(seed):
+    rng = random.Random(seed)
+
+    def split(text):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12))))
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+    two = ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
+    content, calls = _run(split(two), Llama3JsonParser())
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    for text in ("It is sunny in Oslo.", "  {not json at all", '{"city": "Oslo"}'):  # text, bad JSON, no name
+        assert _run(split(text), Llama3JsonParser()) == (text, [])
+    p = Llama3JsonParser()  # plain text streams at once, not held to the end
+    assert p.feed("  ") == ("", []) and p.feed("Hi") == ("  Hi", []) and p.feed(" there") == (" there", [])
+    assert isinstance(make_parser("llama3_json"), Llama3JsonParser) and isinstance(make_parser("hermes"), ToolCallParser)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -42,9 +42,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
     p.add_argument("--api-keys-file", default=None,
                    help="JSON {api key: tenant}: /v1 answers only listed keys (Authorization: Bearer KEY), and "
                         "tenants never share prefix-cache blocks (default: open, one shared cache)")
-    p.add_argument("--tool-parser", default=None, choices=("hermes",),
+    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json"),
                    help="read tool calls in chat output (hermes: <tool_call>{json}</tool_call>, Qwen2.5 and "
-                        "Hermes models); without it requests with tools are refused")
+                        "Hermes models; llama3_json: the answer is {\"name\", \"parameters\"}, Llama 3.1+); "
+                        "without it requests with tools are refused")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
     config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,

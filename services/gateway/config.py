@@ -59,5 +59,5 @@ class GatewayConfig:
             raise ValueError(f"token_timeout_s must be > 0, got {self.token_timeout_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.tool_parser not in (None, "hermes"):
-            raise ValueError(f"--tool-parser must be hermes, got {self.tool_parser!r}")
+        if self.tool_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"--tool-parser must be hermes or llama3_json, got {self.tool_parser!r}")

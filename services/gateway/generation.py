@@ -20,7 +20,7 @@ from services.gateway.errors import APIError, invalid, server_error
 from services.gateway.shapes import TokenLogprob, Usage, token_text
 from services.gateway.stop import StopStringMatcher
 from services.gateway.token_stream import StreamFailure, TokenStream
-from services.gateway.tools import ToolCallParser
+from services.gateway.tools import Llama3JsonParser, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Generation:
 
     def __init__(self, stream: TokenStream, detok, token_bytes: Callable[[int], bytes], *,
                  stops: tuple[str, ...], logprobs: bool, prompt_tokens: int, echo: Echo | None = None,
-                 keep_output: bool = True, tools: ToolCallParser | None = None) -> None:
+                 keep_output: bool = True, tools: ToolCallParser | Llama3JsonParser | None = None) -> None:
         self.stream = stream
         self._detok = detok
         self._token_bytes = token_bytes
@@ -130,7 +130,8 @@ class Generation:
         text, calls = self._tools.feed(piece.text)
         reason = piece.finish_reason
         if piece.last:
-            text += self._tools.finish()
+            rest, more = self._tools.finish()
+            text, calls = text + rest, calls + more
             if reason == "stop" and self._tools.calls:
                 reason = "tool_calls"
         return dataclasses.replace(piece, text=text, tool_calls=tuple(calls), finish_reason=reason)

@@ -29,7 +29,7 @@ from services.gateway.shapes import Shapes, TokenLogprob, Usage
 from services.gateway.sse import SSEResponse, chunks
 from services.gateway.tenants import Tenants
 from services.gateway.token_stream import TokenStream
-from services.gateway.tools import ToolCallParser
+from services.gateway.tools import make_parser
 
 
 @dataclass
@@ -68,7 +68,7 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
                     deadline=r.deadline),
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
         logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
-        echo=echo, keep_output=req.max_tokens != 0, tools=ToolCallParser() if req.tools else None))
+        echo=echo, keep_output=req.max_tokens != 0, tools=make_parser(gw.config.tool_parser) if req.tools else None))
         for r, echo in zip(requests, echoes)]
     if req.echo and req.logprobs is not None and req.n > 1:  # choice i * n scores prompt i for its copies
         loop = asyncio.get_running_loop()

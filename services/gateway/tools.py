@@ -1,16 +1,22 @@
-"""Tool calls in a chat completion's text: the ``hermes`` format (Qwen2.5, Hermes, and the many models
-trained on it), each call a JSON object between ``<tool_call>`` and ``</tool_call>``::
+"""Tool calls in a chat completion's text, in one of two formats (``--tool-parser``):
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- ``hermes`` (Qwen2.5, Hermes, and the many models trained on it): each call a JSON object between
+  ``<tool_call>`` and ``</tool_call>``, text around them allowed::
 
-``ToolCallParser`` reads a choice's text as it streams: text outside the tags goes out as content
-(a possible start of a tag is held back, as stop strings are), a complete block goes out as one
-OpenAI tool call (``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``). A
-block that is not a call (bad JSON, no name) goes out as the text it was. The model's chat
-template must render the request's ``tools`` (it gets them as ``tools``), as it must for any
-server; the gateway does not write them into the prompt itself.
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+- ``llama3_json`` (Llama 3.1-3.3 with JSON tool calling): the whole answer is the call, a JSON
+  object ``{"name", "parameters"}`` (or several joined by ``;``).
+
+A parser reads a choice's text as it streams: text that cannot be part of a call goes out as
+content at once (hermes holds back a possible start of a tag, as stop strings are; llama3_json
+holds an answer that starts with ``{`` to its end), a complete call goes out as one OpenAI tool
+call (``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``). What is not a
+call (bad JSON, no name) goes out as the text it was. The model's chat template must render the
+request's ``tools`` (it gets them as ``tools``), as it must for any server; the gateway does not
+write them into the prompt itself.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import json
 import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 
 
 def _call(block: str) -> dict | None:
@@ -66,10 +72,47 @@ class ToolCallParser:
         self.calls += len(calls)
         return "".join(content), calls
 
-    def finish(self) -> str:
+    def finish(self) -> tuple[str, list[dict]]:
         """What is held at the end (an unclosed block, a partial tag) goes out as text."""
         rest, self._buf = self._buf, ""
-        return rest
+        return rest, []
+
+
+class Llama3JsonParser:
+    """The answer is either text (passed on as it comes) or, when it starts with ``{``, calls read
+    at its end."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode = ""  # "" undecided (only whitespace so far), "text", "json"
+        self.calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        if self._mode == "text":
+            return text, []
+        self._buf += text
+        head = self._buf.lstrip()
+        if not head:
+            return "", []
+        if head.startswith("{"):
+            self._mode = "json"
+            return "", []
+        self._mode, out, self._buf = "text", self._buf, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self._buf = self._buf, ""
+        if self._mode != "json":
+            return rest, []
+        calls = [_call(part.strip()) for part in rest.split(";") if part.strip()]
+        if not calls or None in calls:
+            return rest, []
+        self.calls += len(calls)
+        return "", calls
+
+
+def make_parser(name: str) -> ToolCallParser | Llama3JsonParser:
+    return {"hermes": ToolCallParser, "llama3_json": Llama3JsonParser}[name]()
 
 
 def _partial_suffix(text: str, tag: str) -> int:
