@@ -106,18 +106,19 @@ class BlockManager:
             hits.pop()
         return hits
 
-    def next_block_hash(self, seq: Sequence) -> bytes | None:
-        """The hash of the first block of ``seq`` a prefix hit could serve (a full block before its
-        last token) that this cache does not hold: the first block its prefill would compute.
-        None when prefix caching is off, ``seq`` holds blocks, or every such block is cached."""
-        if not self.enable_prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
-            return None
+    def prefix_lookup(self, seq: Sequence) -> tuple[int, bytes | None]:
+        """``cached_prefix_tokens(seq)``, and the hash of the first block of ``seq`` a prefix hit
+        could serve (a full block before its last token) that this cache does not hold: the first
+        block its prefill would compute. That hash is None when prefix caching is off, ``seq``
+        holds blocks or scores its prompt, or every such block is cached. One pass of hashing."""
+        if seq.block_table:
+            return seq.num_computed_tokens, None
         hits = self._prefix_hits(seq)
         bs, j = self.block_size, len(hits)
         tokens = seq.all_token_ids
-        if (j + 1) * bs > len(tokens) - 1:
-            return None
-        return block_hash(hits[-1][0] if hits else self._root(seq), tokens[j * bs : (j + 1) * bs])
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or (j + 1) * bs > len(tokens) - 1:
+            return j * bs, None
+        return j * bs, block_hash(hits[-1][0] if hits else self._root(seq), tokens[j * bs : (j + 1) * bs])
 
     def pending_hashes(self, seq: Sequence) -> list[bytes]:
         """Hashes of the full blocks of ``seq``'s tokens it has not committed yet: what its prefill
@@ -136,9 +137,7 @@ class BlockManager:
 
         For a seq that already holds blocks, its ``num_computed_tokens``.
         """
-        if seq.block_table:
-            return seq.num_computed_tokens
-        return len(self._prefix_hits(seq)) * self.block_size
+        return self.prefix_lookup(seq)[0]
 
     # --- allocation ---------------------------------------------------------------------------
 

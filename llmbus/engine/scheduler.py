@@ -169,7 +169,7 @@ class Scheduler:
                 self._finish(seq, "length")
                 rejected.append(seq)
                 continue
-            first_uncached = bm.next_block_hash(seq)
+            cached, first_uncached = bm.prefix_lookup(seq)
             if first_uncached is not None:
                 if inflight is None:
                     inflight = {h for s in self._running if s.num_tokens - s.num_computed_tokens > 1
@@ -177,7 +177,7 @@ class Scheduler:
                 if first_uncached in inflight:
                     i += 1
                     continue
-            remaining = seq.num_tokens - bm.cached_prefix_tokens(seq)
+            remaining = seq.num_tokens - cached
             n = self._chunk(remaining, budget)
             if n == 0:
                 break  # strict FCFS: the head waits for budget

@@ -163,8 +163,7 @@ class Generation:
         entries = []
         for i, ((token, raw), offset) in enumerate(zip(echo.names, echo.offsets)):
             if 0 < i <= len(scored):
-                e = scored[i - 1]
-                entries.append(TokenLogprob(token, raw, e.logprob, offset, tuple((*self._named(t), lp) for t, lp in e.top)))
+                entries.append(self._entry(scored[i - 1], offset, (token, raw)))
             else:
                 entries.append(TokenLogprob(token, raw, None, offset, None))
         return echo.text, entries
@@ -231,8 +230,9 @@ class Generation:
         raw = self._token_bytes(token_id)
         return token_text(raw), raw
 
-    def _entry(self, e: LogprobEntry, offset: int) -> TokenLogprob:
-        token, raw = self._named(e.token_id)
+    def _entry(self, e: LogprobEntry, offset: int, named: tuple[str, bytes] | None = None) -> TokenLogprob:
+        """``named``: the token's name and bytes, where already known."""
+        token, raw = named or self._named(e.token_id)
         return TokenLogprob(token, raw, e.logprob, offset, tuple((*self._named(t), lp) for t, lp in e.top))
 
 
