@@ -140,12 +140,36 @@ def test_chat_specific_rules(http):
     assert (err["param"], err["code"]) == ("tools", "unsupported_parameter")  # this gateway has no --tool-parser
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [tool], "tool_choice": choice}), 400)
-        assert (err["param"], err["code"]) == ("tool_choice", "unsupported_parameter")
+        assert (err["param"], err["code"]) == ("tools", "unsupported_parameter")
     bad = [{"type": "function", "function": {"name": "no spaces"}}, {"type": "function", "function": {"name": "f", "parameters": 3}}]
     for t in bad:
         assert _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [t]}), 400)["param"].startswith("tools[0]")
     msgs = MSGS + [{"role": "tool", "content": "sunny"}]  # a tool result names its call
     assert _error(http.post(CHAT, json={"model": "demo", "messages": msgs}), 400)["param"] == f"messages[{len(MSGS)}].tool_call_id"
+
+
+def test_guided_output_requests_that_cannot_be_served(http):
+    def err(**fields):
+        return _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, **fields}), 400)
+
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "[A-Z]+"}}}
+    for fmt, param in ((3, "response_format"), ({"type": "xml"}, "response_format"),
+                       ({"type": "json_schema"}, "response_format.json_schema"),
+                       ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema")):
+        assert err(response_format=fmt)["param"] == param, fmt
+    e = err(response_format={"type": "json_schema", "json_schema": {"name": "code", "schema": schema}})
+    assert e["param"] == "response_format.json_schema.schema" and "'pattern' is not supported" in e["message"]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    e = err(tools=[tool], tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert e["param"] == "tool_choice" and "get_time" in e["message"]
+    assert err(tool_choice="required")["param"] == "tool_choice"  # no tools to call
+    assert err(tools=[tool], tool_choice="sometimes")["param"] == "tool_choice"
+    patterned = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+    e = err(tools=[tool, patterned], tool_choice="required")
+    assert e["param"] == "tools[1].function.parameters" and "pattern" in e["message"]
+    e = err(tools=[tool], tool_choice="required", response_format={"type": "json_object"})
+    assert e["param"] == "response_format"
 
 
 def test_prompt_token_ids_out_of_vocabulary(http):

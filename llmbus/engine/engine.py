@@ -18,6 +18,7 @@ from llmbus.engine.block_manager import BlockManager
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.runner import ModelRunner
 from llmbus.engine.sampling_params import SamplingParams
+from llmbus.guide.masks import GuideMasks, TokenIndex
 from llmbus.engine.scheduler import Scheduler, SchedulerConfig
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.kv.formats import parse_kv_format
@@ -211,7 +212,7 @@ class Engine:
         if request_id in self._seqs or request_id in self._handoffs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
-        self._check_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
+        self._check_params(params)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -242,6 +243,16 @@ class Engine:
             raise ValueError(
                 f"the prompt needs {needed} KV blocks but this engine has only {self.runner.num_blocks}"
             )
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What a request's sampling parameters need of this engine: its vocabulary, and for a guide
+        the tokenizer (the sampler's masks are built from it on the first guided request)."""
+        self._check_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
+        sampler = self.runner.sampler
+        if params.guide and sampler.guides is None:
+            if self.tokenizer is None:
+                raise ValueError("guided decoding (JSON output) needs the model's tokenizer.json, which this model directory lacks")
+            sampler.guides = GuideMasks(TokenIndex.from_tokenizer(self.tokenizer))
 
     def _check_vocabulary(self, token_ids: list[int], what: str = "token") -> None:
         bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
@@ -383,7 +394,7 @@ class Engine:
         outputs = list(state["output_token_ids"])
         self.check_prompt(prompt, extra=len(outputs))
         self._check_vocabulary(outputs)
-        self._check_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
+        self._check_params(params)
         salt = state.get("cache_salt", "")
         computed, cached = state["num_computed_tokens"], state.get("num_cached_tokens", 0)
         if not isinstance(salt, str):

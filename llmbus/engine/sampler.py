@@ -1,7 +1,8 @@
 """Turns one step's logits into one token per sequence: penalties, greedy or warped random draws.
 
 Per row, in order: repetition penalty (HF convention, over prompt + output tokens), presence and
-frequency penalties (OpenAI convention, over output tokens), the request's logit bias, then argmax (temperature 0) or
+frequency penalties (OpenAI convention, over output tokens), the request's logit bias, its guide
+(tokens that cannot continue the guided JSON get -inf; ``llmbus.guide``), then argmax (temperature 0) or
 temperature, top-k, top-p, min-p (each as the transformers logits warper of the same name) and a
 draw by the exponential race ``argmax(probs / Exponential(1))``. On CPU the warp and the race run
 in C (``kernels.cpu_native.sample``: thresholds by radix selection instead of a sort, the same race
@@ -24,6 +25,7 @@ import torch
 from kernels import cpu_native
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence, TokenLogprob
+from llmbus.guide.masks import GuideMasks, GuideRun
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 GREEDY_EPS = 1e-5
@@ -167,6 +169,10 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._bias_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # guided decoding: the vocabulary's masks (set by the engine, which has the tokenizer) and
+        # each guided sequence's place in its grammar
+        self.guides: GuideMasks | None = None
+        self._runs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # LLMBUS_CPU_SAMPLER=torch: the torch path on CPU too (for comparison)
         self._native = os.environ.get("LLMBUS_CPU_SAMPLER", "native") != "torch"
 
@@ -178,6 +184,25 @@ class Sampler:
             cached = (torch.tensor(tokens, dtype=torch.long).to(device), torch.tensor(biases, dtype=dtype).to(device))
             self._bias_cache[seq] = cached
         return cached
+
+    def _guide(self, x: torch.Tensor, i: int, seq: Sequence) -> None:
+        """Row i keeps only the tokens ``seq``'s guide allows next (and its end tokens where the
+        guided output may end)."""
+        if self.guides is None:
+            raise ValueError(f"request {seq.request_id} is guided but this sampler has no vocabulary to guide with")
+        run = self._runs.get(seq)
+        if run is None or run.spec != seq.params.guide or run.consumed > len(seq.output_token_ids):
+            run = self._runs[seq] = GuideRun(seq.params.guide)
+        ends = (*seq.eos_token_ids, *seq.params.stop_token_ids)
+        self.guides.advance(run, seq.output_token_ids, set(ends))
+        allowed, may_end = self.guides.mask(run, x.device)
+        if may_end:
+            ends = torch.tensor([t for t in ends if t < x.shape[1]], dtype=torch.long, device=x.device)
+            allowed = torch.cat([allowed, ends])
+        row = x[i]
+        kept = torch.full_like(row, float("-inf"))
+        kept[allowed] = row[allowed]
+        x[i] = kept
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -211,6 +236,11 @@ class Sampler:
             for i in biased:
                 cols, values = self._bias(seqs[i], x.device, x.dtype)
                 x[i].index_add_(0, cols, values)
+        guided = [i for i, s in enumerate(seqs) if s.params.guide]
+        if guided:
+            x = raw.clone() if x is raw else x
+            for i in guided:
+                self._guide(x, i, seqs[i])
         rand = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_EPS]
         greedy = self._greedy(x) if not rand and x is raw else None
         if greedy is not None:  # NOTE: all greedy, unpenalised: C finds the tokens and the bad rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmbus.guide.grammar import check_guide
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +29,9 @@ class SamplingParams:
     # (OpenAI completions' echo with logprobs). Such a prompt is computed whole, never read from
     # the prefix cache: cached blocks have no logits.
     prompt_logprobs: int | None = None
+    # "": free text; else a guide spec (``llmbus.guide.grammar.guide_spec``): the output must be JSON
+    # matching its schema, between its prefix and suffix; tokens that cannot continue it are masked
+    guide: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -53,6 +58,10 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.guide:
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a guide: a guided output ends where its grammar does")
+            check_guide(self.guide)  # GuideError is a ValueError
 
     @property
     def greedy(self) -> bool:

@@ -100,6 +100,7 @@ class SamplingSpec:
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob plus top-n
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias), ids unique
     prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob plus top-n
+    guide: str = ""  # "": free text; else a guide spec (llmbus.guide.grammar.guide_spec): JSON output
 
     def to_params(self):
         """Build (and so validate) the engine's SamplingParams. Workers call this; it raises ValueError."""
@@ -111,7 +112,7 @@ class SamplingSpec:
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, logit_bias=tuple(self.logit_bias),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs, guide=self.guide,
         )  # fmt: skip
 
 

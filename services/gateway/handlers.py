@@ -29,7 +29,7 @@ from services.gateway.shapes import Shapes, TokenLogprob, Usage
 from services.gateway.sse import SSEResponse, chunks
 from services.gateway.tenants import Tenants
 from services.gateway.token_stream import TokenStream
-from services.gateway.tools import make_parser
+from services.gateway.tools import forced_call_guide, make_parser
 
 
 @dataclass
@@ -54,6 +54,9 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
     if req.tools and gw.config.tool_parser is None:
         raise APIError(400, "This server reads no tool calls: start the gateway with --tool-parser (e.g. hermes) "
                        "for a model trained to call tools.", param="tools", code="unsupported_parameter")
+    if req.forced_tools:  # the answer is one call: decoding guided to the parser's format
+        guide = forced_call_guide(req.tools, req.forced_tools, gw.config.tool_parser)
+        req = dataclasses.replace(req, sampling={**req.sampling, "guide": guide})
     # NOTE: rendering and tokenizing a large prompt takes a while: keep it off the event loop
     prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s, tenant)
     if gw.bus is None:

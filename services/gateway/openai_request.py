@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmbus.guide.grammar import GuideError, check_guide, guide_spec
 from services.gateway import fields as f
 from services.gateway.errors import invalid, missing, wrong_type
 
@@ -30,6 +31,7 @@ class OpenAIRequest:
     n: int = 1  # choices: each its own generation over the same prompt
     echo: bool = False  # completions: the prompt leads the text (and, with logprobs, its tokens the logprobs)
     tools: tuple[dict, ...] = ()  # chat: function tools the model may call (rendered by its chat template)
+    forced_tools: tuple[str, ...] = ()  # chat: tool_choice "required" (all) or named (one): it must call one
     include_usage: bool = False
     max_tokens: int | None = None  # None: the remaining context
     max_tokens_param: str = "max_tokens"  # the field that set it (chat: or max_completion_tokens)
@@ -61,11 +63,11 @@ def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     for name in ("functions", "audio"):
         f.reject_unsupported(body, name)
     f.reject_unsupported(body, "function_call", (None, "none"))
-    tools = _tools(body)
-    response_format = f.get_dict(body, "response_format")
-    if response_format is not None and response_format.get("type") != "text":
-        raise invalid("Only response_format {'type': 'text'} is supported.", "response_format",
-                      code="unsupported_parameter")
+    tools, forced = _tools(body)
+    shared = _shared(body, max_stop)
+    if forced and shared["sampling"]["guide"]:
+        raise invalid("'response_format' cannot be combined with a tool_choice that forces a tool call: "
+                      "the output is the call.", "response_format")
     top = f.get_int(body, "top_logprobs", lo=0, hi=20)
     want = f.get_bool(body, "logprobs")
     if top is not None and not want:
@@ -75,19 +77,27 @@ def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     max_tokens, param = (older, "max_tokens") if newer is None else (newer, "max_completion_tokens")
     return OpenAIRequest(kind="chat", model=f.get_str(body, "model", required=True),
                          messages=_messages(body), max_tokens=max_tokens, max_tokens_param=param,
-                         logprobs=(top or 0) if want else None, tools=tools, **_shared(body, max_stop))
+                         logprobs=(top or 0) if want else None, tools=tools, forced_tools=forced, **shared)
 
 
-def _tools(body: dict) -> tuple[dict, ...]:
-    """``tools`` (function tools), unless ``tool_choice`` is "none". ``tool_choice`` "required" or a
-    named function would need decoding constrained to a call: refused."""
+def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """``tools`` (function tools), unless ``tool_choice`` is "none"; and the names of those the
+    answer must call one of (``tool_choice`` "required": any; ``{"type": "function", "function":
+    {"name": ...}}``: that one), each with a parameters schema guided decoding can serve."""
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise invalid("Only tool_choice 'auto' and 'none' are supported (the model decides whether to call a tool).",
-                      "tool_choice", code="unsupported_parameter")
+    named = isinstance(choice, dict)
+    if named and (choice.get("type") != "function" or not isinstance(choice.get("function"), dict)
+                  or not isinstance(choice["function"].get("name"), str)):  # fmt: skip
+        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
+                      "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+    if not named and choice not in (None, "auto", "none", "required"):
+        raise invalid("'tool_choice' must be 'none', 'auto', 'required' or "
+                      "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
     tools = body.get("tools")
     if tools is None or tools == [] or choice == "none":
-        return ()
+        if named or choice == "required":
+            raise invalid("'tool_choice' forces a tool call but the request has no 'tools'.", "tool_choice")
+        return (), ()
     if not isinstance(tools, list):
         raise wrong_type("tools", "an array", tools)
     out = []
@@ -104,7 +114,48 @@ def _tools(body: dict) -> tuple[dict, ...]:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise wrong_type(f"{where}.function.description", "a string", fn["description"])
         out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters") if k in fn}})
-    return tuple(out)
+    names = [t["function"]["name"] for t in out]
+    if named and choice["function"]["name"] not in names:
+        raise invalid(f"'tool_choice' names function {choice['function']['name']!r}, which is not among the "
+                      f"tools ({', '.join(names)}).", "tool_choice")
+    forced = (choice["function"]["name"],) if named else tuple(names) if choice == "required" else ()
+    for i, tool in enumerate(out):
+        if tool["function"]["name"] in forced:
+            try:
+                check_guide(guide_spec(tool["function"].get("parameters") or {"type": "object"}))
+            except GuideError as exc:
+                raise invalid(f"tools[{i}].function.parameters cannot guide a forced tool call: {exc}",
+                              f"tools[{i}].function.parameters") from None
+    return tuple(out), forced
+
+
+def _response_format(body: dict) -> str:
+    """The guide spec ``response_format`` asks for ("" for text): ``{"type": "json_object"}`` (any
+    JSON object) or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+    fmt = f.get_dict(body, "response_format")
+    if fmt is None or fmt.get("type") == "text":
+        return ""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return guide_spec()
+    if kind != "json_schema":
+        raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'.", "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise wrong_type("response_format.json_schema", "an object ({'name', 'schema', 'strict'})", spec)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise invalid("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'.",
+                      "response_format.json_schema.name")
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise wrong_type("response_format.json_schema.schema", "an object (a JSON Schema)", schema)
+    guide = guide_spec(schema)
+    try:
+        check_guide(guide)
+    except GuideError as exc:
+        raise invalid(f"response_format.json_schema.schema: {exc}", "response_format.json_schema.schema") from None
+    return guide
 
 
 def _common_checks(body: Any) -> dict:
@@ -135,6 +186,7 @@ def _shared(body: dict, max_stop: int) -> dict:
         "ignore_eos": f.get_bool(body, "ignore_eos"),
         "stop_token_ids": f.get_int_list(body, "stop_token_ids"),
         "logit_bias": f.get_logit_bias(body, "logit_bias"),
+        "guide": _response_format(body),
     }
     return {"stream": stream, "include_usage": include_usage, "n": f.get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1),
             "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user")}

@@ -14,7 +14,8 @@ A parser reads a choice's text as it streams: text that cannot be part of a call
 content at once (hermes holds back a possible start of a tag, as stop strings are; llama3_json
 holds an answer that starts with ``{`` to its end), a complete call goes out as one OpenAI tool
 call (``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``). What is not a
-call (bad JSON, no name) goes out as the text it was. The model's chat template must render the
+call (bad JSON, no name) goes out as the text it was. ``tool_choice`` "required" or a named
+function guides decoding (``forced_call_guide``): the answer is then one call, in the format. The model's chat template must render the
 request's ``tools`` (it gets them as ``tools``), as it must for any server; the gateway does not
 write them into the prompt itself.
 """
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import json
 import uuid
+
+from llmbus.guide.grammar import guide_spec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes", "llama3_json")
@@ -109,6 +112,21 @@ class Llama3JsonParser:
             return rest, []
         self.calls += len(calls)
         return "", calls
+
+
+def forced_call_guide(tools: tuple[dict, ...], names: tuple[str, ...], parser: str) -> str:
+    """The guide spec of an answer that is exactly one call, in ``parser``'s format, of one of the
+    tools named (tool_choice "required" or a named function): the call's name is one of them and its
+    arguments match that tool's parameters schema."""
+    key = "arguments" if parser == "hermes" else "parameters"
+    options = [{"type": "object", "required": ["name", key], "additionalProperties": False,
+                "properties": {"name": {"const": fn["name"]},
+                               key: fn.get("parameters") or {"type": "object"}}}
+               for fn in (t["function"] for t in tools) if fn["name"] in names]  # fmt: skip
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    if parser == "hermes":
+        return guide_spec(schema, prefix=OPEN + "\n", suffix="\n" + CLOSE)
+    return guide_spec(schema)
 
 
 def make_parser(name: str) -> ToolCallParser | Llama3JsonParser:

@@ -1,0 +1,579 @@
+"""JSON output grammars: a JSON Schema (or "any JSON object") compiled to a byte-level matcher.
+
+A guide spec is a canonical JSON string (``guide_spec``) naming what the output must be: a JSON
+value matching ``schema`` (absent: any JSON object), optionally between a literal ``prefix`` and
+``suffix`` (a tool call's ``<tool_call>`` tags). ``compile_guide`` turns it into a ``Grammar``
+whose states are immutable and hashable, so what is computed for one state (the next state for a
+byte, the tokens allowed there) is cached and shared by every request with the same spec.
+
+The matcher is a set of stack machines ("threads"), one per way the output read so far can be
+parsed; ``anyOf`` and type lists fork threads, a byte that a thread cannot take ends it. A state
+with no threads left is a dead end; one with an empty thread has matched the whole grammar.
+
+Generation must end, so the grammar is narrower than JSON itself in two ways a model does not
+notice: whitespace between tokens is one space, or a line break and an indentation (at most
+``MAX_INDENT`` spaces or ``MAX_TABS`` tabs), as compact and pretty-printed JSON have it; numbers
+have at most ``MAX_NUMBER`` bytes. (Free whitespace lets a weak model spend its whole budget on
+blank lines, never closing the value.)
+Strings are checked as JSON strings of valid UTF-8 (escapes included); keys are the schema's
+properties, each at most once, in any order, every ``required`` one before the object closes.
+Extra keys only where ``additionalProperties`` allows them, or the schema lists no ``properties`` at
+all (as OpenAI's strict mode and xgrammar do: a schema that lists its properties means those, and
+``"properties": {}`` means an empty object). Validation keywords a byte-level matcher cannot
+enforce (``pattern``, ``minimum``, ...) are refused with ``GuideError`` rather than ignored;
+annotations (``title``, ``description``, ``default``, ``format``, ...) are ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+
+MAX_INDENT = 40  # spaces after a line break (4 per level, 10 levels)
+MAX_TABS = 10
+MAX_NUMBER = 24  # bytes in one number
+MAX_SPEC_BYTES = 64 * 1024  # a guide spec (the schema) as sent on the bus
+MAX_NODES = 2048  # schema nodes after compilation ($refs count once)
+
+_WS = frozenset(b" \t\n\r")
+_DIGITS = frozenset(b"0123456789")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+
+# keywords that constrain values in ways this matcher does not enforce: refused, not ignored
+_REFUSED = ("pattern", "patternProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+            "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+            "dependencies", "propertyNames", "minProperties", "maxProperties", "uniqueItems", "contains",
+            "minContains", "maxContains", "prefixItems", "unevaluatedProperties", "unevaluatedItems")
+_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+class GuideError(ValueError):
+    """A guide spec or schema this matcher cannot serve; the message says what and why."""
+
+
+# -- schema nodes ---------------------------------------------------------------------------------
+# NOTE: eq=False: nodes hash by identity, so a recursive schema ($ref to itself) is a finite graph
+
+
+@dataclass(eq=False)
+class ObjectNode:
+    props: dict[bytes, object] = field(default_factory=dict)  # JSON-encoded key (no quotes) -> node
+    required: frozenset = frozenset()
+    extra: object | None = None  # node of additional properties' values; None: none allowed
+
+
+@dataclass(eq=False)
+class ArrayNode:
+    items: object = None
+    min_items: int = 0
+    max_items: int | None = None
+
+
+@dataclass(eq=False)
+class StringNode:
+    min_len: int = 0
+    max_len: int | None = None
+
+
+@dataclass(eq=False)
+class NumberNode:
+    integer: bool = False
+
+
+@dataclass(eq=False)
+class LiteralNode:
+    options: tuple[bytes, ...] = ()  # exact JSON texts (enum, const, true/false/null)
+
+
+@dataclass(eq=False)
+class UnionNode:
+    options: tuple = ()
+
+
+def any_value() -> UnionNode:
+    """Any JSON value (its objects take any keys, its arrays any items)."""
+    node = UnionNode()
+    node.options = (ObjectNode(extra=node), ArrayNode(items=node), StringNode(), NumberNode(),
+                    LiteralNode((b"true", b"false", b"null")))  # fmt: skip
+    return node
+
+
+def _dump(value) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+class _Compiler:
+    def __init__(self, root: dict) -> None:
+        self.root = root
+        self.refs: dict[str, object] = {}
+        self.nodes = 0
+
+    def node(self, schema, where: str):
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            raise GuideError(f"the schema is too large: more than {MAX_NODES} subschemas")
+        if schema is True or schema == {}:
+            return any_value()
+        if not isinstance(schema, dict):
+            raise GuideError(f"{where}: a schema must be an object, got {type(schema).__name__}")
+        for key in _REFUSED:
+            if key in schema:
+                raise GuideError(f"{where}: '{key}' is not supported in guided JSON (it cannot be enforced "
+                                 "while decoding); remove it or check the value after generation")
+        if "$ref" in schema:
+            return self.ref(schema["$ref"], where)
+        if "const" in schema:
+            return LiteralNode((self.literal(schema["const"], where),))
+        if "enum" in schema:
+            values = schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise GuideError(f"{where}: 'enum' must be a non-empty array")
+            return LiteralNode(tuple(dict.fromkeys(self.literal(v, where) for v in values)))
+        for key in ("anyOf", "oneOf"):  # NOTE: oneOf as anyOf: exclusivity is not enforced
+            if key in schema:
+                options = schema[key]
+                if not isinstance(options, list) or not options:
+                    raise GuideError(f"{where}: '{key}' must be a non-empty array")
+                return UnionNode(tuple(self.node(o, f"{where}.{key}[{i}]") for i, o in enumerate(options)))
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1:
+                raise GuideError(f"{where}: 'allOf' is supported with exactly one subschema")
+            return self.node(parts[0], f"{where}.allOf[0]")
+        kind = schema.get("type")
+        if kind is None:
+            kind = ("object" if "properties" in schema or "additionalProperties" in schema
+                    else "array" if "items" in schema else None)  # fmt: skip
+            if kind is None:
+                return any_value()
+        if isinstance(kind, list):
+            if not kind:
+                raise GuideError(f"{where}: 'type' must not be an empty array")
+            return UnionNode(tuple(self.typed(schema, k, where) for k in dict.fromkeys(kind)))
+        return self.typed(schema, kind, where)
+
+    def typed(self, schema: dict, kind, where: str):
+        if kind not in _TYPES:
+            raise GuideError(f"{where}: unknown type {kind!r} (one of {', '.join(_TYPES)})")
+        if kind == "object":
+            return self.object(schema, where)
+        if kind == "array":
+            lo, hi = self.bounds(schema, "minItems", "maxItems", where)
+            node = ArrayNode(min_items=lo, max_items=hi)
+            items = schema.get("items", True)
+            node.items = self.node(items, f"{where}.items")
+            return node
+        if kind == "string":
+            lo, hi = self.bounds(schema, "minLength", "maxLength", where)
+            return StringNode(lo, hi)
+        if kind in ("number", "integer"):
+            return NumberNode(integer=kind == "integer")
+        if kind == "boolean":
+            return LiteralNode((b"true", b"false"))
+        return LiteralNode((b"null",))
+
+    def object(self, schema: dict, where: str) -> ObjectNode:
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise GuideError(f"{where}: 'properties' must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise GuideError(f"{where}: 'required' must be an array of property names")
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise GuideError(f"{where}: required properties {missing} are not in 'properties'")
+        node = ObjectNode(required=frozenset(_dump(r)[1:-1] for r in required))
+        node.props = {_dump(k)[1:-1]: self.node(v, f"{where}.properties.{k}") for k, v in props.items()}
+        # NOTE: a schema that lists properties (even none: a tool without parameters) means those only
+        extra = schema.get("additionalProperties", "properties" not in schema)
+        if extra is not False:
+            node.extra = self.node(extra, f"{where}.additionalProperties")
+        return node
+
+    @staticmethod
+    def bounds(schema: dict, lo_key: str, hi_key: str, where: str) -> tuple[int, int | None]:
+        lo, hi = schema.get(lo_key, 0), schema.get(hi_key)
+        for key, v in ((lo_key, lo), (hi_key, hi)):
+            if v is not None and (type(v) is not int or v < 0):
+                raise GuideError(f"{where}: '{key}' must be an integer >= 0")
+        if hi is not None and hi < lo:
+            raise GuideError(f"{where}: '{hi_key}' ({hi}) is below '{lo_key}' ({lo})")
+        return lo, hi
+
+    @staticmethod
+    def literal(value, where: str) -> bytes:
+        try:
+            return _dump(value)
+        except (TypeError, ValueError) as exc:
+            raise GuideError(f"{where}: {exc}") from None
+
+    def ref(self, ref, where: str):
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise GuideError(f"{where}: only local references ('#/$defs/Name') are supported, got {ref!r}")
+        if ref in self.refs:
+            return self.refs[ref]
+        target = self.root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise GuideError(f"{where}: reference {ref!r} names nothing in the schema")
+            target = target[part]
+        # NOTE: a placeholder first, so a schema that refers to itself compiles to a cycle
+        holder = UnionNode()
+        self.refs[ref] = holder
+        holder.options = (self.node(target, ref),)
+        return holder
+
+
+# -- the matcher ----------------------------------------------------------------------------------
+# A thread is a tuple of frames, the innermost last. Frames:
+#   ("V", node, ws)                  a value of ``node`` is next (ws: the whitespace run so far)
+#   ("O", node, phase, seen, key, ws) inside an object
+#   ("K", partial, esc, utf8)        inside a key; partial: the bytes so far while they begin a
+#                                    declared property's name, else None
+#   ("A", node, phase, count, ws)    inside an array
+#   ("S", node, length, esc, utf8)   inside a string; length in characters (kept only as far as
+#                                    the bounds need, so an unbounded string's state never changes)
+#   ("N", node, phase, length)       inside a number
+#   ("L", options, pos)              inside a literal: options share their first ``pos`` bytes
+# esc: 0, 1 after a backslash, 2..5 reading \u's hex digits (13..15 in a surrogate pair's first
+# half, which is no character of its own: the pair counts once, as JSON Schema's lengths do);
+# utf8: continuation bytes still due.
+
+_OPEN, _COLON, _AFTER, _NEXT, _VALUE = range(5)
+# number phases; the _END ones may end the number
+_SIGN, _ZERO, _INT, _DOT, _FRAC, _EXP, _EXPSIGN, _EXPD = range(8)
+_NUM_END = frozenset((_ZERO, _INT, _FRAC, _EXPD))
+_NUM_DUE = {_SIGN: 1, _DOT: 1, _EXP: 1, _EXPSIGN: 1}  # bytes a phase needs before the number may end
+
+
+def _string_byte(esc: int, utf8: int, b: int):
+    """(esc, utf8, whether a character just ended) after byte ``b`` inside a string (not an
+    unescaped quote), or None where ``b`` cannot come next."""
+    if esc == 1:
+        if b in b'"\\/bfnrt':
+            return 0, 0, True
+        return (2, 0, False) if b == ord("u") else None
+    if esc:
+        if b not in _HEX:
+            return None
+        if esc == 2 and b in b"dD":
+            return 13, 0, False
+        if esc == 13 and b in b"89abAB":  # \uD800-\uDBFF: a surrogate pair's first half
+            return 14, 0, False
+        if esc >= 13:
+            return (4, 0, False) if esc == 13 else (15, 0, False) if esc == 14 else (0, 0, False)
+        return (0, 0, True) if esc == 5 else (esc + 1, 0, False)
+    if utf8:
+        return (0, utf8 - 1, utf8 == 1) if 0x80 <= b <= 0xBF else None
+    if b == _BACKSLASH:
+        return 1, 0, False
+    if b < 0x20:
+        return None
+    if b < 0x80:
+        return 0, 0, True
+    if 0xC2 <= b <= 0xDF:
+        return 0, 1, False
+    if 0xE0 <= b <= 0xEF:
+        return 0, 2, False
+    if 0xF0 <= b <= 0xF4:
+        return 0, 3, False
+    return None
+
+
+# whitespace run states: -1 none allowed (before the guided value), 0 none yet, 1 one space or tab (the run is over), 2 after \r (\n due),
+# 3 after a line break, 4.. that many - 3 spaces of indentation, 100.. that many - 100 tabs
+def _space(ws: int, b: int) -> int | None:
+    """The whitespace run's state after whitespace byte ``b``, or None where the run cannot go on."""
+    if ws <= 0:
+        return None if ws else 1 if b in b" \t" else 3 if b == ord("\n") else 2
+    if ws == 2:
+        return 3 if b == ord("\n") else None
+    if ws == 3:
+        return 4 if b == ord(" ") else 101 if b == ord("\t") else None
+    if 4 <= ws < 3 + MAX_INDENT and b == ord(" "):
+        return ws + 1
+    if 100 < ws < 100 + MAX_TABS and b == ord("\t"):
+        return ws + 1
+    return None
+
+
+def _done(rest: tuple) -> tuple:
+    """The thread once the value on top of ``rest`` has ended: an enclosing object or array
+    expects a separator next."""
+    if not rest:
+        return rest
+    parent = rest[-1]
+    if parent[0] == "O":
+        return rest[:-1] + (("O", parent[1], _AFTER, parent[3], None, 0),)
+    if parent[0] == "A":
+        return rest[:-1] + (("A", parent[1], _AFTER, parent[3], 0),)
+    return rest
+
+
+def _literal(rest: tuple, options: tuple[bytes, ...], pos: int) -> list[tuple]:
+    out = []
+    if any(len(o) == pos for o in options):
+        out.append(_done(rest))
+    longer = tuple(o for o in options if len(o) > pos)
+    if longer:
+        out.append(rest + (("L", longer, pos),))
+    return out
+
+
+def _start(rest: tuple, node, ws: int, b: int) -> list[tuple]:
+    """Threads after byte ``b`` where a value of ``node`` is due."""
+    if b in _WS:
+        ws = _space(ws, b)
+        return [] if ws is None else [rest + (("V", node, ws),)]
+    if ws == 2:  # a lone \r
+        return []
+    kind = type(node)
+    if kind is UnionNode:
+        return [t for option in node.options for t in _start(rest, option, ws, b)]
+    if kind is ObjectNode:
+        return [rest + (("O", node, _OPEN, frozenset(), None, 0),)] if b == ord("{") else []
+    if kind is ArrayNode:
+        return [rest + (("A", node, _OPEN, 0, 0),)] if b == ord("[") else []
+    if kind is StringNode:
+        return [rest + (("S", node, 0, 0, 0),)] if b == _QUOTE else []
+    if kind is NumberNode:
+        if b == ord("-"):
+            return [rest + (("N", node, _SIGN, 1),)]
+        if b in _DIGITS:
+            return [rest + (("N", node, _ZERO if b == ord("0") else _INT, 1),)]
+        return []
+    options = tuple(o for o in node.options if o[0] == b)
+    return _literal(rest, options, 1) if options else []
+
+
+def _feed(thread: tuple, b: int) -> list[tuple]:
+    """Every thread that ``thread`` becomes after byte ``b`` (none: ``b`` cannot come next)."""
+    if not thread:
+        return []
+    top, rest = thread[-1], thread[:-1]
+    kind = top[0]
+    if kind == "V":
+        return _start(rest, top[1], top[2], b)
+    if kind == "S":
+        _, node, length, esc, utf8 = top
+        if b == _QUOTE and not esc and not utf8:
+            return [_done(rest)] if length >= node.min_len else []
+        if not esc and not utf8 and node.max_len is not None and length >= node.max_len:
+            return []
+        step = _string_byte(esc, utf8, b)
+        if step is None:
+            return []
+        esc, utf8, ended = step
+        if ended:
+            length += 1
+            if node.max_len is None:
+                length = min(length, node.min_len)
+        return [rest + (("S", node, length, esc, utf8),)]
+    if kind == "N":
+        return _number(rest, top, b)
+    if kind == "L":
+        _, options, pos = top
+        options = tuple(o for o in options if o[pos] == b)
+        return _literal(rest, options, pos + 1) if options else []
+    if kind == "O":
+        return _object(rest, top, b)
+    if kind == "K":
+        return _key(rest, top, b)
+    return _array(rest, top, b)
+
+
+_NUMBER_STEPS = {
+    (_SIGN, "0"): _ZERO, (_SIGN, "d"): _INT,
+    (_ZERO, "."): _DOT, (_ZERO, "e"): _EXP,
+    (_INT, "d"): _INT, (_INT, "0"): _INT, (_INT, "."): _DOT, (_INT, "e"): _EXP,
+    (_DOT, "d"): _FRAC, (_DOT, "0"): _FRAC,
+    (_FRAC, "d"): _FRAC, (_FRAC, "0"): _FRAC, (_FRAC, "e"): _EXP,
+    (_EXP, "+"): _EXPSIGN, (_EXP, "d"): _EXPD, (_EXP, "0"): _EXPD,
+    (_EXPSIGN, "d"): _EXPD, (_EXPSIGN, "0"): _EXPD,
+    (_EXPD, "d"): _EXPD, (_EXPD, "0"): _EXPD,
+}  # fmt: skip
+_NUMBER_CLASS = {**{d: "d" for d in b"123456789"}, ord("0"): "0", ord("."): ".", ord("e"): "e", ord("E"): "e",
+                 ord("+"): "+", ord("-"): "+"}  # fmt: skip
+
+
+def _number(rest: tuple, top: tuple, b: int) -> list[tuple]:
+    _, node, phase, length = top
+    cls = _NUMBER_CLASS.get(b)
+    nxt = _NUMBER_STEPS.get((phase, cls)) if cls is not None else None
+    if nxt is not None and node.integer and nxt in (_DOT, _EXP):
+        nxt = None
+    if nxt is not None:  # NOTE: room left for the digits a phase still needs, or it is a dead end
+        return [rest + (("N", node, nxt, length + 1),)] if length + 1 + _NUM_DUE.get(nxt, 0) <= MAX_NUMBER else []
+    if phase in _NUM_END:  # the number has ended: the byte is the enclosing value's
+        return _feed(_done(rest), b)
+    return []
+
+
+def _has_keys(node: ObjectNode, seen: frozenset) -> bool:
+    return node.extra is not None or len(seen) < len(node.props)
+
+
+def _object(rest: tuple, top: tuple, b: int) -> list[tuple]:
+    _, node, phase, seen, key, ws = top
+    if b in _WS:
+        ws = _space(ws, b)
+        return [] if ws is None else [rest + (("O", node, phase, seen, key, ws),)]
+    if ws == 2:  # a lone \r
+        return []
+    if phase in (_OPEN, _NEXT) and b == _QUOTE and _has_keys(node, seen):
+        return [rest + (("O", node, phase, seen, None, 0), ("K", b"", 0, 0))]
+    if phase in (_OPEN, _AFTER) and b == ord("}") and node.required <= seen:
+        return [_done(rest)]
+    if phase == _AFTER and b == ord(",") and _has_keys(node, seen):
+        return [rest + (("O", node, _NEXT, seen, None, 0),)]
+    if phase == _COLON and b == ord(":"):
+        value = node.extra if key is None else node.props[key]
+        seen = seen if key is None else seen | {key}
+        return [rest + (("O", node, _VALUE, seen, None, 0), ("V", value, 0))]
+    return []
+
+
+def _key(rest: tuple, top: tuple, b: int) -> list[tuple]:
+    _, partial, esc, utf8 = top
+    parent = rest[-1]
+    node, seen = parent[1], parent[3]
+    if b == _QUOTE and not esc and not utf8:
+        if partial is not None and partial in node.props:
+            name = partial
+        elif node.extra is not None:
+            name = None
+        else:
+            return []
+        return [rest[:-1] + (("O", node, _COLON, seen, name, 0),)]
+    step = _string_byte(esc, utf8, b)
+    if step is None:
+        return []
+    if partial is not None:  # NOTE: only names not yet seen: a key is never repeated
+        partial += bytes((b,))
+        if not any(name.startswith(partial) for name in node.props if name not in seen):
+            partial = None
+    if partial is None and node.extra is None:
+        return []
+    return [rest + (("K", partial, step[0], step[1]),)]
+
+
+def _array(rest: tuple, top: tuple, b: int) -> list[tuple]:
+    _, node, phase, count, ws = top
+    if b in _WS:
+        ws = _space(ws, b)
+        return [] if ws is None else [rest + (("A", node, phase, count, ws),)]
+    if ws == 2:  # a lone \r
+        return []
+    if phase in (_OPEN, _AFTER) and b == ord("]"):
+        return [_done(rest)] if count >= node.min_items and (phase == _AFTER or count == 0) else []
+    if phase == _AFTER:
+        if b == ord(",") and (node.max_items is None or count < node.max_items):
+            return [rest + (("A", node, _NEXT, count, 0),)]
+        return []
+    if node.max_items is not None and count >= node.max_items:
+        return []
+    return _start(rest + (("A", node, _VALUE, count + 1, 0),), node.items, 0, b)
+
+
+def _can_end(thread: tuple) -> bool:
+    if not thread:
+        return True
+    top = thread[-1]
+    return top[0] == "N" and top[2] in _NUM_END and _can_end(_done(thread[:-1]))
+
+
+class Grammar:
+    """A compiled guide: ``initial`` state, ``step`` one byte, ``accepts`` a finished output.
+
+    States are frozensets of threads; ``step`` returns None for a byte that cannot come next.
+    Steps are memoized (bounded): generation revisits the same few states again and again.
+    """
+
+    MAX_MEMO = 1 << 18
+
+    def __init__(self, root, prefix: bytes = b"", suffix: bytes = b"") -> None:
+        thread: tuple = (("L", (suffix,), 0),) if suffix else ()
+        thread += (("V", root, -1),)  # NOTE: -1: no whitespace before the value itself
+        if prefix:
+            thread += (("L", (prefix,), 0),)
+        self.initial = frozenset((thread,))
+        self._memo: dict = {}
+
+    def step(self, state: frozenset, b: int) -> frozenset | None:
+        key = (state, b)
+        nxt = self._memo.get(key, False)
+        if nxt is False:
+            nxt = frozenset(t for thread in state for t in _feed(thread, b)) or None
+            if len(self._memo) >= self.MAX_MEMO:
+                self._memo.clear()
+            self._memo[key] = nxt
+        return nxt
+
+    def advance(self, state: frozenset | None, data: bytes) -> frozenset | None:
+        for b in data:
+            if state is None:
+                return None
+            state = self.step(state, b)
+        return state
+
+    def accepts(self, state: frozenset | None) -> bool:
+        return state is not None and any(_can_end(t) for t in state)
+
+    def matches(self, data: bytes) -> bool:
+        """Whether ``data`` is a whole output this grammar allows."""
+        return self.accepts(self.advance(self.initial, data))
+
+    @staticmethod
+    def string_room(state: frozenset) -> float | None:
+        """Where every thread is inside a string between characters: how many more characters one
+        may take (inf: unbounded). Plain characters (no quote, backslash or control byte) can come
+        next up to that many, whatever they are; None where the state is not such."""
+        room = 0.0
+        for thread in state:
+            top = thread[-1] if thread else None
+            if top is None or top[0] != "S" or top[3] or top[4]:
+                return None
+            most = top[1].max_len
+            room = max(room, math.inf if most is None else most - top[2])
+        return room
+
+
+def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "") -> str:
+    """The canonical wire form of a guide: a JSON value matching ``schema`` (None: any JSON
+    object) between ``prefix`` and ``suffix``. Equal guides give equal strings (the cache key)."""
+    spec: dict = {"schema": schema if schema is not None else {"type": "object"}}
+    if prefix:
+        spec["prefix"] = prefix
+    if suffix:
+        spec["suffix"] = suffix
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def check_guide(spec: str) -> None:
+    """Raises GuideError where ``spec`` cannot be compiled (compiling it caches the result)."""
+    compile_guide(spec)
+
+
+@functools.lru_cache(maxsize=64)
+def compile_guide(spec: str) -> Grammar:
+    if not isinstance(spec, str) or not spec:
+        raise GuideError("a guide spec must be a non-empty JSON string")
+    if len(spec.encode("utf-8")) > MAX_SPEC_BYTES:
+        raise GuideError(f"the schema is too large: at most {MAX_SPEC_BYTES // 1024} KiB")
+    try:
+        parsed = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise GuideError(f"a guide spec must be JSON: {exc}") from None
+    if not isinstance(parsed, dict) or set(parsed) - {"schema", "prefix", "suffix"} or "schema" not in parsed:
+        raise GuideError("a guide spec is {'schema': ..., 'prefix'?: str, 'suffix'?: str}")
+    prefix, suffix = parsed.get("prefix", ""), parsed.get("suffix", "")
+    if not isinstance(prefix, str) or not isinstance(suffix, str):
+        raise GuideError("a guide's prefix and suffix must be strings")
+    schema = parsed["schema"]
+    compiler = _Compiler(schema if isinstance(schema, dict) else {})
+    root = compiler.node(schema, "schema")
+    return Grammar(root, prefix.encode("utf-8"), suffix.encode("utf-8"))

@@ -1,0 +1,315 @@
+"""Guided JSON decoding: the grammar against Python's json module and the jsonschema validator (the
+independent oracles), the token masks against a token-by-token brute force, the sampler's masking,
+and the engine's guided generation through prefill, handoff and decode."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+
+from llmbus.engine.llm import LLM
+from llmbus.engine.sampler import Sampler
+from llmbus.engine.sampling_params import SamplingParams
+from llmbus.engine.sequence import Sequence
+from llmbus.guide.grammar import MAX_INDENT, MAX_NUMBER, GuideError, compile_guide, guide_spec
+from llmbus.guide.masks import GuideMasks, TokenIndex
+from llmbus.model.demo import make_demo_model
+from llmbus.model.tokenizer import Tokenizer
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer"},
+        "height": {"type": "number"},
+        "member": {"type": "boolean"},
+        "nick": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", 3, None]}, "minItems": 1, "maxItems": 3},
+        "home": {"$ref": "#/$defs/place"},
+    },
+    "required": ["name", "age", "member"],
+    "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"const": "0150"}},
+                        "required": ["city"]}},
+}
+TREE = {  # recursive: a node's children are nodes
+    "$ref": "#/$defs/node",
+    "$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
+                                                         "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+                       "required": ["v"]}},
+}  # fmt: skip
+ANY_OBJECT = {"type": "object"}
+
+
+def _valid(schema: dict, text: str) -> bool:
+    """The oracle: json.loads, then (for a schema) jsonschema; json_object means a top-level object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def _random_value(schema, rng: random.Random, defs: dict, depth: int = 0):
+    """A random JSON value valid for ``schema`` (the subset these tests use)."""
+    if "$ref" in schema:
+        return _random_value(defs[schema["$ref"].split("/")[-1]], rng, defs, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return rng.choice(schema["enum"])
+    if "anyOf" in schema:
+        return _random_value(rng.choice(schema["anyOf"]), rng, defs, depth)
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties")
+        if not props:  # any object
+            return {f"k{i}": rng.choice([1, "x\u00e9\"\\", None, [True, 2.5], {"n": -3e-2}]) for i in range(rng.randrange(3))}
+        keys = [k for k in props if k in schema.get("required", []) or (depth < 3 and rng.random() < 0.5)]
+        rng.shuffle(keys)
+        return {k: _random_value(props[k], rng, defs, depth + 1) for k in keys}
+    if kind == "array":
+        lo, hi = schema.get("minItems", 0), schema.get("maxItems", 3)
+        return [_random_value(schema["items"], rng, defs, depth + 1) for _ in range(rng.randint(lo, hi if depth < 3 else lo))]
+    if kind == "string":
+        lo, hi = schema.get("minLength", 0), schema.get("maxLength", 8)
+        return "".join(rng.choice("ab \u00e9\u4e2d\U0001f916\"\\\n/") for _ in range(rng.randint(lo, hi)))
+    if kind == "integer":
+        return rng.randint(-10**6, 10**6)
+    if kind == "number":
+        return rng.choice([0, -1.5, 3.25e-7, 12345.678, -2e20])
+    if kind == "boolean":
+        return rng.random() < 0.5
+    return None
+
+
+def _dumps(value, rng: random.Random) -> str:
+    style = rng.randrange(3)
+    if style == 0:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=rng.random() < 0.5)
+    if style == 1:
+        return json.dumps(value, ensure_ascii=False)
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("schema", [PERSON, TREE, ANY_OBJECT], ids=["person", "tree", "any-object"])
+def test_valid_documents_match_and_their_mutants_match_only_where_valid(schema):
+    grammar = compile_guide(guide_spec(schema))
+    rng = random.Random(0)
+    defs = schema.get("$defs", {})
+    for _ in range(150):
+        text = _dumps(_random_value(schema, rng, defs), rng)
+        data = text.encode("utf-8")
+        assert grammar.matches(data), text
+        state = grammar.initial
+        for i, b in enumerate(data):  # every prefix is alive, and only the whole document ends
+            assert not grammar.accepts(state), (text, i)
+            state = grammar.step(state, b)
+            assert state is not None, (text, i)
+        for _ in range(6):  # a mutant the grammar takes must be valid to the oracle
+            chars = list(text)
+            at = rng.randrange(len(chars) + 1)
+            op = rng.randrange(3)
+            if op == 0 and chars:
+                del chars[min(at, len(chars) - 1)]
+            elif op == 1:
+                chars.insert(at, rng.choice('{}[]",:0-.eE tnfa\\\u00e9'))
+            elif chars:
+                chars[min(at, len(chars) - 1)] = rng.choice('{}[]",:01 x')
+            mutant = "".join(chars)
+            if grammar.matches(mutant.encode("utf-8")):
+                assert _valid(schema, mutant), (text, mutant)
+
+
+def test_what_the_grammar_refuses():
+    person = compile_guide(guide_spec(PERSON))
+    base = {"name": "Al", "age": 3, "member": True}
+    assert person.matches(json.dumps(base).encode())
+    for bad in ({"name": "Al", "age": 3}, {**base, "age": 3.5}, {**base, "name": ""}, {**base, "name": "x" * 13},
+                {**base, "extra": 1}, {**base, "tags": []}, {**base, "tags": ["blue"]}, {**base, "home": {"zip": "0150"}},
+                {**base, "home": {"city": "Oslo", "zip": "150"}}):  # fmt: skip
+        assert not person.matches(json.dumps(bad).encode()), bad
+    assert not person.matches(b'{"name": "Al", "name": "Bo", "age": 3, "member": true}')  # a key once
+    any_object = compile_guide(guide_spec())
+    for bad in (b"[1]", b'"s"', b"{} {}", b'{"a": 01}', b'{"a": 1.}', b'{"a": "\x01"}', b'{"a": "\\x"}',
+                b'{"a": "\xff"}', b'{"a": "\xc3"}', b"{,}", b'{"a" 1}', b'{"a": tru}', b'{"a": NaN}'):
+        assert not any_object.matches(bad), bad
+    assert any_object.matches('{"\u00e9\\u00e9\\n": [true, null, -0.5E+2, {}]}'.encode())
+    assert not any_object.matches(b' {}') and not any_object.matches(b'\n{}')  # the value comes first
+    # whitespace: one space or tab, or a line break (\n or \r\n) and an indentation
+    for ws, ok in ((b" ", True), (b"\t", True), (b"  ", False), (b"\n\n", False), (b"\r\n" + b" " * MAX_INDENT, True),
+                   (b"\n" + b" " * (MAX_INDENT + 1), False), (b"\n\t\t", True), (b"\n \t", False), (b"\r", False)):
+        assert any_object.matches(b"{" + ws + b'"a"' + ws + b":" + ws + b"[" + ws + b"1" + ws + b"]" + ws + b"}") == ok, ws
+    assert not any_object.matches(b'{"a": ' + b"1" * (MAX_NUMBER + 1) + b"}")
+    # a number that could not be finished within the bound is refused where it would dead-end
+    assert any_object.advance(any_object.initial, b'{"a": ' + b"1" * (MAX_NUMBER - 1) + b".") is None
+
+
+def test_prefix_and_suffix_frame_the_value():
+    grammar = compile_guide(guide_spec({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                                       prefix="<tool_call>\n", suffix="\n</tool_call>"))
+    assert grammar.matches(b'<tool_call>\n{"x": 1}\n</tool_call>')
+    assert not grammar.matches(b'<tool_call>\n{"x": 1}')
+    assert not grammar.matches(b'{"x": 1}\n</tool_call>')
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
+    ({"type": "integer", "minimum": 0}, "'minimum' is not supported"),
+    ({"type": "object", "properties": {"a": {"type": "thing"}}}, "unknown type 'thing'"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required properties ['b']"),
+    ({"$ref": "https://example.com/s.json"}, "only local references"),
+    ({"$ref": "#/$defs/missing"}, "names nothing"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "'maxLength' (2) is below 'minLength' (3)"),
+    ({"allOf": [{}, {}]}, "'allOf' is supported with exactly one"),
+    ({"enum": []}, "'enum' must be a non-empty array"),
+])  # fmt: skip
+def test_schemas_it_cannot_enforce_are_refused_clearly(schema, words):
+    with pytest.raises(GuideError) as err:
+        compile_guide(guide_spec(schema))
+    assert words in str(err.value)
+    with pytest.raises(ValueError):  # SamplingParams validates the same way (GuideError is a ValueError)
+        SamplingParams(guide=guide_spec(schema))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(guide=guide_spec(), ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return make_demo_model(tmp_path_factory.mktemp("guide") / "small", "small")
+
+
+@pytest.fixture(scope="module")
+def index(demo_dir):
+    return TokenIndex.from_tokenizer(Tokenizer.from_dir(demo_dir))
+
+
+def test_masks_equal_a_token_by_token_brute_force(demo_dir, index):
+    tok = Tokenizer.from_dir(demo_dir)
+    pieces = {i: tok.token_bytes(i) for i in range(tok.vocab_size)}
+    specials = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    rng = random.Random(1)
+    for schema in (PERSON, ANY_OBJECT, TREE):
+        grammar = compile_guide(guide_spec(schema))
+        text = _dumps(_random_value(schema, rng, schema.get("$defs", {})), rng).encode()
+        state = grammar.initial
+        for i in range(len(text) + 1):
+            want = {t for t, p in pieces.items() if p and t not in specials and grammar.advance(state, p) is not None}
+            got = index.allowed(grammar, state)
+            assert len(got) == len(set(got)) and set(got) == want, (text[:i], len(got), len(want))
+            if i < len(text):
+                state = grammar.step(state, text[i])
+
+
+def _seq(rid: str, params: SamplingParams, output: list[int] | None = None) -> Sequence:
+    return Sequence(request_id=rid, prompt_token_ids=[1, 2, 3], params=params, eos_token_ids=(0,),
+                    output_token_ids=list(output or []))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_sampler_draws_only_allowed_tokens_and_reports_raw_logprobs(demo_dir, index, native, monkeypatch):
+    monkeypatch.setenv("LLMBUS_CPU_SAMPLER", "native" if native else "torch")
+    tok = Tokenizer.from_dir(demo_dir)
+    spec = guide_spec(PERSON)
+    grammar = compile_guide(spec)
+    sampler = Sampler(seed=0)
+    sampler.guides = GuideMasks(index)
+    v = tok.vocab_size + 7  # embedding rows past the tokenizer are never allowed
+    gen = torch.Generator().manual_seed(0)
+    seqs = [_seq("g0", SamplingParams(temperature=0, guide=spec, logprobs=2)),
+            _seq("g1", SamplingParams(temperature=1.0, top_p=0.9, guide=spec, seed=5)),
+            _seq("free", SamplingParams(temperature=0))]
+    for step in range(40):
+        logits = torch.randn(len(seqs), v, generator=gen) * 4
+        out = sampler(logits, seqs)
+        for s, t in zip(seqs, out.token_ids):
+            if s.params.guide:
+                state = grammar.advance(grammar.initial, b"".join(tok.token_bytes(x) for x in s.output_token_ids))
+                if t == 0:  # the end token: only where the object is complete
+                    assert grammar.accepts(state), (step, s.request_id)
+                else:
+                    assert t < tok.vocab_size and grammar.advance(state, tok.token_bytes(t)) is not None, (step, s.request_id)
+            s.output_token_ids.append(t)
+        raw = logits[0].log_softmax(-1)
+        assert out.logprobs[0].logprob == pytest.approx(float(raw[out.token_ids[0]]), abs=1e-5)
+        seqs = [s for s in seqs if not (s.output_token_ids and s.output_token_ids[-1] == 0)]
+        if not seqs:
+            break
+
+
+def test_a_sequence_that_ends_may_end_only_where_its_grammar_does(index):
+    spec = guide_spec({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+    sampler = Sampler(seed=0)
+    sampler.guides = GuideMasks(index)
+    seq = _seq("e", SamplingParams(temperature=0, guide=spec))
+    logits = torch.zeros(1, 2048)
+    logits[0, 0] = 50.0  # EOS is by far the likeliest, but the object is not closed
+    assert sampler(logits, [seq]).token_ids != [0]
+    done = index.allowed(compile_guide(spec), compile_guide(spec).advance(compile_guide(spec).initial, b'{"a":true}'))
+    assert done == []  # the object is closed: only an end token may follow
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir):
+    return LLM(str(demo_dir), dtype="float32", device="cpu")
+
+
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"},
+                                          "word": {"enum": ["yes", "no", "maybe"]},
+                                          "note": {"type": "string", "maxLength": 6}},
+         "required": ["ok", "n", "word", "note"], "additionalProperties": False}  # fmt: skip
+
+
+def test_guided_generation_is_valid_json_greedy_and_sampled(llm):
+    spec = guide_spec(SMALL)
+    prompts = ["A JSON answer:", "Tell me about the weather", "x"]
+    params = [SamplingParams(max_tokens=200, temperature=0, guide=spec),
+              SamplingParams(max_tokens=200, temperature=1.0, seed=3, guide=spec),
+              SamplingParams(max_tokens=200, temperature=0.7, top_k=50, seed=4, guide=spec)]
+    outs = llm.generate(prompts, params)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        assert _valid(SMALL, out.text), out.text
+    free = llm.generate(prompts[:1], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert not _valid(SMALL, free.text)  # the demo model alone writes no such thing
+
+
+def test_a_handoff_continues_the_guided_output_identically(demo_dir, llm):
+    spec = guide_spec(SMALL)
+    params = SamplingParams(max_tokens=200, temperature=0.8, seed=11, guide=spec)
+    whole = llm.generate(["Give me JSON"], params)[0]
+    prompt = llm.encode("Give me JSON")
+    prefill = LLM(str(demo_dir), dtype="float32", device="cpu").engine
+    decode = LLM(str(demo_dir), dtype="float32", device="cpu").engine
+    prefill.add_request("h", prompt, params, prefill_only=True)
+    first = []
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            first.extend(out.new_token_ids)
+    state, kv = prefill.export_sequence("h")
+    decode.import_sequence(state, kv, params)
+    rest = []
+    while decode.has_unfinished():
+        for out in decode.step():
+            rest.extend(out.new_token_ids)
+    assert first + rest == whole.token_ids
+    assert _valid(SMALL, llm.tokenizer.decode(first + rest))
+
+
+def test_an_engine_without_a_tokenizer_refuses_a_guide(demo_dir, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(demo_dir, bare)
+    (bare / "tokenizer.json").unlink()
+    engine = LLM(str(bare), dtype="float32", device="cpu").engine
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(guide=guide_spec()))
+    assert engine.leak_check()["requests"] == 0
