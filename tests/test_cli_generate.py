@@ -40,6 +40,20 @@ def test_generate_json_matches_python_api(model_dir):
     assert all(r["finish_reason"] == "length" for r in records)
 
 
+def test_generate_json_schema_output_parses(model_dir, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "word": {"enum": ["yes", "no"]}},
+              "required": ["ok", "word"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", "Answer:", "--max-tokens", "200",
+                   f"--json-schema=@{path}", "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["finish_reason"] == "stop"
+    value = json.loads(record["text"])
+    assert set(value) == {"ok", "word"} and isinstance(value["ok"], bool) and value["word"] in ("yes", "no")
+
+
 def test_generate_reads_a_prompt_from_standard_input(model_dir):
     """`--prompt -` is the text on standard input (newlines and all), beside any other prompts."""
     from llmbus.engine.llm import LLM
@@ -76,6 +90,10 @@ def test_generate_reads_a_prompt_from_standard_input(model_dir):
         (["--prompt-ids", "5,6", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--prompt-ids", "5,6", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
         (["--prompt-ids", "5,6", "--device", "cuda:64"], "CUDA device(s)"),
+        (["--prompt-ids", "5,6", "--json-schema", "{not json"], "--json-schema must be a JSON Schema"),
+        (["--prompt-ids", "5,6", "--json-schema", "@/nonexistent/s.json"], "No such file"),
+        (["--prompt-ids", "5,6", "--json-schema", '{"type": "string", "pattern": "a"}'], "--json-schema: schema: 'pattern'"),
+        (["--prompt-ids", "5,6", "--json-object", "--ignore-eos"], "--ignore-eos cannot be combined with a guide"),
     ],
 )
 def test_generate_bad_input_is_a_clear_error(model_dir, args, message):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
 import orjson
 
@@ -25,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None)
+    guide = p.add_mutually_exclusive_group()
+    guide.add_argument("--json-schema", metavar="SCHEMA", help="output JSON matching this JSON Schema (inline JSON, or @FILE)")
+    guide.add_argument("--json-object", action="store_true", help="output a JSON object")
     add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run)
@@ -43,6 +48,34 @@ def _prompts(texts: list[str]) -> list[str]:
     return [sys.stdin.read() if t == "-" else t for t in texts]
 
 
+def _guide(args: argparse.Namespace) -> str:
+    """The guide spec of --json-schema / --json-object ("" for free text)."""
+    from llmbus.guide.grammar import GuideError, check_guide, guide_spec
+
+    if args.json_object:
+        return guide_spec()
+    if args.json_schema is None:
+        return ""
+    text = args.json_schema
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--json-schema must be a JSON Schema (inline or @FILE): {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("--json-schema must be a JSON object (a JSON Schema)")
+    spec = guide_spec(schema)
+    try:
+        check_guide(spec)
+    except GuideError as exc:
+        raise ValueError(f"--json-schema: {exc}") from None
+    return spec
+
+
 def run(args: argparse.Namespace) -> int:
     from llmbus.engine.llm import LLM
     from llmbus.engine.sampling_params import SamplingParams
@@ -57,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
             logprobs=args.logprobs,
+            guide=_guide(args),
         )
     except ValueError as exc:
         raise option_error(exc, args) from None
