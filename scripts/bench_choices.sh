@@ -10,27 +10,8 @@
 #      GGUF_DIR (bench-results/models: <size>-sp.<f32|bf16>.gguf, made by bench_suite.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-PY=$ROOT/.venv/bin/python
 OUT=$(realpath -m "${OUT:-bench-results/choices}")
-GGUF_DIR=${GGUF_DIR:-bench-results/models}
-mkdir -p "$OUT"
-SP=""
-start() {  # name port command...: waits until it serves (llmbus: until every service is up)
-    local name=$1 port=$2; shift 2
-    "$@" > "$OUT/$name.log" 2>&1 & SP=$!
-    for _ in $(seq 1 300); do
-        if curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
-            [[ $name != llmbus* ]] && return 0
-            grep -q "llmbus up: ready" "$OUT/$name.log" && return 0
-        fi
-        kill -0 $SP 2>/dev/null || break
-        sleep 1
-    done
-    echo "skip $name: it did not come up (see $OUT/$name.log)" >&2; stop; return 1
-}
-stop() { [ -n "$SP" ] && { kill $SP 2>/dev/null; wait $SP 2>/dev/null; SP=""; sleep 2; }; }
-trap stop EXIT
+source scripts/bench_lib.sh
 llmbus() {  # name tree model: `llmbus up` from that tree
     local name=$1 tree=$2 model=$3 ok
     rm -rf "$OUT/data-$name"
@@ -40,12 +21,6 @@ llmbus() {  # name tree model: `llmbus up` from that tree
     ok=$?
     popd > /dev/null
     return $ok
-}
-bench() {  # port label out args...
-    local port=$1 label=$2 out=$3; shift 3
-    "$PY" -m llmbus.cli bench serve --base-url "http://127.0.0.1:$port" --model "$size" --tokenizer "$model" \
-        --server-pid "$SP" --no-progress --label "$label" --out "$OUT/$out.json" "$@" > /dev/null 2>&1 \
-        || echo "bench $out failed" >&2
 }
 for size in ${SIZES:-small large}; do
     model=bench-results/models/$size-sp

@@ -1,0 +1,29 @@
+# Helpers the service benchmarks share (sourced): start a server and wait until it serves, stop it,
+# run `llmbus bench serve` against it. The sourcing script runs from the repository root and sets
+# OUT (reports and logs), and, for `bench`, size (served model name) and model (its directory).
+ROOT=$PWD
+PY=$ROOT/.venv/bin/python
+GGUF_DIR=${GGUF_DIR:-bench-results/models}
+mkdir -p "$OUT"
+SP=""
+start() {  # name port command...: waits until it serves (llmbus: until every service is up)
+    local name=$1 port=$2; shift 2
+    "$@" > "$OUT/$name.log" 2>&1 & SP=$!
+    for _ in $(seq 1 300); do
+        if curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
+            [[ $name != llmbus* ]] && return 0
+            grep -q "llmbus up: ready" "$OUT/$name.log" && return 0
+        fi
+        kill -0 $SP 2>/dev/null || break
+        sleep 1
+    done
+    echo "skip $name: it did not come up (see $OUT/$name.log)" >&2; stop; return 1
+}
+stop() { [ -n "$SP" ] && { kill $SP 2>/dev/null; wait $SP 2>/dev/null; SP=""; sleep 2; }; }
+trap stop EXIT
+bench() {  # port label out args...
+    local port=$1 label=$2 out=$3; shift 3
+    "$PY" -m llmbus.cli bench serve --base-url "http://127.0.0.1:$port" --model "$size" --tokenizer "$model" \
+        --server-pid "$SP" --no-progress --label "$label" --out "$OUT/$out.json" "$@" > /dev/null 2>&1 \
+        || echo "bench $out failed" >&2
+}
