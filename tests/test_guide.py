@@ -15,7 +15,7 @@ from llmbus.engine.llm import LLM
 from llmbus.engine.sampler import Sampler
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence
-from llmbus.guide.grammar import MAX_INDENT, MAX_NUMBER, GuideError, compile_guide, guide_spec
+from llmbus.guide.grammar import MAX_INDENT, MAX_NUMBER, MAX_THREADS, GuideError, compile_guide, guide_spec
 from llmbus.guide.masks import GuideMasks, TokenIndex
 from llmbus.model.demo import make_demo_model
 from llmbus.model.tokenizer import Tokenizer
@@ -150,6 +150,21 @@ def test_what_the_grammar_refuses():
     assert not any_object.matches(b'{"a": ' + b"1" * (MAX_NUMBER + 1) + b"}")
     # a number that could not be finished within the bound is refused where it would dead-end
     assert any_object.advance(any_object.initial, b'{"a": ' + b"1" * (MAX_NUMBER - 1) + b".") is None
+
+
+def test_ambiguous_schemas_stay_bounded():
+    # copies of one option are one node, so they fork no threads
+    copies = compile_guide(guide_spec({"anyOf": [{"type": "integer"}] * 50}))
+    assert len(copies.advance(copies.initial, b"1")) == 1
+    # options that stay alive together, nested: 2^9 readings of the same bytes, refused past MAX_THREADS
+    schema: dict = {"type": "integer"}
+    for depth in range(9):
+        schema = {"anyOf": [{"type": "array", "items": schema, "maxItems": 1},
+                            {"type": "array", "items": schema, "maxItems": 2}]}
+    nested = compile_guide(guide_spec(schema))
+    state = nested.advance(nested.initial, b"[" * 8)
+    assert state is not None and len(state) == 2**8 == MAX_THREADS
+    assert nested.advance(state, b"[") is None  # 2^9 readings: refused
 
 
 def test_prefix_and_suffix_frame_the_value():

@@ -36,6 +36,7 @@ MAX_TABS = 10
 MAX_NUMBER = 24  # bytes in one number
 MAX_SPEC_BYTES = 64 * 1024  # a guide spec (the schema) as sent on the bus
 MAX_NODES = 2048  # schema nodes after compilation ($refs count once)
+MAX_THREADS = 256  # ways one output may be read at once (anyOf options alive): a byte needing more is refused
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
@@ -110,8 +111,23 @@ class _Compiler:
         self.root = root
         self.refs: dict[str, object] = {}
         self.nodes = 0
+        self.shared: dict[str, object] = {}
 
     def node(self, schema, where: str):
+        """The node of ``schema``; equal subschemas share one (so ``anyOf`` copies of one schema
+        fork no extra threads: equal threads are one in a state's set)."""
+        try:
+            key = json.dumps(schema, sort_keys=True)
+        except (TypeError, ValueError):
+            key = None
+        if key is not None and key in self.shared:
+            return self.shared[key]
+        node = self.build(schema, where)
+        if key is not None:
+            self.shared[key] = node
+        return node
+
+    def build(self, schema, where: str):
         self.nodes += 1
         if self.nodes > MAX_NODES:
             raise GuideError(f"the schema is too large: more than {MAX_NODES} subschemas")
@@ -508,6 +524,8 @@ class Grammar:
         nxt = self._memo.get(key, False)
         if nxt is False:
             nxt = frozenset(t for thread in state for t in _feed(thread, b)) or None
+            if nxt is not None and len(nxt) > MAX_THREADS:  # NOTE: a pathological schema's reading is refused
+                nxt = None
             if len(self._memo) >= self.MAX_MEMO:
                 self._memo.clear()
             self._memo[key] = nxt
