@@ -16,7 +16,7 @@ from llmbus.engine.sampler import Sampler
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence
 from llmbus.guide.grammar import MAX_INDENT, MAX_NUMBER, MAX_THREADS, GuideError, compile_guide, guide_spec
-from llmbus.guide.masks import GuideMasks, TokenIndex
+from llmbus.guide.masks import GuideMasks, GuideRun, TokenIndex
 from llmbus.model.demo import make_demo_model
 from llmbus.model.tokenizer import Tokenizer
 
@@ -221,6 +221,24 @@ def test_masks_equal_a_token_by_token_brute_force(demo_dir, index):
             assert len(got) == len(set(got)) and set(got) == want, (text[:i], len(got), len(want))
             if i < len(text):
                 state = grammar.step(state, text[i])
+
+
+def test_the_mask_cache_is_bounded_by_ids_and_keeps_the_recent(index):
+    masks = GuideMasks(index)
+    masks.MASK_IDS = 40
+    spec = guide_spec(PERSON)
+    run = GuideRun(spec)
+    text = b'{"age": 1, "member": true, "name": "x"}'
+    structural = []
+    for i in range(len(text)):
+        run.state = compile_guide(spec).advance(compile_guide(spec).initial, text[:i])
+        ids, _ = masks.mask(run, torch.device("cpu"))
+        if compile_guide(spec).string_threads(run.state) is None:
+            structural.append((run.state, ids))
+    assert masks._mask_ids <= 40 or len(masks._masks) == 1
+    assert masks._mask_ids == sum(v[0].numel() for v in masks._masks.values())
+    last_state, last_ids = structural[-1]
+    assert torch.equal(masks._masks[(spec, last_state)][0], last_ids)  # the newest stays
 
 
 def _seq(rid: str, params: SamplingParams, output: list[int] | None = None) -> Sequence:

@@ -39,6 +39,9 @@ MAX_NODES = 2048  # schema nodes after compilation ($refs count once)
 MAX_THREADS = 256  # ways one output may be read at once (anyOf options alive): a byte needing more is refused
 
 _WS = frozenset(b" \t\n\r")
+# every byte a value's start, an object, an array or a number can take: whitespace, punctuation,
+# digits and the letters of true/false/null (the rest of those is a literal frame's)
+_STRUCTURAL = frozenset(b' \t\n\r{}[]:,"-+.eE0123456789tfn')
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
@@ -538,6 +541,40 @@ class Grammar:
             state = self.step(state, b)
         return state
 
+    @staticmethod
+    def digit_room(state: frozenset) -> int | None:
+        """Where every thread is in a number's digits (a digit keeps it there): how many more
+        digits the longest may take; else None."""
+        room = None
+        for thread in state:
+            top = thread[-1] if thread else None
+            if top is None or top[0] != "N" or top[2] not in (_INT, _FRAC, _EXPD):
+                return None
+            room = max(room or 0, MAX_NUMBER - top[3])
+        return room
+
+    @staticmethod
+    def possible_bytes(state: frozenset) -> frozenset | None:
+        """A superset of the bytes ``state`` can take next where that is cheap to know (every
+        thread between values, in an object, array or number, or in a key of an object without
+        extra keys), else None (any byte may)."""
+        keys = None
+        for thread in state:
+            if not thread:
+                continue
+            top = thread[-1]
+            if top[0] == "K":
+                node, partial = thread[-2][1], top[1]
+                if node.extra is not None or partial is None or top[2] or top[3]:
+                    return None
+                keys = (keys or set()) | {name[len(partial)] for name in node.props if len(name) > len(partial)
+                                          and name.startswith(partial)}  # fmt: skip
+            elif top[0] not in "VOAN":
+                return None
+        if keys is None:
+            return _STRUCTURAL
+        return _STRUCTURAL | keys
+
     def accepts(self, state: frozenset | None) -> bool:
         return state is not None and any(_can_end(t) for t in state)
 
@@ -546,18 +583,39 @@ class Grammar:
         return self.accepts(self.advance(self.initial, data))
 
     @staticmethod
-    def string_room(state: frozenset) -> float | None:
-        """Where every thread is inside a string between characters: how many more characters one
-        may take (inf: unbounded). Plain characters (no quote, backslash or control byte) can come
-        next up to that many, whatever they are; None where the state is not such."""
-        room = 0.0
+    def string_threads(state: frozenset) -> list[tuple[float, int, frozenset]] | None:
+        """Where every thread is inside a string between characters, per thread: (characters it
+        may still take (inf: unbounded), characters due before it may close, the state once it has
+        closed); None where the state is not such. What a token does there depends only on these
+        (``scan_string`` reads the token), so masks need no walk."""
+        out = []
         for thread in state:
             top = thread[-1] if thread else None
             if top is None or top[0] != "S" or top[3] or top[4]:
                 return None
-            most = top[1].max_len
-            room = max(room, math.inf if most is None else most - top[2])
-        return room
+            node, length = top[1], top[2]
+            room = math.inf if node.max_len is None else node.max_len - length
+            out.append((room, max(0, node.min_len - length), frozenset((_done(thread[:-1]),))))
+        return out
+
+
+def scan_string(piece: bytes) -> tuple[int, int, bytes | None] | None:
+    """``piece`` read from inside a string, between characters: (characters it needs room for,
+    characters it completes before closing the string (or in all), the bytes after the closing quote,
+    None where it does not close); None where no string can hold it (a control byte, a bad
+    escape or UTF-8 sequence)."""
+    esc = utf8 = need = done = 0
+    for i, b in enumerate(piece):
+        if not esc and not utf8:
+            if b == _QUOTE:
+                return need, done, piece[i + 1 :]
+            need = max(need, done + 1)  # NOTE: a character starts: the string must have room for it
+        step = _string_byte(esc, utf8, b)
+        if step is None:
+            return None
+        esc, utf8, ended = step
+        done += ended
+    return need, done, None
 
 
 def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "") -> str:

@@ -2,15 +2,19 @@
 
 The vocabulary is kept as its tokens' byte strings in sorted order, so a trie node is a range of
 that list (the tokens sharing a prefix) and a walk descends only into bytes the grammar can take
-next: from a state expecting ``:``, one step per distinct first byte, not one per token. Inside an
-unbounded string, where nearly everything may follow, the walk covers only the tokens holding a
-quote, backslash, control byte or partial UTF-8 character; the rest ("plain") are allowed by their
-length alone (all of them in an unbounded string, those that fit in a bounded one).
+next: from a state expecting ``:``, one step per distinct first byte, not one per token.
 
-Masks are cached per (spec, state) and shared by every sequence with that guide, so a schema's
-hundredth request computes next to nothing. Each sequence's ``GuideRun`` advances its state by
-the tokens it has produced since the last step, so prefill, decode and a recomputed sequence all
-rebuild the same state from the output alone.
+Inside a string, where nearly everything may follow and where most of a JSON output's tokens are
+drawn, there is no walk: each token was read once, from inside a string, when the index was built
+(``scan_string``). A "plain" token (whole characters, no quote, backslash or control byte) needs
+only room; one that stays inside needs room for its characters; one that closes the string needs
+room, enough characters before the quote (minLength) and a tail that the state after the string
+takes, which is checked once per such state. So a bounded string, whose every length is a state
+of its own, costs a bisection and a short list per token, not a walk.
+
+Other masks are cached per (spec, state) and shared by every sequence with that guide. Each
+sequence's ``GuideRun`` advances its state by the tokens it has produced since the last step, so
+prefill, decode and a recomputed sequence all rebuild the same state from the output alone.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections import OrderedDict
 
 import torch
 
-from llmbus.guide.grammar import Grammar, compile_guide
+from llmbus.guide.grammar import Grammar, compile_guide, scan_string
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +53,24 @@ class TokenIndex:
     def __init__(self, pieces: list[bytes | None]) -> None:
         entries = [(p, i) for i, p in enumerate(pieces) if p]
         self.all = _Sorted(list(entries))
-        self.special = _Sorted([(p, i) for p, i in entries if not _plain(p)])
         plain = sorted((len(p.decode("utf-8")), i) for p, i in entries if _plain(p))
         self.plain_chars = [n for n, _ in plain]  # ascending
         self.plain_ids = [i for _, i in plain]
+        # the other tokens, read from inside a string: those that stay inside by the room they
+        # need (ascending), those that close it with what they need and what follows the quote
+        inside, self.closers = [], []
+        for p, i in entries:
+            if not _plain(p) and (scan := scan_string(p)) is not None:
+                need, done, tail = scan
+                if tail is None:
+                    inside.append((need, i))
+                else:
+                    self.closers.append((i, need, done, tail))
+        inside.sort()
+        self.inside_need = [n for n, _ in inside]
+        self.inside_ids = [i for _, i in inside]
+        self._closing: OrderedDict = OrderedDict()  # state after a string closes -> closers it takes
+        self._nodes: dict[tuple[int, int], tuple] = {}  # (first token, depth) -> trie node (top levels)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "TokenIndex":
@@ -61,30 +79,85 @@ class TokenIndex:
 
     def allowed(self, grammar: Grammar, state: frozenset) -> list[int]:
         """The tokens whose bytes ``state`` can take next, in no particular order."""
+        threads = grammar.string_threads(state)
+        if threads is not None:
+            plain, other = self.in_string(grammar, threads)
+            return self.plain_ids[:plain] + other
         out: list[int] = []
-        room = grammar.string_room(state)
-        if room is not None:  # plain tokens by length alone; the walk covers the others
-            out.extend(self.plain_ids[: bisect.bisect_right(self.plain_chars, room)])
-            table = self.special
-        else:
-            table = self.all
-        self._walk(grammar, state, table.pieces, table.ids, 0, len(table.pieces), 0, out)
+        self._walk(grammar, state, 0, len(self.all.pieces), 0, out)
         return out
 
-    def _walk(self, grammar: Grammar, state, pieces: list[bytes], ids: list[int], lo: int, hi: int,
-              depth: int, out: list[int]) -> None:  # fmt: skip
-        """pieces[lo:hi] share their first ``depth`` bytes, after which the grammar is in ``state``."""
+    def in_string(self, grammar: Grammar, threads: list[tuple[float, int, frozenset]]) -> tuple[int, list[int]]:
+        """Inside a string (``Grammar.string_threads``): how many of ``plain_ids`` are allowed (a
+        prefix: those short enough), and the other tokens allowed. No walk: a plain token needs
+        only room, one that stays inside only room, one that closes the string room, enough
+        characters before the quote, and a tail the closed state takes (cached per that state)."""
+        room = max(t[0] for t in threads)
+        plain = bisect.bisect_right(self.plain_chars, room)
+        other = self.inside_ids[: bisect.bisect_right(self.inside_need, room)]
+        closing = []
+        for room_t, due, after in threads:
+            closing += [i for i, need, done in self._closers(grammar, after) if need <= room_t and done >= due]
+        return plain, other + (closing if len(threads) == 1 else list(dict.fromkeys(closing)))
+
+    def _closers(self, grammar: Grammar, after: frozenset) -> list[tuple[int, int, int]]:
+        hit = self._closing.get(after)
+        if hit is None:
+            hit = [(i, need, done) for i, need, done, tail in self.closers
+                   if not tail or grammar.advance(after, tail) is not None]  # fmt: skip
+            self._closing[after] = hit
+            if len(self._closing) > 4096:
+                self._closing.popitem(last=False)
+        return hit
+
+    def _walk(self, grammar: Grammar, state, lo: int, hi: int, depth: int, out: list[int]) -> None:
+        """Tokens lo:hi (sorted) share their first ``depth`` bytes, after which the grammar is in
+        ``state``: collect those it allows. Outside strings and keys only a few bytes can ever come
+        next (``possible_bytes``); the others are not even tried."""
+        if depth and (room := grammar.digit_room(state)) is not None:  # inside a number's digits
+            self._flat(grammar, state, room, lo, hi, depth, out)
+            return
+        ends, children = self._node(lo, hi, depth)
+        out.extend(self.all.ids[lo:ends])
+        only = grammar.possible_bytes(state)
+        for b, start, end in children:
+            if only is not None and b not in only:
+                continue
+            nxt = grammar.step(state, b)
+            if nxt is not None:
+                self._walk(grammar, nxt, start, end, depth + 1, out)
+
+    def _flat(self, grammar: Grammar, state, room: int, lo: int, hi: int, depth: int, out: list[int]) -> None:
+        """The tokens of a walk's node one by one, where the state is in a number's digits (a
+        digit-led range, tens of tokens): the rest of one all digits needs only room (a number of
+        digit tokens would each cost a step per byte), any other is fed to the grammar."""
+        pieces, ids = self.all.pieces, self.all.ids
+        for j in range(lo, hi):
+            rest = pieces[j][depth:]
+            if not rest or (len(rest) <= room if rest.isdigit() else grammar.advance(state, rest) is not None):
+                out.append(ids[j])
+
+    def _node(self, lo: int, hi: int, depth: int) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """A trie node, tokens lo:hi sharing ``depth`` bytes: where those ending there end, and its
+        children as (byte, start, end). The top two levels, which every walk visits, are kept."""
+        key = (lo, depth)
+        node = self._nodes.get(key)
+        if node is not None:
+            return node
+        pieces = self.all.pieces
         i = lo
-        while i < hi and len(pieces[i]) == depth:  # these tokens end here (shorter sorts first)
-            out.append(ids[i])
+        while i < hi and len(pieces[i]) == depth:  # shorter sorts first
             i += 1
+        ends, children = i, []
         while i < hi:
             b = pieces[i][depth]
             end = bisect.bisect_left(pieces, pieces[i][:depth] + bytes((b + 1,)), i, hi) if b < 255 else hi
-            nxt = grammar.step(state, b)
-            if nxt is not None:
-                self._walk(grammar, nxt, pieces, ids, i, end, depth + 1, out)
+            children.append((b, i, end))
             i = end
+        node = (ends, tuple(children))
+        if depth < 2:
+            self._nodes[key] = node
+        return node
 
 
 class GuideRun:
@@ -102,12 +175,22 @@ class GuideRun:
 class GuideMasks:
     """The guided-decoding side of a sampler: per-sequence runs and the shared mask cache."""
 
-    MAX_MASKS = 2048
+    # masks kept, counted in token ids (8 bytes each: 32 MiB): a structural state's mask is short
+    # (tens to thousands of ids), and a schema's requests visit thousands of such states
+    MASK_IDS = 1 << 22
 
     def __init__(self, index: TokenIndex) -> None:
         self.index = index
         self._masks: OrderedDict = OrderedDict()  # (spec, state) -> (allowed ids tensor, accepts)
+        self._mask_ids = 0
         self._pieces: dict[int, bytes] = {}
+        self._plain_ids: dict[torch.device, torch.Tensor] = {}
+
+    def _plain(self, device: torch.device) -> torch.Tensor:
+        cached = self._plain_ids.get(device)
+        if cached is None:
+            cached = self._plain_ids[device] = torch.tensor(self.index.plain_ids, dtype=torch.long).to(device)
+        return cached
 
     def _piece(self, token: int) -> bytes | None:
         table = self.index.all
@@ -128,6 +211,10 @@ class GuideMasks:
         with nothing allowed (a token outside the grammar, which only a bug produces) may only end."""
         if run.state is None:
             return torch.empty(0, dtype=torch.long, device=device), True
+        threads = run.grammar.string_threads(run.state)
+        if threads is not None:  # inside a string: cheap enough to build every time, no cache entry
+            plain, other = self.index.in_string(run.grammar, threads)
+            return torch.cat([self._plain(device)[:plain], torch.tensor(other, dtype=torch.long).to(device)]), False
         key = (run.spec, run.state)
         hit = self._masks.get(key)
         if hit is not None and hit[0].device == device:
@@ -137,6 +224,7 @@ class GuideMasks:
         accepts = run.grammar.accepts(run.state) or not ids
         entry = (torch.tensor(sorted(ids), dtype=torch.long).to(device), accepts)
         self._masks[key] = entry
-        if len(self._masks) > self.MAX_MASKS:
-            self._masks.popitem(last=False)
+        self._mask_ids += entry[0].numel()
+        while self._mask_ids > self.MASK_IDS and len(self._masks) > 1:
+            self._mask_ids -= self._masks.popitem(last=False)[1][0].numel()
         return entry
