@@ -303,8 +303,9 @@ def _string_byte(esc: int, utf8: int, b: int):
     return None
 
 
-# whitespace run states: -1 none allowed (before the guided value), 0 none yet, 1 one space or tab (the run is over), 2 after \r (\n due),
-# 3 after a line break, 4.. that many - 3 spaces of indentation, 100.. that many - 100 tabs
+# whitespace run states: -1 none allowed (before the guided value), 0 none yet, 1 one space or
+# tab (the run is over), 2 after \r (\n due), 3 after a line break, 4.. that many - 3 spaces of
+# indentation, 100.. that many - 100 tabs
 def _space(ws: int, b: int) -> int | None:
     """The whitespace run's state after whitespace byte ``b``, or None where the run cannot go on."""
     if ws <= 0:

@@ -15,9 +15,9 @@ content at once (hermes holds back a possible start of a tag, as stop strings ar
 holds an answer that starts with ``{`` to its end), a complete call goes out as one OpenAI tool
 call (``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``). What is not a
 call (bad JSON, no name) goes out as the text it was. ``tool_choice`` "required" or a named
-function guides decoding (``forced_call_guide``): the answer is then one call, in the format. The model's chat template must render the
-request's ``tools`` (it gets them as ``tools``), as it must for any server; the gateway does not
-write them into the prompt itself.
+function guides decoding (``forced_call_guide``): the answer is then one call, in the format.
+The model's chat template must render the request's ``tools`` (it gets them as ``tools``), as it
+must for any server; the gateway does not write them into the prompt itself.
 """
 
 from __future__ import annotations
