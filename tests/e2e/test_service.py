@@ -184,6 +184,28 @@ def test_json_schema_output_through_prefill_handoff_and_decode(client, reference
     assert out.choices[0].message.content.startswith("{")
 
 
+def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
+    """``chat.completions.parse(response_format=Model)``: the SDK sends the model's strict schema
+    ($defs, $ref, anyOf with null, additionalProperties false) and parses the answer into it."""
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Step(BaseModel):
+        name: str = Field(max_length=8)
+        done: bool
+
+    class Plan(BaseModel):
+        steps: list[Step] = Field(max_length=2)
+        verdict: Literal["go", "stop"]
+        score: Optional[int]
+
+    out = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Plan it."}],
+                                        max_tokens=400, temperature=0, response_format=Plan)  # fmt: skip
+    plan = out.choices[0].message.parsed
+    assert isinstance(plan, Plan) and len(plan.steps) <= 2 and plan.verdict in ("go", "stop")
+
+
 def test_forced_tool_calls_are_calls(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
                 "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
