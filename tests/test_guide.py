@@ -314,6 +314,22 @@ def test_guided_generation_is_valid_json_greedy_and_sampled(llm):
     assert not _valid(SMALL, free.text)  # the demo model alone writes no such thing
 
 
+def test_a_preempted_guided_sequence_continues_identically(demo_dir, llm):
+    """Recompute after preemption keeps the output tokens: the guide's state is rebuilt from them."""
+    spec = guide_spec(SMALL)
+    params = [SamplingParams(max_tokens=200, temperature=0.9, seed=20 + i, guide=spec) for i in range(4)]
+    prompts = [f"Request {i} wants JSON" for i in range(4)]
+    roomy = llm.generate(prompts, params)
+    tight = LLM(str(demo_dir), dtype="float32", device="cpu", num_blocks=16, max_num_batched_tokens=32)
+    squeezed = tight.generate(prompts, params)
+    assert tight.engine.num_preemptions > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
+    for o in squeezed:
+        assert _valid(SMALL, o.text), o.text
+    leaks = tight.engine.leak_check()
+    assert leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_a_handoff_continues_the_guided_output_identically(demo_dir, llm):
     spec = guide_spec(SMALL)
     params = SamplingParams(max_tokens=200, temperature=0.8, seed=11, guide=spec)
