@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -42,6 +43,9 @@ TREE = {  # recursive: a node's children are nodes
                        "required": ["v"]}},
 }  # fmt: skip
 ANY_OBJECT = {"type": "object"}
+CODED = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                          "code": {"type": "string", "pattern": "^[A-Z]{2}\\d{2,3}$"}},
+         "required": ["day", "code"]}  # fmt: skip
 
 
 def _valid(schema: dict, text: str) -> bool:
@@ -51,7 +55,7 @@ def _valid(schema: dict, text: str) -> bool:
     except ValueError:
         return False
     try:
-        jsonschema.validate(value, schema)
+        jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
     except jsonschema.ValidationError:
         return False
     return True
@@ -143,6 +147,11 @@ def test_what_the_grammar_refuses():
         assert not any_object.matches(bad), bad
     assert any_object.matches('{"\u00e9\\u00e9\\n": [true, null, -0.5E+2, {}]}'.encode())
     assert not any_object.matches(b' {}') and not any_object.matches(b'\n{}')  # the value comes first
+    # strings are valid UTF-8: no overlong forms, no surrogates, nothing past U+10FFFF
+    for text, ok in (("\u4e2d", True), ("\U0001f916", True), ("\U0010ffff", True)):
+        assert any_object.matches(b'{"a": "' + text.encode() + b'"}') == ok
+    for raw in (b"\xe0\x80\xb0", b"\xc0\xb0", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x80\x80\xb0"):
+        assert not any_object.matches(b'{"a": "' + raw + b'"}'), raw
     # whitespace: one space or tab, or a line break (\n or \r\n) and an indentation
     for ws, ok in ((b" ", True), (b"\t", True), (b"  ", False), (b"\n\n", False), (b"\r\n" + b" " * MAX_INDENT, True),
                    (b"\n" + b" " * (MAX_INDENT + 1), False), (b"\n\t\t", True), (b"\n \t", False), (b"\r", False)):
@@ -175,8 +184,52 @@ def test_prefix_and_suffix_frame_the_value():
     assert not grammar.matches(b'{"x": 1}\n</tool_call>')
 
 
+PATTERNS = {  # pattern: a string it matches, which the test also mutates
+    r"^\d{4}-\d{2}-\d{2}$": "2024-05-17", r"^[a-z]+(?:-[a-z]+)*$": "ab-cd", r"ab|cd": "xcdy", r"^(ab|c)*d?$": "abcd",
+    r"^[^@\s]+@[^@\s]+\.[a-z]{2,}$": "a@b.cd", r"^\w{2,5}$": "a_9", r"x{2,}y{0,1}": "axxy", r"^[A-F0-9]{1,3}\.?$": "A0.",
+    r"^.$": "\u00e9", r"^[\d\-\u00e9]+$": "1-\u00e9", r"^\u00e9+\n?$": "\u00e9\n", r'^"[^"]*"$': '"ab"', r"[^a-c]": "abd",
+    r"^(a|b){2,3}\\$": "ab\\",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_is_searched_in_the_decoded_string_as_re_does(pattern):
+    grammar = compile_guide(guide_spec({"type": "string", "pattern": pattern}))
+    oracle = re.compile(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, re.ASCII)  # JS's $: the end
+    rng = random.Random(pattern)
+    alphabet = 'abcdxyAF09-@. \u00e9\n_"\\'
+    hits = 0
+    for _ in range(1500):
+        if rng.random() < 0.5:
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9)))
+        else:  # an edit of the example
+            chars = list(PATTERNS[pattern])
+            for _ in range(rng.randrange(3)):
+                at = rng.randrange(len(chars) + 1)
+                if rng.random() < 0.5 and chars:
+                    del chars[min(at, len(chars) - 1)]
+                else:
+                    chars.insert(at, rng.choice(alphabet))
+            text = "".join(chars)
+        want = oracle.search(text) is not None
+        hits += want
+        assert grammar.matches(json.dumps(text, ensure_ascii=rng.random() < 0.5).encode()) == want, repr(text)
+    assert hits > 0
+
+
+def test_string_formats_are_enforced():
+    for fmt, good, bad in (("date", "2024-02-29", "2024-13-01"), ("date-time", "2024-02-29T23:59:59.5+01:00", "2024-02-29 23:59:59"),
+                           ("time", "08:30:00Z", "8:30"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567"),
+                           ("email", "a.b@example.org", "a b@example.org"), ("ipv4", "10.0.255.1", "10.0.256.1")):  # fmt: skip
+        grammar = compile_guide(guide_spec({"type": "string", "format": fmt}))
+        assert grammar.matches(json.dumps(good).encode()) and not grammar.matches(json.dumps(bad).encode()), fmt
+        if fmt != "time":  # (jsonschema checks draft 3's time, without an offset)
+            assert _valid({"type": "string", "format": fmt}, json.dumps(good))  # the oracle agrees on the good one
+
+
 @pytest.mark.parametrize("schema, words", [
-    ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
+    ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
+    ({"type": "string", "pattern": r"(a)\1"}, "backreferences"),
     ({"type": "integer", "minimum": 0}, "'minimum' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "thing"}}}, "unknown type 'thing'"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required properties ['b']"),
@@ -211,9 +264,10 @@ def test_masks_equal_a_token_by_token_brute_force(demo_dir, index):
     pieces = {i: tok.token_bytes(i) for i in range(tok.vocab_size)}
     specials = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
     rng = random.Random(1)
-    for schema in (PERSON, ANY_OBJECT, TREE):
+    for schema in (PERSON, ANY_OBJECT, TREE, CODED):
         grammar = compile_guide(guide_spec(schema))
-        text = _dumps(_random_value(schema, rng, schema.get("$defs", {})), rng).encode()
+        text = (b'{"day": "2024-05-17", "code": "AB123"}' if schema is CODED
+                else _dumps(_random_value(schema, rng, schema.get("$defs", {})), rng).encode())
         state = grammar.initial
         for i in range(len(text) + 1):
             want = {t for t, p in pieces.items() if p and t not in specials and grammar.advance(state, p) is not None}
@@ -298,6 +352,13 @@ SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type
                                           "word": {"enum": ["yes", "no", "maybe"]},
                                           "note": {"type": "string", "maxLength": 6}},
          "required": ["ok", "n", "word", "note"], "additionalProperties": False}  # fmt: skip
+
+
+def test_guided_generation_follows_patterns_and_formats(llm):
+    outs = llm.generate(["A code:", "Today is"], [SamplingParams(max_tokens=200, temperature=t, seed=2, guide=guide_spec(CODED))
+                                                 for t in (0, 1.0)])  # fmt: skip
+    for out in outs:
+        assert out.finish_reason == "stop" and _valid(CODED, out.text), out.text
 
 
 def test_guided_generation_is_valid_json_greedy_and_sampled(llm):

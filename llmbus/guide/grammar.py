@@ -15,13 +15,14 @@ notice: whitespace between tokens is one space, or a line break and an indentati
 ``MAX_INDENT`` spaces or ``MAX_TABS`` tabs), as compact and pretty-printed JSON have it; numbers
 have at most ``MAX_NUMBER`` bytes. (Free whitespace lets a weak model spend its whole budget on
 blank lines, never closing the value.)
-Strings are checked as JSON strings of valid UTF-8 (escapes included); keys are the schema's
-properties, each at most once, in any order, every ``required`` one before the object closes.
-Extra keys only where ``additionalProperties`` allows them, or the schema lists no ``properties`` at
-all (as OpenAI's strict mode and xgrammar do: a schema that lists its properties means those, and
-``"properties": {}`` means an empty object). Validation keywords a byte-level matcher cannot
-enforce (``pattern``, ``minimum``, ...) are refused with ``GuideError`` rather than ignored;
-annotations (``title``, ``description``, ``default``, ``format``, ...) are ignored.
+Strings are checked as JSON strings of valid UTF-8 (escapes included), their decoded value against
+a ``pattern`` (``llmbus.guide.regex``) or a known ``format`` (date, time, date-time, uuid, email,
+ipv4); keys are the schema's properties, each at most once, in any order, every ``required`` one
+before the object closes. Extra keys only where ``additionalProperties`` allows them, or the schema
+lists no ``properties`` at all (as OpenAI's strict mode and xgrammar do: a schema that lists its
+properties means those, and ``"properties": {}`` means an empty object). Validation keywords this
+matcher cannot enforce (``minimum``, ``uniqueItems``, ...) are refused with ``GuideError`` rather
+than ignored; annotations (``title``, ``description``, ``default``, other formats, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import functools
 import json
 import math
 from dataclasses import dataclass, field
+
+from llmbus.guide.regex import Regex, RegexError
 
 MAX_INDENT = 40  # spaces after a line break (4 per level, 10 levels)
 MAX_TABS = 10
@@ -47,11 +50,24 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 
 # keywords that constrain values in ways this matcher does not enforce: refused, not ignored
-_REFUSED = ("pattern", "patternProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+_REFUSED = ("patternProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
             "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
             "dependencies", "propertyNames", "minProperties", "maxProperties", "uniqueItems", "contains",
             "minContains", "maxContains", "prefixItems", "unevaluatedProperties", "unevaluatedItems")
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+_TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?"
+_OFFSET = r"(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
+_OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+# string formats enforced as patterns (RFC 3339 dates and times, ...); others are annotations
+_FORMATS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}{_OFFSET}$",
+    "date-time": f"^{_DATE}T{_TIME}{_OFFSET}$",
+    "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+    "email": r"^[^\s@\\\"]+@[^\s@\\\"]+\.[^\s@\\\"]+$",
+    "ipv4": f"^({_OCTET}\\.){{3}}{_OCTET}$",
+}
 
 
 class GuideError(ValueError):
@@ -80,6 +96,7 @@ class ArrayNode:
 class StringNode:
     min_len: int = 0
     max_len: int | None = None
+    pattern: Regex | None = None  # the decoded value must match it (searched, as JSON Schema says)
 
 
 @dataclass(eq=False)
@@ -187,7 +204,15 @@ class _Compiler:
             return node
         if kind == "string":
             lo, hi = self.bounds(schema, "minLength", "maxLength", where)
-            return StringNode(lo, hi)
+            pattern = schema.get("pattern", _FORMATS.get(schema.get("format")))
+            if pattern is None:
+                return StringNode(lo, hi)
+            if not isinstance(pattern, str):
+                raise GuideError(f"{where}: 'pattern' must be a string")
+            try:
+                return StringNode(lo, hi, Regex(pattern))
+            except RegexError as exc:
+                raise GuideError(f"{where}: {exc}") from None
         if kind in ("number", "integer"):
             return NumberNode(integer=kind == "integer")
         if kind == "boolean":
@@ -254,8 +279,10 @@ class _Compiler:
 #   ("K", partial, esc, utf8)        inside a key; partial: the bytes so far while they begin a
 #                                    declared property's name, else None
 #   ("A", node, phase, count, ws)    inside an array
-#   ("S", node, length, esc, utf8)   inside a string; length in characters (kept only as far as
-#                                    the bounds need, so an unbounded string's state never changes)
+#   ("S", node, length, esc, utf8, acc, nfa)  inside a string; length in characters (kept only
+#                                    as far as the bounds need, so an unbounded string's state
+#                                    never changes); with a pattern, nfa: its states after the
+#                                    characters so far, acc: the code point being read
 #   ("N", node, phase, length)       inside a number
 #   ("L", options, pos)              inside a literal: options share their first ``pos`` bytes
 # esc: 0, 1 after a backslash, 2..5 reading \u's hex digits (13..15 in a surrogate pair's first
@@ -267,6 +294,11 @@ _OPEN, _COLON, _AFTER, _NEXT, _VALUE = range(5)
 _SIGN, _ZERO, _INT, _DOT, _FRAC, _EXP, _EXPSIGN, _EXPD = range(8)
 _NUM_END = frozenset((_ZERO, _INT, _FRAC, _EXPD))
 _NUM_DUE = {_SIGN: 1, _DOT: 1, _EXP: 1, _EXPSIGN: 1}  # bytes a phase needs before the number may end
+
+
+# UTF-8 continuation bytes due (utf8 % 10), where the second byte's range is narrower (no overlong
+# forms, no surrogates, nothing past U+10FFFF): after E0, ED, F0, F4
+_SECOND = {12: (0xA0, 0xBF), 22: (0x80, 0x9F), 13: (0x90, 0xBF), 23: (0x80, 0x8F)}
 
 
 def _string_byte(esc: int, utf8: int, b: int):
@@ -287,7 +319,9 @@ def _string_byte(esc: int, utf8: int, b: int):
             return (4, 0, False) if esc == 13 else (15, 0, False) if esc == 14 else (0, 0, False)
         return (0, 0, True) if esc == 5 else (esc + 1, 0, False)
     if utf8:
-        return (0, utf8 - 1, utf8 == 1) if 0x80 <= b <= 0xBF else None
+        lo, hi = _SECOND.get(utf8, (0x80, 0xBF))
+        due = utf8 % 10
+        return (0, due - 1, due == 1) if lo <= b <= hi else None
     if b == _BACKSLASH:
         return 1, 0, False
     if b < 0x20:
@@ -297,9 +331,9 @@ def _string_byte(esc: int, utf8: int, b: int):
     if 0xC2 <= b <= 0xDF:
         return 0, 1, False
     if 0xE0 <= b <= 0xEF:
-        return 0, 2, False
+        return 0, 12 if b == 0xE0 else 22 if b == 0xED else 2, False
     if 0xF0 <= b <= 0xF4:
-        return 0, 3, False
+        return 0, 13 if b == 0xF0 else 23 if b == 0xF4 else 3, False
     return None
 
 
@@ -319,6 +353,40 @@ def _space(ws: int, b: int) -> int | None:
     if 100 < ws < 100 + MAX_TABS and b == ord("\t"):
         return ws + 1
     return None
+
+
+_UNESCAPE = {ord('"'): 34, ord("\\"): 92, ord("/"): 47, ord("b"): 8, ord("f"): 12, ord("n"): 10, ord("r"): 13,
+             ord("t"): 9}  # fmt: skip
+
+
+def _code_point(esc: int, utf8: int, acc: int, b: int) -> tuple[int, int | None]:
+    """(the code point read so far, the character's code point where ``b`` completes one) for
+    byte ``b`` of a string, ``esc``/``utf8`` as before it (``_string_byte`` has checked it). A
+    surrogate pair's halves come as two code points."""
+    if esc == 1:
+        return 0, (None if b == ord("u") else _UNESCAPE[b])
+    if esc:
+        acc = acc * 16 + int(chr(b), 16)
+        return (0, acc) if esc in (5, 15) else (acc, None)
+    if utf8:
+        acc = (acc << 6) | (b & 0x3F)
+        return (0, acc) if utf8 % 10 == 1 else (acc, None)
+    if b == _BACKSLASH:
+        return 0, None
+    if b < 0x80:
+        return 0, b
+    return b & (0x1F if b < 0xE0 else 0x0F if b < 0xF0 else 0x07), None
+
+
+_HEX_DUE = {1: 16, 2: 16, 3: 12, 4: 8, 5: 4, 13: 12, 14: 8, 15: 4}  # bits still due, by escape state
+
+
+_LEAST = {1: 0x80, 2: 0x800, 3: 0x10000}  # the least code point of a UTF-8 sequence, by bytes after the first
+
+
+def _bits_due(esc: int, utf8: int) -> int:
+    """Bits of the code point being read that are still to come (0: unknown or none)."""
+    return 6 * (utf8 % 10) if utf8 else _HEX_DUE.get(esc, 0)
 
 
 def _done(rest: tuple) -> tuple:
@@ -359,7 +427,8 @@ def _start(rest: tuple, node, ws: int, b: int) -> list[tuple]:
     if kind is ArrayNode:
         return [rest + (("A", node, _OPEN, 0, 0),)] if b == ord("[") else []
     if kind is StringNode:
-        return [rest + (("S", node, 0, 0, 0),)] if b == _QUOTE else []
+        nfa = node.pattern.initial if node.pattern is not None else None
+        return [rest + (("S", node, 0, 0, 0, 0, nfa),)] if b == _QUOTE else []
     if kind is NumberNode:
         if b == ord("-"):
             return [rest + (("N", node, _SIGN, 1),)]
@@ -379,20 +448,30 @@ def _feed(thread: tuple, b: int) -> list[tuple]:
     if kind == "V":
         return _start(rest, top[1], top[2], b)
     if kind == "S":
-        _, node, length, esc, utf8 = top
+        _, node, length, esc, utf8, acc, nfa = top
         if b == _QUOTE and not esc and not utf8:
-            return [_done(rest)] if length >= node.min_len else []
+            if length < node.min_len or (nfa is not None and not node.pattern.accepts(nfa)):
+                return []
+            return [_done(rest)]
         if not esc and not utf8 and node.max_len is not None and length >= node.max_len:
             return []
         step = _string_byte(esc, utf8, b)
         if step is None:
             return []
+        if nfa is not None:
+            acc, cp = _code_point(esc, utf8, acc, b)
+            if cp is not None:
+                if (nfa := node.pattern.step(nfa, cp)) is None:
+                    return []
+            elif (bits := _bits_due(*step[:2])) and not node.pattern.can_take(
+                    nfa, max(acc << bits, _LEAST.get(step[1] % 10, 0)), ((acc + 1) << bits) - 1):  # fmt: skip
+                return []  # NOTE: no character this one can still become fits: not even its first byte
         esc, utf8, ended = step
         if ended:
             length += 1
             if node.max_len is None:
                 length = min(length, node.min_len)
-        return [rest + (("S", node, length, esc, utf8),)]
+        return [rest + (("S", node, length, esc, utf8, acc, nfa),)]
     if kind == "N":
         return _number(rest, top, b)
     if kind == "L":
@@ -592,7 +671,7 @@ class Grammar:
         out = []
         for thread in state:
             top = thread[-1] if thread else None
-            if top is None or top[0] != "S" or top[3] or top[4]:
+            if top is None or top[0] != "S" or top[3] or top[4] or top[1].pattern is not None:
                 return None
             node, length = top[1], top[2]
             room = math.inf if node.max_len is None else node.max_len - length

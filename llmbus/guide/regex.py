@@ -1,0 +1,336 @@
+"""JSON Schema ``pattern``: a regular expression compiled to an NFA over code points.
+
+The subset every schema generator emits and a decoder can enforce: literals and escapes (``\\d \\w
+\\s \\D \\W \\S``, ``\\n \\t \\r \\f \\v``, ``\\uXXXX``, ``\\xHH``, escaped punctuation), ``.``, classes
+``[a-z_]`` / ``[^...]``, groups ``(...)`` and ``(?:...)``, alternation, the quantifiers ``* + ?
+{n} {n,} {n,m}`` (a lazy ``?`` after one changes nothing here: the whole string must match either
+way), ``^`` at the start and ``$`` at the end. As JSON Schema says, a pattern is searched, not
+anchored: without ``^`` anything may come before the match, without ``$`` anything after.
+Backreferences, lookaround and ``\\b`` cannot be decided one character at a time: ``RegexError``.
+``\\d``, ``\\w`` are ASCII, as in ECMA-262; ``.`` is any character but a line break.
+"""
+
+from __future__ import annotations
+
+MAX_STATES = 4096  # NFA states; a{1000} alone would need 1000
+MAX_REPEAT = 256
+
+
+class RegexError(ValueError):
+    pass
+
+
+# a character set: (negated, ((lo, hi), ...)) over code points
+_DIGIT = ((48, 57),)
+_WORD = ((48, 57), (65, 90), (95, 95), (97, 122))
+_SPACE = ((9, 13), (32, 32), (160, 160), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF))  # fmt: skip
+_CLASSES = {"d": (False, _DIGIT), "D": (True, _DIGIT), "w": (False, _WORD), "W": (True, _WORD),
+            "s": (False, _SPACE), "S": (True, _SPACE)}  # fmt: skip
+_CONTROL = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "0": 0}
+_ANY = (True, ((10, 10), (13, 13), (0x2028, 0x2029)))  # "." : not a line terminator
+_EVERYTHING = (True, ())
+
+
+def _member(cset, cp: int) -> bool:
+    negated, ranges = cset
+    inside = any(lo <= cp <= hi for lo, hi in ranges)
+    return inside != negated
+
+
+class _Parser:
+    """Recursive descent to a tree: ("cat", [..]) ("alt", [..]) ("rep", node, lo, hi) ("set", cset)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.i = text, 0
+
+    def error(self, what: str) -> RegexError:
+        return RegexError(f"pattern {self.text!r}: {what} (at {self.i})")
+
+    def peek(self) -> str | None:
+        return self.text[self.i] if self.i < len(self.text) else None
+
+    def take(self) -> str:
+        c = self.text[self.i]
+        self.i += 1
+        return c
+
+    def alternation(self):
+        options = [self.sequence()]
+        while self.peek() == "|":
+            self.take()
+            options.append(self.sequence())
+        return options[0] if len(options) == 1 else ("alt", options)
+
+    def sequence(self):
+        items = []
+        while (c := self.peek()) is not None and c not in "|)":
+            if c in "^$":
+                raise self.error(f"'{c}' is supported only at the very start or end")
+            items.append(self.quantified(self.atom()))
+        return ("cat", items)
+
+    def quantified(self, node):
+        c = self.peek()
+        if c is None or c not in "*+?{":
+            return node
+        if c == "{":
+            close = self.text.find("}", self.i)
+            body = self.text[self.i + 1 : close] if close > 0 else ""
+            lo_s, comma, hi_s = body.partition(",")
+            if not lo_s.isdigit() or (hi_s and not hi_s.isdigit()):
+                return node  # NOTE: as in ECMA-262 (annex B), a brace that is no quantifier is itself
+            self.i = close + 1
+            lo, hi = int(lo_s), (int(hi_s) if hi_s else None) if comma else int(lo_s)
+            if hi is not None and hi < lo:
+                raise self.error(f"{{{body}}}: the maximum is below the minimum")
+            if max(lo, hi or 0) > MAX_REPEAT:
+                raise self.error(f"{{{body}}}: at most {MAX_REPEAT} repetitions")
+        else:
+            self.take()
+            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        if self.peek() == "?":  # lazy: the same strings match
+            self.take()
+        if self.peek() is not None and self.peek() in "*+?":
+            raise self.error("a quantifier cannot follow another")
+        return ("rep", node, lo, hi)
+
+    def atom(self):
+        c = self.take()
+        if c == "(":
+            if self.text.startswith("?:", self.i):
+                self.i += 2
+            elif self.peek() == "?":
+                raise self.error("lookaround and named groups are not supported")
+            inner = self.alternation()
+            if self.peek() != ")":
+                raise self.error("unclosed group")
+            self.take()
+            return inner
+        if c == "[":
+            return ("set", self.char_class())
+        if c == ".":
+            return ("set", _ANY)
+        if c == "\\":
+            return ("set", self.escape(in_class=False))
+        if c in "*+?":
+            raise self.error(f"nothing to repeat before '{c}'")
+        if c == ")":
+            raise self.error("unbalanced ')'")
+        return ("set", (False, ((ord(c), ord(c)),)))
+
+    def escape(self, in_class: bool):
+        if self.peek() is None:
+            raise self.error("a trailing backslash")
+        c = self.take()
+        if c in _CLASSES:
+            return _CLASSES[c]
+        if c in _CONTROL:
+            cp = _CONTROL[c]
+        elif c in "ux":
+            n = 4 if c == "u" else 2
+            digits = self.text[self.i : self.i + n]
+            if len(digits) != n or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.error(f"\\{c} needs {n} hex digits")
+            self.i += n
+            cp = int(digits, 16)
+        elif c == "b" and in_class:
+            cp = 8
+        elif c.isalnum():
+            raise self.error(f"'\\{c}' is not supported (backreferences, \\b and the like cannot be "
+                             "decided one character at a time)")
+        else:
+            cp = ord(c)
+        return (False, ((cp, cp),))
+
+    def char_class(self):
+        negated = self.peek() == "^"
+        if negated:
+            self.take()
+        ranges: list[tuple[int, int]] = []
+        parts: list = []  # nested negated classes (\D, \W, \S) inside
+        first = True
+        while True:
+            c = self.peek()
+            if c is None:
+                raise self.error("unclosed '['")
+            if c == "]" and not first:
+                self.take()
+                break
+            first = False
+            lo_set = self.escape(in_class=True) if self.take() == "\\" else (False, ((ord(c), ord(c)),))
+            if lo_set[0] or len(lo_set[1]) != 1 or lo_set[1][0][0] != lo_set[1][0][1]:
+                parts.append(lo_set)  # a class escape: no range from it
+                continue
+            lo = lo_set[1][0][0]
+            if self.peek() == "-" and self.text[self.i + 1 : self.i + 2] not in ("]", ""):
+                self.take()
+                hi_set = self.escape(in_class=True) if self.take() == "\\" else None
+                hi = ord(self.text[self.i - 1]) if hi_set is None else hi_set[1][0][0] if not hi_set[0] and len(hi_set[1]) == 1 else None
+                if hi is None or hi < lo:
+                    raise self.error("a bad range in a class")
+                ranges.append((lo, hi))
+            else:
+                ranges.append((lo, lo))
+        if any(p[0] for p in parts):  # a negated escape inside: complement by sweeping the code points
+            ranges = _union(ranges, *[_complement(p[1]) if p[0] else p[1] for p in parts])
+        else:
+            ranges = _union(ranges, *[p[1] for p in parts])
+        return (negated, tuple(ranges))
+
+
+def _meets(cset, lo: int, hi: int) -> bool:
+    """Whether a character set holds some code point in lo..hi."""
+    negated, ranges = cset
+    if not negated:
+        return any(a <= hi and lo <= b for a, b in ranges)
+    at = lo  # negated: some point of lo..hi that no range covers
+    for a, b in _union(ranges):
+        if a > at:
+            break
+        at = max(at, b + 1)
+    return at <= hi
+
+
+def _union(*groups) -> list[tuple[int, int]]:
+    spans = sorted(r for g in groups for r in g)
+    out: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for lo, hi in _union(ranges):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= 0x10FFFF:
+        out.append((at, 0x10FFFF))
+    return out
+
+
+class Regex:
+    """An NFA: ``initial`` is a frozenset of states, ``step`` one code point, ``accepts``.
+
+    Thompson's construction: each state has at most a character set to one next state, or
+    epsilon moves; sets of states are kept closed under epsilon moves.
+    """
+
+    def __init__(self, pattern: str) -> None:
+        text = pattern
+        head = text.startswith("^")
+        slashes = len(text[:-1]) - len(text[:-1].rstrip("\\"))
+        tail = text.endswith("$") and slashes % 2 == 0  # NOTE: an even run of backslashes escapes nothing
+        body = text[1 if head else 0 : len(text) - 1 if tail else len(text)]
+        parser = _Parser(body)
+        tree = parser.alternation()
+        if parser.i != len(body):
+            raise parser.error("unbalanced ')'")
+        any_run = ("rep", ("set", _EVERYTHING), 0, None)
+        tree = ("cat", ([] if head else [any_run]) + [tree] + ([] if tail else [any_run]))
+        self.pattern = pattern
+        self.sets: list = []  # state -> charset or None
+        self.next: list[int] = []  # state -> next state on its set
+        self.eps: list[list[int]] = []
+        start = self._state()
+        end = self._build(tree, start)
+        self.final = end
+        self._closures: dict[int, frozenset] = {}
+        self.initial = self._close({start})
+        self._memo: dict = {}
+
+    def _state(self) -> int:
+        if len(self.sets) >= MAX_STATES:
+            raise RegexError(f"pattern {self.pattern!r} is too large: more than {MAX_STATES} states")
+        self.sets.append(None)
+        self.next.append(-1)
+        self.eps.append([])
+        return len(self.sets) - 1
+
+    def _build(self, node, start: int) -> int:
+        """States for ``node`` entered at ``start``; returns its exit state."""
+        kind = node[0]
+        if kind == "set":
+            end = self._state()
+            self.sets[start], self.next[start] = node[1], end
+            return end
+        if kind == "cat":
+            at = start
+            for item in node[1]:
+                nxt = self._state()
+                self.eps[at].append(nxt)
+                at = self._build(item, nxt)
+            return at
+        if kind == "alt":
+            end = self._state()
+            for option in node[1]:
+                entry = self._state()
+                self.eps[start].append(entry)
+                self.eps[self._build(option, entry)].append(end)
+            return end
+        _, inner, lo, hi = node
+        at = start
+        for _ in range(lo):
+            entry = self._state()
+            self.eps[at].append(entry)
+            at = self._build(inner, entry)
+        if hi is None:  # a loop: inner, back to its entry, or on
+            entry = self._state()
+            self.eps[at].append(entry)
+            self.eps[self._build(inner, entry)].append(entry)
+            end = self._state()
+            self.eps[entry].append(end)
+            return end
+        end = self._state()
+        self.eps[at].append(end)
+        for _ in range(hi - lo):
+            entry = self._state()
+            self.eps[at].append(entry)
+            at = self._build(inner, entry)
+            self.eps[at].append(end)
+        return end
+
+    def _close(self, states) -> frozenset:
+        out, todo = set(), list(states)
+        while todo:
+            s = todo.pop()
+            if s not in out:
+                out.add(s)
+                todo.extend(self.eps[s])
+        return frozenset(out)
+
+    def step(self, states: frozenset, cp: int) -> frozenset | None:
+        key = (states, cp)
+        hit = self._memo.get(key, False)
+        if hit is False:
+            moved = {self.next[s] for s in states if self.sets[s] is not None and _member(self.sets[s], cp)}
+            hit = self._close(moved) if moved else None
+            if len(self._memo) > 1 << 16:
+                self._memo.clear()
+            self._memo[key] = hit
+        return hit
+
+    def can_take(self, states: frozenset, lo: int, hi: int) -> bool:
+        """Whether some code point in lo..hi can come next (a character still being read)."""
+        key = (states, lo, hi)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = any(self.sets[s] is not None and _meets(self.sets[s], lo, hi) for s in states)
+            self._memo[key] = hit
+        return hit
+
+    def accepts(self, states: frozenset) -> bool:
+        return self.final in states
+
+    def fullmatch(self, text: str) -> bool:
+        states = self.initial
+        for c in text:
+            states = self.step(states, ord(c))
+            if states is None:
+                return False
+        return self.accepts(states)
