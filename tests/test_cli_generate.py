@@ -92,7 +92,7 @@ def test_generate_reads_a_prompt_from_standard_input(model_dir):
         (["--prompt-ids", "5,6", "--device", "cuda:64"], "CUDA device(s)"),
         (["--prompt-ids", "5,6", "--json-schema", "{not json"], "--json-schema must be a JSON Schema"),
         (["--prompt-ids", "5,6", "--json-schema", "@/nonexistent/s.json"], "No such file"),
-        (["--prompt-ids", "5,6", "--json-schema", '{"type": "integer", "minimum": 0}'], "--json-schema: schema: 'minimum'"),
+        (["--prompt-ids", "5,6", "--json-schema", '{"type": "array", "uniqueItems": true}'], "--json-schema: schema: 'uniqueItems'"),
         (["--prompt-ids", "5,6", "--json-object", "--ignore-eos"], "--ignore-eos cannot be combined with a guide"),
     ],
 )

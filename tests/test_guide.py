@@ -25,7 +25,7 @@ PERSON = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 12},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "height": {"type": "number"},
         "member": {"type": "boolean"},
         "nick": {"anyOf": [{"type": "string"}, {"type": "null"}]},
@@ -86,7 +86,7 @@ def _random_value(schema, rng: random.Random, defs: dict, depth: int = 0):
         lo, hi = schema.get("minLength", 0), schema.get("maxLength", 8)
         return "".join(rng.choice("ab \u00e9\u4e2d\U0001f916\"\\\n/") for _ in range(rng.randint(lo, hi)))
     if kind == "integer":
-        return rng.randint(-10**6, 10**6)
+        return rng.randint(schema.get("minimum", -10**6), schema.get("maximum", 10**6))
     if kind == "number":
         return rng.choice([0, -1.5, 3.25e-7, 12345.678, -2e20])
     if kind == "boolean":
@@ -150,8 +150,11 @@ def test_what_the_grammar_refuses():
     # strings are valid UTF-8: no overlong forms, no surrogates, nothing past U+10FFFF
     for text, ok in (("\u4e2d", True), ("\U0001f916", True), ("\U0010ffff", True)):
         assert any_object.matches(b'{"a": "' + text.encode() + b'"}') == ok
-    for raw in (b"\xe0\x80\xb0", b"\xc0\xb0", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x80\x80\xb0"):
+    for raw in (b"\xe0\x80\xb0", b"\xc0\xb0", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xf0\x80\x80\xb0",
+                b"\\udc00", b"\\ud83d", b"\\ud83dx", b"\\ud83d\\u0041"):  # surrogates only in pairs
         assert not any_object.matches(b'{"a": "' + raw + b'"}'), raw
+    one = compile_guide(guide_spec({"type": "string", "maxLength": 1, "pattern": "^.$"}))
+    assert one.matches(b'"\\ud83e\\udd16"') and one.matches('"\U0001f916"'.encode())  # a pair is one character
     # whitespace: one space or tab, or a line break (\n or \r\n) and an indentation
     for ws, ok in ((b" ", True), (b"\t", True), (b"  ", False), (b"\n\n", False), (b"\r\n" + b" " * MAX_INDENT, True),
                    (b"\n" + b" " * (MAX_INDENT + 1), False), (b"\n\t\t", True), (b"\n \t", False), (b"\r", False)):
@@ -197,7 +200,7 @@ def test_a_pattern_is_searched_in_the_decoded_string_as_re_does(pattern):
     grammar = compile_guide(guide_spec({"type": "string", "pattern": pattern}))
     oracle = re.compile(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, re.ASCII)  # JS's $: the end
     rng = random.Random(pattern)
-    alphabet = 'abcdxyAF09-@. \u00e9\n_"\\'
+    alphabet = 'abcdxyAF09-@. \u00e9\n_"\\\U0001f916'
     hits = 0
     for _ in range(1500):
         if rng.random() < 0.5:
@@ -217,6 +220,19 @@ def test_a_pattern_is_searched_in_the_decoded_string_as_re_does(pattern):
     assert hits > 0
 
 
+@pytest.mark.parametrize("bounds", [{"minimum": 0}, {"minimum": -5, "maximum": 12}, {"exclusiveMaximum": 0},
+                                    {"minimum": 1, "maximum": 100}, {"exclusiveMinimum": 9.5, "maximum": 1234},
+                                    {"minimum": -1000, "exclusiveMaximum": -999}])  # fmt: skip
+def test_integer_bounds_are_enforced_digit_by_digit(bounds):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]}
+    grammar = compile_guide(guide_spec(schema))
+    rng = random.Random(json.dumps(bounds))
+    for v in [*range(-130, 130), *(rng.randrange(-10**6, 10**6) for _ in range(200)), 10**17, -(10**17)]:
+        text = json.dumps({"n": v})
+        assert grammar.matches(text.encode()) == _valid(schema, text), v
+    assert not grammar.matches(b'{"n": 012}') and not grammar.matches(b'{"n": -0}')
+
+
 def test_string_formats_are_enforced():
     for fmt, good, bad in (("date", "2024-02-29", "2024-13-01"), ("date-time", "2024-02-29T23:59:59.5+01:00", "2024-02-29 23:59:59"),
                            ("time", "08:30:00Z", "8:30"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567"),
@@ -230,7 +246,9 @@ def test_string_formats_are_enforced():
 @pytest.mark.parametrize("schema, words", [
     ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
     ({"type": "string", "pattern": r"(a)\1"}, "backreferences"),
-    ({"type": "integer", "minimum": 0}, "'minimum' is not supported"),
+    ({"type": "number", "minimum": 0}, "'minimum' is supported on integers only"),
+    ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer lies within"),
+    ({"type": "array", "uniqueItems": True}, "'uniqueItems' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "thing"}}}, "unknown type 'thing'"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required properties ['b']"),
     ({"$ref": "https://example.com/s.json"}, "only local references"),

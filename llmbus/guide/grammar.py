@@ -20,9 +20,10 @@ a ``pattern`` (``llmbus.guide.regex``) or a known ``format`` (date, time, date-t
 ipv4); keys are the schema's properties, each at most once, in any order, every ``required`` one
 before the object closes. Extra keys only where ``additionalProperties`` allows them, or the schema
 lists no ``properties`` at all (as OpenAI's strict mode and xgrammar do: a schema that lists its
-properties means those, and ``"properties": {}`` means an empty object). Validation keywords this
-matcher cannot enforce (``minimum``, ``uniqueItems``, ...) are refused with ``GuideError`` rather
-than ignored; annotations (``title``, ``description``, ``default``, other formats, ...) are ignored.
+properties means those, and ``"properties": {}`` means an empty object). An integer's bounds
+become a pattern of its digits. Validation keywords this matcher cannot enforce (bounds on other
+numbers, ``uniqueItems``, ...) are refused with ``GuideError`` rather than ignored; annotations
+(``title``, ``description``, ``default``, other formats, ...) are ignored.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 
 # keywords that constrain values in ways this matcher does not enforce: refused, not ignored
-_REFUSED = ("patternProperties", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-            "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+_REFUSED = ("patternProperties", "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
             "dependencies", "propertyNames", "minProperties", "maxProperties", "uniqueItems", "contains",
             "minContains", "maxContains", "prefixItems", "unevaluatedProperties", "unevaluatedItems")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")  # integers only
+MAX_DIGITS = 18  # an integer bounded on one side only is bounded here on the other
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?"
@@ -102,6 +104,46 @@ class StringNode:
 @dataclass(eq=False)
 class NumberNode:
     integer: bool = False
+
+
+@dataclass(eq=False)
+class RangeNode:
+    digits: Regex  # an integer within bounds: its text, matched as a pattern
+
+
+def _digit_ranges(lo: int, hi: int) -> list[str]:
+    """Regex alternatives matching exactly the decimal integers lo..hi (0 <= lo <= hi), no leading zeros."""
+    out = []
+    for n in range(len(str(lo)), len(str(hi)) + 1):
+        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10**n - 1)
+        if a <= b:
+            out += _same_length(str(a), str(b))
+    return out
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    """Alternatives for the digit strings a..b, both of one length."""
+    if a == b:
+        return [a]
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    head, a, b = a[:i], a[i:], b[i:]
+    n = len(a) - 1  # digits after the first that differs
+    rest = r"\d" * n
+    if a[1:] == "0" * n and b[1:] == "9" * n:
+        return [f"{head}[{a[0]}-{b[0]}]{rest}"]
+    out, first, last = [], a[0], b[0]
+    if a[1:] != "0" * n:  # a's block, from a up
+        out += [head + a[0] + x for x in _same_length(a[1:], "9" * n)]
+        first = chr(ord(a[0]) + 1)
+    tail = []
+    if b[1:] != "9" * n:  # b's block, up to b
+        tail = [head + b[0] + x for x in _same_length("0" * n, b[1:])]
+        last = chr(ord(b[0]) - 1)
+    if first <= last:
+        out.append(f"{head}[{first}-{last}]{rest}")
+    return out + tail
 
 
 @dataclass(eq=False)
@@ -159,6 +201,10 @@ class _Compiler:
             if key in schema:
                 raise GuideError(f"{where}: '{key}' is not supported in guided JSON (it cannot be enforced "
                                  "while decoding); remove it or check the value after generation")
+        bounds = [k for k in _BOUNDS if k in schema]
+        if bounds and schema.get("type") != "integer":
+            raise GuideError(f"{where}: '{bounds[0]}' is supported on integers only (on other numbers it cannot be "
+                             "enforced while decoding); remove it or check the value after generation")
         if "$ref" in schema:
             return self.ref(schema["$ref"], where)
         if "const" in schema:
@@ -213,6 +259,8 @@ class _Compiler:
                 return StringNode(lo, hi, Regex(pattern))
             except RegexError as exc:
                 raise GuideError(f"{where}: {exc}") from None
+        if kind == "integer" and any(k in schema for k in _BOUNDS):
+            return self.integer_range(schema, where)
         if kind in ("number", "integer"):
             return NumberNode(integer=kind == "integer")
         if kind == "boolean":
@@ -236,6 +284,34 @@ class _Compiler:
         if extra is not False:
             node.extra = self.node(extra, f"{where}.additionalProperties")
         return node
+
+    @staticmethod
+    def integer_range(schema: dict, where: str) -> "RangeNode":
+        """An integer within minimum/maximum (exclusive ones too), as a pattern of its digits."""
+        most = 10**MAX_DIGITS - 1
+        lo, hi = -most, most
+        for key in _BOUNDS:
+            value = schema.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise GuideError(f"{where}: '{key}' must be a number")
+            if key == "minimum":
+                lo = max(lo, math.ceil(value))
+            elif key == "exclusiveMinimum":
+                lo = max(lo, math.floor(value) + 1)
+            elif key == "maximum":
+                hi = min(hi, math.floor(value))
+            else:
+                hi = min(hi, math.ceil(value) - 1)
+        if lo > hi:
+            raise GuideError(f"{where}: no integer lies within its minimum and maximum")
+        options = []
+        if lo < 0:
+            options.append("-(?:" + "|".join(_digit_ranges(max(1, -hi), -lo)) + ")")
+        if hi >= 0:
+            options += _digit_ranges(max(0, lo), hi)
+        return RangeNode(Regex("^(?:" + "|".join(options) + ")$"))
 
     @staticmethod
     def bounds(schema: dict, lo_key: str, hi_key: str, where: str) -> tuple[int, int | None]:
@@ -284,10 +360,12 @@ class _Compiler:
 #                                    never changes); with a pattern, nfa: its states after the
 #                                    characters so far, acc: the code point being read
 #   ("N", node, phase, length)       inside a number
+#   ("R", node, nfa)                 inside an integer within bounds: its pattern's states
 #   ("L", options, pos)              inside a literal: options share their first ``pos`` bytes
-# esc: 0, 1 after a backslash, 2..5 reading \u's hex digits (13..15 in a surrogate pair's first
-# half, which is no character of its own: the pair counts once, as JSON Schema's lengths do);
-# utf8: continuation bytes still due.
+# esc: 0, 1 after a backslash, 2..5 reading \u's hex digits; 13 after a first digit D, 14..15 in a
+# surrogate pair's first half, 30..35 its second half (\uDC00-\uDFFF, which must follow): the pair
+# is one character, as JSON Schema's lengths count it, and neither half stands alone;
+# utf8: continuation bytes still due (utf8 % 10; see _SECOND).
 
 _OPEN, _COLON, _AFTER, _NEXT, _VALUE = range(5)
 # number phases; the _END ones may end the number
@@ -308,16 +386,24 @@ def _string_byte(esc: int, utf8: int, b: int):
         if b in b'"\\/bfnrt':
             return 0, 0, True
         return (2, 0, False) if b == ord("u") else None
+    if esc == 30:  # a surrogate pair's first half read: its second is due
+        return (31, 0, False) if b == _BACKSLASH else None
+    if esc == 31:
+        return (32, 0, False) if b == ord("u") else None
     if esc:
         if b not in _HEX:
             return None
-        if esc == 2 and b in b"dD":
-            return 13, 0, False
-        if esc == 13 and b in b"89abAB":  # \uD800-\uDBFF: a surrogate pair's first half
-            return 14, 0, False
-        if esc >= 13:
-            return (4, 0, False) if esc == 13 else (15, 0, False) if esc == 14 else (0, 0, False)
-        return (0, 0, True) if esc == 5 else (esc + 1, 0, False)
+        if esc == 2:
+            return (13 if b in b"dD" else 3), 0, False
+        if esc == 13:  # \uD8xx-\uDBxx opens a pair; \uDCxx-\uDFxx alone is no character
+            return None if b in b"cdefCDEF" else ((14 if b in b"89abAB" else 4), 0, False)
+        if esc == 32:
+            return (33, 0, False) if b in b"dD" else None
+        if esc == 33:
+            return (34, 0, False) if b in b"cdefCDEF" else None
+        if esc in (5, 35):
+            return 0, 0, True
+        return (30 if esc == 15 else esc + 1), 0, False
     if utf8:
         lo, hi = _SECOND.get(utf8, (0x80, 0xBF))
         due = utf8 % 10
@@ -361,13 +447,22 @@ _UNESCAPE = {ord('"'): 34, ord("\\"): 92, ord("/"): 47, ord("b"): 8, ord("f"): 1
 
 def _code_point(esc: int, utf8: int, acc: int, b: int) -> tuple[int, int | None]:
     """(the code point read so far, the character's code point where ``b`` completes one) for
-    byte ``b`` of a string, ``esc``/``utf8`` as before it (``_string_byte`` has checked it). A
-    surrogate pair's halves come as two code points."""
+    byte ``b`` of a string, ``esc``/``utf8`` as before it (``_string_byte`` has checked it). In a
+    surrogate pair the first half waits in ``acc``'s high bits for the second."""
     if esc == 1:
         return 0, (None if b == ord("u") else _UNESCAPE[b])
+    if esc in (30, 31):
+        return acc, None
     if esc:
-        acc = acc * 16 + int(chr(b), 16)
-        return (0, acc) if esc in (5, 15) else (acc, None)
+        h = int(chr(b), 16)
+        if esc == 15:
+            return (acc * 16 + h) << 16, None
+        if esc >= 32:
+            low = (acc & 0xFFFF) * 16 + h
+            if esc < 35:
+                return (acc & ~0xFFFF) | low, None
+            return 0, 0x10000 + (((acc >> 16) - 0xD800) << 10) + (low - 0xDC00)
+        return (0, acc * 16 + h) if esc == 5 else (acc * 16 + h, None)
     if utf8:
         acc = (acc << 6) | (b & 0x3F)
         return (0, acc) if utf8 % 10 == 1 else (acc, None)
@@ -378,15 +473,23 @@ def _code_point(esc: int, utf8: int, acc: int, b: int) -> tuple[int, int | None]
     return b & (0x1F if b < 0xE0 else 0x0F if b < 0xF0 else 0x07), None
 
 
-_HEX_DUE = {1: 16, 2: 16, 3: 12, 4: 8, 5: 4, 13: 12, 14: 8, 15: 4}  # bits still due, by escape state
-
-
 _LEAST = {1: 0x80, 2: 0x800, 3: 0x10000}  # the least code point of a UTF-8 sequence, by bytes after the first
+_HEX_BITS = {3: 12, 4: 8, 5: 4}  # \u digits still due, as bits
 
 
-def _bits_due(esc: int, utf8: int) -> int:
-    """Bits of the code point being read that are still to come (0: unknown or none)."""
-    return 6 * (utf8 % 10) if utf8 else _HEX_DUE.get(esc, 0)
+def _due_range(esc: int, utf8: int, acc: int) -> tuple[int, int] | None:
+    """The code points the character being read can still become (None: between characters)."""
+    if utf8:
+        bits = 6 * (utf8 % 10)
+        return max(acc << bits, _LEAST[utf8 % 10]), ((acc + 1) << bits) - 1
+    if esc in _HEX_BITS:
+        bits = _HEX_BITS[esc]
+        return acc << bits, ((acc + 1) << bits) - 1
+    if esc in (1, 2):
+        return 0, 0x10FFFF
+    if esc == 13:
+        return 0xD000, 0x10FFFF
+    return (0x10000, 0x10FFFF) if esc else None
 
 
 def _done(rest: tuple) -> tuple:
@@ -429,6 +532,9 @@ def _start(rest: tuple, node, ws: int, b: int) -> list[tuple]:
     if kind is StringNode:
         nfa = node.pattern.initial if node.pattern is not None else None
         return [rest + (("S", node, 0, 0, 0, 0, nfa),)] if b == _QUOTE else []
+    if kind is RangeNode:
+        nfa = node.digits.step(node.digits.initial, b)
+        return [] if nfa is None else [rest + (("R", node, nfa),)]
     if kind is NumberNode:
         if b == ord("-"):
             return [rest + (("N", node, _SIGN, 1),)]
@@ -463,8 +569,7 @@ def _feed(thread: tuple, b: int) -> list[tuple]:
             if cp is not None:
                 if (nfa := node.pattern.step(nfa, cp)) is None:
                     return []
-            elif (bits := _bits_due(*step[:2])) and not node.pattern.can_take(
-                    nfa, max(acc << bits, _LEAST.get(step[1] % 10, 0)), ((acc + 1) << bits) - 1):  # fmt: skip
+            elif (span := _due_range(step[0], step[1], acc)) and not node.pattern.can_take(nfa, *span):
                 return []  # NOTE: no character this one can still become fits: not even its first byte
         esc, utf8, ended = step
         if ended:
@@ -482,6 +587,11 @@ def _feed(thread: tuple, b: int) -> list[tuple]:
         return _object(rest, top, b)
     if kind == "K":
         return _key(rest, top, b)
+    if kind == "R":  # go on, or (where the digits may end) hand the byte to the enclosing value
+        _, node, nfa = top
+        nxt = node.digits.step(nfa, b)
+        out = [] if nxt is None else [rest + (("R", node, nxt),)]
+        return out + _feed(_done(rest), b) if node.digits.accepts(nfa) else out
     return _array(rest, top, b)
 
 
@@ -582,7 +692,8 @@ def _can_end(thread: tuple) -> bool:
     if not thread:
         return True
     top = thread[-1]
-    return top[0] == "N" and top[2] in _NUM_END and _can_end(_done(thread[:-1]))
+    ended = top[2] in _NUM_END if top[0] == "N" else top[0] == "R" and top[1].digits.accepts(top[2])
+    return ended and _can_end(_done(thread[:-1]))
 
 
 class Grammar:
@@ -649,7 +760,7 @@ class Grammar:
                     return None
                 keys = (keys or set()) | {name[len(partial)] for name in node.props if len(name) > len(partial)
                                           and name.startswith(partial)}  # fmt: skip
-            elif top[0] not in "VOAN":
+            elif top[0] not in "VOANR":
                 return None
         if keys is None:
             return _STRUCTURAL
