@@ -4,6 +4,7 @@ gateway processes, driven over HTTP by the `openai` client."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import os
 import signal
@@ -199,11 +200,15 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
         steps: list[Step] = Field(max_length=2)
         verdict: Literal["go", "stop"]
         score: Optional[int]
+        effort: int = Field(ge=1, le=5)  # minimum/maximum
+        due: datetime.date  # format: date
+        ticket: str = Field(pattern=r"^[A-Z]{3}-\d{3}$")
 
-    out = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Plan it."}],
-                                        max_tokens=400, temperature=0, response_format=Plan)  # fmt: skip
-    plan = out.choices[0].message.parsed
-    assert isinstance(plan, Plan) and len(plan.steps) <= 2 and plan.verdict in ("go", "stop")
+    for temperature in (0, 1.0):
+        out = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Plan it."}],
+                                            max_tokens=400, temperature=temperature, seed=3, response_format=Plan)
+        plan = out.choices[0].message.parsed  # pydantic has validated every field
+        assert isinstance(plan, Plan) and len(plan.steps) <= 2 and 1 <= plan.effort <= 5, out.choices[0].message.content
 
 
 def test_forced_tool_calls_are_calls(client):
