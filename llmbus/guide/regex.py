@@ -310,9 +310,7 @@ class Regex:
         if hit is False:
             moved = {self.next[s] for s in states if self.sets[s] is not None and _member(self.sets[s], cp)}
             hit = self._close(moved) if moved else None
-            if len(self._memo) > 1 << 16:
-                self._memo.clear()
-            self._memo[key] = hit
+            self._remember(key, hit)
         return hit
 
     def can_take(self, states: frozenset, lo: int, hi: int) -> bool:
@@ -321,8 +319,13 @@ class Regex:
         hit = self._memo.get(key)
         if hit is None:
             hit = any(self.sets[s] is not None and _meets(self.sets[s], lo, hi) for s in states)
-            self._memo[key] = hit
+            self._remember(key, hit)
         return hit
+
+    def _remember(self, key, value) -> None:
+        if len(self._memo) > 1 << 16:
+            self._memo.clear()
+        self._memo[key] = value
 
     def accepts(self, states: frozenset) -> bool:
         return self.final in states
