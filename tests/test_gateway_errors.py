@@ -152,14 +152,14 @@ def test_guided_output_requests_that_cannot_be_served(http):
     def err(**fields):
         return _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, **fields}), 400)
 
-    schema = {"type": "object", "properties": {"share": {"type": "number", "minimum": 0}}}
+    schema = {"type": "object", "properties": {"share": {"type": "number", "minimum": 0.5}}}
     for fmt, param in ((3, "response_format"), ({"type": "xml"}, "response_format"),
                        ({"type": "json_schema"}, "response_format.json_schema"),
                        ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
                        ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "response_format.json_schema.schema")):
         assert err(response_format=fmt)["param"] == param, fmt
     e = err(response_format={"type": "json_schema", "json_schema": {"name": "code", "schema": schema}})
-    assert e["param"] == "response_format.json_schema.schema" and "'minimum' is supported on integers only" in e["message"]
+    assert e["param"] == "response_format.json_schema.schema" and "whole number" in e["message"]
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     e = err(tools=[tool], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert e["param"] == "tool_choice" and "get_time" in e["message"]

@@ -44,8 +44,9 @@ TREE = {  # recursive: a node's children are nodes
 }  # fmt: skip
 ANY_OBJECT = {"type": "object"}
 CODED = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
-                                          "code": {"type": "string", "pattern": "^[A-Z]{2}\\d{2,3}$"}},
-         "required": ["day", "code"]}  # fmt: skip
+                                          "code": {"type": "string", "pattern": "^[A-Z]{2}\\d{2,3}$"},
+                                          "share": {"type": "number", "minimum": 0, "maximum": 1}},
+         "required": ["day", "code", "share"]}  # fmt: skip
 
 
 def _valid(schema: dict, text: str) -> bool:
@@ -233,6 +234,23 @@ def test_integer_bounds_are_enforced_digit_by_digit(bounds):
     assert not grammar.matches(b'{"n": 012}') and not grammar.matches(b'{"n": -0}')
 
 
+@pytest.mark.parametrize("bounds", [{"minimum": 0}, {"minimum": 0, "maximum": 1}, {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                                    {"minimum": -3, "exclusiveMaximum": 2}, {"maximum": -1}, {"exclusiveMaximum": 0},
+                                    {"minimum": -2, "maximum": -2}, {"exclusiveMinimum": -5, "maximum": 0}])  # fmt: skip
+def test_number_bounds_are_enforced_on_the_decimal_text(bounds):
+    schema = {"type": "object", "properties": {"x": {"type": "number", **bounds}}, "required": ["x"]}
+    grammar = compile_guide(guide_spec(schema))
+    rng = random.Random(json.dumps(bounds))
+    for _ in range(2000):
+        v = round(rng.uniform(-7, 7), rng.randint(0, 5))
+        text = rng.choice([repr(v), f"{v:.2f}", str(int(v)), f"{v:.6f}"])
+        doc = '{"x": ' + text + "}"
+        ok = grammar.matches(doc.encode())
+        assert not ok or _valid(schema, doc), doc  # what it takes is valid
+        if _valid(schema, doc) and not text.startswith("-0") and "e" not in text:
+            assert ok, doc  # and it takes every plain spelling of a valid value ("-0.0" aside)
+
+
 def test_string_formats_are_enforced():
     for fmt, good, bad in (("date", "2024-02-29", "2024-13-01"), ("date-time", "2024-02-29T23:59:59.5+01:00", "2024-02-29 23:59:59"),
                            ("time", "08:30:00Z", "8:30"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567"),
@@ -246,7 +264,9 @@ def test_string_formats_are_enforced():
 @pytest.mark.parametrize("schema, words", [
     ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
     ({"type": "string", "pattern": r"(a)\1"}, "backreferences"),
-    ({"type": "number", "minimum": 0}, "'minimum' is supported on integers only"),
+    ({"type": "number", "minimum": 0.5}, "must be a whole number"),
+    ({"type": "string", "maximum": 3}, "'maximum' is supported with type 'integer' or 'number' only"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number lies within"),
     ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer lies within"),
     ({"type": "array", "uniqueItems": True}, "'uniqueItems' is not supported"),
     ({"type": "object", "properties": {"a": {"type": "thing"}}}, "unknown type 'thing'"),
@@ -284,7 +304,7 @@ def test_masks_equal_a_token_by_token_brute_force(demo_dir, index):
     rng = random.Random(1)
     for schema in (PERSON, ANY_OBJECT, TREE, CODED):
         grammar = compile_guide(guide_spec(schema))
-        text = (b'{"day": "2024-05-17", "code": "AB123"}' if schema is CODED
+        text = (b'{"day": "2024-05-17", "code": "AB123", "share": 0.25}' if schema is CODED
                 else _dumps(_random_value(schema, rng, schema.get("$defs", {})), rng).encode())
         state = grammar.initial
         for i in range(len(text) + 1):

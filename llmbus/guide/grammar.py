@@ -20,9 +20,9 @@ a ``pattern`` (``llmbus.guide.regex``) or a known ``format`` (date, time, date-t
 ipv4); keys are the schema's properties, each at most once, in any order, every ``required`` one
 before the object closes. Extra keys only where ``additionalProperties`` allows them, or the schema
 lists no ``properties`` at all (as OpenAI's strict mode and xgrammar do: a schema that lists its
-properties means those, and ``"properties": {}`` means an empty object). An integer's bounds
-become a pattern of its digits. Validation keywords this matcher cannot enforce (bounds on other
-numbers, ``uniqueItems``, ...) are refused with ``GuideError`` rather than ignored; annotations
+properties means those, and ``"properties": {}`` means an empty object). A number's bounds
+(whole ones, where it is not an integer) become a pattern of its text. Validation keywords this
+matcher cannot enforce (fractional bounds, ``uniqueItems``, ...) are refused with ``GuideError`` rather than ignored; annotations
 (``title``, ``description``, ``default``, other formats, ...) are ignored.
 """
 
@@ -54,7 +54,8 @@ _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _REFUSED = ("patternProperties", "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
             "dependencies", "propertyNames", "minProperties", "maxProperties", "uniqueItems", "contains",
             "minContains", "maxContains", "prefixItems", "unevaluatedProperties", "unevaluatedItems")
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")  # integers only
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_FRACTION = 16  # digits after the point of a bounded number
 MAX_DIGITS = 18  # an integer bounded on one side only is bounded here on the other
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
@@ -108,7 +109,25 @@ class NumberNode:
 
 @dataclass(eq=False)
 class RangeNode:
-    digits: Regex  # an integer within bounds: its text, matched as a pattern
+    digits: Regex  # a number within bounds: its text, matched as a pattern
+
+
+def _magnitudes(lo: int, hi: int, lo_in: bool, hi_in: bool, integer: bool) -> list[str]:
+    """Alternatives for the non-negative decimals from lo to hi (whole numbers; each end in or
+    out), integers only or with a fraction."""
+    if integer:
+        lo, hi = lo + (not lo_in), hi - (not hi_in)
+        return _digit_ranges(lo, hi) if lo <= hi else []
+    frac = rf"\.\d{{1,{MAX_FRACTION}}}"
+    out = []
+    first = lo if lo_in else lo + 1  # whole parts whose every fraction lies within
+    if first <= hi - 1:
+        out.append(f"(?:{'|'.join(_digit_ranges(first, hi - 1))})(?:{frac})?")
+    if not lo_in and lo < hi:  # lo itself only with a fraction above zero
+        out.append(rf"{lo}\.\d{{0,{MAX_FRACTION - 1}}}[1-9]\d{{0,{MAX_FRACTION - 1}}}")
+    if hi_in and (lo < hi or lo_in):  # hi itself only with a fraction of zeros
+        out.append(rf"{hi}(?:\.0{{1,{MAX_FRACTION}}})?")
+    return out
 
 
 def _digit_ranges(lo: int, hi: int) -> list[str]:
@@ -202,9 +221,8 @@ class _Compiler:
                 raise GuideError(f"{where}: '{key}' is not supported in guided JSON (it cannot be enforced "
                                  "while decoding); remove it or check the value after generation")
         bounds = [k for k in _BOUNDS if k in schema]
-        if bounds and schema.get("type") != "integer":
-            raise GuideError(f"{where}: '{bounds[0]}' is supported on integers only (on other numbers it cannot be "
-                             "enforced while decoding); remove it or check the value after generation")
+        if bounds and schema.get("type") not in ("integer", "number"):
+            raise GuideError(f"{where}: '{bounds[0]}' is supported with type 'integer' or 'number' only")
         if "$ref" in schema:
             return self.ref(schema["$ref"], where)
         if "const" in schema:
@@ -259,8 +277,8 @@ class _Compiler:
                 return StringNode(lo, hi, Regex(pattern))
             except RegexError as exc:
                 raise GuideError(f"{where}: {exc}") from None
-        if kind == "integer" and any(k in schema for k in _BOUNDS):
-            return self.integer_range(schema, where)
+        if kind in ("integer", "number") and any(k in schema for k in _BOUNDS):
+            return self.number_range(schema, kind == "integer", where)
         if kind in ("number", "integer"):
             return NumberNode(integer=kind == "integer")
         if kind == "boolean":
@@ -286,31 +304,38 @@ class _Compiler:
         return node
 
     @staticmethod
-    def integer_range(schema: dict, where: str) -> "RangeNode":
-        """An integer within minimum/maximum (exclusive ones too), as a pattern of its digits."""
+    def number_range(schema: dict, integer: bool, where: str) -> "RangeNode":
+        """A number within minimum/maximum (exclusive ones too) as a pattern of its text: for an
+        integer any bounds, for other numbers whole-number bounds (a price >= 0, a share in
+        [0, 1]), decimals without an exponent, at most MAX_FRACTION digits after the point."""
         most = 10**MAX_DIGITS - 1
-        lo, hi = -most, most
+        lo, hi, lo_in, hi_in = -most, most, True, True
         for key in _BOUNDS:
             value = schema.get(key)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise GuideError(f"{where}: '{key}' must be a number")
-            if key == "minimum":
-                lo = max(lo, math.ceil(value))
-            elif key == "exclusiveMinimum":
-                lo = max(lo, math.floor(value) + 1)
-            elif key == "maximum":
-                hi = min(hi, math.floor(value))
-            else:
-                hi = min(hi, math.ceil(value) - 1)
-        if lo > hi:
-            raise GuideError(f"{where}: no integer lies within its minimum and maximum")
+            if not integer and value != int(value):
+                raise GuideError(f"{where}: '{key}' on a number must be a whole number ({value} is not): "
+                                 "other bounds cannot be enforced while decoding")
+            inclusive = not key.startswith("exclusive")
+            if integer:  # NOTE: an integer's bounds are whole and inclusive
+                value, inclusive = (math.ceil(value) if inclusive else math.floor(value) + 1) if "inimum" in key \
+                    else (math.floor(value) if inclusive else math.ceil(value) - 1), True
+            value = int(value)
+            if "inimum" in key and (value > lo or (value == lo and not inclusive)):
+                lo, lo_in = value, inclusive
+            elif "aximum" in key and (value < hi or (value == hi and not inclusive)):
+                hi, hi_in = value, inclusive
+        if lo > hi or (lo == hi and not (lo_in and hi_in)):
+            raise GuideError(f"{where}: no {'integer' if integer else 'number'} lies within its minimum and maximum")
         options = []
-        if lo < 0:
-            options.append("-(?:" + "|".join(_digit_ranges(max(1, -hi), -lo)) + ")")
+        if lo < 0:  # -y for y in (max(-hi, 0), -lo], the ends as the bounds have them
+            least, least_in = (-hi, hi_in) if hi < 0 else (0, False)
+            options += ["-(?:" + "|".join(_magnitudes(least, -lo, least_in, lo_in, integer)) + ")"]
         if hi >= 0:
-            options += _digit_ranges(max(0, lo), hi)
+            options += _magnitudes(max(lo, 0), hi, lo_in if lo >= 0 else True, hi_in, integer)
         return RangeNode(Regex("^(?:" + "|".join(options) + ")$"))
 
     @staticmethod
