@@ -451,6 +451,22 @@ def test_a_handoff_continues_the_guided_output_identically(demo_dir, llm):
     assert _valid(SMALL, llm.tokenizer.decode(first + rest))
 
 
+def test_the_guide_index_is_built_once_ahead_of_the_first_guided_request(demo_dir):
+    import threading
+
+    engine = LLM(str(demo_dir), dtype="float32", device="cpu").engine
+    assert engine.runner.sampler.guides is None  # in process: built on first use
+    threads = [threading.Thread(target=engine.prepare_guides) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    guides = engine.runner.sampler.guides
+    assert guides is not None
+    engine.add_request("g", [1, 2, 3], SamplingParams(max_tokens=4, guide=guide_spec()))
+    assert engine.runner.sampler.guides is guides
+
+
 def test_an_engine_without_a_tokenizer_refuses_a_guide(demo_dir, tmp_path):
     import shutil
 

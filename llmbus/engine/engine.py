@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,7 @@ class Engine:
         if self.runner.tails is not None:
             self.block_manager.on_free = self.runner.tails.release
         self._seqs: dict[str, Sequence] = {}
+        self._guides_lock = threading.Lock()
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
         self.num_preemptions = 0
@@ -248,11 +250,18 @@ class Engine:
         """What a request's sampling parameters need of this engine: its vocabulary, and for a guide
         the tokenizer (the sampler's masks are built from it on the first guided request)."""
         self._check_vocabulary([t for t, _ in params.logit_bias], "logit_bias")
-        sampler = self.runner.sampler
-        if params.guide and sampler.guides is None:
+        if params.guide and self.runner.sampler.guides is None:
             if self.tokenizer is None:
                 raise ValueError("guided decoding (JSON output) needs the model's tokenizer.json, which this model directory lacks")
-            sampler.guides = GuideMasks(TokenIndex.from_tokenizer(self.tokenizer))
+            self.prepare_guides()
+
+    def prepare_guides(self) -> None:
+        """Build the sampler's guided-decoding index of the vocabulary (about a second for 150k
+        tokens). Workers call this at startup on a thread of its own, so the first guided request
+        does not stall every running one; otherwise that request builds it."""
+        with self._guides_lock:
+            if self.runner.sampler.guides is None and self.tokenizer is not None:
+                self.runner.sampler.guides = GuideMasks(TokenIndex.from_tokenizer(self.tokenizer))
 
     def _check_vocabulary(self, token_ids: list[int], what: str = "token") -> None:
         bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]

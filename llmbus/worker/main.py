@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 
 from llmbus.bus.service import ServiceOptions, add_common_args, serve, setup_logging
@@ -35,6 +36,8 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
 
         serial_here()  # the engine thread alone computes with OpenMP (llmbus.engine.omp says why)
         engine = on_own_thread(lambda: Engine.from_model_dir(path, config))
+        # NOTE: the guided-decoding index, built while the worker connects and registers
+        threading.Thread(target=engine.prepare_guides, name="guide-index", daemon=True).start()
     except (ValueError, FileNotFoundError) as exc:
         print(f"{role}: error: {exc}", file=sys.stderr)
         return 2
