@@ -180,6 +180,17 @@ def test_ambiguous_schemas_stay_bounded():
     assert nested.advance(state, b"[") is None  # 2^9 readings: refused
 
 
+def test_a_choice_is_one_of_its_strings_as_text():
+    grammar = compile_guide(guide_spec(choice=["yes", "no", "yes please", " maybe", "\u00e9t\u00e9"]))
+    for text, ok in (("yes", True), ("yes please", True), (" maybe", True), ("\u00e9t\u00e9", True), ("ye", False),
+                     ("yes ", False), ('"yes"', False), ("maybe", False)):  # fmt: skip
+        assert grammar.matches(text.encode()) == ok, text
+    assert grammar.accepts(grammar.advance(grammar.initial, b"yes"))  # "yes" may end here or go on
+    for bad in ([], [""], ["a", 3], "yes"):
+        with pytest.raises(GuideError, match="choice"):
+            compile_guide(json.dumps({"choice": bad}))
+
+
 def test_prefix_and_suffix_frame_the_value():
     grammar = compile_guide(guide_spec({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
                                        prefix="<tool_call>\n", suffix="\n</tool_call>"))
@@ -397,6 +408,13 @@ def test_guided_generation_follows_patterns_and_formats(llm):
                                                  for t in (0, 1.0)])  # fmt: skip
     for out in outs:
         assert out.finish_reason == "stop" and _valid(CODED, out.text), out.text
+
+
+def test_guided_choice_generation_picks_one(llm):
+    choices = ["positive", "negative", "neutral"]
+    outs = llm.generate(["The review was"] * 3, [SamplingParams(max_tokens=20, temperature=t, seed=5, guide=guide_spec(choice=choices))
+                                                 for t in (0, 0.8, 1.5)])  # fmt: skip
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
 
 
 def test_guided_generation_is_valid_json_greedy_and_sampled(llm):

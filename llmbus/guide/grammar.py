@@ -40,6 +40,7 @@ MAX_TABS = 10
 MAX_NUMBER = 24  # bytes in one number
 MAX_SPEC_BYTES = 64 * 1024  # a guide spec (the schema) as sent on the bus
 MAX_NODES = 2048  # schema nodes after compilation ($refs count once)
+MAX_CHOICES = 1024  # strings in a choice guide
 MAX_THREADS = 256  # ways one output may be read at once (anyOf options alive): a byte needing more is refused
 
 _WS = frozenset(b" \t\n\r")
@@ -731,8 +732,13 @@ class Grammar:
     MAX_MEMO = 1 << 18
 
     def __init__(self, root, prefix: bytes = b"", suffix: bytes = b"") -> None:
+        """``root``: a schema node (a JSON value), or a tuple of byte strings (the output is
+        exactly one of them, as text)."""
         thread: tuple = (("L", (suffix,), 0),) if suffix else ()
-        thread += (("V", root, -1),)  # NOTE: -1: no whitespace before the value itself
+        if isinstance(root, tuple):
+            thread += (("L", root, 0),)
+        else:
+            thread += (("V", root, -1),)  # NOTE: -1: no whitespace before the value itself
         if prefix:
             thread += (("L", (prefix,), 0),)
         self.initial = frozenset((thread,))
@@ -834,10 +840,12 @@ def scan_string(piece: bytes) -> tuple[int, int, bytes | None] | None:
     return need, done, None
 
 
-def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "") -> str:
+def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "", choice: list[str] | None = None) -> str:
     """The canonical wire form of a guide: a JSON value matching ``schema`` (None: any JSON
-    object) between ``prefix`` and ``suffix``. Equal guides give equal strings (the cache key)."""
-    spec: dict = {"schema": schema if schema is not None else {"type": "object"}}
+    object), or with ``choice`` exactly one of those strings, as text; between ``prefix`` and
+    ``suffix``. Equal guides give equal strings (the cache key)."""
+    spec: dict = {"choice": list(choice)} if choice is not None else {
+        "schema": schema if schema is not None else {"type": "object"}}
     if prefix:
         spec["prefix"] = prefix
     if suffix:
@@ -860,11 +868,20 @@ def compile_guide(spec: str) -> Grammar:
         parsed = json.loads(spec)
     except json.JSONDecodeError as exc:
         raise GuideError(f"a guide spec must be JSON: {exc}") from None
-    if not isinstance(parsed, dict) or set(parsed) - {"schema", "prefix", "suffix"} or "schema" not in parsed:
-        raise GuideError("a guide spec is {'schema': ..., 'prefix'?: str, 'suffix'?: str}")
+    if (not isinstance(parsed, dict) or set(parsed) - {"schema", "choice", "prefix", "suffix"}
+            or ("schema" in parsed) == ("choice" in parsed)):  # fmt: skip
+        raise GuideError("a guide spec is {'schema': ... or 'choice': [...], 'prefix'?: str, 'suffix'?: str}")
     prefix, suffix = parsed.get("prefix", ""), parsed.get("suffix", "")
     if not isinstance(prefix, str) or not isinstance(suffix, str):
         raise GuideError("a guide's prefix and suffix must be strings")
+    if "choice" in parsed:
+        choice = parsed["choice"]
+        if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+            raise GuideError("a choice must be a non-empty list of non-empty strings")
+        if len(choice) > MAX_CHOICES:
+            raise GuideError(f"a choice may list at most {MAX_CHOICES} strings")
+        options = tuple(dict.fromkeys(c.encode("utf-8") for c in choice))
+        return Grammar(options, prefix.encode("utf-8"), suffix.encode("utf-8"))
     schema = parsed["schema"]
     compiler = _Compiler(schema if isinstance(schema, dict) else {})
     root = compiler.node(schema, "schema")

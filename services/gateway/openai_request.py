@@ -129,6 +129,50 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     return tuple(out), forced
 
 
+_VLLM_GUIDES = ("guided_json", "guided_choice", "structured_outputs")
+
+
+def _guide(body: dict) -> str:
+    """The guide spec the request asks for ("" for free text): ``response_format``, or the
+    extras clients written for vLLM send: ``guided_json`` (a schema), ``guided_choice`` (the
+    answer is one of these strings) or ``structured_outputs`` ({"json"} or {"choice"})."""
+    for name in ("guided_regex", "guided_grammar"):
+        if body.get(name) is not None:
+            raise invalid(f"'{name}' is not supported; use 'guided_json', 'guided_choice' or 'response_format'.",
+                          name, code="unsupported_parameter")
+    fmt = _response_format(body)
+    given = [name for name in _VLLM_GUIDES if body.get(name) is not None]
+    if len(given) + bool(fmt) > 1:
+        names = (["response_format"] if fmt else []) + given
+        raise invalid(f"Give one of {', '.join(names)}: each sets what the output must be.", given[-1])
+    if not given:
+        return fmt
+    name, value = given[0], body[given[0]]
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or len([k for k in ("json", "choice") if value.get(k) is not None]) != 1 \
+                or set(k for k, v in value.items() if v is not None) - {"json", "choice"}:  # fmt: skip
+            raise invalid("'structured_outputs' must be {'json': <schema>} or {'choice': [...]}.", name)
+        name, value = ("guided_json", value["json"]) if value.get("json") is not None else ("guided_choice", value["choice"])
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid(f"'{name}' must be a non-empty array of non-empty strings.", name)
+        spec = guide_spec(choice=value)
+    else:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(f"'{name}' must be a JSON Schema (an object, or a string of one).", name) from None
+        if not isinstance(value, dict):
+            raise wrong_type(name, "an object (a JSON Schema)", value)
+        spec = guide_spec(value)
+    try:
+        check_guide(spec)
+    except GuideError as exc:
+        raise invalid(f"{name}: {exc}", name) from None
+    return spec
+
+
 def _response_format(body: dict) -> str:
     """The guide spec ``response_format`` asks for ("" for text): ``{"type": "json_object"}`` (any
     JSON object) or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
@@ -186,7 +230,7 @@ def _shared(body: dict, max_stop: int) -> dict:
         "ignore_eos": f.get_bool(body, "ignore_eos"),
         "stop_token_ids": f.get_int_list(body, "stop_token_ids"),
         "logit_bias": f.get_logit_bias(body, "logit_bias"),
-        "guide": _response_format(body),
+        "guide": _guide(body),
     }
     return {"stream": stream, "include_usage": include_usage, "n": f.get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1),
             "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user")}

@@ -211,6 +211,22 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
         assert isinstance(plan, Plan) and len(plan.steps) <= 2 and 1 <= plan.effort <= 5, out.choices[0].message.content
 
 
+def test_the_extras_of_clients_written_for_vllm(client, reference):
+    """guided_choice, guided_json and structured_outputs, as vLLM takes them in extra_body."""
+    choices = ["positive", "negative", "neutral"]
+    out = client.completions.create(model=MODEL, prompt="The review was", max_tokens=20, temperature=0,
+                                    extra_body={"guided_choice": choices})  # fmt: skip
+    ref = reference.generate(["The review was"], SamplingParams(max_tokens=20, temperature=0, guide=guide_spec(choice=choices)))[0]
+    assert out.choices[0].text == ref.text and ref.text in choices
+    for extra in ({"guided_json": ANSWER}, {"guided_json": json.dumps(ANSWER)}, {"structured_outputs": {"json": ANSWER}}):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                             max_tokens=400, temperature=0.7, seed=2, extra_body=extra)  # fmt: skip
+        jsonschema.validate(json.loads(out.choices[0].message.content), ANSWER)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=20,
+                                         extra_body={"structured_outputs": {"choice": choices}})  # fmt: skip
+    assert out.choices[0].message.content in choices
+
+
 def test_forced_tool_calls_are_calls(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
                 "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
