@@ -173,11 +173,12 @@ def test_guided_output_requests_that_cannot_be_served(http):
     e = err(tools=[tool], tool_choice="required", response_format={"type": "json_object"})
     assert e["param"] == "response_format"
     # the extras of clients written for vLLM
-    for fields, param in (({"guided_regex": "a+"}, "guided_regex"), ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+    for fields, param in (({"guided_regex": "(a)\\1"}, "guided_regex"), ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+                          ({"guided_regex": ""}, "guided_regex"),
                           ({"guided_choice": []}, "guided_choice"), ({"guided_choice": ["a", 1]}, "guided_choice"),
                           ({"guided_json": "{not json"}, "guided_json"), ({"guided_json": [1]}, "guided_json"),
                           ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
-                          ({"structured_outputs": {"regex": "a"}}, "structured_outputs"),
+                          ({"structured_outputs": {"grammar": "a"}}, "structured_outputs"),
                           ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice"),
                           ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice")):  # fmt: skip
         assert err(**fields)["param"] == param, fields

@@ -191,6 +191,20 @@ def test_a_choice_is_one_of_its_strings_as_text():
             compile_guide(json.dumps({"choice": bad}))
 
 
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no)( please)?", r"[a-z\u00e9 ]+", r"^a.c$", r"x*",
+                                     r"[^\n]{0,5}\n?"])  # fmt: skip
+def test_a_regex_guide_matches_the_whole_text_as_re_fullmatch_does(pattern):
+    grammar = compile_guide(guide_spec(regex=pattern))
+    oracle = re.compile(pattern.removeprefix("^").removesuffix("$"), re.ASCII)
+    rng = random.Random(pattern)
+    alphabet = "ab c-0123yesnopl\u00e9x\n\U0001f916"
+    for _ in range(1500):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 9)))
+        assert grammar.matches(text.encode()) == (oracle.fullmatch(text) is not None), repr(text)
+    framed = compile_guide(guide_spec(regex=r"\d+", prefix="<", suffix=">"))
+    assert framed.matches(b"<123>") and not framed.matches(b"<>") and not framed.matches(b"<1a>")
+
+
 def test_prefix_and_suffix_frame_the_value():
     grammar = compile_guide(guide_spec({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
                                        prefix="<tool_call>\n", suffix="\n</tool_call>"))

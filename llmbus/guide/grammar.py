@@ -613,6 +613,8 @@ def _feed(thread: tuple, b: int) -> list[tuple]:
         return _object(rest, top, b)
     if kind == "K":
         return _key(rest, top, b)
+    if kind == "X":
+        return _raw(rest, top, b)
     if kind == "R":  # go on, or (where the digits may end) hand the byte to the enclosing value
         _, node, nfa = top
         nxt = node.digits.step(nfa, b)
@@ -646,6 +648,31 @@ def _number(rest: tuple, top: tuple, b: int) -> list[tuple]:
     if phase in _NUM_END:  # the number has ended: the byte is the enclosing value's
         return _feed(_done(rest), b)
     return []
+
+
+def _raw(rest: tuple, top: tuple, b: int) -> list[tuple]:
+    """Plain text matched whole by a regex (vLLM's guided_regex): valid UTF-8, each character
+    stepping the NFA; where it matches, what follows (a suffix) may start."""
+    _, rx, nfa, utf8, acc = top
+    out = _feed(rest, b) if not utf8 and rx.accepts(nfa) and rest else []
+    if utf8:
+        lo, hi = _SECOND.get(utf8, (0x80, 0xBF))
+        if not lo <= b <= hi:
+            return out
+        acc, due = (acc << 6) | (b & 0x3F), utf8 % 10 - 1
+    elif b < 0x80:
+        acc, due = b, 0
+    elif 0xC2 <= b <= 0xF4:
+        due = 1 if b < 0xE0 else 12 if b == 0xE0 else 22 if b == 0xED else 2 if b < 0xF0 else 13 if b == 0xF0 \
+            else 23 if b == 0xF4 else 3  # fmt: skip
+        acc = b & (0x1F if b < 0xE0 else 0x0F if b < 0xF0 else 0x07)
+    else:
+        return out
+    if due:
+        span = _due_range(0, due, acc)
+        return out + ([rest + (("X", rx, nfa, due, acc),)] if rx.can_take(nfa, *span) else [])
+    nxt = rx.step(nfa, acc)
+    return out + ([rest + (("X", rx, nxt, 0, 0),)] if nxt is not None else [])
 
 
 def _has_keys(node: ObjectNode, seen: frozenset) -> bool:
@@ -718,6 +745,8 @@ def _can_end(thread: tuple) -> bool:
     if not thread:
         return True
     top = thread[-1]
+    if top[0] == "X":
+        return not top[3] and top[1].accepts(top[2]) and _can_end(thread[:-1])
     ended = top[2] in _NUM_END if top[0] == "N" else top[0] == "R" and top[1].digits.accepts(top[2])
     return ended and _can_end(_done(thread[:-1]))
 
@@ -732,11 +761,13 @@ class Grammar:
     MAX_MEMO = 1 << 18
 
     def __init__(self, root, prefix: bytes = b"", suffix: bytes = b"") -> None:
-        """``root``: a schema node (a JSON value), or a tuple of byte strings (the output is
-        exactly one of them, as text)."""
+        """``root``: a schema node (a JSON value), a tuple of byte strings (the output is
+        exactly one of them, as text) or a Regex (the output, as text, matches it whole)."""
         thread: tuple = (("L", (suffix,), 0),) if suffix else ()
         if isinstance(root, tuple):
             thread += (("L", root, 0),)
+        elif isinstance(root, Regex):
+            thread += (("X", root, root.initial, 0, 0),)
         else:
             thread += (("V", root, -1),)  # NOTE: -1: no whitespace before the value itself
         if prefix:
@@ -840,12 +871,13 @@ def scan_string(piece: bytes) -> tuple[int, int, bytes | None] | None:
     return need, done, None
 
 
-def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "", choice: list[str] | None = None) -> str:
+def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "", choice: list[str] | None = None,
+               regex: str | None = None) -> str:
     """The canonical wire form of a guide: a JSON value matching ``schema`` (None: any JSON
-    object), or with ``choice`` exactly one of those strings, as text; between ``prefix`` and
-    ``suffix``. Equal guides give equal strings (the cache key)."""
-    spec: dict = {"choice": list(choice)} if choice is not None else {
-        "schema": schema if schema is not None else {"type": "object"}}
+    object), or with ``choice`` exactly one of those strings, or with ``regex`` text it matches
+    whole; between ``prefix`` and ``suffix``. Equal guides give equal strings (the cache key)."""
+    spec: dict = ({"choice": list(choice)} if choice is not None else {"regex": regex} if regex is not None
+                  else {"schema": schema if schema is not None else {"type": "object"}})  # fmt: skip
     if prefix:
         spec["prefix"] = prefix
     if suffix:
@@ -868,12 +900,19 @@ def compile_guide(spec: str) -> Grammar:
         parsed = json.loads(spec)
     except json.JSONDecodeError as exc:
         raise GuideError(f"a guide spec must be JSON: {exc}") from None
-    if (not isinstance(parsed, dict) or set(parsed) - {"schema", "choice", "prefix", "suffix"}
-            or ("schema" in parsed) == ("choice" in parsed)):  # fmt: skip
-        raise GuideError("a guide spec is {'schema': ... or 'choice': [...], 'prefix'?: str, 'suffix'?: str}")
+    if (not isinstance(parsed, dict) or set(parsed) - {"schema", "choice", "regex", "prefix", "suffix"}
+            or sum(k in parsed for k in ("schema", "choice", "regex")) != 1):  # fmt: skip
+        raise GuideError("a guide spec is {'schema': ..., 'choice': [...] or 'regex': str, 'prefix'?: str, 'suffix'?: str}")
     prefix, suffix = parsed.get("prefix", ""), parsed.get("suffix", "")
     if not isinstance(prefix, str) or not isinstance(suffix, str):
         raise GuideError("a guide's prefix and suffix must be strings")
+    if "regex" in parsed:
+        if not isinstance(parsed["regex"], str) or not parsed["regex"]:
+            raise GuideError("a regex guide must be a non-empty string")
+        try:
+            return Grammar(Regex(parsed["regex"], whole=True), prefix.encode("utf-8"), suffix.encode("utf-8"))
+        except RegexError as exc:
+            raise GuideError(str(exc)) from None
     if "choice" in parsed:
         choice = parsed["choice"]
         if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):

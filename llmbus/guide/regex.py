@@ -221,12 +221,13 @@ class Regex:
     epsilon moves; sets of states are kept closed under epsilon moves.
     """
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, whole: bool = False) -> None:
+        """``whole``: the text must match all of it (vLLM's guided_regex), not contain a match."""
         text = pattern
-        head = text.startswith("^")
+        head = text.startswith("^") or whole
         slashes = len(text[:-1]) - len(text[:-1].rstrip("\\"))
-        tail = text.endswith("$") and slashes % 2 == 0  # NOTE: an even run of backslashes escapes nothing
-        body = text[1 if head else 0 : len(text) - 1 if tail else len(text)]
+        tail = (text.endswith("$") and slashes % 2 == 0) or whole  # NOTE: an even run of backslashes escapes nothing
+        body = text[1 if text.startswith("^") else 0 : len(text) - 1 if text.endswith("$") and slashes % 2 == 0 else len(text)]
         parser = _Parser(body)
         tree = parser.alternation()
         if parser.i != len(body):

@@ -129,17 +129,18 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     return tuple(out), forced
 
 
-_VLLM_GUIDES = ("guided_json", "guided_choice", "structured_outputs")
+_VLLM_GUIDES = ("guided_json", "guided_choice", "guided_regex", "structured_outputs")
+_OUTPUTS = {"json": "guided_json", "choice": "guided_choice", "regex": "guided_regex"}  # structured_outputs' keys
 
 
 def _guide(body: dict) -> str:
     """The guide spec the request asks for ("" for free text): ``response_format``, or the
     extras clients written for vLLM send: ``guided_json`` (a schema), ``guided_choice`` (the
-    answer is one of these strings) or ``structured_outputs`` ({"json"} or {"choice"})."""
-    for name in ("guided_regex", "guided_grammar"):
-        if body.get(name) is not None:
-            raise invalid(f"'{name}' is not supported; use 'guided_json', 'guided_choice' or 'response_format'.",
-                          name, code="unsupported_parameter")
+    answer is one of these strings), ``guided_regex`` (the answer matches it whole) or
+    ``structured_outputs`` ({"json"}, {"choice"} or {"regex"})."""
+    if body.get("guided_grammar") is not None:
+        raise invalid("'guided_grammar' is not supported; use 'guided_json', 'guided_choice', 'guided_regex' or "
+                      "'response_format'.", "guided_grammar", code="unsupported_parameter")
     fmt = _response_format(body)
     given = [name for name in _VLLM_GUIDES if body.get(name) is not None]
     if len(given) + bool(fmt) > 1:
@@ -149,11 +150,15 @@ def _guide(body: dict) -> str:
         return fmt
     name, value = given[0], body[given[0]]
     if name == "structured_outputs":
-        if not isinstance(value, dict) or len([k for k in ("json", "choice") if value.get(k) is not None]) != 1 \
-                or set(k for k, v in value.items() if v is not None) - {"json", "choice"}:  # fmt: skip
-            raise invalid("'structured_outputs' must be {'json': <schema>} or {'choice': [...]}.", name)
-        name, value = ("guided_json", value["json"]) if value.get("json") is not None else ("guided_choice", value["choice"])
-    if name == "guided_choice":
+        keys = [k for k, v in value.items() if v is not None] if isinstance(value, dict) else []
+        if len(keys) != 1 or keys[0] not in _OUTPUTS:
+            raise invalid("'structured_outputs' must be {'json': <schema>}, {'choice': [...]} or {'regex': str}.", name)
+        name, value = _OUTPUTS[keys[0]], value[keys[0]]
+    if name == "guided_regex":
+        if not isinstance(value, str) or not value:
+            raise invalid(f"'{name}' must be a non-empty string.", name)
+        spec = guide_spec(regex=value)
+    elif name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise invalid(f"'{name}' must be a non-empty array of non-empty strings.", name)
         spec = guide_spec(choice=value)

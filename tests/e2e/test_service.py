@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import signal
 import time
 
@@ -212,7 +213,7 @@ def test_the_openai_clients_parse_helper_gets_its_pydantic_model(client):
 
 
 def test_the_extras_of_clients_written_for_vllm(client, reference):
-    """guided_choice, guided_json and structured_outputs, as vLLM takes them in extra_body."""
+    """guided_choice, guided_json, guided_regex and structured_outputs, as vLLM takes them in extra_body."""
     choices = ["positive", "negative", "neutral"]
     out = client.completions.create(model=MODEL, prompt="The review was", max_tokens=20, temperature=0,
                                     extra_body={"guided_choice": choices})  # fmt: skip
@@ -225,6 +226,9 @@ def test_the_extras_of_clients_written_for_vllm(client, reference):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick"}], max_tokens=20,
                                          extra_body={"structured_outputs": {"choice": choices}})  # fmt: skip
     assert out.choices[0].message.content in choices
+    out = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=30, temperature=1.0, seed=4,
+                                    extra_body={"guided_regex": r"\d{3}-\d{4}"})  # fmt: skip
+    assert re.fullmatch(r"\d{3}-\d{4}", out.choices[0].text), out.choices[0].text
 
 
 def test_forced_tool_calls_are_calls(client):
