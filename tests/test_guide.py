@@ -322,8 +322,17 @@ def index(demo_dir):
     return TokenIndex.from_tokenizer(Tokenizer.from_dir(demo_dir))
 
 
-def test_masks_equal_a_token_by_token_brute_force(demo_dir, index):
-    tok = Tokenizer.from_dir(demo_dir)
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory):
+    """The demo model with a SentencePiece tokenizer (Llama 2 / Mistral style: '\u2581' for spaces,
+    <0xNN> byte pieces, so tokens holding part of a character)."""
+    return make_demo_model(tmp_path_factory.mktemp("guide-sp") / "small", "small", tokenizer="sentencepiece")
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "sentencepiece"])
+def test_masks_equal_a_token_by_token_brute_force(tokenizer, request):
+    tok = Tokenizer.from_dir(request.getfixturevalue("demo_dir" if tokenizer == "bpe" else "sp_dir"))
+    index = TokenIndex.from_tokenizer(tok)
     pieces = {i: tok.token_bytes(i) for i in range(tok.vocab_size)}
     specials = {i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
     rng = random.Random(1)
@@ -331,6 +340,8 @@ def test_masks_equal_a_token_by_token_brute_force(demo_dir, index):
         grammar = compile_guide(guide_spec(schema))
         text = (b'{"day": "2024-05-17", "code": "AB123", "share": 0.25}' if schema is CODED
                 else _dumps(_random_value(schema, rng, schema.get("$defs", {})), rng).encode())
+        if tokenizer == "sentencepiece":
+            assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces.values())  # byte pieces are there
         state = grammar.initial
         for i in range(len(text) + 1):
             want = {t for t, p in pieces.items() if p and t not in specials and grammar.advance(state, p) is not None}
@@ -422,6 +433,14 @@ def test_guided_generation_follows_patterns_and_formats(llm):
                                                  for t in (0, 1.0)])  # fmt: skip
     for out in outs:
         assert out.finish_reason == "stop" and _valid(CODED, out.text), out.text
+
+
+def test_guided_generation_with_a_sentencepiece_vocabulary(sp_dir):
+    sp = LLM(str(sp_dir), dtype="float32", device="cpu")
+    outs = sp.generate(["A JSON answer:", "Codes:"], [SamplingParams(max_tokens=300, temperature=t, seed=8, guide=guide_spec(schema))
+                                                      for t, schema in ((0.9, SMALL), (0.9, CODED))])  # fmt: skip
+    for out, schema in zip(outs, (SMALL, CODED)):
+        assert out.finish_reason == "stop" and _valid(schema, out.text), out.text
 
 
 def test_guided_choice_generation_picks_one(llm):
