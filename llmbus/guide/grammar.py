@@ -430,22 +430,30 @@ def _string_byte(esc: int, utf8: int, b: int):
         if esc in (5, 35):
             return 0, 0, True
         return (30 if esc == 15 else esc + 1), 0, False
+    if not utf8:
+        if b == _BACKSLASH:
+            return 1, 0, False
+        if b < 0x20:
+            return None
+    step = _utf8_byte(utf8, b)
+    return None if step is None else (0, *step)
+
+
+def _utf8_byte(utf8: int, b: int) -> tuple[int, bool] | None:
+    """(utf8, whether a character just ended) after byte ``b`` of UTF-8 text, or None where ``b``
+    cannot come next (no overlong forms, no surrogates, nothing past U+10FFFF)."""
     if utf8:
         lo, hi = _SECOND.get(utf8, (0x80, 0xBF))
         due = utf8 % 10
-        return (0, due - 1, due == 1) if lo <= b <= hi else None
-    if b == _BACKSLASH:
-        return 1, 0, False
-    if b < 0x20:
-        return None
+        return (due - 1, due == 1) if lo <= b <= hi else None
     if b < 0x80:
-        return 0, 0, True
+        return 0, True
     if 0xC2 <= b <= 0xDF:
-        return 0, 1, False
+        return 1, False
     if 0xE0 <= b <= 0xEF:
-        return 0, 12 if b == 0xE0 else 22 if b == 0xED else 2, False
+        return (12 if b == 0xE0 else 22 if b == 0xED else 2), False
     if 0xF0 <= b <= 0xF4:
-        return 0, 13 if b == 0xF0 else 23 if b == 0xF4 else 3, False
+        return (13 if b == 0xF0 else 23 if b == 0xF4 else 3), False
     return None
 
 
@@ -516,6 +524,16 @@ def _due_range(esc: int, utf8: int, acc: int) -> tuple[int, int] | None:
     if esc == 13:
         return 0xD000, 0x10FFFF
     return (0x10000, 0x10FFFF) if esc else None
+
+
+def _next_char(rx: Regex, nfa: frozenset, acc: int, cp: int | None, esc: int, utf8: int) -> frozenset | None:
+    """A pattern's states after one more byte of a character: ``cp`` the code point the byte
+    completes, else None (``acc`` the bits read so far, ``esc``/``utf8`` as after the byte). None
+    where no character the one being read can still become fits: not even its first byte."""
+    if cp is not None:
+        return rx.step(nfa, cp)
+    span = _due_range(esc, utf8, acc)
+    return nfa if span is None or rx.can_take(nfa, *span) else None
 
 
 def _done(rest: tuple) -> tuple:
@@ -592,11 +610,8 @@ def _feed(thread: tuple, b: int) -> list[tuple]:
             return []
         if nfa is not None:
             acc, cp = _code_point(esc, utf8, acc, b)
-            if cp is not None:
-                if (nfa := node.pattern.step(nfa, cp)) is None:
-                    return []
-            elif (span := _due_range(step[0], step[1], acc)) and not node.pattern.can_take(nfa, *span):
-                return []  # NOTE: no character this one can still become fits: not even its first byte
+            if (nfa := _next_char(node.pattern, nfa, acc, cp, step[0], step[1])) is None:
+                return []
         esc, utf8, ended = step
         if ended:
             length += 1
@@ -655,24 +670,12 @@ def _raw(rest: tuple, top: tuple, b: int) -> list[tuple]:
     stepping the NFA; where it matches, what follows (a suffix) may start."""
     _, rx, nfa, utf8, acc = top
     out = _feed(rest, b) if not utf8 and rx.accepts(nfa) and rest else []
-    if utf8:
-        lo, hi = _SECOND.get(utf8, (0x80, 0xBF))
-        if not lo <= b <= hi:
-            return out
-        acc, due = (acc << 6) | (b & 0x3F), utf8 % 10 - 1
-    elif b < 0x80:
-        acc, due = b, 0
-    elif 0xC2 <= b <= 0xF4:
-        due = 1 if b < 0xE0 else 12 if b == 0xE0 else 22 if b == 0xED else 2 if b < 0xF0 else 13 if b == 0xF0 \
-            else 23 if b == 0xF4 else 3  # fmt: skip
-        acc = b & (0x1F if b < 0xE0 else 0x0F if b < 0xF0 else 0x07)
-    else:
+    step = _utf8_byte(utf8, b)
+    if step is None:
         return out
-    if due:
-        span = _due_range(0, due, acc)
-        return out + ([rest + (("X", rx, nfa, due, acc),)] if rx.can_take(nfa, *span) else [])
-    nxt = rx.step(nfa, acc)
-    return out + ([rest + (("X", rx, nxt, 0, 0),)] if nxt is not None else [])
+    acc, cp = (0, b) if b == _BACKSLASH else _code_point(0, utf8, acc, b)  # NOTE: no escapes in plain text
+    nxt = _next_char(rx, nfa, acc, cp, 0, step[0])
+    return out + ([rest + (("X", rx, nxt, step[0], acc),)] if nxt is not None else [])
 
 
 def _has_keys(node: ObjectNode, seen: frozenset) -> bool:

@@ -51,21 +51,25 @@ class TokenIndex:
     guide never produces (special tokens; EOS is allowed separately, where the grammar may end)."""
 
     def __init__(self, pieces: list[bytes | None]) -> None:
+        self.pieces = pieces
         entries = [(p, i) for i, p in enumerate(pieces) if p]
         self.all = _Sorted(list(entries))
-        plain = sorted((len(p.decode("utf-8")), i) for p, i in entries if _plain(p))
-        self.plain_chars = [n for n, _ in plain]  # ascending
-        self.plain_ids = [i for _, i in plain]
-        # the other tokens, read from inside a string: those that stay inside by the room they
-        # need (ascending), those that close it with what they need and what follows the quote
-        inside, self.closers = [], []
+        # plain tokens by their length in characters; the others, read from inside a string: those
+        # that stay inside by the room they need, those that close it with what they need and what
+        # follows the quote
+        plain, inside, self.closers = [], [], []
         for p, i in entries:
-            if not _plain(p) and (scan := scan_string(p)) is not None:
+            if _plain(p):
+                plain.append((len(p.decode("utf-8")), i))
+            elif (scan := scan_string(p)) is not None:
                 need, done, tail = scan
                 if tail is None:
                     inside.append((need, i))
                 else:
                     self.closers.append((i, need, done, tail))
+        plain.sort()
+        self.plain_chars = [n for n, _ in plain]  # ascending
+        self.plain_ids = [i for _, i in plain]
         inside.sort()
         self.inside_need = [n for n, _ in inside]
         self.inside_ids = [i for _, i in inside]
@@ -183,7 +187,6 @@ class GuideMasks:
         self.index = index
         self._masks: OrderedDict = OrderedDict()  # (spec, state) -> (allowed ids tensor, accepts)
         self._mask_ids = 0
-        self._pieces: dict[int, bytes] = {}
         self._plain_ids: dict[torch.device, torch.Tensor] = {}
 
     def _plain(self, device: torch.device) -> torch.Tensor:
@@ -192,17 +195,11 @@ class GuideMasks:
             cached = self._plain_ids[device] = torch.tensor(self.index.plain_ids, dtype=torch.long).to(device)
         return cached
 
-    def _piece(self, token: int) -> bytes | None:
-        table = self.index.all
-        if not self._pieces:
-            self._pieces = dict(zip(table.ids, table.pieces))
-        return self._pieces.get(token)
-
     def advance(self, run: GuideRun, output: list[int], eos: set[int]) -> None:
         """Feed ``run`` the output tokens it has not seen (EOS ends the output: it feeds nothing)."""
         for token in output[run.consumed:]:
             if run.state is not None and token not in eos:
-                piece = self._piece(token)
+                piece = self.index.pieces[token] if token < len(self.index.pieces) else None
                 run.state = run.grammar.advance(run.state, piece) if piece else None
         run.consumed = len(output)
 
@@ -222,7 +219,7 @@ class GuideMasks:
             return hit
         ids = self.index.allowed(run.grammar, run.state)
         accepts = run.grammar.accepts(run.state) or not ids
-        entry = (torch.tensor(sorted(ids), dtype=torch.long).to(device), accepts)
+        entry = (torch.tensor(ids, dtype=torch.long).to(device), accepts)
         self._masks[key] = entry
         self._mask_ids += entry[0].numel()
         while self._mask_ids > self.MASK_IDS and len(self._masks) > 1:

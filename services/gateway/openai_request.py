@@ -121,11 +121,8 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     forced = (choice["function"]["name"],) if named else tuple(names) if choice == "required" else ()
     for i, tool in enumerate(out):
         if tool["function"]["name"] in forced:
-            try:
-                check_guide(guide_spec(tool["function"].get("parameters") or {"type": "object"}))
-            except GuideError as exc:
-                raise invalid(f"tools[{i}].function.parameters cannot guide a forced tool call: {exc}",
-                              f"tools[{i}].function.parameters") from None
+            _checked(guide_spec(tool["function"].get("parameters") or {"type": "object"}), f"tools[{i}].function.parameters",
+                     "cannot guide a forced tool call")
     return tuple(out), forced
 
 
@@ -171,11 +168,7 @@ def _guide(body: dict) -> str:
         if not isinstance(value, dict):
             raise wrong_type(name, "an object (a JSON Schema)", value)
         spec = guide_spec(value)
-    try:
-        check_guide(spec)
-    except GuideError as exc:
-        raise invalid(f"{name}: {exc}", name) from None
-    return spec
+    return _checked(spec, name)
 
 
 def _response_format(body: dict) -> str:
@@ -199,12 +192,16 @@ def _response_format(body: dict) -> str:
     schema = spec.get("schema")
     if schema is not None and not isinstance(schema, dict):
         raise wrong_type("response_format.json_schema.schema", "an object (a JSON Schema)", schema)
-    guide = guide_spec(schema)
+    return _checked(guide_spec(schema), "response_format.json_schema.schema")
+
+
+def _checked(spec: str, param: str, what: str = "") -> str:
+    """``spec``, once it compiles; else a 400 naming ``param`` and saying why."""
     try:
-        check_guide(guide)
+        check_guide(spec)
     except GuideError as exc:
-        raise invalid(f"response_format.json_schema.schema: {exc}", "response_format.json_schema.schema") from None
-    return guide
+        raise invalid(f"{param}{' ' + what if what else ''}: {exc}", param) from None
+    return spec
 
 
 def _common_checks(body: Any) -> dict:
