@@ -143,12 +143,17 @@ class _Parser:
             cp = ord(c)
         return (False, ((cp, cp),))
 
+    def class_item(self):
+        """One member of a class: a character or a class escape, as a set."""
+        c = self.take()
+        return self.escape(in_class=True) if c == "\\" else (False, ((ord(c), ord(c)),))
+
     def char_class(self):
         negated = self.peek() == "^"
         if negated:
             self.take()
         ranges: list[tuple[int, int]] = []
-        parts: list = []  # nested negated classes (\D, \W, \S) inside
+        parts: list = []  # class escapes inside (\d, \W, ...): sets of their own, no range ends
         first = True
         while True:
             c = self.peek()
@@ -158,25 +163,26 @@ class _Parser:
                 self.take()
                 break
             first = False
-            lo_set = self.escape(in_class=True) if self.take() == "\\" else (False, ((ord(c), ord(c)),))
-            if lo_set[0] or len(lo_set[1]) != 1 or lo_set[1][0][0] != lo_set[1][0][1]:
-                parts.append(lo_set)  # a class escape: no range from it
+            item = self.class_item()
+            lo = _single(item)
+            if lo is None:
+                parts.append(item)
                 continue
-            lo = lo_set[1][0][0]
+            hi = lo
             if self.peek() == "-" and self.text[self.i + 1 : self.i + 2] not in ("]", ""):
                 self.take()
-                hi_set = self.escape(in_class=True) if self.take() == "\\" else None
-                hi = ord(self.text[self.i - 1]) if hi_set is None else hi_set[1][0][0] if not hi_set[0] and len(hi_set[1]) == 1 else None
+                hi = _single(self.class_item())
                 if hi is None or hi < lo:
                     raise self.error("a bad range in a class")
-                ranges.append((lo, hi))
-            else:
-                ranges.append((lo, lo))
-        if any(p[0] for p in parts):  # a negated escape inside: complement by sweeping the code points
-            ranges = _union(ranges, *[_complement(p[1]) if p[0] else p[1] for p in parts])
-        else:
-            ranges = _union(ranges, *[p[1] for p in parts])
+            ranges.append((lo, hi))
+        ranges = _union(ranges, *[_complement(p[1]) if p[0] else p[1] for p in parts])
         return (negated, tuple(ranges))
+
+
+def _single(cset) -> int | None:
+    """The code point of a set holding exactly one, else None."""
+    negated, ranges = cset
+    return ranges[0][0] if not negated and len(ranges) == 1 and ranges[0][0] == ranges[0][1] else None
 
 
 def _meets(cset, lo: int, hi: int) -> bool:
