@@ -3,34 +3,18 @@ text format, after real requests through the real gateway process and bus (a scr
 
 from __future__ import annotations
 
-import re
-
 import httpx
 
 from tests.test_gateway_harness import (  # noqa: F401
     gateway, gw_nats, http, model_dir, reply_script, scratch, sse_events, tokenizer, wait_for, worker,
 )
+from tests.metrics_text import parse
 from tests.test_gateway_stream import CHAT, COMP, MSGS, _busy_worker_in_registry, _ids, _per_choice
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
-
-
 def _scrape(http) -> dict[str, float]:
-    """Every sample as ``name{labels}`` -> value; checks the exposition format line by line."""
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    samples, typed = {}, set()
-    for line in r.text.splitlines():
-        if line.startswith("# TYPE "):
-            typed.add(line.split()[2])
-            continue
-        if line.startswith("# HELP "):
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"not a sample line: {line!r}"
-        assert re.sub(r"_(bucket|sum|count)$", "", m.group(1)) in typed, f"untyped sample {line!r}"
-        samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return samples
+    return parse(r.text)
 
 
 def test_request_figures_and_worker_entries(http, worker, tokenizer, gw_nats):

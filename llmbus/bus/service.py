@@ -7,6 +7,8 @@
    instance's :class:`InstanceInfo` to the registry and prints ``llmbus-ready <role> <instance_id>``
    on stdout (what ``llmbus up`` waits for). A heartbeat re-puts the entry every ``heartbeat_s``
    with the figures the body last passed to ``ctx.report()``. The body returns once ``ctx.stop`` is set.
+   Meanwhile the service answers ``llmbus.metrics.<instance_id>`` with the families of the sources
+   the body gave ``ctx.add_metrics()``.
 4. On exit: the registry entry is deleted and the connection drained (pending publishes flushed,
    subscriptions finish their callbacks). Returns a process exit code.
 """
@@ -23,14 +25,14 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from llmbus import aio
 from llmbus.bus import subjects
 from llmbus.bus.connection import DEFAULT_NATS_URL, NATS_URL_ENV, connect, default_nats_url
 from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
-from llmbus.protocol import InstanceInfo, check_id, encode
+from llmbus.protocol import InstanceInfo, MetricFamily, MetricsReply, check_id, encode
 from llmbus.protocol.messages import ROLES
 
 READY_PREFIX = "llmbus-ready"
@@ -73,6 +75,21 @@ class ServiceContext:
         self._free_blocks = 0
         self._queue_depth = 0
         self._total_blocks = 0
+        self._metric_sources: list[Callable[[], Iterable[MetricFamily]]] = []
+
+    def add_metrics(self, source: Callable[[], Iterable[MetricFamily]]) -> None:
+        """``source()``, called at each metrics request on the event loop, gives families this
+        service answers with (counters since start, gauges as of the call)."""
+        self._metric_sources.append(source)
+
+    def metrics(self) -> MetricsReply:
+        families: list[MetricFamily] = []
+        for source in self._metric_sources:
+            try:
+                families.extend(source())
+            except Exception:  # one broken source must not hide the others
+                log.exception("a metrics source failed")
+        return MetricsReply(self.instance_id, self.role, families)
 
     def report(self, *, free_blocks: int | None = None, queue_depth: int | None = None, models: list[str] | None = None,
                total_blocks: int | None = None) -> None:  # fmt: skip
@@ -115,6 +132,7 @@ async def run_service(options: ServiceOptions, body: Body) -> int:
         await ensure_streams(js, options.limits, options.models)
         registry = await ensure_registry(js, options.limits)
         ctx = ServiceContext(options, nc, js, registry, stack)
+        await _answer_metrics(ctx)
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
                 loop.add_signal_handler(sig, ctx.stop.set)
@@ -152,6 +170,16 @@ async def _heartbeats(ctx: ServiceContext) -> None:
                 await ctx.heartbeat()
             except Exception as exc:  # a missed beat is retried; the entry's TTL covers a few
                 log.warning("registry heartbeat failed: %s", exc)
+
+
+async def _answer_metrics(ctx: ServiceContext) -> None:
+    async def answer(msg) -> None:
+        if msg.reply:
+            with contextlib.suppress(Exception):  # the asker gave up and left: nothing to do
+                await msg.respond(encode(ctx.metrics()))
+
+    sub = await ctx.nc.subscribe(subjects.metrics(ctx.instance_id), cb=answer)
+    ctx.stack.push_async_callback(sub.unsubscribe)
 
 
 async def _drain(nc) -> None:

@@ -11,6 +11,7 @@
 | kvpool ops | core request/reply, queue group `kvpool` | `llmbus.kvpool.<op>` |
 | KV events (workers -> kvpool's index) | core NATS | `llmbus.kvevents` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
+| a service's metrics | core request/reply | `llmbus.metrics.<instance_id>` |
 
 Model names become one subject token through :func:`model_token` (``.``, ``*``, ``>``, ``/``, ``\\``
 and whitespace map to ``_``); the real name always travels in the message body.
@@ -110,6 +111,11 @@ def decode_consumer(model: str) -> str:
 def tokens(request_id: str) -> str:
     """Core subject carrying a request's TokenEvents."""
     return f"{PREFIX}.tok.{check_id('request_id', request_id)}"
+
+
+def metrics(instance_id: str) -> str:
+    """Core request/reply subject where an instance answers a MetricsRequest with its MetricsReply."""
+    return f"{PREFIX}.metrics.{check_id('instance_id', instance_id)}"
 
 
 def token_batches(instance_id: str) -> str:

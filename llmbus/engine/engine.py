@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from llmbus.engine.sampling_params import SamplingParams
 from llmbus.guide.masks import GuideMasks, TokenIndex
 from llmbus.engine.scheduler import Scheduler, SchedulerConfig
 from llmbus.engine.sequence import Sequence, TokenLogprob
+from llmbus.engine.stats import EngineStats
 from llmbus.kv.formats import parse_kv_format
 from llmbus.kv.layout import DTYPE_BYTES, KVLayout
 
@@ -138,6 +140,7 @@ class Engine:
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
         self.num_preemptions = 0
+        self.stats = EngineStats()
         # a sequence preempted for blocks waits to resume (as of the last step or abort; other threads
         # read it): imports wait until it has its blocks back, or a stream of them could starve it
         self.resuming = False
@@ -277,6 +280,7 @@ class Engine:
             return handoff is not None
         self.scheduler.abort(request_id)
         self.resuming = self.scheduler.waiting_to_resume()  # NOTE: an idle engine takes no step to update it
+        self.stats.ended("abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -307,6 +311,7 @@ class Engine:
             bm.enable_prefix_caching = caching
             for rid in ids:
                 self.abort(rid)
+            self.stats = EngineStats()  # the dummy requests are not the service's figures
 
     @property
     def num_free_blocks(self) -> int:
@@ -323,16 +328,20 @@ class Engine:
     # --- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         self.num_preemptions += len(out.preempted)
         self.resuming = self.scheduler.waiting_to_resume()  # (only schedule() changes who waits)
+        stats = self.stats
         results: list[StepOutput] = []
         for seq in out.rejected:  # can never fit this engine: finished without a token
             self._seqs.pop(seq.request_id, None)
             self._prefill_only.discard(seq.request_id)
             results.append(self._output(seq, [], None, seq.finish_reason or "length"))
+            stats.ended(results[-1].finish_reason)
         if not out.scheduled:
             return results
+        chunks = [s.num_new_tokens for s in out.scheduled]
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
         for request_id, (token, lp) in sampled.items():
@@ -343,9 +352,12 @@ class Engine:
                 self.scheduler.abort(request_id)
                 reason = "handoff"
             results.append(self._output(seq, [token], [lp] if lp is not None else None, reason))
+            stats.sampled(1, len(seq.output_token_ids) == 1, seq.num_prompt_tokens, seq.num_cached_tokens)
             if reason is not None:
                 self._seqs.pop(request_id, None)
                 self._prefill_only.discard(request_id)
+                stats.ended(reason)
+        stats.step(time.perf_counter() - start, chunks, len(out.preempted))
         return results
 
     @staticmethod

@@ -545,3 +545,68 @@ class StoreRequest:
 class StoreReply:
     stored: int  # blocks newly cached
     present: int  # blocks kvpool already held
+
+
+# ---------------------------------------------------------------- metrics
+
+
+METRIC_KINDS = ("counter", "gauge", "histogram")
+
+
+@dataclass(frozen=True)
+class MetricSample:
+    """One series of a MetricFamily: its label values (in the family's label order) and figures."""
+
+    labels: list[str]
+    value: float = 0.0  # counter, gauge
+    counts: list[int] = field(default_factory=list)  # histogram: observations <= each bound, cumulative
+    sum: float = 0.0  # histogram: of all observations
+    count: int = 0  # histogram: observations in all
+
+
+@dataclass(frozen=True)
+class MetricFamily:
+    """A named metric with Prometheus' meaning (``# HELP``, ``# TYPE``): ``kind`` counter, gauge
+    or histogram; ``bounds`` a histogram's bucket upper bounds, ascending (+Inf implied)."""
+
+    name: str
+    help: str
+    kind: str
+    labels: list[str] = field(default_factory=list)
+    bounds: list[float] = field(default_factory=list)
+    samples: list[MetricSample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.kind not in METRIC_KINDS:
+            raise ValueError(f"kind must be one of {METRIC_KINDS}, got {self.kind!r}")
+        if not _METRIC_NAME.fullmatch(self.name) or not all(_METRIC_NAME.fullmatch(n) for n in self.labels):
+            raise ValueError(f"metric {self.name!r}: names must match {_METRIC_NAME.pattern}")
+        for s in self.samples:
+            if len(s.labels) != len(self.labels):
+                raise ValueError(f"metric {self.name!r}: a sample has {len(s.labels)} label values for "
+                                 f"{len(self.labels)} labels")  # fmt: skip
+            if self.kind == "histogram" and len(s.counts) != len(self.bounds):
+                raise ValueError(f"metric {self.name!r}: a sample has {len(s.counts)} bucket counts for "
+                                 f"{len(self.bounds)} bounds")  # fmt: skip
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+@dataclass(frozen=True)
+class MetricsRequest:
+    """-> ``llmbus.metrics.<instance_id>`` (core request/reply, every service); reply: MetricsReply."""
+
+
+@dataclass(frozen=True)
+class MetricsReply:
+    """A service's own metrics as of the request: counters since it started, gauges now."""
+
+    instance_id: str
+    role: str
+    families: list[MetricFamily] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_id("instance_id", self.instance_id)
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")

@@ -16,7 +16,8 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.engine.engine import Engine, StepOutput
-from llmbus.protocol import Abort, GenerateRequest, ProtocolError, StoreReply, TokenEvent, decode
+from llmbus.metrics import labelled, scalar
+from llmbus.protocol import Abort, GenerateRequest, MetricFamily, ProtocolError, StoreReply, TokenEvent, decode
 from llmbus.worker.engine_loop import EngineLoop
 
 log = logging.getLogger("llmbus.worker")
@@ -36,6 +37,21 @@ class EngineWorker(abc.ABC):
         self.loop: EngineLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # background work, held until done
         self.stores_in_flight = 0
+        ctx.add_metrics(self.metric_families)
+
+    def metric_families(self) -> list[MetricFamily]:
+        """The engine's counters, and its gauges as of now (read off the engine thread: each is one
+        length or count, possibly a step old)."""
+        engine = self.engine
+        gauges = [
+            ("llmbus_engine_requests_running", "Sequences in the engine's running batch.", engine.num_running),
+            ("llmbus_engine_requests_waiting", "Sequences waiting to join the batch.", engine.num_waiting),
+            ("llmbus_engine_kv_blocks_free", "Free KV blocks (cached prefix blocks no sequence holds count as free).",
+             engine.num_free_blocks),
+            ("llmbus_engine_kv_blocks", "KV blocks in the engine's cache.", engine.runner.num_blocks),
+        ]
+        families = [scalar(*g) for g in gauges] + engine.stats.families()
+        return [labelled(f, model=self.model) for f in families]
 
     def start_engine(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), on_outputs)

@@ -65,7 +65,8 @@ def build_app(gw: Gateway) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         instances = await gw.bus.instances() if gw.bus is not None else []
-        return Response(gw.metrics.render(instances), media_type="text/plain; version=0.0.4; charset=utf-8")
+        services = await gw.bus.scrape(instances) if gw.bus is not None else []
+        return Response(gw.metrics.render(instances, services), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     routes = [
         Route("/health", health, methods=["GET"]),

@@ -1,8 +1,8 @@
 """``GET /metrics``: the gateway's request figures and the workers' registry entries in Prometheus'
 text format (0.0.4), for any Prometheus-compatible scraper.
 
-Written out by hand (no client library): a few counters, gauges and fixed-bucket histograms with
-label sets, rendered on each scrape. Per model: requests by outcome, requests running, prompt,
+Built with ``llmbus.metrics``, rendered on each scrape, after which come the families every other
+service answers over the bus (``bus_client.GatewayBus.scrape``). Per model: requests by outcome, requests running, prompt,
 cached and generated tokens, and time to first token, time per output token and end-to-end
 latency as seen by the gateway (from a request's arrival to its pieces leaving). Per worker, from
 the registry as read at the scrape: queued requests, free and total KV blocks.
@@ -11,75 +11,13 @@ the registry as read at the scrape: queued requests, free and total KV blocks.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator, Iterable
 
-from llmbus.protocol import InstanceInfo
+from llmbus.metrics import E2E_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Histogram, Metric, render
+from llmbus.protocol import InstanceInfo, MetricFamily
 from services.gateway.generation import Piece
 from services.gateway.shapes import Usage
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 30.0, 60.0)
-TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-
-def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(x: float) -> str:
-    if math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    return repr(float(x)) if not float(x).is_integer() else str(int(x))
-
-
-class Metric:
-    """A counter or gauge family: one value per label set."""
-
-    def __init__(self, name: str, help_: str, kind: str, labels: tuple[str, ...]) -> None:
-        self.name, self.help, self.kind, self.labels = name, help_, kind, labels
-        self.values: dict[tuple[str, ...], float] = {}
-
-    def add(self, value: float, *labels: str) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + value
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-        lines += [f"{self.name}{_labels(self.labels, k)} {_number(v)}" for k, v in sorted(self.values.items())]
-        return lines
-
-
-class Histogram:
-    def __init__(self, name: str, help_: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.labels, self.buckets = name, help_, labels, buckets
-        self.series: dict[tuple[str, ...], list] = {}  # labels -> [bucket counts..., sum, count]
-
-    def observe(self, value: float, *labels: str) -> None:
-        s = self.series.setdefault(labels, [0] * len(self.buckets) + [0.0, 0])
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                s[i] += 1
-        s[-2] += value
-        s[-1] += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        for key, s in sorted(self.series.items()):
-            for bound, n in [*zip(self.buckets, s), (math.inf, s[-1])]:
-                le = 'le="' + _number(bound) + '"'
-                lines.append(f"{self.name}_bucket{_labels(self.labels, key, le)} {n}")
-            lines.append(f"{self.name}_sum{_labels(self.labels, key)} {_number(s[-2])}")
-            lines.append(f"{self.name}_count{_labels(self.labels, key)} {s[-1]}")
-        return lines
-
 
 class GatewayMetrics:
     def __init__(self) -> None:
@@ -108,10 +46,12 @@ class GatewayMetrics:
         """A request's observer; ``arrival``: when it came in (``time.monotonic()``)."""
         return RequestObserver(self, model, n, arrival)
 
-    def render(self, instances: Iterable[InstanceInfo] = ()) -> str:
-        families = [self.http, self.outcomes, self.running, self.prompt, self.cached, self.generated,
-                    self.ttft, self.tpot, self.e2e, *_worker_gauges(instances)]
-        return "\n".join(line for f in families for line in f.render()) + "\n"
+    def render(self, instances: Iterable[InstanceInfo] = (), services: Iterable[MetricFamily] = ()) -> str:
+        """The gateway's own families, the workers' registry gauges, then ``services``: what the
+        other services answered, labelled with their instance and role (``bus_client.scrape``)."""
+        own = [self.http, self.outcomes, self.running, self.prompt, self.cached, self.generated,
+               self.ttft, self.tpot, self.e2e, *_worker_gauges(instances)]
+        return render([*(f.family() for f in own), *services])
 
 
 def _worker_gauges(instances: Iterable[InstanceInfo]) -> list[Metric]:

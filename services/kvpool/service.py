@@ -18,10 +18,12 @@ import time
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import read_registry
+from llmbus.metrics import Metric, scalar
 from llmbus.protocol import (
     AllocateRequest,
     ErrorReply,
     Lease,
+    MetricFamily,
     PoolStats,
     ProtocolError,
     ReadReply,
@@ -73,6 +75,7 @@ class KVPool:
         }
         self._absent: set[str] = set()  # tier-0 workers the last registry sweep did not find
         self._next_sweep = 0.0
+        ctx.add_metrics(self.metric_families)
 
     async def run(self) -> None:
         self.tier = CpuTier(self.config.block_bytes, self.config.capacity_blocks)
@@ -195,6 +198,38 @@ class KVPool:
         return PoolStats(self.ctx.instance_id, a.capacity, a.free_blocks, a.leased_blocks, a.active_leases,
                          self.config.block_bytes, self.tier.name, a.reclaimed_total, tiers, known,
                          self.config.max_ttl_s)  # fmt: skip
+
+    def metric_families(self) -> list[MetricFamily]:
+        """``_stats`` as metrics: the lease pool, and each prefix tier's use and traffic."""
+        if self.tier is None:  # not serving yet
+            return []
+        st = self._stats(StatsRequest())
+        families = [
+            scalar("llmbus_kvpool_blocks", "Blocks in kvpool's shared-memory pool (leases draw on it).",
+                   st.capacity_blocks),
+            scalar("llmbus_kvpool_free_blocks", "Blocks of the pool no lease holds.", st.free_blocks),
+            scalar("llmbus_kvpool_active_leases", "Leases alive.", st.active_leases),
+            scalar("llmbus_kvpool_reclaimed_leases_total", "Leases reclaimed when their TTL ran out.",
+                   st.reclaimed_leases, "counter"),
+            scalar("llmbus_kvpool_prefix_blocks", "Blocks the prefix index knows of, in any location.",
+                   st.prefix_blocks),
+        ]
+        per_tier = [
+            ("bytes", "gauge", "Bytes a prefix tier holds.", lambda t: t.bytes_used),
+            ("capacity_bytes", "gauge", "Bytes a prefix tier may hold.", lambda t: t.bytes_capacity),
+            ("cached_blocks", "gauge", "Blocks a prefix tier holds.", lambda t: t.blocks),
+            ("lookups_total", "counter", "Blocks fetches asked of a prefix tier.", lambda t: t.lookups),
+            ("hits_total", "counter", "Blocks a prefix tier served (hit rate: hits / lookups).", lambda t: t.hits),
+            ("evictions_total", "counter", "Blocks dropped from a prefix tier.", lambda t: t.evictions),
+            ("demotions_total", "counter", "Blocks moved from a prefix tier down to the next.", lambda t: t.demotions),
+            ("promotions_total", "counter", "Blocks moved up into a prefix tier.", lambda t: t.promotions),
+        ]
+        for suffix, kind, help_, read in per_tier:
+            m = Metric(f"llmbus_kvpool_tier_{suffix}", help_, kind, ("tier", "kv_format"))
+            for t in st.tiers:
+                m.set(read(t), t.tier, t.kv_format)
+            families.append(m.family())
+        return families
 
     # --- prefix cache -------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import read_registry
 from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds
+from llmbus.metrics import Metric
 from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, check_token_subject,
                              decode, encode)
 from services.router.policy import RouteError, RoutingPolicy, live_models
@@ -40,6 +41,11 @@ class Router:
         self.instances: list[InstanceInfo] = []
         self.routed = 0
         self.failed = 0
+        self.requests = Metric("llmbus_router_requests_total",
+                               "Requests the router settled, by the model and lane it chose and outcome: routed "
+                               "(forwarded to prefill) or failed (the client was told why). A failed one's lane is "
+                               "none, and its model the one asked for.", "counter", ("model", "lane", "outcome"))
+        ctx.add_metrics(lambda: [self.requests.family()])
         self.tokens = TokenPublisher(ctx.nc)
         # request ids whose fate was sent (forwarded or failed): a message that comes back because
         # its ack failed is acked quietly, not routed (or failed) a second time
@@ -100,11 +106,13 @@ class Router:
                 await _settle(msg.nak(delay=1.0))
             return
         self.routed += 1
+        self.requests.add(1, route.model, route.lane, "routed")
         self._settled.add(req.request_id)
         await _settle(msg.ack())
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.failed += 1
+        self.requests.add(1, req.model, "none", "failed")
         self._settled.add(req.request_id)
         event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
                                    prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
@@ -122,6 +130,7 @@ class Router:
         except Exception:
             return
         self.failed += 1
+        self.requests.add(1, "unknown", "none", "failed")  # (a name nothing checked: not a label)
         await self.tokens.publish(subject, event)
 
     async def _watch_registry(self) -> None:

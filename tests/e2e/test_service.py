@@ -20,6 +20,7 @@ from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.guide.grammar import compile_guide, guide_spec
 from tests.e2e.stack import Stack
+from tests.metrics_text import parse, total
 
 MODEL = "demo"
 pytestmark = pytest.mark.timeout(900)
@@ -252,14 +253,36 @@ def test_forced_tool_calls_are_calls(client):
     jsonschema.validate(json.loads(call.function.arguments), params["get_weather"])
 
 
-def test_metrics_show_the_requests_and_every_worker(stack, client):
-    client.completions.create(model=MODEL, prompt="Count to three", max_tokens=4, temperature=0)
-    text = httpx.get(stack.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
-    ok = [line for line in text.splitlines() if line.startswith(f'llmbus_gateway_requests_total{{model="{MODEL}",outcome="ok"}}')]
-    assert ok and float(ok[0].split()[-1]) >= 1
-    roles = {i.role for i in stack.instances() if i.role in ("prefill", "decode")}
-    for role in roles:
-        assert f'role="{role}"' in text and "llmbus_worker_kv_blocks{" in text
+def test_metrics_show_the_requests_and_every_service(stack, client):
+    """/metrics holds every service's own figures (asked over ``llmbus.metrics.<instance>``): one
+    greedy request moves the engines', the router's and the gateway's counters by its usage."""
+    url = stack.base_url.removesuffix("/v1") + "/metrics"
+    before = parse(httpx.get(url, timeout=30).text)
+    out = client.completions.create(model=MODEL, prompt="Count to three", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    after = parse(httpx.get(url, timeout=30).text)
+
+    def moved(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert moved("llmbus_gateway_requests_total", model=MODEL, outcome="ok") == 1
+    assert moved("llmbus_router_requests_total", model=MODEL, outcome="routed") == 1
+    assert moved("llmbus_engine_generation_tokens_total", model=MODEL) == out.usage.completion_tokens == 5
+    assert moved("llmbus_engine_prompt_tokens_total", model=MODEL, role="prefill") == out.usage.prompt_tokens
+    assert moved("llmbus_engine_requests_finished_total", model=MODEL, role="prefill", reason="handoff") == 1
+    assert moved("llmbus_engine_requests_finished_total", model=MODEL, role="decode", reason="length") == 1
+    assert moved("llmbus_engine_step_seconds_count", model=MODEL, role="decode", kind="decode") == 4
+    assert moved("llmbus_engine_step_tokens_sum", model=MODEL, role="prefill") == out.usage.prompt_tokens
+    instances = stack.instances()
+    for info in instances:
+        if info.role != "gateway":
+            assert after[f'llmbus_up{{instance="{info.instance_id}",role="{info.role}"}}'] == 1
+    for info in (i for i in instances if i.role in ("prefill", "decode")):
+        assert after[f'llmbus_engine_kv_blocks{{instance="{info.instance_id}",role="{info.role}",model="{MODEL}"}}'] \
+            == info.total_blocks
+        assert after[f'llmbus_worker_kv_blocks{{instance="{info.instance_id}",role="{info.role}"}}'] == info.total_blocks
+    assert total(after, "llmbus_kvpool_blocks", role="kvpool") > 0
+    assert total(after, "llmbus_kvpool_tier_capacity_bytes", role="kvpool", tier="cpu") > 0
 
 
 def test_32_concurrent_streams_complete_in_order(stack, reference):

@@ -1,0 +1,67 @@
+"""What an engine counts as it steps, for its service's metrics (``llmbus.metrics``): the step's time,
+tokens and batch size, tokens computed and generated, prompt tokens read from a prefix cache,
+preemptions, requests ended by reason. Updated on the engine thread, read at a scrape. The service
+labels them with the model's served name (the engine knows only its directory's).
+"""
+
+from __future__ import annotations
+
+from llmbus.metrics import SIZE_BUCKETS, STEP_BUCKETS, Histogram, Metric
+from llmbus.protocol import MetricFamily
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        m = ()
+        self.step_seconds = Histogram(
+            "llmbus_engine_step_seconds",
+            "An engine step's wall time (schedule, forward, sample), by kind: prefill when it computes a chunk "
+            "of more than one token, else decode.", ("kind",), STEP_BUCKETS)
+        self.step_tokens = Histogram("llmbus_engine_step_tokens", "Tokens an engine step computes.", m, SIZE_BUCKETS)
+        self.step_sequences = Histogram("llmbus_engine_step_sequences", "Sequences in an engine step's batch.",
+                                        m, SIZE_BUCKETS)  # fmt: skip
+        self.prefill_tokens = Metric(
+            "llmbus_engine_prefill_tokens_total",
+            "Tokens computed in chunks of more than one token: prompts past their cached prefix, and "
+            "recomputes after preemption.", "counter", m)
+        self.generation_tokens = Metric("llmbus_engine_generation_tokens_total", "Tokens sampled.", "counter", m)
+        self.prompt_tokens = Metric(
+            "llmbus_engine_prompt_tokens_total",
+            "Prompt tokens of requests whose first token was sampled here.", "counter", m)
+        self.cached_tokens = Metric(
+            "llmbus_engine_cached_prompt_tokens_total",
+            "Of those, prompt tokens read from a prefix cache (this worker's, or kvpool's) instead of computed.",
+            "counter", m)
+        self.preemptions = Metric("llmbus_engine_preemptions_total",
+                                  "Sequences preempted for KV blocks (their tokens are recomputed later).",
+                                  "counter", m)  # fmt: skip
+        self.finished = Metric(
+            "llmbus_engine_requests_finished_total",
+            "Requests that left the engine, by reason: stop, length, abort, or handoff (a prefill passed to decode).",
+            "counter", ("reason",))
+
+    def step(self, seconds: float, chunks: list[int], preempted: int) -> None:
+        """One step that computed ``chunks`` (tokens per scheduled sequence)."""
+        prefill = sum(n for n in chunks if n > 1)
+        self.step_seconds.observe(seconds, "prefill" if prefill else "decode")
+        self.step_tokens.observe(sum(chunks))
+        self.step_sequences.observe(len(chunks))
+        if prefill:
+            self.prefill_tokens.add(prefill)
+        if preempted:
+            self.preemptions.add(preempted)
+
+    def sampled(self, tokens: int, first: bool, prompt: int, cached: int) -> None:
+        """A sequence sampled ``tokens``; ``first``: its first output (its prompt's figures count)."""
+        self.generation_tokens.add(tokens)
+        if first:
+            self.prompt_tokens.add(prompt)
+            self.cached_tokens.add(cached)
+
+    def ended(self, reason: str) -> None:
+        self.finished.add(1, reason)
+
+    def families(self) -> list[MetricFamily]:
+        parts = (self.step_seconds, self.step_tokens, self.step_sequences, self.prefill_tokens,
+                 self.generation_tokens, self.prompt_tokens, self.cached_tokens, self.preemptions, self.finished)
+        return [p.family() for p in parts]
