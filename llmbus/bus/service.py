@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from llmbus import aio
+from llmbus import aio, tracing
 from llmbus.bus import subjects
 from llmbus.bus.connection import DEFAULT_NATS_URL, NATS_URL_ENV, connect, default_nats_url
 from llmbus.bus.streams import StreamLimits, ensure_registry, ensure_streams
@@ -124,8 +124,13 @@ Body = Callable[[ServiceContext], Awaitable[None]]
 
 
 async def run_service(options: ServiceOptions, body: Body) -> int:
+    """Raises ValueError on tracing settings it cannot use (``llmbus.tracing``), ConnectionError
+    when NATS cannot be reached."""
     loop = asyncio.get_running_loop()
+    if tracing.setup(options.role, options.instance_id):
+        log.info("tracing on: spans go where OTEL_* says")
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(asyncio.to_thread, tracing.shutdown)  # the last spans leave after the drain
         nc = await connect(options.nats_url, name=f"{options.role}:{options.instance_id}")
         stack.push_async_callback(_drain, nc)
         js = nc.jetstream()
@@ -154,12 +159,15 @@ async def run_service(options: ServiceOptions, body: Body) -> int:
 
 def serve(options: ServiceOptions, body: Body) -> int:
     """Run a service from its command line: the exit code, or 1 with a one-line message when NATS
-    cannot be reached."""
+    cannot be reached (2 for a setting it cannot use)."""
     try:
         return aio.run(run_service(options, body))
     except ConnectionError as exc:
         print(f"{options.role}: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a setting it cannot use (tracing's)
+        print(f"{options.role}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _heartbeats(ctx: ServiceContext) -> None:

@@ -134,9 +134,14 @@ class GenerateRequest:
     token_subject: str = ""  # where its events go: "" = subjects.tokens(request_id); a gateway's subjects.token_batches(...)
     kv_format: str = "model"  # carried, not read: each worker runs its own --kv-format
     lane: str = ""  # set by the router: "short" | "long"; "" before routing
+    # W3C trace context of the gateway's span for the request (llmbus.tracing); "" when not traced
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         check_id("request_id", self.request_id)
+        if self.traceparent and not TRACEPARENT.fullmatch(self.traceparent):
+            raise ValueError(f"traceparent must be a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>), "
+                             f"got {self.traceparent[:80]!r}")
         if not self.model:
             raise ValueError("model must be a non-empty string")
         if not self.prompt_token_ids:
@@ -591,6 +596,7 @@ class MetricFamily:
 
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from llmbus import tracing
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
@@ -37,7 +38,26 @@ class EngineWorker(abc.ABC):
         self.loop: EngineLoop | None = None
         self._tasks: set[asyncio.Task] = set()  # background work, held until done
         self.stores_in_flight = 0
+        self.spans: dict = {}  # request id -> its span here, while tracing is on
         ctx.add_metrics(self.metric_families)
+
+    def trace(self, req: GenerateRequest, name: str, **attributes) -> None:
+        """Open this worker's span of a traced request (``llmbus.tracing``); it ends with the request's
+        final event here (``publish``), its abort, or ``end_span``."""
+        if req.traceparent and tracing.enabled() and req.request_id not in self.spans:
+            self.spans[req.request_id] = tracing.start(name, req.traceparent, attributes={
+                "llmbus.request_id": req.request_id, "gen_ai.request.model": req.model,
+                "gen_ai.usage.input_tokens": len(req.prompt_token_ids), "llmbus.instance": self.ctx.instance_id,
+                **attributes})  # fmt: skip
+
+    def end_span(self, rid: str, error: str = "", **attributes) -> None:
+        """End ``rid``'s span here, if it has one (idempotent)."""
+        span = self.spans.pop(rid, None)
+        if span is not None:
+            span.set_attributes(attributes)
+            if error:
+                tracing.fail(span, error)
+            span.end()
 
     def metric_families(self) -> list[MetricFamily]:
         """The engine's counters, and its gauges as of now (read off the engine thread: each is one
@@ -71,6 +91,7 @@ class EngineWorker(abc.ABC):
             return
         self.recent_aborts.add(rid)
         await self.on_abort(rid)
+        self.end_span(rid, **{"llmbus.finish_reason": "abort"})
 
     @abc.abstractmethod
     async def on_abort(self, rid: str) -> None:
@@ -177,6 +198,13 @@ class EngineWorker(abc.ABC):
             await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
         except Exception as exc:
             log.warning("could not publish event %d of %s: %s", event.seq, req.request_id, exc)
+        if self.spans and (span := self.spans.get(req.request_id)) is not None:
+            if event.seq == 0 and event.token_ids:
+                span.add_event("first_token")
+            if event.finish_reason is not None:
+                self.end_span(req.request_id, event.error or "", **{
+                    "llmbus.finish_reason": event.finish_reason, "gen_ai.usage.output_tokens": event.completion_tokens,
+                    "llmbus.cached_tokens": event.cached_tokens})  # fmt: skip
 
     async def write_rows(self, lease, kv) -> None:
         """Write ``Engine.read_blocks`` rows ``[n, layers, bytes]`` into lease blocks 0..n-1, each

@@ -167,6 +167,7 @@ class DecodeWorker(EngineWorker):
                     await self.kv.release(handoff.lease.lease_id)
             return
         self._taking.add(rid)  # NOTE: from here to the end of the take, so a redelivery cannot take it twice
+        self.trace(req, "llmbus.decode", **{"llmbus.prefill_worker": handoff.prefill_worker})
         keep_lease = False
         try:
             if handoff.kv_format != self.engine.config.kv_format:
@@ -194,6 +195,8 @@ class DecodeWorker(EngineWorker):
             if not joined:  # aborted, or past its deadline, before it joined: its end is out
                 await msg.ack()
                 return
+            if (span := self.spans.get(rid)) is not None:
+                span.add_event("joined_batch")  # after waiting for room and reading the KV
         except Exception as exc:
             # ended while it was taken (its deadline, an abort): its final event is out, no second one
             if self.active.pop(rid, None) is None and rid in self.recent_aborts:
@@ -208,6 +211,8 @@ class DecodeWorker(EngineWorker):
             return
         finally:
             self._taking.discard(rid)
+            if rid not in self.active:  # it never joined (or already ended): its span ends here
+                self.end_span(rid)
             if not keep_lease:
                 with contextlib.suppress(Exception):
                     await self.kv.release(handoff.lease.lease_id)

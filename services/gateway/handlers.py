@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from services.gateway.aborts import abort_unless_finished, release_ended
+from llmbus import tracing
 from llmbus.model.tokenizer import IncrementalDetokenizer
 from llmbus.protocol import GenerateRequest
 from services.gateway.bus_client import GatewayBus, Listening
@@ -48,8 +49,26 @@ class Gateway:
 
 
 async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""):
-    """``tenant`` salts the prefix caches: tenants never share cached blocks."""
+    """``tenant`` salts the prefix caches: tenants never share cached blocks. With tracing on the
+    request's span starts here (continuing the client's ``traceparent``) and ends with its answer."""
     arrival = time.monotonic()
+    operation = "chat" if req.kind == "chat" else "text_completion"
+    span = tracing.start(f"{operation} {req.model}", http.headers.get("traceparent", ""), root=True,
+                         kind=tracing.SpanKind.SERVER, attributes={
+                             "gen_ai.operation.name": operation, "gen_ai.request.model": req.model,
+                             "llmbus.n": req.n, "llmbus.stream": req.stream})  # fmt: skip
+    try:
+        return await _serve(gw, http, req, tenant, arrival, span)
+    except BaseException as exc:  # refused, or failed, before its pieces ended the span
+        if span.is_recording():
+            tracing.fail(span, exc.message if isinstance(exc, APIError) else repr(exc))
+            if isinstance(exc, APIError):
+                span.set_attribute("http.response.status_code", exc.status)
+            span.end()
+        raise
+
+
+async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, arrival: float, span):
     model = gw.models.get(req.model)
     if req.tools and gw.config.tool_parser is None:
         raise APIError(400, "This server reads no tool calls: start the gateway with --tool-parser (e.g. hermes) "
@@ -65,6 +84,10 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
     bus = gw.bus
     tok = model.tokenizer
     requests = choice_requests(prepared.requests, req.n)
+    if parent := tracing.traceparent(span):  # every service's span of it is a child of this one
+        requests = [dataclasses.replace(r, traceparent=parent) for r in requests]
+        span.set_attributes({"llmbus.request_id": requests[0].request_id,
+                             "gen_ai.usage.input_tokens": sum(len(r.prompt_token_ids) for r in prepared.requests)})
     echoes = [echo for echo in prepared.echoes for _ in range(req.n)]
     choices = [_Choice(r.request_id, Generation(
         TokenStream(r.request_id, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
@@ -92,7 +115,7 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
         await release_ended(bus, choices[i].request_id, choices[i].sub, choices[i].gen)
 
     def pieces():  # every choice's, observed for /metrics
-        return gw.metrics.request(model.name, req.n, arrival).watch(choice_pieces(gens, ended), len(gens))
+        return gw.metrics.request(model.name, req.n, arrival, span).watch(choice_pieces(gens, ended), len(gens))
 
     if req.stream:
         return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard)

@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
 
+from llmbus import tracing
 from llmbus.metrics import E2E_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Histogram, Metric, render
 from llmbus.protocol import InstanceInfo, MetricFamily
 from services.gateway.generation import Piece
@@ -42,9 +43,10 @@ class GatewayMetrics:
         self.e2e = Histogram("llmbus_gateway_e2e_request_latency_seconds",
                              "From a request's arrival to its last output.", m, E2E_BUCKETS)
 
-    def request(self, model: str, n: int, arrival: float) -> RequestObserver:
-        """A request's observer; ``arrival``: when it came in (``time.monotonic()``)."""
-        return RequestObserver(self, model, n, arrival)
+    def request(self, model: str, n: int, arrival: float, span=None) -> RequestObserver:
+        """A request's observer; ``arrival``: when it came in (``time.monotonic()``); ``span``: its
+        trace span (``llmbus.tracing``), ended with it."""
+        return RequestObserver(self, model, n, arrival, span)
 
     def render(self, instances: Iterable[InstanceInfo] = (), services: Iterable[MetricFamily] = ()) -> str:
         """The gateway's own families, the workers' registry gauges, then ``services``: what the
@@ -71,10 +73,11 @@ def _worker_gauges(instances: Iterable[InstanceInfo]) -> list[Metric]:
 class RequestObserver:
     """One generation request's figures, from its pieces as they leave (``watch``)."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, n: int, arrival: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, model: str, n: int, arrival: float, span=None) -> None:
         self.metrics, self.model, self.n = metrics, model, n
         self.start = arrival
         self.first: float | None = None
+        self.span = span if span is not None and span.is_recording() else None
         metrics.running.add(1, model)
 
     async def watch(self, pieces: AsyncIterator[tuple[int, Piece]], choices: int) -> AsyncIterator[tuple[int, Piece]]:
@@ -86,6 +89,8 @@ class RequestObserver:
                 async for i, piece in stream:
                     if self.first is None:
                         self.first = time.monotonic()
+                        if self.span is not None:
+                            self.span.add_event("first_token")
                     if piece.error is not None:
                         outcome = "error"
                     elif piece.usage is not None:
@@ -100,10 +105,12 @@ class RequestObserver:
         m, model = self.metrics, self.model
         m.running.add(-1, model)
         m.outcomes.add(1, model, outcome)
-        if not usages:
+        usage = Usage.of_choices(usages, self.n) if usages else None
+        if self.span is not None:
+            self._end_span(outcome, usage)
+        if usage is None:
             return
         end = time.monotonic()
-        usage = Usage.of_choices(usages, self.n)
         m.prompt.add(usage.prompt_tokens, model)
         m.cached.add(usage.cached_tokens, model)
         m.generated.add(usage.completion_tokens, model)
@@ -113,3 +120,13 @@ class RequestObserver:
             per_choice = usage.completion_tokens / len(usages)
             if per_choice > 1:
                 m.tpot.observe((end - self.first) / (per_choice - 1), model)
+
+    def _end_span(self, outcome: str, usage: Usage | None) -> None:
+        span = self.span
+        span.set_attribute("llmbus.outcome", outcome)
+        if usage is not None:
+            span.set_attributes({"gen_ai.usage.output_tokens": usage.completion_tokens,
+                                 "llmbus.cached_tokens": usage.cached_tokens})  # fmt: skip
+        if outcome == "error":
+            tracing.fail(span, "a choice ended with an error")
+        span.end()

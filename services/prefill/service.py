@@ -135,6 +135,8 @@ class PrefillWorker(EngineWorker):
             return
         # NOTE: registered before the engine sees it: its first output can arrive before we resume
         job = self.jobs[rid] = Job(msg, req)
+        self.trace(req, "llmbus.prefill", **{"llmbus.lane": req.lane, "llmbus.colocated": self.colocated})
+        job.stack.callback(self.end_span, rid)  # whatever ends the job ends its span
         await job.stack.enter_async_context(worker.working(msg))
         try:
             params = req.sampling.to_params()
@@ -272,6 +274,7 @@ class PrefillWorker(EngineWorker):
             # NOTE: an abort from here on finds the handoff published or about to be: the decode
             # worker drops it (its recent aborts) and releases its lease
             await self._hand_off(job, out, state, kv)
+            self.end_span(rid, **{"llmbus.finish_reason": "handoff", "llmbus.cached_tokens": out.num_cached_tokens})
             if not self._aborted(job):
                 try:
                     await job.msg.ack()

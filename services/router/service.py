@@ -18,6 +18,7 @@ import time
 
 import msgpack
 
+from llmbus import tracing
 from llmbus.bus import subjects
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import read_registry
@@ -86,19 +87,31 @@ class Router:
         if req.request_id in self._settled:
             await _settle(msg.ack())
             return
+        span = tracing.start("llmbus.route", req.traceparent, attributes={
+            "llmbus.request_id": req.request_id, "gen_ai.request.model": req.model,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids), "llmbus.instance": self.ctx.instance_id})
+        try:
+            await self._route(worker, msg, req, span)
+        finally:
+            span.end()
+
+    async def _route(self, worker: PullWorker, msg, req: GenerateRequest, span) -> None:
         try:
             if req.deadline is not None and req.deadline < time.time():
                 raise RouteError("the request's deadline passed before it was routed")
             route = self.policy.route(req.model, len(req.prompt_token_ids), live_models(self.instances))
         except RouteError as exc:
+            tracing.fail(span, str(exc))
             await self._fail(req, str(exc))
             await _settle(msg.ack())
             return
+        span.set_attributes({"llmbus.lane": route.lane, "llmbus.model": route.model})
         forwarded = dataclasses.replace(req, lane=route.lane)
         try:
             await self.ctx.js.publish(subjects.prefill_subject(route.lane, route.model), encode(forwarded),
                                       headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
         except Exception as exc:  # no stream, timeout, disconnected: transient unless out of retries
+            tracing.fail(span, f"could not forward the request to prefill: {exc}")
             if worker.is_last_delivery(msg):
                 await self._fail(req, f"could not forward the request to prefill: {exc}")
                 await _settle(msg.term())

@@ -21,10 +21,10 @@ from llmbus.protocol import InstanceInfo
 
 
 class Stack:
-    def __init__(self, model_name: str, model_dir: Path, data_dir: Path, *extra: str) -> None:
+    def __init__(self, model_name: str, model_dir: Path, data_dir: Path, *extra: str, env: dict | None = None) -> None:
         self.model_name = model_name
         self.lines: list[str] = []
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmbus.cli", "up", "--data-dir", str(data_dir), "--port", "0",
              "--model", f"{model_name}={model_dir}", "--threads", "1", *extra],

@@ -1,0 +1,198 @@
+"""Distributed traces (OpenTelemetry): one trace per HTTP request, across the services it crosses.
+
+Off unless configured, with OpenTelemetry's own variables: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+(the full URL) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` appended) sends spans as OTLP over
+HTTP, JSON-encoded, to any OpenTelemetry collector (or Jaeger, Tempo, ...); ``OTEL_TRACES_EXPORTER``
+``console`` prints them instead, ``none`` turns tracing off. ``OTEL_EXPORTER_OTLP_HEADERS``
+(``k=v,k2=v2``) adds headers (credentials); ``OTEL_TRACES_SAMPLER`` / ``_ARG`` and ``OTEL_BSP_*``
+work as the SDK documents them; ``OTEL_SERVICE_NAME`` overrides ``llmbus-<role>``.
+
+The gateway opens a request's span (continuing the client's W3C ``traceparent`` header when it
+sends one) and writes its context into every ``GenerateRequest.traceparent``; the router, the
+prefill and the decode worker each open a child span of it for their part. Off, no span is
+recorded and ``traceparent`` stays empty.
+
+NOTE: the OTLP exporter is ours (OTLP/HTTP's JSON encoding, urllib), not the
+opentelemetry-exporter-otlp package: that one brings protobuf and requests into every service for
+a few dozen lines of encoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+
+import orjson
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger("llmbus.tracing")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_provider: TracerProvider | None = None
+_tracer: trace.Tracer = trace.NoOpTracer()
+
+
+def setup(role: str, instance_id: str, env: dict[str, str] | None = None) -> bool:
+    """Configure this process's tracing from ``env`` (default ``os.environ``); whether it is on.
+    Raises ValueError on a setting it cannot use (an endpoint that is not an http(s) URL)."""
+    global _provider, _tracer
+    env = os.environ if env is None else env
+    exporter = exporter_from(env)
+    if exporter is None:
+        return False
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME") or f"llmbus-{role}",
+                                "service.instance.id": instance_id})  # fmt: skip
+    _provider = TracerProvider(resource=resource)  # NOTE: the sampler comes from OTEL_TRACES_SAMPLER
+    _provider.add_span_processor(BatchSpanProcessor(exporter))
+    _tracer = _provider.get_tracer("llmbus")
+    return True
+
+
+def exporter_from(env) -> SpanExporter | None:
+    kind = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if kind == "none":
+        return None
+    if kind == "console":
+        return ConsoleSpanExporter()
+    url = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
+    if not url and (base := env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()):
+        url = base.rstrip("/") + "/v1/traces"
+    if not url:
+        return None
+    if kind not in ("", "otlp"):
+        raise ValueError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {kind!r}")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"the OTLP traces endpoint must be an http(s) URL, got {url!r}")
+    return OtlpJsonExporter(url, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+                                          or env.get("OTEL_EXPORTER_OTLP_HEADERS", "")))  # fmt: skip
+
+
+def shutdown() -> None:
+    """Send what is still queued (a few seconds at most) and stop."""
+    global _provider, _tracer
+    if _provider is not None:
+        _provider.shutdown()
+    _provider, _tracer = None, trace.NoOpTracer()
+
+
+def enabled() -> bool:
+    return _provider is not None
+
+
+def start(name: str, traceparent: str = "", *, root: bool = False, kind: SpanKind = SpanKind.INTERNAL,
+          attributes: dict | None = None) -> Span:  # fmt: skip
+    """A span, child of the span ``traceparent`` names (a W3C header value). Without one it starts
+    a trace only when ``root`` (the gateway, which takes the sampling decision); otherwise, and
+    while tracing is off, the span is not recorded."""
+    if _provider is None or not (traceparent or root):
+        return trace.INVALID_SPAN
+    context = _PROPAGATOR.extract({"traceparent": traceparent}) if traceparent else None
+    return _tracer.start_span(name, context=context, kind=kind, attributes=attributes)
+
+
+def traceparent(span: Span) -> str:
+    """``span``'s context as a W3C traceparent value; "" for a span that is not recorded."""
+    if not span.is_recording():
+        return ""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def fail(span: Span, message: str) -> None:
+    span.set_status(Status(StatusCode.ERROR, message[:500]))
+
+
+def _headers(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(","):
+        if "=" in part:
+            k, v = part.split("=", 1)
+            out[urllib.parse.unquote(k.strip())] = urllib.parse.unquote(v.strip())
+    return out
+
+
+class OtlpJsonExporter(SpanExporter):
+    """Spans as OTLP/HTTP JSON (``ExportTraceServiceRequest``) POSTed to ``url``; runs on the batch
+    processor's thread."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        body = orjson.dumps(encode_spans(spans))
+        request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                response.read()
+        except Exception as exc:  # a collector that is down costs its spans, nothing else
+            log.warning("could not send %d spans to %s: %s", len(spans), self.url, exc)
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def encode_spans(spans: Sequence[ReadableSpan]) -> dict:
+    """OTLP's JSON mapping: ids in hex, 64-bit integers as strings, enums as numbers."""
+    by_resource: dict[int, tuple[Resource, dict[tuple, list]]] = {}
+    for s in spans:
+        res = by_resource.setdefault(id(s.resource), (s.resource, {}))[1]
+        scope = s.instrumentation_scope
+        res.setdefault((scope.name, scope.version or "") if scope else ("", ""), []).append(_span(s))
+    return {"resourceSpans": [
+        {"resource": {"attributes": _attributes(resource.attributes)},
+         "scopeSpans": [{"scope": {"name": name, "version": version}, "spans": items}
+                        for (name, version), items in scopes.items()]}
+        for resource, scopes in by_resource.values()]}  # fmt: skip
+
+
+def _span(s: ReadableSpan) -> dict:
+    ctx = s.context
+    out = {
+        "traceId": f"{ctx.trace_id:032x}",
+        "spanId": f"{ctx.span_id:016x}",
+        "name": s.name,
+        "kind": s.kind.value + 1,  # the SDK counts from INTERNAL = 0; OTLP from UNSPECIFIED = 0
+        "startTimeUnixNano": str(s.start_time or 0),
+        "endTimeUnixNano": str(s.end_time or 0),
+        "attributes": _attributes(s.attributes),
+        "events": [{"timeUnixNano": str(e.timestamp), "name": e.name, "attributes": _attributes(e.attributes)}
+                   for e in s.events],  # fmt: skip
+        "status": {"code": s.status.status_code.value, **({"message": s.status.description}
+                                                          if s.status.description else {})},  # fmt: skip
+    }
+    if s.parent is not None:
+        out["parentSpanId"] = f"{s.parent.span_id:016x}"
+    return out
+
+
+def _attributes(attrs) -> list[dict]:
+    return [{"key": k, "value": _value(v)} for k, v in (attrs or {}).items()]
+
+
+def _value(v) -> dict:
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    if isinstance(v, (list, tuple)):
+        return {"arrayValue": {"values": [_value(x) for x in v]}}
+    return {"stringValue": str(v)}
