@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-keys-file", default=None,
                    help="gateway: JSON {api key: tenant}; /v1 answers only listed keys and tenants never share "
                         "prefix-cache blocks (default: open)")
+    p.add_argument("--tenant-limits", default=None, metavar="FILE",
+                   help="gateway: JSON per-tenant limits (requests_per_minute, tokens_per_minute, "
+                        "max_concurrent_requests under \"default\" and \"tenants\"); over one: 429 (default: none)")
     p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json"),
                    help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>; "
                         "llama3_json: the answer is {\"name\", \"parameters\"})")
@@ -156,6 +159,8 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
         gateway += ["--model", f"{name}={path}"]
     if args.api_keys_file:
         gateway += ["--api-keys-file", str(Path(args.api_keys_file).resolve())]
+    if args.tenant_limits:
+        gateway += ["--tenant-limits", str(Path(args.tenant_limits).resolve())]
     if args.tool_parser:
         gateway += ["--tool-parser", args.tool_parser]
     plan.append(Child("gateway", gateway))
@@ -207,6 +212,10 @@ def run(args: argparse.Namespace) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     if args.prefill < 1 or args.decode < 1:
         raise ValueError("--prefill and --decode must be >= 1")
+    if args.tenant_limits:  # NOTE: read now, so a bad file is one line before anything starts
+        from services.gateway.limits import TenantLimits
+
+        TenantLimits.load(args.tenant_limits)
     models = _models(args, data_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

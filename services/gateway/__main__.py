@@ -22,6 +22,7 @@ from services.gateway.app import build_app
 from services.gateway.bus_client import GatewayBus
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.handlers import Gateway
+from services.gateway.limits import TenantLimits
 from services.gateway.models import ModelRegistry
 from services.gateway.tenants import Tenants
 
@@ -46,12 +47,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
                    help="read tool calls in chat output (hermes: <tool_call>{json}</tool_call>, Qwen2.5 and "
                         "Hermes models; llama3_json: the answer is {\"name\", \"parameters\"}, Llama 3.1+); "
                         "without it requests with tools are refused")
+    p.add_argument("--tenant-limits", default=None, metavar="FILE",
+                   help="JSON {\"default\": {limits}, \"tenants\": {tenant: {limits}}}, limits being any of "
+                        "requests_per_minute, tokens_per_minute, max_concurrent_requests: a tenant over one gets 429 "
+                        "with Retry-After (default: no limits)")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
     config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,
                            max_body_bytes=a.max_body_bytes, token_timeout_s=a.token_timeout,
                            request_timeout_s=a.request_timeout, api_keys_file=a.api_keys_file,
-                           tool_parser=a.tool_parser)
+                           tool_parser=a.tool_parser, tenant_limits_file=a.tenant_limits)
     return config, a.instance_id, a.log_level
 
 
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         config, instance_id, log_level = parse_args(argv)
         setup_logging(log_level)
         tenants = Tenants.load(config.api_keys_file) if config.api_keys_file else None
-        gw = Gateway(config, ModelRegistry.load(config.models), tenants=tenants)  # before connecting: fail fast
+        limits = TenantLimits.load(config.tenant_limits_file) if config.tenant_limits_file else None
+        gw = Gateway(config, ModelRegistry.load(config.models), tenants=tenants, limits=limits)  # before connecting: fail fast
         sock = bind(config.host, config.port)  # and a port that cannot be had
         options = ServiceOptions(role="gateway", nats_url=config.nats_url, instance_id=instance_id,
                                  models=tuple(m.name for m in config.models))

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from llmbus.bus.subjects import check_model_names
+
+
+def read_json_file(path: str | Path, what: str) -> object:
+    """A JSON file the gateway is started with (``what``: "the API keys file"); ValueError with a
+    one-line message, quoting nothing of its content, when it cannot be read or parsed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not JSON: {exc.msg} (line {exc.lineno})") from None
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,7 @@ class GatewayConfig:
     max_stop_strings: int = 16
     api_keys_file: str | None = None  # JSON {key: tenant} (services/gateway/tenants.py); None: open
     tool_parser: str | None = None  # how tool calls read in the models' output (tools.PARSERS); None: no tools
+    tenant_limits_file: str | None = None  # JSON limits per tenant (services/gateway/limits.py); None: none
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -10,19 +10,21 @@ class APIError(Exception):
     """An error the client sees. Raised anywhere in request handling; the app renders it."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> Response:
-        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json")
+        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -22,6 +22,7 @@ from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation, Piece, choice_pieces
+from services.gateway.limits import Admission, RateLimiter, TenantLimits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
@@ -42,6 +43,12 @@ class Gateway:
     bus: GatewayBus | None = None  # set once the NATS connection is up
     metrics: GatewayMetrics = dataclasses.field(default_factory=GatewayMetrics)
     tenants: Tenants | None = None  # --api-keys-file: keys -> tenants; None: open, one shared cache
+    limits: TenantLimits | None = None  # --tenant-limits; None: no limits
+    limiter: RateLimiter | None = dataclasses.field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.limits is not None:
+            self.limiter = RateLimiter(self.limits, on_limited=lambda t, limit: self.metrics.limited.add(1, t, limit))
 
     def tenant(self, http: Request) -> str:
         """The caller's tenant ("" on an open gateway); APIError 401 for a missing or wrong key."""
@@ -81,6 +88,20 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
     if gw.bus is None:
         raise APIError(503, "the gateway is not connected to the bus yet", type="server_error",
                        code="service_unavailable")
+    admission = None
+    if gw.limiter is not None:  # NOTE: after tokenizing: the tokens a request reserves are its prompt's
+        admission = gw.limiter.admit(tenant, sum(len(r.prompt_token_ids) for r in prepared.requests),
+                                     sum(r.sampling.max_tokens for r in prepared.requests) * req.n)
+    try:
+        return await _answer(gw, http, req, model, prepared, span, arrival, admission)
+    except BaseException:
+        if admission is not None:  # failed before its answer began: nothing served, nothing charged
+            admission.settle(0)
+        raise
+
+
+async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepared, span, arrival: float,
+                  admission: Admission | None):
     bus = gw.bus
     tok = model.tokenizer
     requests = choice_requests(prepared.requests, req.n)
@@ -108,14 +129,29 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
     shapes = Shapes(req.kind, prepared.requests[0].request_id, model.name, prepared.created)
     gens = [c.gen for c in choices]
 
-    def guard():
-        return _guard(bus, choices)
+    @contextlib.asynccontextmanager
+    async def guard():
+        try:
+            async with _guard(bus, choices):
+                yield
+        finally:
+            if admission is not None:  # the answer is over: if its pieces did not settle it, keep the reservation
+                admission.settle(None)
 
     async def ended(i: int) -> None:  # one choice done while others go on
         await release_ended(bus, choices[i].request_id, choices[i].sub, choices[i].gen)
 
     def pieces():  # every choice's, observed for /metrics
-        return gw.metrics.request(model.name, req.n, arrival, span).watch(choice_pieces(gens, ended), len(gens))
+        return gw.metrics.request(model.name, req.n, arrival, span, settle).watch(choice_pieces(gens, ended), len(gens))
+
+    def settle(outcome: str, usage: Usage | None) -> None:
+        """Charge the tenant what the request used; nothing when it failed (the client got an error);
+        the reservation when the client left (usage unknown)."""
+        if admission is not None:
+            if usage is not None:
+                admission.settle(usage.prompt_tokens + usage.completion_tokens)
+            elif outcome == "error":
+                admission.settle(0)
 
     if req.stream:
         return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from llmbus import tracing
 from llmbus.metrics import E2E_BUCKETS, LATENCY_BUCKETS, TOKEN_BUCKETS, Histogram, Metric, render
@@ -40,19 +40,24 @@ class GatewayMetrics:
                               "From a request's arrival to its first output.", m, LATENCY_BUCKETS)
         self.tpot = Histogram("llmbus_gateway_time_per_output_token_seconds",
                               "Per request: (end - first output) / (output tokens per choice - 1).", m, TOKEN_BUCKETS)
+        self.limited = Metric("llmbus_gateway_rate_limited_total",
+                              "Requests refused with 429 by a tenant's limit (--tenant-limits): requests or tokens "
+                              "per minute, or concurrent.", "counter", ("tenant", "limit"))
         self.e2e = Histogram("llmbus_gateway_e2e_request_latency_seconds",
                              "From a request's arrival to its last output.", m, E2E_BUCKETS)
 
-    def request(self, model: str, n: int, arrival: float, span=None) -> RequestObserver:
+    def request(self, model: str, n: int, arrival: float, span=None,
+                on_end: Callable[[str, Usage | None], None] | None = None) -> RequestObserver:  # fmt: skip
         """A request's observer; ``arrival``: when it came in (``time.monotonic()``); ``span``: its
-        trace span (``llmbus.tracing``), ended with it."""
-        return RequestObserver(self, model, n, arrival, span)
+        trace span (``llmbus.tracing``), ended with it; ``on_end(outcome, usage)`` called as it ends
+        (usage None unless every choice finished)."""
+        return RequestObserver(self, model, n, arrival, span, on_end)
 
     def render(self, instances: Iterable[InstanceInfo] = (), services: Iterable[MetricFamily] = ()) -> str:
         """The gateway's own families, the workers' registry gauges, then ``services``: what the
         other services answered, labelled with their instance and role (``bus_client.scrape``)."""
         own = [self.http, self.outcomes, self.running, self.prompt, self.cached, self.generated,
-               self.ttft, self.tpot, self.e2e, *_worker_gauges(instances)]
+               self.ttft, self.tpot, self.e2e, self.limited, *_worker_gauges(instances)]
         return render([*(f.family() for f in own), *services])
 
 
@@ -73,8 +78,9 @@ def _worker_gauges(instances: Iterable[InstanceInfo]) -> list[Metric]:
 class RequestObserver:
     """One generation request's figures, from its pieces as they leave (``watch``)."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, n: int, arrival: float, span=None) -> None:
-        self.metrics, self.model, self.n = metrics, model, n
+    def __init__(self, metrics: GatewayMetrics, model: str, n: int, arrival: float, span=None,
+                 on_end: Callable[[str, Usage | None], None] | None = None) -> None:  # fmt: skip
+        self.metrics, self.model, self.n, self.on_end = metrics, model, n, on_end
         self.start = arrival
         self.first: float | None = None
         self.span = span if span is not None and span.is_recording() else None
@@ -108,6 +114,8 @@ class RequestObserver:
         usage = Usage.of_choices(usages, self.n) if usages else None
         if self.span is not None:
             self._end_span(outcome, usage)
+        if self.on_end is not None:
+            self.on_end(outcome, usage)
         if usage is None:
             return
         end = time.monotonic()

@@ -13,9 +13,9 @@ The file is a JSON object, ``{"<api key>": "<tenant>", ...}``; several keys may 
 from __future__ import annotations
 
 import hmac
-import json
 from pathlib import Path
 
+from services.gateway.config import read_json_file
 from services.gateway.errors import APIError
 
 MAX_TENANT_CHARS = 128
@@ -28,12 +28,7 @@ class Tenants:
     @classmethod
     def load(cls, path: str | Path) -> Tenants:
         """Read an API keys file; ValueError (one line, no key in it) when it is not usable."""
-        try:
-            keys = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ValueError(f"cannot read the API keys file {path}: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"the API keys file {path} is not JSON: {exc.msg} (line {exc.lineno})") from None
+        keys = read_json_file(path, "the API keys file")
         if not isinstance(keys, dict) or not keys:
             raise ValueError(f"the API keys file {path} must hold a non-empty JSON object {{key: tenant}}")
         for i, (key, tenant) in enumerate(keys.items()):

@@ -1,0 +1,215 @@
+"""Per-tenant rate limits: requests per minute, tokens per minute, and requests in flight.
+
+A gateway started with ``--tenant-limits FILE`` admits a generation request only when its tenant
+(the API key's, or "" on an open gateway) has room on every limit it has, else answers 429
+``rate_limit_exceeded`` with ``Retry-After``. Nothing is charged unless everything admits it.
+
+- Requests and tokens per minute are token buckets: each holds up to a minute's allowance and
+  refills continuously, so a tenant may burst its whole minute at once and then goes at the
+  limit's pace.
+- A request reserves its prompt tokens plus ``max_tokens`` for each choice (the most it can use)
+  when it is admitted. When it ends, the unused part goes back: a 500-token answer reserved at 4096
+  is charged 500. A request that ends without its usage (the client left) keeps the whole
+  reservation.
+- A reservation larger than the whole minute is cut to the minute, so a request whose prompt fits
+  still runs once the bucket is full (and its true usage is charged, leaving the bucket in debt);
+  a prompt alone larger than the minute can never run and is a 400.
+- ``max_concurrent_requests`` bounds the tenant's requests in flight here, so one tenant cannot
+  take every batch slot.
+
+The file is JSON: ``{"default": {<limits>}, "tenants": {"<tenant>": {<limits>}}}``, limits being
+any of ``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent_requests`` (positive
+integers); a tenant's own entry overrides the default field by field, and a limit set nowhere is no
+limit. Each gateway keeps its own buckets: behind N gateways, a tenant gets N times its limits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from services.gateway.config import read_json_file
+from services.gateway.errors import APIError
+
+FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+
+
+@dataclass(frozen=True)
+class Limits:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent_requests: int | None = None
+
+    @classmethod
+    def parse(cls, raw: object, where: str) -> Limits:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be a JSON object of limits, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown limit {unknown[0]!r} (known: {', '.join(FIELDS)})")
+        for name, value in raw.items():
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
+        return cls(**raw)
+
+    def over(self, base: Limits) -> Limits:
+        """These limits, each one unset taken from ``base``."""
+        return Limits(**{f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
+                         for f in fields(self)})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    default: Limits = Limits()
+    tenants: dict[str, Limits] | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> TenantLimits:
+        """Read a limits file; ValueError with a one-line message when it is not usable."""
+        return cls.parse(read_json_file(path, "the tenant limits file"), str(path))
+
+    @classmethod
+    def parse(cls, raw: object, where: str = "tenant limits") -> TenantLimits:
+        if not isinstance(raw, dict) or set(raw) - {"default", "tenants"}:
+            raise ValueError(f"{where} must be a JSON object with 'default' and/or 'tenants'")
+        tenants = raw.get("tenants", {})
+        if not isinstance(tenants, dict):
+            raise ValueError(f"{where}: 'tenants' must be an object {{tenant: limits}}")
+        return cls(Limits.parse(raw.get("default", {}), f"{where}: default"),
+                   {t: Limits.parse(v, f"{where}: tenants.{t}") for t, v in tenants.items()})
+
+    def of(self, tenant: str) -> Limits:
+        own = (self.tenants or {}).get(tenant)
+        return own.over(self.default) if own is not None else self.default
+
+
+class Bucket:
+    """Up to ``per_minute`` units, refilled at ``per_minute / 60`` a second; may go below zero
+    (debt) when more is charged than was reserved."""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.capacity
+        self.at = now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        self.at = now
+
+    def wait(self, amount: float) -> float:
+        """Seconds until ``amount`` is there (0 when it is now); refill first."""
+        return max(0.0, (amount - self.level) / self.rate)
+
+    def reset(self) -> float:
+        """Seconds until the bucket is full again."""
+        return max(0.0, (self.capacity - self.level) / self.rate)
+
+
+class RateLimited(APIError):
+    def __init__(self, limit: str, message: str, retry_after: float, headers: dict[str, str]) -> None:
+        super().__init__(429, message, type=limit, code="rate_limit_exceeded",
+                         headers={**headers, "retry-after": str(max(1, math.ceil(retry_after))),
+                                  "retry-after-ms": str(max(1, math.ceil(retry_after * 1000)))})  # fmt: skip
+        self.retry_after = retry_after
+
+
+class _TenantState:
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.requests = Bucket(limits.requests_per_minute, now) if limits.requests_per_minute else None
+        self.tokens = Bucket(limits.tokens_per_minute, now) if limits.tokens_per_minute else None
+        self.in_flight = 0
+
+
+class RateLimiter:
+    """Every tenant's buckets and requests in flight; ``admit`` then, once, ``Admission.settle``."""
+
+    def __init__(self, config: TenantLimits, clock: Callable[[], float] = time.monotonic,
+                 on_limited: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+        self.config = config
+        self.clock = clock
+        self.on_limited = on_limited  # (tenant, limit) of each refusal, for /metrics
+        self._tenants: dict[str, _TenantState] = {}
+
+    def _state(self, tenant: str) -> _TenantState:
+        state = self._tenants.get(tenant)
+        if state is None:
+            state = self._tenants[tenant] = _TenantState(self.config.of(tenant), self.clock())
+        return state
+
+    def admit(self, tenant: str, prompt_tokens: int, max_new_tokens: int) -> Admission:
+        """Charge one request of ``prompt_tokens`` that may generate ``max_new_tokens`` (all choices);
+        RateLimited (429) when a limit has no room yet, APIError 400 when its prompt can never fit."""
+        state = self._state(tenant)
+        now = self.clock()
+        lim = state.limits
+        waits: dict[str, float] = {}
+        if state.requests is not None:
+            state.requests.refill(now)
+            waits["requests"] = state.requests.wait(1)
+        reserved = prompt_tokens + max_new_tokens
+        if state.tokens is not None:
+            if prompt_tokens > lim.tokens_per_minute:
+                raise APIError(400, f"The prompt has {prompt_tokens} tokens, more than this tenant's limit of "
+                               f"{lim.tokens_per_minute} tokens per minute: it can never run.",
+                               param="messages", code="request_too_large")  # fmt: skip
+            reserved = min(reserved, lim.tokens_per_minute)
+            state.tokens.refill(now)
+            waits["tokens"] = state.tokens.wait(reserved)
+        if lim.max_concurrent_requests is not None and state.in_flight >= lim.max_concurrent_requests:
+            self._refuse(tenant, state, "concurrent", 1.0,
+                         f"Too many requests in flight for this tenant: limit {lim.max_concurrent_requests}. "
+                         "Retry once one of them ends.")  # fmt: skip
+        for limit, wait in waits.items():
+            if wait > 0:
+                per = lim.requests_per_minute if limit == "requests" else lim.tokens_per_minute
+                need = "1 request" if limit == "requests" else f"{reserved} tokens (prompt plus max_tokens)"
+                self._refuse(tenant, state, limit, wait,
+                             f"Rate limit reached for {limit} per minute: limit {per}, this request needs {need}. "
+                             f"Please try again in {wait:.1f}s.")  # fmt: skip
+        if state.requests is not None:
+            state.requests.level -= 1
+        if state.tokens is not None:
+            state.tokens.level -= reserved
+        state.in_flight += 1
+        return Admission(self, state, reserved if state.tokens is not None else 0)
+
+    def _refuse(self, tenant: str, state: _TenantState, limit: str, wait: float, message: str):
+        if self.on_limited is not None:
+            self.on_limited(tenant, limit)
+        raise RateLimited(limit, message, wait, self.headers(state))
+
+    @staticmethod
+    def headers(state: _TenantState) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for what the tenant has now."""
+        out = {}
+        for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
+            if bucket is not None:
+                out[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+                out[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(bucket.level)))
+                out[f"x-ratelimit-reset-{name}"] = f"{bucket.reset():.3f}s"
+        return out
+
+
+class Admission:
+    """One admitted request's charge; ``settle`` once it ends (further calls do nothing)."""
+
+    def __init__(self, limiter: RateLimiter, state: _TenantState, reserved: int) -> None:
+        self._limiter, self._state, self.reserved = limiter, state, reserved
+        self.settled = False
+
+    def settle(self, used_tokens: int | None = None) -> None:
+        """Free the request's place in flight and charge ``used_tokens`` instead of the reservation
+        (None: keep the reservation, usage unknown)."""
+        if self.settled:
+            return
+        self.settled = True
+        state = self._state
+        state.in_flight -= 1
+        if state.tokens is not None and used_tokens is not None:
+            state.tokens.refill(self._limiter.clock())
+            state.tokens.level = min(state.tokens.capacity, state.tokens.level + self.reserved - used_tokens)

@@ -1,0 +1,217 @@
+"""Per-tenant rate limits (``--tenant-limits``): the limiter as a state machine on a test clock, then
+through the real gateway process on a real bus (a scripted worker) with httpx and the OpenAI client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.errors import APIError
+from services.gateway.limits import Limits, RateLimited, RateLimiter, TenantLimits
+from tests.metrics_text import parse
+from tests.test_gateway_harness import (  # noqa: F401
+    ROOT, GatewayProcess, gw_nats, model_dir, reply_script, scratch, tokenizer, worker,
+)
+from tests.test_gateway_stream import COMP, _ids
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _limiter(default: dict, tenants: dict | None = None) -> tuple[RateLimiter, Clock, list]:
+    clock, refused = Clock(), []
+    limiter = RateLimiter(TenantLimits.parse({"default": default, "tenants": tenants or {}}), clock,
+                          on_limited=lambda t, limit: refused.append((t, limit)))
+    return limiter, clock, refused
+
+
+def test_requests_per_minute_burst_then_refill_at_the_limits_pace():
+    limiter, clock, refused = _limiter({"requests_per_minute": 3})
+    for _ in range(3):
+        limiter.admit("a", 10, 10).settle(20)
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("a", 10, 10)
+    assert e.value.status == 429 and e.value.code == "rate_limit_exceeded" and e.value.type == "requests"
+    assert e.value.retry_after == pytest.approx(20.0)  # a request every 20 s
+    assert e.value.headers["retry-after"] == "20" and e.value.headers["x-ratelimit-remaining-requests"] == "0"
+    assert e.value.headers["x-ratelimit-limit-requests"] == "3"
+    limiter.admit("b", 10, 10)  # another tenant has its own buckets
+    clock.t += 19.9
+    with pytest.raises(RateLimited):
+        limiter.admit("a", 10, 10)
+    clock.t += 0.1
+    limiter.admit("a", 10, 10)
+    assert refused == [("a", "requests"), ("a", "requests")]
+
+
+def test_tokens_are_reserved_then_settled_at_what_was_used():
+    limiter, clock, _ = _limiter({"tokens_per_minute": 1000})
+    first = limiter.admit("a", 100, 500)  # reserves 600
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("a", 100, 400)  # 500 more: 400 left
+    assert e.value.type == "tokens" and e.value.retry_after == pytest.approx(100 / (1000 / 60))
+    first.settle(150)  # used 150 of 600: 450 back
+    second = limiter.admit("a", 100, 400)
+    second.settle(None)  # the client left: the reservation stands
+    second.settle(0)  # a second settle changes nothing
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("a", 200, 200)  # 1000 - 150 - 500 = 350 left
+    assert e.value.headers["x-ratelimit-remaining-tokens"] == "350"
+    clock.t += 3.0  # 50 tokens back
+    limiter.admit("a", 200, 200)
+
+
+def test_a_refusal_charges_nothing_and_the_concurrency_limit_frees_on_settle():
+    limiter, _, refused = _limiter({"requests_per_minute": 10, "tokens_per_minute": 100, "max_concurrent_requests": 2})
+    a = limiter.admit("t", 10, 10)
+    with pytest.raises(RateLimited):
+        limiter.admit("t", 50, 50)  # 100 tokens with 80 left: no request charged for it
+    b = limiter.admit("t", 10, 10)
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("t", 1, 1)
+    assert e.value.type == "concurrent" and "in flight" in e.value.message
+    a.settle(5)
+    c = limiter.admit("t", 1, 1)
+    assert limiter._tenants["t"].requests.level == pytest.approx(7)  # three admitted of ten
+    assert limiter._tenants["t"].in_flight == 2
+    for x in (b, c):
+        x.settle(0)
+    assert [limit for _, limit in refused] == ["tokens", "concurrent"]
+
+
+def test_a_reservation_over_the_minute_is_cut_and_a_prompt_over_it_never_runs():
+    limiter, clock, _ = _limiter({"tokens_per_minute": 1000})
+    big = limiter.admit("a", 200, 5000)  # reserves the whole minute, not 5200
+    assert big.reserved == 1000
+    big.settle(1200)  # used more than reserved: the bucket goes into debt
+    assert limiter._tenants["a"].tokens.level == pytest.approx(-200)
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("a", 10, 10)
+    assert e.value.retry_after == pytest.approx(220 / (1000 / 60))
+    with pytest.raises(APIError) as e:
+        limiter.admit("a", 1001, 1)
+    assert e.value.status == 400 and e.value.code == "request_too_large"
+
+
+def test_a_tenants_own_limits_override_the_default_field_by_field():
+    config = TenantLimits.parse({"default": {"requests_per_minute": 5, "max_concurrent_requests": 1},
+                                 "tenants": {"big": {"requests_per_minute": 500}}})
+    assert config.of("big") == Limits(500, None, 1)
+    assert config.of("other") == config.of("") == Limits(5, None, 1)
+    assert TenantLimits.parse({}).of("x") == Limits()
+    for bad, why in [([], "JSON object"), ({"defaults": {}}, "'default'"), ({"tenants": []}, "'tenants'"),
+                     ({"default": {"rpm": 1}}, "unknown limit 'rpm'"),
+                     ({"default": {"tokens_per_minute": 1.5}}, "positive integer"),
+                     ({"tenants": {"a": {"max_concurrent_requests": True}}}, "tenants.a.max_concurrent_requests")]:
+        with pytest.raises(ValueError, match=why):
+            TenantLimits.parse(bad)
+
+
+# --- through the gateway --------------------------------------------------------------------------
+
+KEYS = {"sk-small-00001": "small", "sk-other-00001": "other", "sk-meter-00001": "meter"}
+LIMITS = {"default": {"requests_per_minute": 1000},
+          "tenants": {"small": {"requests_per_minute": 2, "tokens_per_minute": 100000, "max_concurrent_requests": 1},
+                      "meter": {"tokens_per_minute": 1000, "max_concurrent_requests": 1}}}
+
+
+@pytest.fixture(scope="module")
+def limited(gw_nats, model_dir, worker, scratch):
+    keys, limits = scratch / "limits-keys.json", scratch / "limits.json"
+    keys.write_text(json.dumps(KEYS))
+    limits.write_text(json.dumps(LIMITS))
+    proc = GatewayProcess(gw_nats, model_dir, scratch / "gateway-limits.log",
+                          ("--api-keys-file", str(keys), "--tenant-limits", str(limits)))
+    yield proc.url
+    assert proc.stop() == 0
+
+
+def _post(url: str, key: str, **body) -> httpx.Response:
+    return httpx.post(url + COMP, json={"model": "demo", "prompt": "Hi", "max_tokens": 5, **body},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def test_a_tenant_over_its_limits_gets_openai_429s_and_others_do_not(limited, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "a slow answer"), delay=0.3)
+    results = {}
+
+    def slow():
+        results["slow"] = _post(limited, "sk-small-00001")
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.15)  # the first is in flight
+    busy = _post(limited, "sk-small-00001")
+    assert busy.status_code == 429
+    err = busy.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "concurrent" and "in flight" in err["message"]
+    assert int(busy.headers["retry-after"]) >= 1
+    assert _post(limited, "sk-other-00001").status_code == 200  # another tenant is not held back
+    t.join()
+    assert results["slow"].status_code == 200
+
+    worker.script = reply_script(_ids(tokenizer, "ok"))
+    assert _post(limited, "sk-small-00001").status_code == 200  # its second request this minute
+    third = _post(limited, "sk-small-00001", stream=True)
+    assert third.status_code == 429 and third.json()["error"]["type"] == "requests"
+    assert third.headers["x-ratelimit-limit-requests"] == "2" and third.headers["x-ratelimit-remaining-requests"] == "0"
+    assert 25 <= int(third.headers["retry-after"]) <= 31  # one request every 30 s
+    assert float(third.headers["retry-after-ms"]) / 1000 <= int(third.headers["retry-after"])
+
+    client = openai.OpenAI(base_url=limited + "/v1", api_key="sk-small-00001", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model="demo", prompt="Hi", max_tokens=2)
+    assert e.value.code == "rate_limit_exceeded"
+
+    got = parse(httpx.get(limited + "/metrics").text)
+    assert got['llmbus_gateway_rate_limited_total{tenant="small",limit="concurrent"}'] == 1
+    assert got['llmbus_gateway_rate_limited_total{tenant="small",limit="requests"}'] == 2
+    assert not any('tenant="other"' in k for k in got)
+
+
+def test_a_finished_request_is_charged_its_usage_and_a_client_that_leaves_frees_its_place(limited, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "ok"))
+    for _ in range(3):  # each reserves prompt + 6 x 100 of the 1,000 a minute, and is charged a few tokens
+        r = _post(limited, "sk-meter-00001", max_tokens=100, n=6)
+        assert r.status_code == 200, r.text
+    worker.script = reply_script(_ids(tokenizer, "word " * 40), delay=0.05)
+    with httpx.stream("POST", limited + COMP, json={"model": "demo", "prompt": "Hi", "max_tokens": 100, "n": 5,
+                                                    "stream": True},
+                      headers={"Authorization": "Bearer sk-meter-00001"}, timeout=30) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))  # then the client leaves
+    worker.script = reply_script(_ids(tokenizer, "ok"))
+
+    def admitted() -> httpx.Response:  # its place in flight comes back once the gateway sees it gone
+        deadline = time.monotonic() + 10
+        while (r := _post(limited, "sk-meter-00001", max_tokens=100)).status_code == 429 and \
+                r.json()["error"]["type"] == "concurrent" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return r
+
+    assert admitted().status_code == 200  # ~100 of the ~490 the left stream did not take
+    r = _post(limited, "sk-meter-00001", max_tokens=100, n=6)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "tokens"  # the left stream kept its ~500
+
+
+def test_a_bad_limits_file_stops_the_gateway_with_one_line(scratch, model_dir):
+    path = scratch / "bad-limits.json"
+    path.write_text(json.dumps({"tenants": {"a": {"tokens_per_minute": -5}}}))
+    r = subprocess.run([sys.executable, "-m", "services.gateway", "--nats-url", "nats://127.0.0.1:1",
+                        "--model", f"demo={model_dir}", "--tenant-limits", str(path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"gateway: error: {path}: tenants.a.tokens_per_minute must be a "
+                                             "positive integer, got -5"]
