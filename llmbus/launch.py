@@ -63,9 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tenant-limits", default=None, metavar="FILE",
                    help="gateway: JSON per-tenant limits (requests_per_minute, tokens_per_minute, "
                         "max_concurrent_requests under \"default\" and \"tenants\"); over one: 429 (default: none)")
-    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json"),
+    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>; "
-                        "llama3_json: the answer is {\"name\", \"parameters\"})")
+                        "llama3_json: the answer is {\"name\", \"parameters\"}; mistral: [TOOL_CALLS] [{...}])")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=run)

@@ -11,7 +11,8 @@ import shutil
 import openai
 import pytest
 
-from services.gateway.tools import Llama3JsonParser, ToolCallParser, make_parser
+from llmbus.guide.grammar import compile_guide
+from services.gateway.tools import Llama3JsonParser, MistralParser, ToolCallParser, forced_call_guide, make_parser
 from tests.test_gateway_harness import (  # noqa: F401
     GatewayProcess, gw_nats, model_dir, reply_script, scratch, sse_events, tokenizer, worker,
 )
@@ -55,13 +56,20 @@ def test_what_is_not_a_call_stays_text():
     assert p.feed("a <tool") == ("a ", []) and p.feed("box>") == ("<toolbox>", [])
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_llama3_json_calls_are_the_whole_answer(seed):
+def _splitter(seed: int):
+    """A function cutting a text into random pieces, as a stream's tokens would."""
     rng = random.Random(seed)
 
     def split(text):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 12))))
         return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+    return split
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_llama3_json_calls_are_the_whole_answer(seed):
+    split = _splitter(seed)
 
     two = ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'
     content, calls = _run(split(two), Llama3JsonParser())
@@ -74,14 +82,30 @@ def test_llama3_json_calls_are_the_whole_answer(seed):
     assert isinstance(make_parser("llama3_json"), Llama3JsonParser) and isinstance(make_parser("hermes"), ToolCallParser)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_mistral_calls_are_a_json_array_after_the_control_token(seed):
+    split = _splitter(seed)
+
+    calls_json = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
+    for answer in ("[TOOL_CALLS]" + calls_json, " " + calls_json, "[TOOL_CALLS] " + calls_json):
+        content, calls = _run(split(answer), MistralParser())
+        assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+        assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)  # what Mistral's templates take back
+    for text in ("It is sunny.", "[1] The first source says", "[TOOL_CALLS] not json", '[{"city": "Oslo"}]', "[TOOL"):
+        assert _run(split(text), MistralParser()) == (text, [])
+    p = MistralParser()  # text streams as soon as it cannot be calls
+    assert p.feed(" [") == ("", []) and p.feed("1] a") == (" [1] a", []) and p.feed("nd") == ("nd", [])
+    assert isinstance(make_parser("mistral"), MistralParser)
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def tools_gateway(gw_nats, model_dir, worker, scratch):
-    """A gateway reading hermes tool calls, over a copy of the model whose chat template shows the
-    tools and earlier calls (as tool-calling models' templates do)."""
+def _tools_model(model_dir, scratch):
+    """A copy of the model whose chat template shows the tools and earlier calls (as tool-calling
+    models' templates do)."""
     path = scratch / "tools-model"
     if not path.exists():
         shutil.copytree(model_dir, path)
@@ -93,9 +117,25 @@ def tools_gateway(gw_nats, model_dir, worker, scratch):
             "{% endfor %}{% if m.get('tool_call_id') %} (for {{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
         (path / "tokenizer_config.json").write_text(json.dumps(config))
-    proc = GatewayProcess(gw_nats, path, scratch / "gateway-tools.log", ("--tool-parser", "hermes", "--max-model-len", "1024"))
+    return path
+
+
+def _tools_gateway(parser: str, gw_nats, model_dir, scratch):
+    """A gateway reading ``parser``'s tool calls over the tools model."""
+    proc = GatewayProcess(gw_nats, _tools_model(model_dir, scratch), scratch / f"gateway-tools-{parser}.log",
+                          ("--tool-parser", parser, "--max-model-len", "1024"))
     yield proc.url
     assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(gw_nats, model_dir, worker, scratch):
+    yield from _tools_gateway("hermes", gw_nats, model_dir, scratch)
+
+
+@pytest.fixture(scope="module")
+def mistral_gateway(gw_nats, model_dir, worker, scratch):
+    yield from _tools_gateway("mistral", gw_nats, model_dir, scratch)
 
 
 def test_a_call_comes_back_as_an_openai_tool_call(tools_gateway, worker, tokenizer):
@@ -134,6 +174,29 @@ def test_a_call_comes_back_as_an_openai_tool_call(tools_gateway, worker, tokeniz
     assert out.choices[0].message.tool_calls is None
 
 
+def test_mistral_calls_come_back_with_ids_its_templates_take(mistral_gateway, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
+                                 per_event=2)
+    client = openai.OpenAI(base_url=mistral_gateway + "/v1", api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    out = client.chat.completions.create(model="demo", messages=ask, tools=TOOLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    assert len(call.id) == 9 and call.id.isalnum()
+    streamed = [c for chunk in client.chat.completions.create(model="demo", messages=ask, tools=TOOLS, stream=True)
+                for choice in chunk.choices for c in (choice.delta.tool_calls or [])]
+    assert [c.function.name for c in streamed] == ["get_weather"]
+    worker.script = reply_script(_ids(tokenizer, "It is sunny."))
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    out = client.chat.completions.create(model="demo", messages=history, tools=TOOLS)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("It is sunny.", "stop")
+    req, _ = _last_request(worker, out.id)
+    assert f"(for {call.id})" in tokenizer.decode(req.prompt_token_ids)
+
+
 def test_up_hands_the_tool_parser_to_the_gateway(model_dir):
     import argparse
 
@@ -144,3 +207,16 @@ def test_up_hands_the_tool_parser_to_the_gateway(model_dir):
     args = parser.parse_args(["up", "--model", f"m={model_dir}", "--tool-parser", "hermes"])
     gateway = next(c for c in _plan(args, "nats://127.0.0.1:4222", [("m", str(model_dir))]) if c.name == "gateway")
     assert gateway.argv[gateway.argv.index("--tool-parser") + 1] == "hermes"
+
+
+@pytest.mark.parametrize("parser, call", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome"}}'),
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Rome"}}]'),
+])
+def test_a_forced_call_is_one_call_in_the_parsers_format(parser, call):
+    grammar = compile_guide(forced_call_guide(tuple(TOOLS), ("get_weather",), parser))
+    assert grammar.matches(call.encode())
+    assert not grammar.matches(call.replace("get_weather", "get_time").encode())
+    content, calls = _run([call], make_parser(parser))
+    assert content == "" and [c["function"]["name"] for c in calls] == ["get_weather"]

@@ -23,6 +23,7 @@ from services.gateway.bus_client import GatewayBus
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.handlers import Gateway
 from services.gateway.limits import TenantLimits
+from services.gateway.tools import PARSERS
 from services.gateway.models import ModelRegistry
 from services.gateway.tenants import Tenants
 
@@ -43,9 +44,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
     p.add_argument("--api-keys-file", default=None,
                    help="JSON {api key: tenant}: /v1 answers only listed keys (Authorization: Bearer KEY), and "
                         "tenants never share prefix-cache blocks (default: open, one shared cache)")
-    p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json"),
+    p.add_argument("--tool-parser", default=None, choices=PARSERS,
                    help="read tool calls in chat output (hermes: <tool_call>{json}</tool_call>, Qwen2.5 and "
-                        "Hermes models; llama3_json: the answer is {\"name\", \"parameters\"}, Llama 3.1+); "
+                        "Hermes models; llama3_json: the answer is {\"name\", \"parameters\"}, Llama 3.1+; "
+                        "mistral: [TOOL_CALLS] [{\"name\", \"arguments\"}], Mistral v0.3, Mixtral 8x22B, NeMo); "
                         "without it requests with tools are refused")
     p.add_argument("--tenant-limits", default=None, metavar="FILE",
                    help="JSON {\"default\": {limits}, \"tenants\": {tenant: {limits}}}, limits being any of "

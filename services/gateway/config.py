@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmbus.bus.subjects import check_model_names
+from services.gateway.tools import PARSERS
 
 
 def read_json_file(path: str | Path, what: str) -> object:
@@ -73,5 +74,5 @@ class GatewayConfig:
             raise ValueError(f"token_timeout_s must be > 0, got {self.token_timeout_s}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if self.tool_parser not in (None, "hermes", "llama3_json"):
-            raise ValueError(f"--tool-parser must be hermes or llama3_json, got {self.tool_parser!r}")
+        if self.tool_parser is not None and self.tool_parser not in PARSERS:
+            raise ValueError(f"--tool-parser must be one of {', '.join(PARSERS)}, got {self.tool_parser!r}")

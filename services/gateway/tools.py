@@ -1,4 +1,4 @@
-"""Tool calls in a chat completion's text, in one of two formats (``--tool-parser``):
+"""Tool calls in a chat completion's text, in one of three formats (``--tool-parser``):
 
 - ``hermes`` (Qwen2.5, Hermes, and the many models trained on it): each call a JSON object between
   ``<tool_call>`` and ``</tool_call>``, text around them allowed::
@@ -9,6 +9,13 @@
 
 - ``llama3_json`` (Llama 3.1-3.3 with JSON tool calling): the whole answer is the call, a JSON
   object ``{"name", "parameters"}`` (or several joined by ``;``).
+
+- ``mistral`` (Mistral's v3 tokenizer models: 7B Instruct v0.3, Mixtral 8x22B, NeMo, Large 2): the
+  whole answer is the ``[TOOL_CALLS]`` control token then a JSON array of ``{"name", "arguments"}``.
+  The token is special, so the text the gateway decodes usually lacks it: an answer that starts
+  with ``[{`` (or with the token's text) is read as calls. Call ids are 9 letters and digits, the
+  only ids Mistral's chat templates accept back in ``tool_call_id``. (The v7+ tokenizers'
+  ``[TOOL_CALLS]name[ARGS]{...}`` is not read.)
 
 A parser reads a choice's text as it streams: text that cannot be part of a call goes out as
 content at once (hermes holds back a possible start of a tag, as stop strings are; llama3_json
@@ -23,24 +30,33 @@ must for any server; the gateway does not write them into the prompt itself.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 
 from llmbus.guide.grammar import guide_spec
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
+MISTRAL_TAG = "[TOOL_CALLS]"
+_ALNUM = string.ascii_letters + string.digits
 
 
-def _call(block: str) -> dict | None:
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
+def _call(block: str | dict, call_id: str = "") -> dict | None:
+    """An OpenAI tool call from a JSON object ``{"name", "arguments" | "parameters"}`` (text or
+    parsed); None when it is not one."""
+    if isinstance(block, str):
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            return None
+    else:
+        obj = block
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": arguments}}
 
 
@@ -81,44 +97,83 @@ class ToolCallParser:
         return rest, []
 
 
-class Llama3JsonParser:
-    """The answer is either text (passed on as it comes) or, when it starts with ``{``, calls read
-    at its end."""
+class _WholeAnswerParser:
+    """An answer that is either text, passed on as it comes, or calls, held and read at its end:
+    ``_calls_start(head)`` says which from the answer's start (None: not yet known), ``_read(rest)``
+    reads the held answer (None: it was not calls after all, and goes out as text)."""
 
     def __init__(self) -> None:
         self._buf = ""
-        self._mode = ""  # "" undecided (only whitespace so far), "text", "json"
+        self._mode = ""  # "" undecided, "text", "calls"
         self.calls = 0
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         if self._mode == "text":
             return text, []
         self._buf += text
-        head = self._buf.lstrip()
-        if not head:
+        if self._mode == "calls":
             return "", []
-        if head.startswith("{"):
-            self._mode = "json"
+        starts = self._calls_start(self._buf.lstrip())
+        if starts is None:
+            return "", []
+        if starts:
+            self._mode = "calls"
             return "", []
         self._mode, out, self._buf = "text", self._buf, ""
         return out, []
 
     def finish(self) -> tuple[str, list[dict]]:
         rest, self._buf = self._buf, ""
-        if self._mode != "json":
+        if self._mode != "calls":
             return rest, []
-        calls = [_call(part.strip()) for part in rest.split(";") if part.strip()]
+        calls = self._read(rest)
         if not calls or None in calls:
             return rest, []
         self.calls += len(calls)
         return "", calls
+
+    def _calls_start(self, head: str) -> bool | None:
+        raise NotImplementedError
+
+    def _read(self, rest: str) -> list[dict | None] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(_WholeAnswerParser):
+    """Calls when the answer starts with ``{``: JSON objects joined by ``;``."""
+
+    def _calls_start(self, head: str) -> bool | None:
+        return head.startswith("{") if head else None
+
+    def _read(self, rest: str) -> list[dict | None]:
+        return [_call(part.strip()) for part in rest.split(";") if part.strip()]
+
+
+class MistralParser(_WholeAnswerParser):
+    """Calls when the answer starts with ``[TOOL_CALLS]`` or ``[{``: a JSON array."""
+
+    def _calls_start(self, head: str) -> bool | None:
+        after = head[1:].lstrip()
+        if head.startswith(MISTRAL_TAG) or (head.startswith("[") and after.startswith("{")):
+            return True
+        if not head or MISTRAL_TAG.startswith(head) or (head.startswith("[") and not after):
+            return None
+        return False
+
+    def _read(self, rest: str) -> list[dict | None] | None:
+        try:
+            items = json.loads(rest.lstrip().removeprefix(MISTRAL_TAG))
+        except ValueError:
+            return None
+        items = items if isinstance(items, list) else [items]
+        return [_call(item, "".join(secrets.choice(_ALNUM) for _ in range(9))) for item in items]
 
 
 def forced_call_guide(tools: tuple[dict, ...], names: tuple[str, ...], parser: str) -> str:
     """The guide spec of an answer that is exactly one call, in ``parser``'s format, of one of the
     tools named (tool_choice "required" or a named function): the call's name is one of them and its
     arguments match that tool's parameters schema."""
-    key = "arguments" if parser == "hermes" else "parameters"
+    key = "parameters" if parser == "llama3_json" else "arguments"
     options = [{"type": "object", "required": ["name", key], "additionalProperties": False,
                 "properties": {"name": {"const": fn["name"]},
                                key: fn.get("parameters") or {"type": "object"}}}
@@ -126,11 +181,13 @@ def forced_call_guide(tools: tuple[dict, ...], names: tuple[str, ...], parser: s
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     if parser == "hermes":
         return guide_spec(schema, prefix=OPEN + "\n", suffix="\n" + CLOSE)
+    if parser == "mistral":  # NOTE: no [TOOL_CALLS] prefix: a special token, which text cannot spell
+        return guide_spec({"type": "array", "items": schema, "minItems": 1, "maxItems": 1})
     return guide_spec(schema)
 
 
-def make_parser(name: str) -> ToolCallParser | Llama3JsonParser:
-    return {"hermes": ToolCallParser, "llama3_json": Llama3JsonParser}[name]()
+def make_parser(name: str) -> ToolCallParser | _WholeAnswerParser:
+    return {"hermes": ToolCallParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name]()
 
 
 def _partial_suffix(text: str, tag: str) -> int:
