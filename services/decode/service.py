@@ -195,8 +195,6 @@ class DecodeWorker(EngineWorker):
             if not joined:  # aborted, or past its deadline, before it joined: its end is out
                 await msg.ack()
                 return
-            if (span := self.spans.get(rid)) is not None:
-                span.add_event("joined_batch")  # after waiting for room and reading the KV
         except Exception as exc:
             # ended while it was taken (its deadline, an abort): its final event is out, no second one
             if self.active.pop(rid, None) is None and rid in self.recent_aborts:
@@ -242,6 +240,8 @@ class DecodeWorker(EngineWorker):
                 # NOTE: registered first: the engine may emit its first token before we resume
                 self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
                 await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
+                if (span := self.spans.get(rid)) is not None:  # NOTE: here, before its tokens' events run
+                    span.add_event("joined_batch")  # after waiting for room and reading the KV
                 return True
             except OutOfBlocks:
                 self.active.pop(rid, None)
