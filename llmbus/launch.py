@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gateway: JSON {api key: tenant}; /v1 answers only listed keys and tenants never share "
                         "prefix-cache blocks (default: open)")
     p.add_argument("--tenant-limits", default=None, metavar="FILE",
-                   help="gateway: JSON per-tenant limits (requests_per_minute, tokens_per_minute, "
+                   help="gateway: JSON per-tenant limits (requests_per_minute, tokens_per_minute, _per_day, "
                         "max_concurrent_requests under \"default\" and \"tenants\"); over one: 429 (default: none)")
     p.add_argument("--tool-parser", default=None, choices=("hermes", "llama3_json", "mistral"),
                    help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>; "

@@ -37,6 +37,10 @@ def _limiter(default: dict, tenants: dict | None = None) -> tuple[RateLimiter, C
     return limiter, clock, refused
 
 
+def _level(limiter: RateLimiter, tenant: str, name: str) -> float:
+    return next(b.level for n, _, b in limiter._tenants[tenant].buckets if n == name)
+
+
 def test_requests_per_minute_burst_then_refill_at_the_limits_pace():
     limiter, clock, refused = _limiter({"requests_per_minute": 3})
     for _ in range(3):
@@ -84,7 +88,7 @@ def test_a_refusal_charges_nothing_and_the_concurrency_limit_frees_on_settle():
     assert e.value.type == "concurrent" and "in flight" in e.value.message
     a.settle(5)
     c = limiter.admit("t", 1, 1)
-    assert limiter._tenants["t"].requests.level == pytest.approx(7)  # three admitted of ten
+    assert _level(limiter, "t", "requests") == pytest.approx(7)  # three admitted of ten
     assert limiter._tenants["t"].in_flight == 2
     for x in (b, c):
         x.settle(0)
@@ -96,7 +100,7 @@ def test_a_reservation_over_the_minute_is_cut_and_a_prompt_over_it_never_runs():
     big = limiter.admit("a", 200, 5000)  # reserves the whole minute, not 5200
     assert big.reserved == 1000
     big.settle(1200)  # used more than reserved: the bucket goes into debt
-    assert limiter._tenants["a"].tokens.level == pytest.approx(-200)
+    assert _level(limiter, "a", "tokens") == pytest.approx(-200)
     with pytest.raises(RateLimited) as e:
         limiter.admit("a", 10, 10)
     assert e.value.retry_after == pytest.approx(220 / (1000 / 60))
@@ -105,11 +109,29 @@ def test_a_reservation_over_the_minute_is_cut_and_a_prompt_over_it_never_runs():
     assert e.value.status == 400 and e.value.code == "request_too_large"
 
 
+def test_daily_limits_are_quotas_that_come_back_over_the_day():
+    limiter, clock, refused = _limiter({"tokens_per_minute": 1000, "tokens_per_day": 3000, "requests_per_day": 100})
+    for _ in range(3):
+        limiter.admit("a", 100, 900).settle(1000)
+        clock.t += 60  # the minute's bucket is full again each time; the day's is not
+    with pytest.raises(RateLimited) as e:
+        limiter.admit("a", 100, 100)
+    assert e.value.type == "tokens-day" and "per day" in e.value.message
+    assert e.value.retry_after == pytest.approx((200 - 3000 * 180 / 86400) / (3000 / 86400))
+    assert e.value.headers["x-ratelimit-limit-tokens-day"] == "3000" and e.value.headers["x-ratelimit-limit-tokens"] == "1000"
+    assert _level(limiter, "a", "requests-day") == pytest.approx(97, abs=0.5)
+    with pytest.raises(APIError, match="3000 a day"):
+        _limiter({"tokens_per_day": 3000})[0].admit("a", 3001, 0)
+    big = _limiter({"tokens_per_minute": 5000, "tokens_per_day": 3000})[0].admit("a", 10, 10000)
+    assert big.reserved == 3000  # cut to the smallest token allowance
+    assert refused == [("a", "tokens-day")]
+
+
 def test_a_tenants_own_limits_override_the_default_field_by_field():
     config = TenantLimits.parse({"default": {"requests_per_minute": 5, "max_concurrent_requests": 1},
                                  "tenants": {"big": {"requests_per_minute": 500}}})
-    assert config.of("big") == Limits(500, None, 1)
-    assert config.of("other") == config.of("") == Limits(5, None, 1)
+    assert config.of("big") == Limits(500, max_concurrent_requests=1)
+    assert config.of("other") == config.of("") == Limits(5, max_concurrent_requests=1)
     assert TenantLimits.parse({}).of("x") == Limits()
     for bad, why in [([], "JSON object"), ({"defaults": {}}, "'default'"), ({"tenants": []}, "'tenants'"),
                      ({"default": {"rpm": 1}}, "unknown limit 'rpm'"),
@@ -158,12 +180,18 @@ def test_a_tenant_over_its_limits_gets_openai_429s_and_others_do_not(limited, wo
     err = busy.json()["error"]
     assert err["code"] == "rate_limit_exceeded" and err["type"] == "concurrent" and "in flight" in err["message"]
     assert int(busy.headers["retry-after"]) >= 1
-    assert _post(limited, "sk-other-00001").status_code == 200  # another tenant is not held back
+    other = _post(limited, "sk-other-00001")
+    assert other.status_code == 200  # another tenant is not held back
+    assert other.headers["x-ratelimit-limit-requests"] == "1000" and "x-ratelimit-limit-tokens" not in other.headers
     t.join()
     assert results["slow"].status_code == 200
 
     worker.script = reply_script(_ids(tokenizer, "ok"))
-    assert _post(limited, "sk-small-00001").status_code == 200  # its second request this minute
+    second = _post(limited, "sk-small-00001", stream=True)  # its second request this minute
+    assert second.status_code == 200 and second.text.rstrip().endswith("data: [DONE]")
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"  # as of its admission
+    assert second.headers["x-ratelimit-limit-tokens"] == "100000" and second.headers["content-type"].startswith(
+        "text/event-stream")
     third = _post(limited, "sk-small-00001", stream=True)
     assert third.status_code == 429 and third.json()["error"]["type"] == "requests"
     assert third.headers["x-ratelimit-limit-requests"] == "2" and third.headers["x-ratelimit-remaining-requests"] == "0"

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
                         "without it requests with tools are refused")
     p.add_argument("--tenant-limits", default=None, metavar="FILE",
                    help="JSON {\"default\": {limits}, \"tenants\": {tenant: {limits}}}, limits being any of "
-                        "requests_per_minute, tokens_per_minute, max_concurrent_requests: a tenant over one gets 429 "
+                        "requests_per_minute, tokens_per_minute, requests_per_day, tokens_per_day, "
+                        "max_concurrent_requests: a tenant over one gets 429 "
                         "with Retry-After (default: no limits)")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)

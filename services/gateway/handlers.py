@@ -153,13 +153,14 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
             elif outcome == "error":
                 admission.settle(0)
 
+    headers = admission.headers if admission is not None else None  # the tenant's x-ratelimit-*
     if req.stream:
-        return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard)
+        return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard, headers)
     async with guard():
         body = await _until_disconnect(http, _collect(pieces, gens, shapes, req.n))
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
-    return Response(orjson.dumps(body), media_type="application/json")
+    return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
 
 async def _submit_all(bus: GatewayBus, requests: list[GenerateRequest], streams: list[TokenStream]) -> list[Listening]:

@@ -1,25 +1,25 @@
-"""Per-tenant rate limits: requests per minute, tokens per minute, and requests in flight.
+"""Per-tenant rate limits: requests and tokens per minute and per day, and requests in flight.
 
 A gateway started with ``--tenant-limits FILE`` admits a generation request only when its tenant
 (the API key's, or "" on an open gateway) has room on every limit it has, else answers 429
 ``rate_limit_exceeded`` with ``Retry-After``. Nothing is charged unless everything admits it.
 
-- Requests and tokens per minute are token buckets: each holds up to a minute's allowance and
-  refills continuously, so a tenant may burst its whole minute at once and then goes at the
-  limit's pace.
+- Requests and tokens per minute and per day are token buckets: each holds up to its period's
+  allowance and refills continuously, so a tenant may burst its whole minute at once and then goes
+  at the limit's pace; a daily quota spent comes back over the next 24 hours.
 - A request reserves its prompt tokens plus ``max_tokens`` for each choice (the most it can use)
   when it is admitted. When it ends, the unused part goes back: a 500-token answer reserved at 4096
   is charged 500. A request that ends without its usage (the client left) keeps the whole
   reservation.
-- A reservation larger than the whole minute is cut to the minute, so a request whose prompt fits
-  still runs once the bucket is full (and its true usage is charged, leaving the bucket in debt);
-  a prompt alone larger than the minute can never run and is a 400.
+- A reservation larger than the smallest token allowance is cut to it, so a request whose prompt
+  fits still runs once the buckets are full (and its true usage is charged, leaving them in debt);
+  a prompt alone larger than that can never run and is a 400.
 - ``max_concurrent_requests`` bounds the tenant's requests in flight here, so one tenant cannot
   take every batch slot.
 
 The file is JSON: ``{"default": {<limits>}, "tenants": {"<tenant>": {<limits>}}}``, limits being
-any of ``requests_per_minute``, ``tokens_per_minute``, ``max_concurrent_requests`` (positive
-integers); a tenant's own entry overrides the default field by field, and a limit set nowhere is no
+any of ``requests_per_minute``, ``tokens_per_minute``, ``requests_per_day``, ``tokens_per_day``,
+``max_concurrent_requests`` (positive integers); a tenant's own entry overrides the default field by field, and a limit set nowhere is no
 limit. Each gateway keeps its own buckets: behind N gateways, a tenant gets N times its limits.
 """
 
@@ -34,13 +34,18 @@ from pathlib import Path
 from services.gateway.config import read_json_file
 from services.gateway.errors import APIError
 
-FIELDS = ("requests_per_minute", "tokens_per_minute", "max_concurrent_requests")
+FIELDS = ("requests_per_minute", "tokens_per_minute", "requests_per_day", "tokens_per_day", "max_concurrent_requests")
+# each bucket limit: (field, what it counts, its period in seconds, its name in refusals and headers)
+BUCKETS = (("requests_per_minute", "requests", 60.0, "requests"), ("tokens_per_minute", "tokens", 60.0, "tokens"),
+           ("requests_per_day", "requests", 86400.0, "requests-day"), ("tokens_per_day", "tokens", 86400.0, "tokens-day"))
 
 
 @dataclass(frozen=True)
 class Limits:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    requests_per_day: int | None = None
+    tokens_per_day: int | None = None
     max_concurrent_requests: int | None = None
 
     @classmethod
@@ -87,12 +92,12 @@ class TenantLimits:
 
 
 class Bucket:
-    """Up to ``per_minute`` units, refilled at ``per_minute / 60`` a second; may go below zero
+    """Up to ``allowance`` units, refilled at ``allowance / period_s`` a second; may go below zero
     (debt) when more is charged than was reserved."""
 
-    def __init__(self, per_minute: int, now: float) -> None:
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
+    def __init__(self, allowance: int, period_s: float, now: float) -> None:
+        self.capacity = float(allowance)
+        self.rate = allowance / period_s
         self.level = self.capacity
         self.at = now
 
@@ -120,9 +125,13 @@ class RateLimited(APIError):
 class _TenantState:
     def __init__(self, limits: Limits, now: float) -> None:
         self.limits = limits
-        self.requests = Bucket(limits.requests_per_minute, now) if limits.requests_per_minute else None
-        self.tokens = Bucket(limits.tokens_per_minute, now) if limits.tokens_per_minute else None
+        # (name, what it counts, bucket) for each bucket limit the tenant has
+        self.buckets = [(name, unit, Bucket(getattr(limits, f), period, now))
+                        for f, unit, period, name in BUCKETS if getattr(limits, f)]  # fmt: skip
         self.in_flight = 0
+
+    def token_buckets(self) -> list[Bucket]:
+        return [b for _, unit, b in self.buckets if unit == "tokens"]
 
 
 class RateLimiter:
@@ -147,36 +156,32 @@ class RateLimiter:
         state = self._state(tenant)
         now = self.clock()
         lim = state.limits
-        waits: dict[str, float] = {}
-        if state.requests is not None:
-            state.requests.refill(now)
-            waits["requests"] = state.requests.wait(1)
         reserved = prompt_tokens + max_new_tokens
-        if state.tokens is not None:
-            if prompt_tokens > lim.tokens_per_minute:
-                raise APIError(400, f"The prompt has {prompt_tokens} tokens, more than this tenant's limit of "
-                               f"{lim.tokens_per_minute} tokens per minute: it can never run.",
+        tokens = state.token_buckets()
+        if tokens:
+            least = int(min(b.capacity for b in tokens))
+            if prompt_tokens > least:
+                raise APIError(400, f"The prompt has {prompt_tokens} tokens, more than this tenant's token limit "
+                               f"({least} a {'minute' if least == lim.tokens_per_minute else 'day'}): it can never run.",
                                param="messages", code="request_too_large")  # fmt: skip
-            reserved = min(reserved, lim.tokens_per_minute)
-            state.tokens.refill(now)
-            waits["tokens"] = state.tokens.wait(reserved)
+            reserved = min(reserved, least)
         if lim.max_concurrent_requests is not None and state.in_flight >= lim.max_concurrent_requests:
             self._refuse(tenant, state, "concurrent", 1.0,
                          f"Too many requests in flight for this tenant: limit {lim.max_concurrent_requests}. "
                          "Retry once one of them ends.")  # fmt: skip
-        for limit, wait in waits.items():
-            if wait > 0:
-                per = lim.requests_per_minute if limit == "requests" else lim.tokens_per_minute
-                need = "1 request" if limit == "requests" else f"{reserved} tokens (prompt plus max_tokens)"
-                self._refuse(tenant, state, limit, wait,
-                             f"Rate limit reached for {limit} per minute: limit {per}, this request needs {need}. "
-                             f"Please try again in {wait:.1f}s.")  # fmt: skip
-        if state.requests is not None:
-            state.requests.level -= 1
-        if state.tokens is not None:
-            state.tokens.level -= reserved
+        for name, unit, bucket in state.buckets:
+            bucket.refill(now)
+            need = 1 if unit == "requests" else reserved
+            if (wait := bucket.wait(need)) > 0:
+                per = "day" if name.endswith("-day") else "minute"
+                what = "1 request" if unit == "requests" else f"{reserved} tokens (prompt plus max_tokens)"
+                self._refuse(tenant, state, name, wait,
+                             f"Rate limit reached for {unit} per {per}: limit {int(bucket.capacity)}, this request "
+                             f"needs {what}. Please try again in {wait:.1f}s.")  # fmt: skip
+        for _, unit, bucket in state.buckets:
+            bucket.level -= 1 if unit == "requests" else reserved
         state.in_flight += 1
-        return Admission(self, state, reserved if state.tokens is not None else 0)
+        return Admission(self, state, reserved if tokens else 0, self.headers(state))
 
     def _refuse(self, tenant: str, state: _TenantState, limit: str, wait: float, message: str):
         if self.on_limited is not None:
@@ -185,21 +190,22 @@ class RateLimiter:
 
     @staticmethod
     def headers(state: _TenantState) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-*`` headers for what the tenant has now."""
+        """OpenAI's ``x-ratelimit-*`` headers for what the tenant has now (``-day`` ones for the
+        daily limits)."""
         out = {}
-        for name, bucket in (("requests", state.requests), ("tokens", state.tokens)):
-            if bucket is not None:
-                out[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
-                out[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(bucket.level)))
-                out[f"x-ratelimit-reset-{name}"] = f"{bucket.reset():.3f}s"
+        for name, _, bucket in state.buckets:
+            out[f"x-ratelimit-limit-{name}"] = str(int(bucket.capacity))
+            out[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(bucket.level)))
+            out[f"x-ratelimit-reset-{name}"] = f"{bucket.reset():.3f}s"
         return out
 
 
 class Admission:
     """One admitted request's charge; ``settle`` once it ends (further calls do nothing)."""
 
-    def __init__(self, limiter: RateLimiter, state: _TenantState, reserved: int) -> None:
+    def __init__(self, limiter: RateLimiter, state: _TenantState, reserved: int, headers: dict[str, str]) -> None:
         self._limiter, self._state, self.reserved = limiter, state, reserved
+        self.headers = headers  # x-ratelimit-* as of the admission, for the answer
         self.settled = False
 
     def settle(self, used_tokens: int | None = None) -> None:
@@ -210,6 +216,8 @@ class Admission:
         self.settled = True
         state = self._state
         state.in_flight -= 1
-        if state.tokens is not None and used_tokens is not None:
-            state.tokens.refill(self._limiter.clock())
-            state.tokens.level = min(state.tokens.capacity, state.tokens.level + self.reserved - used_tokens)
+        if used_tokens is not None:
+            now = self._limiter.clock()
+            for bucket in state.token_buckets():
+                bucket.refill(now)
+                bucket.level = min(bucket.capacity, bucket.level + self.reserved - used_tokens)

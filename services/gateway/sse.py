@@ -62,9 +62,12 @@ class SSEResponse:
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
 
-    def __init__(self, body: AsyncIterator[bytes], guard: Callable[[], AsyncContextManager]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], guard: Callable[[], AsyncContextManager],
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         self.body = body
         self.guard = guard
+        if headers:  # NOTE: extra headers (the tenant's x-ratelimit-*) after the stream's own
+            self.headers = self.headers + [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
     async def __call__(self, scope, receive, send) -> None:
         async with self.guard():
