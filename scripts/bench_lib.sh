@@ -6,11 +6,11 @@ PY=$ROOT/.venv/bin/python
 GGUF_DIR=${GGUF_DIR:-bench-results/models}
 mkdir -p "$OUT"
 SP=""
-start() {  # name port command...: waits until it serves (llmbus: until every service is up)
+start() {  # name port command...: waits until it serves (llmbus: until every service is up); START_KEY: an API key
     local name=$1 port=$2; shift 2
     "$@" > "$OUT/$name.log" 2>&1 & SP=$!
     for _ in $(seq 1 300); do
-        if curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
+        if curl -sf ${START_KEY:+-H "Authorization: Bearer $START_KEY"} "http://127.0.0.1:$port/v1/models" > /dev/null 2>&1; then
             [[ $name != llmbus* ]] && return 0
             grep -q "llmbus up: ready" "$OUT/$name.log" && return 0
         fi
