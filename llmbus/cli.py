@@ -12,6 +12,7 @@ _COMMANDS = (
     "llmbus.engine.cli",
     "llmbus.bench.cli",
     "llmbus.launch",
+    "llmbus.top",
 )
 
 

@@ -93,6 +93,9 @@ async def connect(
         errors[:] = [msg]
 
     async def on_disconnect() -> None:
+        if nc.is_closed or nc.is_draining:  # our own close or drain: nothing went wrong
+            log.debug("nats %s: closed", name)
+            return
         log.warning("nats %s: disconnected", name)
 
     async def on_reconnect() -> None:

@@ -22,8 +22,8 @@ from nats.js.errors import NoStreamResponseError
 from llmbus.bus import subjects
 from llmbus.bus.streams import read_registry
 from llmbus.bus.tokens import read_batch
-from llmbus.metrics import Metric, labelled
-from llmbus.protocol import Abort, GenerateRequest, InstanceInfo, MetricFamily, MetricsReply, MetricsRequest, decode, encode
+from llmbus.bus.metrics import scrape
+from llmbus.protocol import Abort, GenerateRequest, InstanceInfo, MetricFamily, encode
 from services.gateway.errors import server_error
 from services.gateway.token_stream import TokenStream
 
@@ -31,7 +31,6 @@ from services.gateway.token_stream import TokenStream
 log = logging.getLogger("llmbus.gateway")
 
 REGISTRY_READ_S = 1.0  # how old a registry read may be when silent streams ask whether workers are busy
-SCRAPE_TIMEOUT_S = 1.0  # how long /metrics waits for each service's answer
 
 
 class Listening:
@@ -78,29 +77,9 @@ class GatewayBus:
                 self._read_at = time.monotonic()
         return self._instances
 
-    async def scrape(self, instances: list[InstanceInfo], timeout: float = SCRAPE_TIMEOUT_S) -> list[MetricFamily]:
-        """Every other service's metrics (``llmbus.metrics.<instance_id>``, asked of all at once),
-        each family labelled with the answering ``instance`` and ``role``; and ``llmbus_up``: 1 for
-        each instance that answered in ``timeout``, 0 for one that did not."""
-        others = [i for i in instances if i.role != "gateway"]
-
-        async def ask(info: InstanceInfo) -> MetricsReply | None:
-            try:
-                msg = await self.nc.request(subjects.metrics(info.instance_id), encode(MetricsRequest()), timeout=timeout)
-                return decode(MetricsReply, msg.data)
-            except Exception as exc:  # no answer in time, or not one we read: counted down
-                log.debug("no metrics from %s: %r", info.instance_id, exc)
-                return None
-
-        replies = await asyncio.gather(*(ask(i) for i in others))
-        up = Metric("llmbus_up", "1 when a live instance (its registry entry) answered this scrape's metrics request, "
-                    "else 0.", "gauge", ("instance", "role"))  # fmt: skip
-        families = []
-        for info, reply in zip(others, replies):
-            up.set(0 if reply is None else 1, info.instance_id, info.role)
-            if reply is not None:
-                families += [labelled(f, instance=info.instance_id, role=info.role) for f in reply.families]
-        return [up.family(), *families]
+    async def scrape(self, instances: list[InstanceInfo]) -> list[MetricFamily]:
+        """Every other service's metrics (``llmbus.bus.metrics.scrape``)."""
+        return await scrape(self.nc, instances)
 
     async def start(self):
         """Subscribe to this gateway's token batches; returns the subscription (drained with the

@@ -9,6 +9,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -283,6 +286,37 @@ def test_metrics_show_the_requests_and_every_service(stack, client):
         assert after[f'llmbus_worker_kv_blocks{{instance="{info.instance_id}",role="{info.role}"}}'] == info.total_blocks
     assert total(after, "llmbus_kvpool_blocks", role="kvpool") > 0
     assert total(after, "llmbus_kvpool_tier_capacity_bytes", role="kvpool", tier="cpu") > 0
+
+
+def test_top_shows_every_service_and_the_decoders_speed(stack, client):
+    """``llmbus top --once`` reads the registry and each service's metrics over the bus, while a
+    stream is being generated."""
+    first = threading.Event()
+
+    def generate():
+        stream = client.completions.create(model=MODEL, prompt="Count on", max_tokens=400, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for _ in stream:
+            first.set()
+
+    t = threading.Thread(target=generate)
+    t.start()
+    try:
+        assert first.wait(60)
+        r = subprocess.run([sys.executable, "-m", "llmbus.cli", "top", "--once", "--interval", "1",
+                            "--nats-url", stack.nats_url], capture_output=True, text=True, timeout=60)
+    finally:
+        t.join()
+    assert r.returncode == 0, r.stderr
+    header, *lines = r.stdout.splitlines()
+    assert header.split() == ["ROLE", "INSTANCE", "MODEL", "QUEUE", "RUN", "WAIT", "KV%", "TOK/S", "REQ/S", "STEP_MS",
+                              "CACHED%", "PREEMPT"]
+    rows = {line.split()[1]: line.split() for line in lines}
+    for info in stack.instances():
+        assert info.instance_id in rows and rows[info.instance_id][0] == info.role
+    (decode,) = [row for row in rows.values() if row[0] == "decode"]
+    assert float(decode[7]) > 0 and float(decode[9]) > 0  # tokens a second, and the mean step
+    assert "(no answer)" not in r.stdout
 
 
 def test_32_concurrent_streams_complete_in_order(stack, reference):
