@@ -64,7 +64,10 @@ class Histogram:
             for n in s[: len(self.buckets)]:
                 total += n
                 cumulative.append(total)
-            samples.append(MetricSample(list(key), counts=cumulative, sum=float(s[-2]), count=int(s[-1])))
+            # NOTE: the count from the buckets (the overflow one too), not s[-1]: an observation
+            # half-recorded on the engine thread must not put +Inf below the last finite bucket
+            count = total + s[len(self.buckets)]
+            samples.append(MetricSample(list(key), counts=cumulative, sum=float(s[-2]), count=count))
         return MetricFamily(self.name, self.help, "histogram", list(self.labels), list(self.buckets), samples)
 
 

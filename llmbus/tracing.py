@@ -45,9 +45,13 @@ _provider: TracerProvider | None = None
 _tracer: trace.Tracer = trace.NoOpTracer()
 
 
+class TracingConfigError(ValueError):
+    """An OTEL_* setting this process cannot use."""
+
+
 def setup(role: str, instance_id: str, env: dict[str, str] | None = None) -> bool:
     """Configure this process's tracing from ``env`` (default ``os.environ``); whether it is on.
-    Raises ValueError on a setting it cannot use (an endpoint that is not an http(s) URL)."""
+    Raises TracingConfigError on a setting it cannot use (an endpoint that is not an http(s) URL)."""
     global _provider, _tracer
     env = os.environ if env is None else env
     exporter = exporter_from(env)
@@ -73,9 +77,9 @@ def exporter_from(env) -> SpanExporter | None:
     if not url:
         return None
     if kind not in ("", "otlp"):
-        raise ValueError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {kind!r}")
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {kind!r}")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"the OTLP traces endpoint must be an http(s) URL, got {url!r}")
+        raise TracingConfigError(f"the OTLP traces endpoint must be an http(s) URL, got {url!r}")
     return OtlpJsonExporter(url, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS")
                                           or env.get("OTEL_EXPORTER_OTLP_HEADERS", "")))  # fmt: skip
 

@@ -109,6 +109,22 @@ def test_a_reservation_over_the_minute_is_cut_and_a_prompt_over_it_never_runs():
     assert e.value.status == 400 and e.value.code == "request_too_large"
 
 
+def test_retry_after_is_the_longest_wait_and_precheck_charges_nothing():
+    limiter, clock, refused = _limiter({"requests_per_minute": 1, "requests_per_day": 1, "max_concurrent_requests": 1})
+    limiter.precheck("a")  # room: nothing raised, nothing charged
+    first = limiter.admit("a", 5, 5)
+    with pytest.raises(RateLimited) as e:
+        limiter.precheck("a")
+    assert e.value.type == "concurrent"
+    first.settle(10)
+    clock.t += 1
+    with pytest.raises(RateLimited) as e:
+        limiter.precheck("a")
+    assert e.value.type == "requests-day" and e.value.retry_after == pytest.approx(86400 - 1)  # not the minute's 59 s
+    assert e.value.headers["x-ratelimit-remaining-requests"] == "0" and e.value.headers["x-ratelimit-reset-requests"] == "59.000s"
+    assert limiter._tenants["a"].in_flight == 0 and [limit for _, limit in refused] == ["concurrent", "requests-day"]
+
+
 def test_daily_limits_are_quotas_that_come_back_over_the_day():
     limiter, clock, refused = _limiter({"tokens_per_minute": 1000, "tokens_per_day": 3000, "requests_per_day": 100})
     for _ in range(3):
@@ -143,10 +159,11 @@ def test_a_tenants_own_limits_override_the_default_field_by_field():
 
 # --- through the gateway --------------------------------------------------------------------------
 
-KEYS = {"sk-small-00001": "small", "sk-other-00001": "other", "sk-meter-00001": "meter"}
+KEYS = {"sk-small-00001": "small", "sk-other-00001": "other", "sk-meter-00001": "meter", "sk-wide-000001": "wide"}
 LIMITS = {"default": {"requests_per_minute": 1000},
           "tenants": {"small": {"requests_per_minute": 2, "tokens_per_minute": 100000, "max_concurrent_requests": 1},
-                      "meter": {"tokens_per_minute": 1000, "max_concurrent_requests": 1}}}
+                      "meter": {"tokens_per_minute": 1000, "max_concurrent_requests": 1},
+                      "wide": {"tokens_per_minute": 1000}}}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +172,7 @@ def limited(gw_nats, model_dir, worker, scratch):
     keys.write_text(json.dumps(KEYS))
     limits.write_text(json.dumps(LIMITS))
     proc = GatewayProcess(gw_nats, model_dir, scratch / "gateway-limits.log",
-                          ("--api-keys-file", str(keys), "--tenant-limits", str(limits)))
+                          ("--api-keys-file", str(keys), "--tenant-limits", str(limits), "--max-model-len", "4096"))
     yield proc.url
     assert proc.stop() == 0
 
@@ -232,6 +249,22 @@ def test_a_finished_request_is_charged_its_usage_and_a_client_that_leaves_frees_
     assert admitted().status_code == 200  # ~100 of the ~490 the left stream did not take
     r = _post(limited, "sk-meter-00001", max_tokens=100, n=6)
     assert r.status_code == 429 and r.json()["error"]["type"] == "tokens"  # the left stream kept its ~500
+
+
+def test_requests_without_max_tokens_do_not_each_take_the_whole_bucket(limited, worker, tokenizer):
+    """With no max_tokens a request may run to the end of the context (4,096 here, past the
+    tenant's 1,000 tokens a minute): it reserves 256 new tokens, so two run side by side."""
+    worker.script = reply_script(_ids(tokenizer, "a slow answer"), delay=0.3)
+    results = []
+    body = {"model": "demo", "prompt": "Hi"}
+    threads = [threading.Thread(target=lambda: results.append(httpx.post(
+        limited + COMP, json=body, headers={"Authorization": "Bearer sk-wide-000001"}, timeout=30))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200, 200], [r.text for r in results]
 
 
 def test_a_bad_limits_file_stops_the_gateway_with_one_line(scratch, model_dir):

@@ -94,6 +94,10 @@ def test_mistral_calls_are_a_json_array_after_the_control_token(seed):
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)  # what Mistral's templates take back
     for text in ("It is sunny.", "[1] The first source says", "[TOOL_CALLS] not json", '[{"city": "Oslo"}]', "[TOOL"):
         assert _run(split(text), MistralParser()) == (text, [])
+    people = '[{"name": "Alice", "age": 3}, {"name": "Bob"}]'  # JSON that only looks like calls
+    assert _run(split(people), MistralParser(("get_weather", "get_time"))) == (people, [])
+    assert _run(split(calls_json), MistralParser(("get_weather", "get_time")))[1]
+    assert _run(['{"name": "Alice", "age": 3}'], Llama3JsonParser(("get_weather",))) == ('{"name": "Alice", "age": 3}', [])
     p = MistralParser()  # text streams as soon as it cannot be calls
     assert p.feed(" [") == ("", []) and p.feed("1] a") == (" [1] a", []) and p.feed("nd") == ("nd", [])
     assert isinstance(make_parser("mistral"), MistralParser)

@@ -124,8 +124,8 @@ Body = Callable[[ServiceContext], Awaitable[None]]
 
 
 async def run_service(options: ServiceOptions, body: Body) -> int:
-    """Raises ValueError on tracing settings it cannot use (``llmbus.tracing``), ConnectionError
-    when NATS cannot be reached."""
+    """Raises TracingConfigError on tracing settings it cannot use (``llmbus.tracing``),
+    ConnectionError when NATS cannot be reached."""
     loop = asyncio.get_running_loop()
     if tracing.setup(options.role, options.instance_id):
         log.info("tracing on: spans go where OTEL_* says")
@@ -165,7 +165,7 @@ def serve(options: ServiceOptions, body: Body) -> int:
     except ConnectionError as exc:
         print(f"{options.role}: error: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # a setting it cannot use (tracing's)
+    except tracing.TracingConfigError as exc:
         print(f"{options.role}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -34,6 +34,12 @@ from services.gateway.token_stream import TokenStream
 from services.gateway.tools import forced_call_guide, make_parser
 
 
+# new tokens a choice reserves of its tenant's token limits when the client set no max_tokens (its
+# limit is then the rest of the context, which would take a whole bucket); its usage is charged at
+# its end, and a longer answer leaves the bucket in debt
+UNSET_RESERVE = 256
+
+
 @dataclass
 class Gateway:
     """What every handler needs: passed in, never global."""
@@ -83,6 +89,8 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
     if req.forced_tools:  # the answer is one call: decoding guided to the parser's format
         guide = forced_call_guide(req.tools, req.forced_tools, gw.config.tool_parser)
         req = dataclasses.replace(req, sampling={**req.sampling, "guide": guide})
+    if gw.limiter is not None:  # a tenant with no room is refused before its prompt is tokenized
+        gw.limiter.precheck(tenant)
     # NOTE: rendering and tokenizing a large prompt takes a while: keep it off the event loop
     prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s, tenant)
     if gw.bus is None:
@@ -90,8 +98,9 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
                        code="service_unavailable")
     admission = None
     if gw.limiter is not None:  # NOTE: after tokenizing: the tokens a request reserves are its prompt's
-        admission = gw.limiter.admit(tenant, sum(len(r.prompt_token_ids) for r in prepared.requests),
-                                     sum(r.sampling.max_tokens for r in prepared.requests) * req.n)
+        new = [r.sampling.max_tokens if req.max_tokens is not None else min(r.sampling.max_tokens, UNSET_RESERVE)
+               for r in prepared.requests]  # fmt: skip
+        admission = gw.limiter.admit(tenant, sum(len(r.prompt_token_ids) for r in prepared.requests), sum(new) * req.n)
     try:
         return await _answer(gw, http, req, model, prepared, span, arrival, admission)
     except BaseException:
@@ -110,12 +119,13 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
         span.set_attributes({"llmbus.request_id": requests[0].request_id,
                              "gen_ai.usage.input_tokens": sum(len(r.prompt_token_ids) for r in prepared.requests)})
     echoes = [echo for echo in prepared.echoes for _ in range(req.n)]
+    tool_names = tuple(t["function"]["name"] for t in req.tools or ())
     choices = [_Choice(r.request_id, Generation(
         TokenStream(r.request_id, gw.config.token_timeout_s, busy=lambda worker: bus.workers_busy(model.name, worker),
                     deadline=r.deadline),
         IncrementalDetokenizer(tok, r.prompt_token_ids), tok.token_bytes, stops=req.stop,
         logprobs=req.logprobs is not None, prompt_tokens=len(r.prompt_token_ids),
-        echo=echo, keep_output=req.max_tokens != 0, tools=make_parser(gw.config.tool_parser) if req.tools else None))
+        echo=echo, keep_output=req.max_tokens != 0, tools=make_parser(gw.config.tool_parser, tool_names) if req.tools else None))
         for r, echo in zip(requests, echoes)]
     if req.echo and req.logprobs is not None and req.n > 1:  # choice i * n scores prompt i for its copies
         loop = asyncio.get_running_loop()
@@ -135,6 +145,7 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
             async with _guard(bus, choices):
                 yield
         finally:
+            observer.close()  # a stream cancelled before its first piece was read ends here, cancelled
             if admission is not None:  # the answer is over: if its pieces did not settle it, keep the reservation
                 admission.settle(None)
 
@@ -142,7 +153,7 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
         await release_ended(bus, choices[i].request_id, choices[i].sub, choices[i].gen)
 
     def pieces():  # every choice's, observed for /metrics
-        return gw.metrics.request(model.name, req.n, arrival, span, settle).watch(choice_pieces(gens, ended), len(gens))
+        return observer.watch(choice_pieces(gens, ended), len(gens))
 
     def settle(outcome: str, usage: Usage | None) -> None:
         """Charge the tenant what the request used; nothing when it failed (the client got an error);
@@ -154,6 +165,7 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
                 admission.settle(0)
 
     headers = admission.headers if admission is not None else None  # the tenant's x-ratelimit-*
+    observer = gw.metrics.request(model.name, req.n, arrival, span, settle)
     if req.stream:
         return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard, headers)
     async with guard():

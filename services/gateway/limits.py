@@ -8,7 +8,8 @@ A gateway started with ``--tenant-limits FILE`` admits a generation request only
   allowance and refills continuously, so a tenant may burst its whole minute at once and then goes
   at the limit's pace; a daily quota spent comes back over the next 24 hours.
 - A request reserves its prompt tokens plus ``max_tokens`` for each choice (the most it can use)
-  when it is admitted. When it ends, the unused part goes back: a 500-token answer reserved at 4096
+  when it is admitted; a request with no ``max_tokens`` reserves 256 a choice (its limit, the rest
+  of the context, would take a whole bucket and run one request at a time). When it ends, the unused part goes back: a 500-token answer reserved at 4096
   is charged 500. A request that ends without its usage (the client left) keeps the whole
   reservation.
 - A reservation larger than the smallest token allowance is cut to it, so a request whose prompt
@@ -16,6 +17,8 @@ A gateway started with ``--tenant-limits FILE`` admits a generation request only
   a prompt alone larger than that can never run and is a 400.
 - ``max_concurrent_requests`` bounds the tenant's requests in flight here, so one tenant cannot
   take every batch slot.
+- Limits that do not depend on the request's size (in flight, requests a minute or day) are
+  checked before its prompt is tokenized, so a flood of refused requests costs little.
 
 The file is JSON: ``{"default": {<limits>}, "tenants": {"<tenant>": {<limits>}}}``, limits being
 any of ``requests_per_minute``, ``tokens_per_minute``, ``requests_per_day``, ``tokens_per_day``,
@@ -150,38 +153,53 @@ class RateLimiter:
             state = self._tenants[tenant] = _TenantState(self.config.of(tenant), self.clock())
         return state
 
+    def precheck(self, tenant: str) -> None:
+        """Refuse now what ``admit`` would refuse whatever the request's size (requests in flight,
+        requests per minute or day), so a refused request costs no tokenizing. Charges nothing."""
+        self._check(tenant, None)
+
     def admit(self, tenant: str, prompt_tokens: int, max_new_tokens: int) -> Admission:
         """Charge one request of ``prompt_tokens`` that may generate ``max_new_tokens`` (all choices);
         RateLimited (429) when a limit has no room yet, APIError 400 when its prompt can never fit."""
+        state, reserved = self._check(tenant, (prompt_tokens, max_new_tokens))
+        for _, unit, bucket in state.buckets:
+            bucket.level -= 1 if unit == "requests" else reserved
+        state.in_flight += 1
+        return Admission(self, state, reserved if state.token_buckets() else 0, self.headers(state))
+
+    def _check(self, tenant: str, size: tuple[int, int] | None) -> tuple[_TenantState, int]:
+        """Refill every bucket, then refuse when any limit lacks room (Retry-After: the longest
+        wait); the request's token reservation otherwise. ``size`` None: token buckets unchecked."""
         state = self._state(tenant)
         now = self.clock()
         lim = state.limits
-        reserved = prompt_tokens + max_new_tokens
-        tokens = state.token_buckets()
-        if tokens:
-            least = int(min(b.capacity for b in tokens))
-            if prompt_tokens > least:
-                raise APIError(400, f"The prompt has {prompt_tokens} tokens, more than this tenant's token limit "
-                               f"({least} a {'minute' if least == lim.tokens_per_minute else 'day'}): it can never run.",
-                               param="messages", code="request_too_large")  # fmt: skip
-            reserved = min(reserved, least)
+        for _, _, bucket in state.buckets:
+            bucket.refill(now)
+        reserved = 0
+        if size is not None:
+            prompt_tokens, max_new_tokens = size
+            reserved = prompt_tokens + max_new_tokens
+            if tokens := state.token_buckets():
+                least = int(min(b.capacity for b in tokens))
+                if prompt_tokens > least:
+                    raise APIError(400, f"The prompt has {prompt_tokens} tokens, more than this tenant's token limit "
+                                   f"({least} a {'minute' if least == lim.tokens_per_minute else 'day'}): it can never "
+                                   "run.", param="messages", code="request_too_large")  # fmt: skip
+                reserved = min(reserved, least)
         if lim.max_concurrent_requests is not None and state.in_flight >= lim.max_concurrent_requests:
             self._refuse(tenant, state, "concurrent", 1.0,
                          f"Too many requests in flight for this tenant: limit {lim.max_concurrent_requests}. "
                          "Retry once one of them ends.")  # fmt: skip
-        for name, unit, bucket in state.buckets:
-            bucket.refill(now)
-            need = 1 if unit == "requests" else reserved
-            if (wait := bucket.wait(need)) > 0:
-                per = "day" if name.endswith("-day") else "minute"
-                what = "1 request" if unit == "requests" else f"{reserved} tokens (prompt plus max_tokens)"
-                self._refuse(tenant, state, name, wait,
-                             f"Rate limit reached for {unit} per {per}: limit {int(bucket.capacity)}, this request "
-                             f"needs {what}. Please try again in {wait:.1f}s.")  # fmt: skip
-        for _, unit, bucket in state.buckets:
-            bucket.level -= 1 if unit == "requests" else reserved
-        state.in_flight += 1
-        return Admission(self, state, reserved if tokens else 0, self.headers(state))
+        short = [(bucket.wait(1 if unit == "requests" else reserved), name, unit, bucket)
+                 for name, unit, bucket in state.buckets if size is not None or unit == "requests"]
+        wait, name, unit, bucket = max(short, key=lambda w: w[0], default=(0.0, "", "", None))
+        if wait > 0:  # NOTE: the longest wait: a client retrying after it finds every limit with room
+            per = "day" if name.endswith("-day") else "minute"
+            what = "1 request" if unit == "requests" else f"{reserved} tokens (prompt plus max_tokens)"
+            self._refuse(tenant, state, name, wait,
+                         f"Rate limit reached for {unit} per {per}: limit {int(bucket.capacity)}, this request "
+                         f"needs {what}. Please try again in {wait:.1f}s.")  # fmt: skip
+        return state, reserved
 
     def _refuse(self, tenant: str, state: _TenantState, limit: str, wait: float, message: str):
         if self.on_limited is not None:

@@ -84,6 +84,7 @@ class RequestObserver:
         self.start = arrival
         self.first: float | None = None
         self.span = span if span is not None and span.is_recording() else None
+        self.ended = False
         metrics.running.add(1, model)
 
     async def watch(self, pieces: AsyncIterator[tuple[int, Piece]], choices: int) -> AsyncIterator[tuple[int, Piece]]:
@@ -107,7 +108,15 @@ class RequestObserver:
         finally:
             self._end(outcome, [usages[i] for i in sorted(usages)] if outcome == "ok" else [])
 
+    def close(self) -> None:
+        """End the request as cancelled unless its pieces ended it (a stream whose client left
+        before the first piece was read never started ``watch``)."""
+        self._end("cancelled", [])
+
     def _end(self, outcome: str, usages: list[Usage]) -> None:
+        if self.ended:
+            return
+        self.ended = True
         m, model = self.metrics, self.model
         m.running.add(-1, model)
         m.outcomes.add(1, model, outcome)

@@ -102,7 +102,8 @@ class _WholeAnswerParser:
     ``_calls_start(head)`` says which from the answer's start (None: not yet known), ``_read(rest)``
     reads the held answer (None: it was not calls after all, and goes out as text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self.names = frozenset(names)  # the request's tools: an answer calling another is text
         self._buf = ""
         self._mode = ""  # "" undecided, "text", "calls"
         self.calls = 0
@@ -127,7 +128,8 @@ class _WholeAnswerParser:
         if self._mode != "calls":
             return rest, []
         calls = self._read(rest)
-        if not calls or None in calls:
+        # NOTE: a JSON answer that merely looks like calls (a list of people with "name"s) stays text
+        if not calls or None in calls or (self.names and any(c["function"]["name"] not in self.names for c in calls)):
             return rest, []
         self.calls += len(calls)
         return "", calls
@@ -186,8 +188,11 @@ def forced_call_guide(tools: tuple[dict, ...], names: tuple[str, ...], parser: s
     return guide_spec(schema)
 
 
-def make_parser(name: str) -> ToolCallParser | _WholeAnswerParser:
-    return {"hermes": ToolCallParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}[name]()
+def make_parser(name: str, tools: tuple[str, ...] = ()) -> ToolCallParser | _WholeAnswerParser:
+    """``tools``: the request's tool names (a whole-answer format reads only calls of these)."""
+    if name == "hermes":  # NOTE: its tags say a call is meant, whatever it names
+        return ToolCallParser()
+    return {"llama3_json": Llama3JsonParser, "mistral": MistralParser}[name](tools)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

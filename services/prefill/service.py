@@ -156,11 +156,12 @@ class PrefillWorker(EngineWorker):
             if self._aborted(job):  # on_abort acked it and closed its stack
                 return
             self.jobs.pop(rid, None)
-            await job.stack.aclose()
             if not isinstance(exc, ValueError):
                 log.warning("could not take job %s: %r", rid, exc)
             bad = isinstance(exc, ValueError)
             text = f"invalid request: {exc}" if bad else f"prefill could not take the request: {exc!r}"
+            self.end_span(rid, text, **{"llmbus.finish_reason": "error"})  # (before the stack's own end_span)
+            await job.stack.aclose()
             await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids),
                                                         code=INVALID_REQUEST if bad else ""))  # fmt: skip
