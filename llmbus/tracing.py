@@ -4,7 +4,8 @@ Off unless configured, with OpenTelemetry's own variables: ``OTEL_EXPORTER_OTLP_
 (the full URL) or ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` appended) sends spans as OTLP over
 HTTP, JSON-encoded, to any OpenTelemetry collector (or Jaeger, Tempo, ...); ``OTEL_TRACES_EXPORTER``
 ``console`` prints them instead, ``none`` turns tracing off. ``OTEL_EXPORTER_OTLP_HEADERS``
-(``k=v,k2=v2``) adds headers (credentials); ``OTEL_TRACES_SAMPLER`` / ``_ARG`` and ``OTEL_BSP_*``
+(``k=v,k2=v2``) adds headers (credentials); ``OTEL_EXPORTER_OTLP_PROTOCOL`` may be ``http/json``
+or ``http/protobuf`` (JSON is sent either way), not ``grpc``; ``OTEL_TRACES_SAMPLER`` / ``_ARG`` and ``OTEL_BSP_*``
 work as the SDK documents them; ``OTEL_SERVICE_NAME`` overrides ``llmbus-<role>``.
 
 The gateway opens a request's span (continuing the client's W3C ``traceparent`` header when it
@@ -78,6 +79,10 @@ def exporter_from(env) -> SpanExporter | None:
         return None
     if kind not in ("", "otlp"):
         raise TracingConfigError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {kind!r}")
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip()
+    if protocol and not protocol.startswith("http/"):  # NOTE: a collector's HTTP receiver reads JSON too
+        raise TracingConfigError(f"llmbus sends OTLP over HTTP (JSON), not {protocol!r}: unset "
+                                 "OTEL_EXPORTER_OTLP_PROTOCOL and give the collector's HTTP endpoint (port 4318)")
     if not url.startswith(("http://", "https://")):
         raise TracingConfigError(f"the OTLP traces endpoint must be an http(s) URL, got {url!r}")
     return OtlpJsonExporter(url, _headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS")

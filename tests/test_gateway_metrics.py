@@ -39,6 +39,8 @@ def test_request_figures_and_worker_entries(http, worker, tokenizer, gw_nats):
     assert got['llmbus_gateway_requests_running{model="demo"}'] == 0
     assert got['llmbus_gateway_generation_tokens_total{model="demo"}'] == 3 * len(reply)
     assert got['llmbus_gateway_cached_prompt_tokens_total{model="demo"}'] == 16
+    assert got['llmbus_gateway_tenant_tokens_total{tenant="",kind="completion"}'] == 3 * len(reply)  # an open gateway
+    assert got['llmbus_gateway_tenant_tokens_total{tenant="",kind="cached"}'] == 16
     assert got['llmbus_gateway_prompt_tokens_total{model="demo"}'] > 0
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
         count = got[f'llmbus_gateway_{name}_count{{model="demo"}}']

@@ -15,6 +15,7 @@ from services.gateway.tenants import Tenants
 from tests.test_gateway_harness import (  # noqa: F401
     ROOT, GatewayProcess, gw_nats, model_dir, reply_script, scratch, tokenizer, worker,
 )
+from tests.metrics_text import parse
 from tests.test_gateway_stream import CHAT, COMP, MSGS, _ids, _last_request
 
 KEYS = {"sk-alpha-0001": "alpha", "sk-alpha-0002": "alpha", "sk-beta-00001": "beta"}
@@ -57,6 +58,11 @@ def test_each_tenant_salts_its_requests(keyed, worker, tokenizer):
             assert req.tenant == req.cache_salt
             salts[key] = req.cache_salt
     assert salts == {"sk-alpha-0001": "alpha", "sk-alpha-0002": "alpha", "sk-beta-00001": "beta"}
+    got = parse(httpx.get(keyed + "/metrics").text)  # usage by tenant, for billing
+    reply = len(_ids(tokenizer, "ok"))
+    assert got['llmbus_gateway_tenant_tokens_total{tenant="alpha",kind="completion"}'] >= 2 * reply
+    assert got['llmbus_gateway_tenant_tokens_total{tenant="beta",kind="completion"}'] >= reply
+    assert got['llmbus_gateway_tenant_tokens_total{tenant="beta",kind="prompt"}'] > 0
 
 
 def test_a_bad_keys_file_is_a_one_line_error(tmp_path, model_dir):

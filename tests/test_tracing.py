@@ -43,6 +43,9 @@ def test_the_exporter_follows_opentelemetrys_variables():
     assert e.url == "https://t/x" and e.headers["a"] == "1" and e.headers["b c"] == "d=e"
     with pytest.raises(ValueError, match="http"):
         tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": "grpc://c:4317"})
+    with pytest.raises(tracing.TracingConfigError, match="not 'grpc'"):
+        tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
         tracing.exporter_from({"OTEL_TRACES_EXPORTER": "zipkin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"})
 

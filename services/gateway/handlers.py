@@ -165,7 +165,7 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
                 admission.settle(0)
 
     headers = admission.headers if admission is not None else None  # the tenant's x-ratelimit-*
-    observer = gw.metrics.request(model.name, req.n, arrival, span, settle)
+    observer = gw.metrics.request(model.name, req.n, arrival, span, settle, prepared.requests[0].tenant)
     if req.stream:
         return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard, headers)
     async with guard():

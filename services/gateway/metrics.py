@@ -40,6 +40,11 @@ class GatewayMetrics:
                               "From a request's arrival to its first output.", m, LATENCY_BUCKETS)
         self.tpot = Histogram("llmbus_gateway_time_per_output_token_seconds",
                               "Per request: (end - first output) / (output tokens per choice - 1).", m, TOKEN_BUCKETS)
+        self.tenant_tokens = Metric(
+            "llmbus_gateway_tenant_tokens_total",
+            "Tokens of finished requests by tenant (the API key's; \"\" on an open gateway) and kind: prompt, "
+            "cached (prompt tokens read from a prefix cache) or completion; what usage-based billing counts.",
+            "counter", ("tenant", "kind"))
         self.limited = Metric("llmbus_gateway_rate_limited_total",
                               "Requests refused with 429 by a tenant's limit (--tenant-limits): requests or tokens "
                               "per minute, or concurrent.", "counter", ("tenant", "limit"))
@@ -47,17 +52,17 @@ class GatewayMetrics:
                              "From a request's arrival to its last output.", m, E2E_BUCKETS)
 
     def request(self, model: str, n: int, arrival: float, span=None,
-                on_end: Callable[[str, Usage | None], None] | None = None) -> RequestObserver:  # fmt: skip
+                on_end: Callable[[str, Usage | None], None] | None = None, tenant: str = "") -> RequestObserver:  # fmt: skip
         """A request's observer; ``arrival``: when it came in (``time.monotonic()``); ``span``: its
         trace span (``llmbus.tracing``), ended with it; ``on_end(outcome, usage)`` called as it ends
         (usage None unless every choice finished)."""
-        return RequestObserver(self, model, n, arrival, span, on_end)
+        return RequestObserver(self, model, n, arrival, span, on_end, tenant)
 
     def render(self, instances: Iterable[InstanceInfo] = (), services: Iterable[MetricFamily] = ()) -> str:
         """The gateway's own families, the workers' registry gauges, then ``services``: what the
         other services answered, labelled with their instance and role (``bus_client.scrape``)."""
         own = [self.http, self.outcomes, self.running, self.prompt, self.cached, self.generated,
-               self.ttft, self.tpot, self.e2e, self.limited, *_worker_gauges(instances)]
+               self.ttft, self.tpot, self.e2e, self.tenant_tokens, self.limited, *_worker_gauges(instances)]
         return render([*(f.family() for f in own), *services])
 
 
@@ -79,8 +84,8 @@ class RequestObserver:
     """One generation request's figures, from its pieces as they leave (``watch``)."""
 
     def __init__(self, metrics: GatewayMetrics, model: str, n: int, arrival: float, span=None,
-                 on_end: Callable[[str, Usage | None], None] | None = None) -> None:  # fmt: skip
-        self.metrics, self.model, self.n, self.on_end = metrics, model, n, on_end
+                 on_end: Callable[[str, Usage | None], None] | None = None, tenant: str = "") -> None:  # fmt: skip
+        self.metrics, self.model, self.n, self.on_end, self.tenant = metrics, model, n, on_end, tenant
         self.start = arrival
         self.first: float | None = None
         self.span = span if span is not None and span.is_recording() else None
@@ -131,6 +136,9 @@ class RequestObserver:
         m.prompt.add(usage.prompt_tokens, model)
         m.cached.add(usage.cached_tokens, model)
         m.generated.add(usage.completion_tokens, model)
+        for kind, n in (("prompt", usage.prompt_tokens), ("cached", usage.cached_tokens),
+                        ("completion", usage.completion_tokens)):  # fmt: skip
+            m.tenant_tokens.add(n, self.tenant, kind)
         m.e2e.observe(end - self.start, model)
         if self.first is not None:
             m.ttft.observe(self.first - self.start, model)
