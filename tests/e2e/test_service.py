@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -23,9 +24,10 @@ from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.guide.grammar import compile_guide, guide_spec
 from tests.e2e.stack import Stack
-from tests.metrics_text import parse, total
+from tests.metrics_text import labels_of, parse, total
 
 MODEL = "demo"
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -317,6 +319,30 @@ def test_top_shows_every_service_and_the_decoders_speed(stack, client):
     (decode,) = [row for row in rows.values() if row[0] == "decode"]
     assert float(decode[7]) > 0 and float(decode[9]) > 0  # tokens a second, and the mean step
     assert "(no answer)" not in r.stdout
+
+
+def test_the_compose_dashboard_reads_only_what_the_services_export(stack, client):
+    """Every metric, and every label, a panel of compose/grafana/dashboards/llmbus.json queries is
+    one the running services export on the gateway's /metrics."""
+    client.completions.create(model=MODEL, prompt="Count to three", max_tokens=4, temperature=0)
+    text = httpx.get(stack.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+    labels: dict[str, set[str]] = {}
+    for key in parse(text):
+        name = re.sub(r"_(bucket|sum|count)$", "", key.split("{")[0]) if key.split("{")[0] not in families else key.split("{")[0]
+        labels.setdefault(name, set()).update(labels_of(key))
+    dashboard = json.loads((ROOT / "compose" / "grafana" / "dashboards" / "llmbus.json").read_text())
+    targets = [t for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(targets) >= 15
+    for t in targets:
+        names = {re.sub(r"_(bucket|sum|count)$", "", n) if n not in families else n
+                 for n in re.findall(r"llmbus_[a-z0-9_]+", t["expr"])}
+        assert names <= families, f"{t['expr']}: {names - families} not exported"
+        used = set(re.findall(r"\{\{(\w+)\}\}", t["legendFormat"]))
+        used |= {x.strip() for group in re.findall(r"by \(([^)]*)\)", t["expr"]) for x in group.split(",")} - {"le"}
+        have = set().union(*(labels.get(n, set()) for n in names))
+        if have:  # (a family with no sample yet, as the refusals', shows no labels to check)
+            assert used <= have, f"{t['expr']}: labels {used - have} not on {names}"
 
 
 def test_32_concurrent_streams_complete_in_order(stack, reference):
