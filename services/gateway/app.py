@@ -16,6 +16,7 @@ from starlette.routing import Route
 from services.gateway.errors import APIError, invalid
 from services.gateway.handlers import Gateway, serve
 from services.gateway.openai_request import parse_chat, parse_completion
+from services.gateway.responses import parse_responses
 
 log = logging.getLogger("llmbus.gateway")
 
@@ -46,6 +47,13 @@ def build_app(gw: Gateway) -> Starlette:
             body = await read_json(request, gw.config.max_body_bytes)
             return answer(await serve(gw, request, parse_chat(body, gw.config.max_stop_strings), tenant))
 
+    async def responses(request: Request):
+        async with counted("responses") as answer:
+            tenant = gw.tenant(request)
+            body = await read_json(request, gw.config.max_body_bytes)
+            req, echo = parse_responses(body, gw.config.max_stop_strings)
+            return answer(await serve(gw, request, req, tenant, responses=echo))
+
     @contextlib.asynccontextmanager
     async def counted(endpoint: str):
         """Counts the endpoint's answer by status: the response's, an APIError's, or 500."""
@@ -75,6 +83,7 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/v1/models/{model:path}", model, methods=["GET"]),  # names may hold "/" (org/name)
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     return Starlette(routes=routes, exception_handlers=handlers)

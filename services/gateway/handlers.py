@@ -27,6 +27,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
+from services.gateway.responses import ResponseShapes, events
 from services.gateway.shapes import Shapes, TokenLogprob, Usage
 from services.gateway.sse import SSEResponse, chunks
 from services.gateway.tenants import Tenants
@@ -61,9 +62,11 @@ class Gateway:
         return "" if self.tenants is None else self.tenants.tenant(http.headers.get("authorization"))
 
 
-async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""):
+async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = "", responses: dict | None = None):
     """``tenant`` salts the prefix caches: tenants never share cached blocks. With tracing on the
-    request's span starts here (continuing the client's ``traceparent``) and ends with its answer."""
+    request's span starts here (continuing the client's ``traceparent``) and ends with its answer.
+    ``responses``: the request came to /v1/responses (what its response echoes back): the answer
+    is a ``response`` object or Responses events (``services.gateway.responses``)."""
     arrival = time.monotonic()
     operation = "chat" if req.kind == "chat" else "text_completion"
     span = tracing.start(f"{operation} {req.model}", http.headers.get("traceparent", ""), root=True,
@@ -71,7 +74,7 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
                              "gen_ai.operation.name": operation, "gen_ai.request.model": req.model,
                              "llmbus.n": req.n, "llmbus.stream": req.stream})  # fmt: skip
     try:
-        return await _serve(gw, http, req, tenant, arrival, span)
+        return await _serve(gw, http, req, tenant, arrival, span, responses)
     except BaseException as exc:  # refused, or failed, before its pieces ended the span
         if span.is_recording():
             tracing.fail(span, exc.message if isinstance(exc, APIError) else repr(exc))
@@ -81,7 +84,8 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
         raise
 
 
-async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, arrival: float, span):
+async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, arrival: float, span,
+                 responses: dict | None):
     model = gw.models.get(req.model)
     if req.tools and gw.config.tool_parser is None:
         raise APIError(400, "This server reads no tool calls: start the gateway with --tool-parser (e.g. hermes) "
@@ -102,7 +106,7 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
                for r in prepared.requests]  # fmt: skip
         admission = gw.limiter.admit(tenant, sum(len(r.prompt_token_ids) for r in prepared.requests), sum(new) * req.n)
     try:
-        return await _answer(gw, http, req, model, prepared, span, arrival, admission)
+        return await _answer(gw, http, req, model, prepared, span, arrival, admission, responses)
     except BaseException:
         if admission is not None:  # failed before its answer began: nothing served, nothing charged
             admission.settle(0)
@@ -110,7 +114,7 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
 
 
 async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepared, span, arrival: float,
-                  admission: Admission | None):
+                  admission: Admission | None, responses: dict | None):
     bus = gw.bus
     tok = model.tokenizer
     requests = choice_requests(prepared.requests, req.n)
@@ -166,12 +170,16 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
 
     headers = admission.headers if admission is not None else None  # the tenant's x-ratelimit-*
     observer = gw.metrics.request(model.name, req.n, arrival, span, settle, prepared.requests[0].tenant)
+    answer = ResponseShapes(model.name, responses, prepared.created) if responses is not None else None
     if req.stream:
-        return SSEResponse(chunks(pieces, len(gens), shapes, req.include_usage, req.n), guard, headers)
+        body = events(pieces, answer) if answer else chunks(pieces, len(gens), shapes, req.include_usage, req.n)
+        return SSEResponse(body, guard, headers)
     async with guard():
         body = await _until_disconnect(http, _collect(pieces, gens, shapes, req.n))
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
+    if answer is not None:
+        body = answer.from_chat(body)
     return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
 

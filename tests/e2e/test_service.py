@@ -345,6 +345,54 @@ def test_the_compose_dashboard_reads_only_what_the_services_export(stack, client
             assert used <= have, f"{t['expr']}: labels {used - have} not on {names}"
 
 
+def test_the_responses_api_answers_as_chat_does(client):
+    """``client.responses.create`` (OpenAI's newer API) through the real gateway: the same greedy
+    text as chat for the same messages, usage and an incomplete status at max_output_tokens, and
+    the streamed events in OpenAI's order."""
+    ask = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Count to three"}], max_tokens=6, **ask)
+    out = client.responses.create(instructions="Be brief.", input="Count to three", max_output_tokens=6, **ask)
+    assert out.output_text == chat.choices[0].message.content
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens, 6)
+    assert out.id.startswith("resp_") and out.output[0].role == "assistant"
+    again = client.responses.create(input=[{"role": "developer", "content": "Be brief."},
+                                           {"role": "user", "content": [{"type": "input_text", "text": "Count to three"}]}],
+                                    max_output_tokens=6, **ask)
+    assert again.output_text == out.output_text  # developer is system; parts are text
+
+    types, deltas, final = [], [], None
+    for event in client.responses.create(instructions="Be brief.", input="Count to three", max_output_tokens=6,
+                                         stream=True, **ask):
+        types.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        final = event
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert "".join(deltas) == out.output_text == final.response.output_text
+    assert final.response.usage.output_tokens == 6
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        verdict: bool
+        reason: str = Field(max_length=20)
+
+    parsed = client.responses.parse(model=MODEL, input="Is it sunny?", max_output_tokens=200, temperature=1.0,
+                                    extra_body={"seed": 2},
+                                    text_format=Verdict)  # text.format: a strict json_schema, guided
+    assert isinstance(parsed.output_parsed, Verdict), parsed.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_123")
+    assert e.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=0)
+    assert e.value.param == "max_output_tokens"
+
+
 def test_32_concurrent_streams_complete_in_order(stack, reference):
     prompts = [f"Request number {i}: tell me about item {i * 7}" for i in range(32)]
     refs = reference.generate(prompts, greedy(24))
