@@ -223,7 +223,8 @@ def test_a_tenant_over_its_limits_gets_openai_429s_and_others_do_not(limited, wo
     got = parse(httpx.get(limited + "/metrics").text)
     assert got['llmbus_gateway_rate_limited_total{tenant="small",limit="concurrent"}'] == 1
     assert got['llmbus_gateway_rate_limited_total{tenant="small",limit="requests"}'] == 2
-    assert not any('tenant="other"' in k for k in got)
+    assert not any(k.startswith("llmbus_gateway_rate_limited_total") and 'tenant="other"' in k for k in got)
+    assert got['llmbus_gateway_tenant_tokens_total{tenant="other",kind="completion"}'] > 0
 
 
 def test_a_finished_request_is_charged_its_usage_and_a_client_that_leaves_frees_its_place(limited, worker, tokenizer):
