@@ -293,13 +293,17 @@ def test_metrics_show_the_requests_and_every_service(stack, client):
 def test_top_shows_every_service_and_the_decoders_speed(stack, client):
     """``llmbus top --once`` reads the registry and each service's metrics over the bus, while a
     stream is being generated."""
-    first = threading.Event()
+    first, done = threading.Event(), threading.Event()
 
-    def generate():
-        stream = client.completions.create(model=MODEL, prompt="Count on", max_tokens=400, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        for _ in stream:
-            first.set()
+    def generate():  # streams one after another until top is done, so decode is busy while it samples
+        while not done.is_set():
+            stream = client.completions.create(model=MODEL, prompt="Count on", max_tokens=400, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            for _ in stream:
+                first.set()
+                if done.is_set():
+                    stream.close()  # the client leaves: its request is aborted
+                    break
 
     t = threading.Thread(target=generate)
     t.start()
@@ -308,6 +312,7 @@ def test_top_shows_every_service_and_the_decoders_speed(stack, client):
         r = subprocess.run([sys.executable, "-m", "llmbus.cli", "top", "--once", "--interval", "1",
                             "--nats-url", stack.nats_url], capture_output=True, text=True, timeout=60)
     finally:
+        done.set()
         t.join()
     assert r.returncode == 0, r.stderr
     header, *lines = r.stdout.splitlines()
