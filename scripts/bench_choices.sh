@@ -23,8 +23,7 @@ llmbus() {  # name tree model: `llmbus up` from that tree
     return $ok
 }
 for size in ${SIZES:-small large}; do
-    model=bench-results/models/$size-sp
-    [ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece --out "$model" > /dev/null
+    demo_model "$size"
     if [ "$size" = small ]; then np=32; burst=(--groups 4 --prompts-per-group 16 --max-concurrency 64)
     else np=8; burst=(--groups 2 --prompts-per-group 8 --max-concurrency 16); fi
     choices=(--dataset random --num-prompts $np --input-len 256 --output-len 64 --ignore-eos --temperature 0.8 --warmup 2

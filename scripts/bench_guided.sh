@@ -31,8 +31,7 @@ runs() {  # port server guided-body
 }
 schema=$(echo "$SCHEMA" | "$PY" -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))')
 for size in ${SIZES:-large}; do
-    model=bench-results/models/$size-sp
-    [ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece --out "$model" > /dev/null
+    demo_model "$size"
     for server in ${SERVERS:-llmbus llamacpp}; do
         if [ "$server" = llmbus ]; then
             rm -rf "$OUT/data-$size"

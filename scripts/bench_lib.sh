@@ -1,6 +1,7 @@
 # Helpers the service benchmarks share (sourced): start a server and wait until it serves, stop it,
 # run `llmbus bench serve` against it. The sourcing script runs from the repository root and sets
-# OUT (reports and logs), and, for `bench`, size (served model name) and model (its directory).
+# OUT (reports and logs), and, for `bench`, size (served model name) and model (its directory), as
+# `demo_model SIZE` does.
 ROOT=$PWD
 PY=$ROOT/.venv/bin/python
 GGUF_DIR=${GGUF_DIR:-bench-results/models}
@@ -21,6 +22,10 @@ start() {  # name port command...: waits until it serves (llmbus: until every se
 }
 stop() { [ -n "$SP" ] && { kill $SP 2>/dev/null; wait $SP 2>/dev/null; SP=""; sleep 2; }; }
 trap stop EXIT
+demo_model() {  # size: sets size and model (its SentencePiece demo model, made if missing)
+    size=$1; model=bench-results/models/$size-sp
+    [ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece --out "$model" > /dev/null
+}
 bench() {  # port label out args...
     local port=$1 label=$2 out=$3; shift 3
     "$PY" -m llmbus.cli bench serve --base-url "http://127.0.0.1:$port" --model "$size" --tokenizer "$model" \

@@ -10,8 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-bench-results/tenants}")
 source scripts/bench_lib.sh
-size=small; model=bench-results/models/$size-sp
-[ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece --out "$model" > /dev/null
+demo_model small
 echo '{"sk-noisy-000001": "noisy", "sk-quiet-000001": "quiet"}' > "$OUT/keys.json"
 echo "{\"tenants\": {\"noisy\": {\"max_concurrent_requests\": ${NOISY_CONCURRENT:-4}}}}" > "$OUT/limits.json"
 for round in $(seq 1 "${ROUNDS:-2}"); do

@@ -8,8 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-bench-results/tracing}")
 source scripts/bench_lib.sh
-size=small; model=bench-results/models/$size-sp
-[ -f "$model/tokenizer.model" ] || "$PY" -m llmbus.cli demo-model --size "$size" --tokenizer sentencepiece --out "$model" > /dev/null
+demo_model small
 "$PY" - > "$OUT/sink.log" 2>&1 <<PY &
 import sys, time
 sys.path.insert(0, "$ROOT")
