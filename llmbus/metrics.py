@@ -6,8 +6,9 @@ Written by hand (no client library): a few families per service, updated on hot 
 observation is a bisection and two additions), read whole at a scrape.
 
 NOTE: thread safety. An engine thread observes while the asyncio thread reads; a read copies each
-series, so at worst it sees an observation half-recorded (its count without its sum): fine for a
-scrape, and no lock sits in the engine's step.
+series, so at worst it sees an observation half-recorded (its bucket without its sum; a histogram's
+count is its buckets' total, so +Inf never reads below a finite bucket): fine for a scrape, and no
+lock sits in the engine's step.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmbus.bus import subjects
-from llmbus.bus.connection import connect, default_nats_url
+from llmbus.bus.connection import connect, default_nats_url, redact
 from llmbus.bus.metrics import ask_all
 from llmbus.bus.streams import read_registry
 from llmbus.protocol import InstanceInfo, MetricsReply
@@ -54,7 +54,7 @@ async def _main(url: str, interval: float, once: bool, out: Callable[[str], None
             if once:
                 out(text)
                 return 0
-            out("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S") + f"  llmbus top ({url.split('@')[-1]})\n" + text)
+            out("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S") + f"  llmbus top ({redact(url)})\n" + text)
             sys.stdout.flush()
             before = after
     finally:
@@ -65,19 +65,16 @@ async def _main(url: str, interval: float, once: bool, out: Callable[[str], None
 class Sample:
     at: float
     instances: list[InstanceInfo]
-    values: dict[str, dict[str, float]]  # instance id -> "name" or "name{k=v,...}" -> value (histograms: _sum/_count)
-    answered: set[str]
+    # the instances that answered: id -> "name" or "name{k=v}" -> value (histograms: _sum/_count)
+    values: dict[str, dict[str, float]]
 
 
 async def sample(nc, kv) -> Sample:
     instances = await read_registry(kv)
-    replies = await ask_all(nc, [i for i in instances if i.role != "gateway"])
-    values, answered = {}, set()
-    for info, reply in zip([i for i in instances if i.role != "gateway"], replies):
-        if reply is not None:
-            answered.add(info.instance_id)
-            values[info.instance_id] = flatten(reply)
-    return Sample(time.monotonic(), instances, values, answered)
+    others = [i for i in instances if i.role != "gateway"]
+    replies = await ask_all(nc, others)
+    values = {info.instance_id: flatten(reply) for info, reply in zip(others, replies) if reply is not None}
+    return Sample(time.monotonic(), instances, values)
 
 
 def flatten(reply: MetricsReply) -> dict[str, float]:
@@ -108,7 +105,7 @@ def table(before: Sample, after: Sample) -> list[tuple[str, ...]]:
 
         cells = dict.fromkeys(COLUMNS, "")
         cells.update(ROLE=info.role, INSTANCE=info.instance_id, MODEL=",".join(info.models) or "-")
-        if info.role != "gateway" and info.instance_id not in after.answered:
+        if info.role != "gateway" and info.instance_id not in after.values:
             cells["MODEL"] = "(no answer)"
         elif info.role in ("prefill", "decode"):
             total = now.get("llmbus_engine_kv_blocks", 0.0)

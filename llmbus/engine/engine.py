@@ -352,12 +352,13 @@ class Engine:
                 self.scheduler.abort(request_id)
                 reason = "handoff"
             results.append(self._output(seq, [token], [lp] if lp is not None else None, reason))
-            stats.sampled(1, len(seq.output_token_ids) == 1, seq.num_prompt_tokens, seq.num_cached_tokens)
+            if len(seq.output_token_ids) == 1:
+                stats.first_token(seq.num_prompt_tokens, seq.num_cached_tokens)
             if reason is not None:
                 self._seqs.pop(request_id, None)
                 self._prefill_only.discard(request_id)
                 stats.ended(reason)
-        stats.step(time.perf_counter() - start, chunks, len(out.preempted))
+        stats.step(time.perf_counter() - start, chunks, len(out.preempted), len(sampled))
         return results
 
     @staticmethod

@@ -40,9 +40,11 @@ class EngineStats:
             "Requests that left the engine, by reason: stop, length, abort, or handoff (a prefill passed to decode).",
             "counter", ("reason",))
 
-    def step(self, seconds: float, chunks: list[int], preempted: int) -> None:
-        """One step that computed ``chunks`` (tokens per scheduled sequence)."""
+    def step(self, seconds: float, chunks: list[int], preempted: int, sampled: int) -> None:
+        """One step that computed ``chunks`` (tokens per scheduled sequence) and sampled ``sampled``
+        tokens."""
         prefill = sum(n for n in chunks if n > 1)
+        self.generation_tokens.add(sampled)
         self.step_seconds.observe(seconds, "prefill" if prefill else "decode")
         self.step_tokens.observe(sum(chunks))
         self.step_sequences.observe(len(chunks))
@@ -51,12 +53,10 @@ class EngineStats:
         if preempted:
             self.preemptions.add(preempted)
 
-    def sampled(self, tokens: int, first: bool, prompt: int, cached: int) -> None:
-        """A sequence sampled ``tokens``; ``first``: its first output (its prompt's figures count)."""
-        self.generation_tokens.add(tokens)
-        if first:
-            self.prompt_tokens.add(prompt)
-            self.cached_tokens.add(cached)
+    def first_token(self, prompt: int, cached: int) -> None:
+        """A sequence sampled its first output: its prompt's figures count here."""
+        self.prompt_tokens.add(prompt)
+        self.cached_tokens.add(cached)
 
     def ended(self, reason: str) -> None:
         self.finished.add(1, reason)

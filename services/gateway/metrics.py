@@ -2,7 +2,7 @@
 text format (0.0.4), for any Prometheus-compatible scraper.
 
 Built with ``llmbus.metrics``, rendered on each scrape, after which come the families every other
-service answers over the bus (``bus_client.GatewayBus.scrape``). Per model: requests by outcome, requests running, prompt,
+service answers over the bus (``llmbus.bus.metrics.scrape``). Per model: requests by outcome, requests running, prompt,
 cached and generated tokens, and time to first token, time per output token and end-to-end
 latency as seen by the gateway (from a request's arrival to its pieces leaving). Per worker, from
 the registry as read at the scrape: queued requests, free and total KV blocks.
@@ -47,7 +47,7 @@ class GatewayMetrics:
             "counter", ("tenant", "kind"))
         self.limited = Metric("llmbus_gateway_rate_limited_total",
                               "Requests refused with 429 by a tenant's limit (--tenant-limits): requests or tokens "
-                              "per minute, or concurrent.", "counter", ("tenant", "limit"))
+                              "per minute or per day, or requests in flight.", "counter", ("tenant", "limit"))
         self.e2e = Histogram("llmbus_gateway_e2e_request_latency_seconds",
                              "From a request's arrival to its last output.", m, E2E_BUCKETS)
 
@@ -60,7 +60,7 @@ class GatewayMetrics:
 
     def render(self, instances: Iterable[InstanceInfo] = (), services: Iterable[MetricFamily] = ()) -> str:
         """The gateway's own families, the workers' registry gauges, then ``services``: what the
-        other services answered, labelled with their instance and role (``bus_client.scrape``)."""
+        other services answered, labelled with their instance and role (``llmbus.bus.metrics.scrape``)."""
         own = [self.http, self.outcomes, self.running, self.prompt, self.cached, self.generated,
                self.ttft, self.tpot, self.e2e, self.tenant_tokens, self.limited, *_worker_gauges(instances)]
         return render([*(f.family() for f in own), *services])

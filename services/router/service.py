@@ -40,8 +40,6 @@ class Router:
         self.policy = policy
         self.fetch_batch = fetch_batch
         self.instances: list[InstanceInfo] = []
-        self.routed = 0
-        self.failed = 0
         self.requests = Metric("llmbus_router_requests_total",
                                "Requests the router settled, by the model and lane it chose and outcome: routed "
                                "(forwarded to prefill) or failed (the client was told why). A failed one's lane is "
@@ -51,6 +49,17 @@ class Router:
         # request ids whose fate was sent (forwarded or failed): a message that comes back because
         # its ack failed is acked quietly, not routed (or failed) a second time
         self._settled = RecentIds(SETTLED_IDS)
+
+    @property
+    def routed(self) -> int:
+        return self._settled_as("routed")
+
+    @property
+    def failed(self) -> int:
+        return self._settled_as("failed")
+
+    def _settled_as(self, outcome: str) -> int:
+        return int(sum(v for (_, _, o), v in self.requests.values.items() if o == outcome))
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
@@ -118,13 +127,11 @@ class Router:
             else:
                 await _settle(msg.nak(delay=1.0))
             return
-        self.routed += 1
         self.requests.add(1, route.model, route.lane, "routed")
         self._settled.add(req.request_id)
         await _settle(msg.ack())
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
-        self.failed += 1
         self.requests.add(1, req.model, "none", "failed")
         self._settled.add(req.request_id)
         event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
@@ -142,7 +149,6 @@ class Router:
             event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id)
         except Exception:
             return
-        self.failed += 1
         self.requests.add(1, "unknown", "none", "failed")  # (a name nothing checked: not a label)
         await self.tokens.publish(subject, event)
 
