@@ -67,6 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="gateway: read tool calls in chat output (hermes: <tool_call>{json}</tool_call>; "
                         "llama3_json: the answer is {\"name\", \"parameters\"}; mistral: [TOOL_CALLS] [{...}])")
     p.add_argument("--worker-arg", action="append", default=[], help="extra option passed to every prefill/decode worker")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra router option, e.g. --router-arg=--no-kv-routing (see python -m services.router -h)")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.set_defaults(func=run)
 
@@ -141,7 +143,8 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
                               "--capacity-blocks", str(args.kvpool_blocks), "--kv-layout", _kv_layout(models, args),
                               "--kv-format", args.kv_format, "--cpu-bytes", str(256 << 20),
                               *(["--data-dir", str(data_dir)] if data_dir else []), *args.kvpool_arg]),
-        Child("router", py + ["services.router", *common, "--models", names, "--long-threshold", str(args.long_threshold)]),
+        Child("router", py + ["services.router", *common, "--models", names, "--long-threshold", str(args.long_threshold),
+                              *args.router_arg]),
     ]
     for name, path in models:
         spec = f"{name}={path}"

@@ -86,7 +86,7 @@ async def _final_event(nc, rid: str) -> tuple[list[TokenEvent], asyncio.Event]:
 
 
 @contextlib.asynccontextmanager
-async def serving(nats_server: str, role: str, model: str, make):
+async def serving(nats_server: str, role: str, model: str, make, instance_id: str = ""):
     """The worker ``make(ctx)`` builds, run as a ``role`` service until the block ends; yields it."""
     holder: dict = {}
 
@@ -94,7 +94,8 @@ async def serving(nats_server: str, role: str, model: str, make):
         holder["worker"] = make(ctx)
         await holder["worker"].run()
 
-    task = asyncio.create_task(run_service(ServiceOptions(role, nats_server, models=(model,)), service))
+    options = ServiceOptions(role, nats_server, instance_id=instance_id, models=(model,))
+    task = asyncio.create_task(run_service(options, service))
     while "worker" not in holder or not holder["worker"].ctx.is_ready:
         assert not task.done(), task.result()
         await asyncio.sleep(0.01)

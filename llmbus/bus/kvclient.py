@@ -32,10 +32,8 @@ from llmbus.protocol import (
     encode,
 )
 from llmbus.protocol.messages import (
-    BlockStoredEvent,
     FetchReply,
     FetchRequest,
-    KVEvents,
     LookupReply,
     LookupRequest,
     StoreReply,
@@ -110,13 +108,6 @@ class KVPoolClient:
         req = StoreRequest(lease.lease_id, list(block_hashes), parent_hash, lease_index, kv_format, self.owner,
                            block_bytes)  # fmt: skip
         return await self._call("store", req, StoreReply)
-
-    async def publish_stored(self, block_hashes: list[bytes], *, parent_hash: bytes | None = None,
-                             token_count: int = 0) -> None:  # fmt: skip
-        """Tell kvpool's index these blocks are now in this worker's tier 0 (fire and forget)."""
-        if block_hashes:
-            ev = BlockStoredEvent(list(block_hashes), parent_hash, token_count, "t0", self.owner)
-            await self.nc.publish(subjects.KVPOOL_EVENTS, encode(KVEvents(self.owner, [ev])))
 
     async def write_blocks(self, lease: Lease, index: int, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` (a whole number of blocks) into the lease starting at lease block ``index``."""

@@ -75,6 +75,7 @@ class ServiceContext:
         self._free_blocks = 0
         self._queue_depth = 0
         self._total_blocks = 0
+        self._prefix: tuple[str, str, int] = ("", "", 0)
         self._metric_sources: list[Callable[[], Iterable[MetricFamily]]] = []
 
     def add_metrics(self, source: Callable[[], Iterable[MetricFamily]]) -> None:
@@ -92,8 +93,11 @@ class ServiceContext:
         return MetricsReply(self.instance_id, self.role, families)
 
     def report(self, *, free_blocks: int | None = None, queue_depth: int | None = None, models: list[str] | None = None,
-               total_blocks: int | None = None) -> None:  # fmt: skip
-        """Figures for the next registry heartbeat."""
+               total_blocks: int | None = None, prefix: tuple[str, str, int] | None = None) -> None:  # fmt: skip
+        """Figures for the next registry heartbeat. ``prefix``: (prefix_model, kv_format, block_size)
+        of a worker's prefix cache (InstanceInfo says what they mean)."""
+        if prefix is not None:
+            self._prefix = prefix
         if total_blocks is not None:
             self._total_blocks = total_blocks
         if free_blocks is not None:
@@ -105,7 +109,8 @@ class ServiceContext:
 
     def info(self) -> InstanceInfo:
         return InstanceInfo(self.instance_id, self.role, self._models, self._free_blocks, self._queue_depth,
-                            socket.gethostname(), time.time(), os.getpid(), self._total_blocks)  # fmt: skip
+                            socket.gethostname(), time.time(), os.getpid(), self._total_blocks,
+                            block_size=self._prefix[2], kv_format=self._prefix[1], prefix_model=self._prefix[0])  # fmt: skip
 
     @property
     def registry_key(self) -> str:

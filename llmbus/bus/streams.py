@@ -58,6 +58,7 @@ def stream_configs(limits: StreamLimits) -> list[api.StreamConfig]:
 
     out = [work_queue(subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS)]
     out += [work_queue(subjects.PREFILL_STREAMS[lane], subjects.prefill_subjects(lane)) for lane in LANES]
+    out.append(work_queue(subjects.DIRECT_STREAM, subjects.DIRECT_SUBJECTS))
     out.append(work_queue(subjects.DECODE_STREAM, subjects.DECODE_SUBJECTS))
     return out
 
@@ -84,22 +85,26 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = Non
 async def ensure_prefill_consumer(js: JetStreamContext, lane: str, model: str, limits: StreamLimits | None = None) -> str:
     """The durable consumer prefill replicas of ``model`` share on ``lane``; returns its name."""
     limits = limits or StreamLimits()
-    name = subjects.prefill_consumer(lane, model)
-    await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], name, subjects.prefill_subject(lane, model),
-                           limits, limits.prefill_max_ack_pending)  # fmt: skip
-    return name
+    return await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], subjects.prefill_consumer(lane, model),
+                                  subjects.prefill_subject(lane, model), limits, limits.prefill_max_ack_pending)  # fmt: skip
+
+
+async def ensure_direct_consumer(js: JetStreamContext, instance_id: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer of prefill worker ``instance_id``'s direct subject; returns its name."""
+    limits = limits or StreamLimits()
+    return await _ensure_consumer(js, subjects.DIRECT_STREAM, subjects.direct_consumer(instance_id),
+                                  subjects.direct_subject(instance_id), limits, limits.prefill_max_ack_pending)  # fmt: skip
 
 
 async def ensure_decode_consumer(js: JetStreamContext, model: str, limits: StreamLimits | None = None) -> str:
     """The durable consumer decode replicas of ``model`` share; returns its name."""
     limits = limits or StreamLimits()
-    name = subjects.decode_consumer(model)
-    await _ensure_consumer(js, subjects.DECODE_STREAM, name, subjects.decode_subject(model),
-                           limits, limits.decode_max_ack_pending)  # fmt: skip
-    return name
+    return await _ensure_consumer(js, subjects.DECODE_STREAM, subjects.decode_consumer(model),
+                                  subjects.decode_subject(model), limits, limits.decode_max_ack_pending)  # fmt: skip
 
 
-async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limits: StreamLimits, max_ack_pending: int):
+async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limits: StreamLimits,
+                           max_ack_pending: int) -> str:
     # NOTE: CONSUMER.CREATE without an action is create-or-update, so this is idempotent. A work-queue
     # stream refuses a second consumer whose filter overlaps (10100): one durable per subject, shared.
     config = api.ConsumerConfig(
@@ -113,6 +118,7 @@ async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limi
         max_ack_pending=max_ack_pending,
     )
     await js.add_consumer(stream, config)
+    return name
 
 
 async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = None) -> KeyValue:

@@ -4,6 +4,7 @@
 |---|---|---|
 | requests (gateway -> router) | JetStream work queue `LLMBUS_REQUESTS` | `llmbus.req.<model>` |
 | prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
+| prefill work for one worker (its cached prefix) | JetStream work queue `LLMBUS_PREFILL_DIRECT` | `llmbus.prefill.direct.<instance_id>` |
 | handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
 | tokens (worker -> gateway) | core NATS | `llmbus.tok.<request_id>` |
 | token batches (worker -> one gateway) | core NATS | `llmbus.toks.<instance_id>` |
@@ -30,6 +31,8 @@ REQUESTS_SUBJECTS = f"{PREFIX}.req.>"
 ROUTER_CONSUMER = "router"
 
 PREFILL_STREAMS = {"short": "LLMBUS_PREFILL_SHORT", "long": "LLMBUS_PREFILL_LONG"}
+DIRECT_STREAM = "LLMBUS_PREFILL_DIRECT"
+DIRECT_SUBJECTS = f"{PREFIX}.prefill.direct.>"
 DECODE_STREAM = "LLMBUS_DECODE"
 DECODE_SUBJECTS = f"{PREFIX}.decode.>"
 
@@ -96,6 +99,18 @@ def prefill_subject(lane: str, model: str) -> str:
 def prefill_consumer(lane: str, model: str) -> str:
     """Durable pull consumer shared by every prefill replica of ``model`` on ``lane``."""
     return f"prefill_{_lane(lane)}_{model_token(model)}"
+
+
+def direct_subject(instance_id: str) -> str:
+    """Where the router sends a request to one prefill worker, the one whose cache holds most of
+    its prompt (JetStream, Nats-Msg-Id = request_id)."""
+    return f"{PREFIX}.prefill.direct.{check_id('instance_id', instance_id)}"
+
+
+def direct_consumer(instance_id: str) -> str:
+    """Durable pull consumer of one prefill worker's direct subject (the worker makes it; the
+    router moves what is left in it back to the lanes when the worker goes away, then deletes it)."""
+    return f"prefill_direct_{check_id('instance_id', instance_id)}"
 
 
 def decode_subject(model: str) -> str:

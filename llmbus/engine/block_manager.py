@@ -60,6 +60,10 @@ class BlockManager:
         # Set to a callable(seq) to hear of every ``free`` (finish, abort, preemption, handoff):
         # state kept per sequence beside its blocks goes with them.
         self.on_free = None
+        # Set to [] to record every hash the cache indexes ``(True, hash, parent)`` and forgets
+        # ``(False, hash, None)``, in order, for whoever drains it (a worker's KV events: which
+        # prefixes this cache holds). At most 4 entries per block: the oldest go first.
+        self.changes: list[tuple[bool, bytes, bytes | None]] | None = None
 
     # --- counters -----------------------------------------------------------------------------
 
@@ -215,9 +219,16 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
+    def _note(self, added: bool, h: bytes, parent: bytes | None) -> None:
+        if self.changes is not None:
+            self.changes.append((added, h, parent))
+            if len(self.changes) > 4 * self.num_blocks:
+                del self.changes[: len(self.changes) - 4 * self.num_blocks]
+
     def _evict(self, block: int) -> None:
         h = self._hash_of.pop(block)
         del self._index[h]
+        self._note(False, h, None)
         parent = self._parent_of.pop(block, None)
         if parent is not None and self.on_evict is not None:
             self.on_evict(block, h, parent)
@@ -251,6 +262,7 @@ class BlockManager:
             return []
         keep = {self._index[h] for h in protect if h in self._index}
         taken: list[int] = []
+        parent = protect[-1] if protect else None
         for h in hashes:
             if h in self._index:
                 break  # already here: the chain continues from this cache's own copy
@@ -261,6 +273,8 @@ class BlockManager:
             keep.add(block)
             self._index[h] = block
             self._hash_of[block] = h
+            self._note(True, h, parent)
+            parent = h
         # NOTE: the chain's first blocks go in last (most recently used): evicted after its tail.
         for block in reversed(taken):
             self._ref[block] = 0
@@ -302,6 +316,7 @@ class BlockManager:
                 self._index[parent] = block
                 self._hash_of[block] = parent
                 self._parent_of[block] = prev
+                self._note(True, parent, prev)
 
     def free(self, seq: Sequence) -> None:
         """Release the seq's blocks, last block first; idempotent. Clears its table and hashes."""

@@ -511,6 +511,22 @@ class Engine:
 
         self.block_manager.on_evict = save
 
+    def track_cache_changes(self) -> None:
+        """From now on, record what the prefix cache indexes and forgets (``BlockManager.changes``)
+        for ``take_cache_changes`` to drain: a worker announces its cache to kvpool's index."""
+        self.block_manager.changes = []
+
+    def take_cache_changes(self) -> list[tuple[bool, bytes, bytes | None]]:
+        bm = self.block_manager
+        out = bm.changes or []
+        if bm.changes is not None:
+            bm.changes = []
+        return out
+
+    @property
+    def num_cache_changes(self) -> int:
+        return len(self.block_manager.changes or ())
+
     @property
     def num_evicted(self) -> int:
         return len(self._evicted)

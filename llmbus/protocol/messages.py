@@ -429,6 +429,11 @@ class InstanceInfo:
     updated_at: float = 0.0  # unix seconds
     pid: int = 0
     total_blocks: int = 0  # size of the worker's KV pool; free_blocks == total_blocks when nothing is held
+    # a prefill worker's prefix-cache identity, for routing by cached prefix: its block hashes are
+    # ``chain_hashes(root_hash(prefix_model, kv_format, salt), tokens, block_size)``; 0: no prefix cache
+    block_size: int = 0
+    kv_format: str = ""
+    prefix_model: str = ""
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)

@@ -162,8 +162,10 @@ class EngineWorker(abc.ABC):
         """Requests this worker holds (its registry queue depth)."""
 
     def report(self) -> None:
+        bm = self.engine.block_manager
+        prefix = (bm.model_id, bm.kv_format, bm.block_size) if bm.enable_prefix_caching else ("", "", 0)
         self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=self.held,
-                        total_blocks=self.engine.runner.num_blocks)  # fmt: skip
+                        total_blocks=self.engine.runner.num_blocks, prefix=prefix)  # fmt: skip
 
     async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]]) -> None:
         """Fetch only as many jobs as ``capacity()`` allows, less those still being taken, and run

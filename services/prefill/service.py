@@ -15,8 +15,10 @@ Prefix reuse (kvpool's tiers): before a prompt reaches the engine, its reusable 
 cache; kvpool ``fetch`` hands back the longest further run from its CPU/SSD tiers in the tier-0
 format, which ``Engine.import_prefix`` loads as cached blocks: the engine computes only the rest,
 and usage reports them as cached tokens. After prefill the prompt's full blocks, already in the
-handoff lease, are committed to kvpool (``store``) and announced as tier-0 blocks (KV events).
-A kvpool failure only costs the reuse, never the request.
+handoff lease, are committed to kvpool (``store``). A kvpool failure only costs the reuse, never
+the request. What this worker's own cache gains and loses goes to kvpool's index as KV events, so
+the router sends a prompt here (``llmbus.prefill.direct.<instance_id>``, pulled beside the lanes)
+when this cache holds most of it.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ from dataclasses import dataclass, field
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import ensure_prefill_consumer
+from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
 from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
 from llmbus.protocol.messages import INVALID_REQUEST, LANES
 from llmbus.worker.base import EngineWorker
-from llmbus.worker.events import token_event
+from llmbus.worker.events import cache_events, token_event
 
 log = logging.getLogger("llmbus.prefill")
 
@@ -95,14 +97,19 @@ class PrefillWorker(EngineWorker):
     async def run(self) -> None:
         limits = self.ctx.options.limits
         write_back = self.colocated and self.engine.config.enable_prefix_caching
+        caching = self.engine.config.enable_prefix_caching
         if write_back:  # before the engine thread starts: it calls back from there
             self.engine.keep_evicted()
+        if caching:
+            self.engine.track_cache_changes()
         self.start_engine(self._on_outputs)
+        queues = [(subjects.PREFILL_STREAMS[lane], await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits))
+                  for lane in self.lanes]  # fmt: skip
+        # work the router sends this worker alone, for the prefix its cache holds
+        queues.append((subjects.DIRECT_STREAM, await ensure_direct_consumer(self.ctx.js, self.ctx.instance_id, limits)))
         workers = []
-        for lane in self.lanes:
-            consumer = await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits)
-            w = await PullWorker.bind(self.ctx.js, subjects.PREFILL_STREAMS[lane], consumer,
-                                      max_deliver=limits.max_deliver)  # fmt: skip
+        for stream, consumer in queues:
+            w = await PullWorker.bind(self.ctx.js, stream, consumer, max_deliver=limits.max_deliver)
             self.ctx.stack.push_async_callback(w.close)
             workers.append(w)
         await self.subscribe_aborts()
@@ -114,6 +121,8 @@ class PrefillWorker(EngineWorker):
             pullers.append(asyncio.create_task(self._colocated_publisher()))
         if write_back:
             pullers.append(asyncio.create_task(self._write_back()))
+        if caching:
+            pullers.append(asyncio.create_task(self._announce_cache()))
         try:
             await self.ctx.stop.wait()
         finally:
@@ -215,12 +224,11 @@ class PrefillWorker(EngineWorker):
             if n == 0:
                 return
             await self.store_rows(kv, hashes[:n], request_id=req.request_id, ttl_s=self.lease_ttl_s)
-            await self.kv.publish_stored(hashes[:n], token_count=bs)
         except Exception as exc:
             log.debug("could not store the prefix of %s: %s", req.request_id, exc)
 
     async def _commit_prefix(self, req: GenerateRequest, lease, n_blocks: int, num_computed: int) -> None:
-        """Cache the prompt's full blocks (the lease's first rows) in kvpool; announce them as tier 0."""
+        """Cache the prompt's full blocks (the lease's first rows) in kvpool."""
         bs = self.engine.layout.block_size
         full = min(n_blocks, num_computed // bs)
         if not self.engine.config.enable_prefix_caching or full == 0:
@@ -228,7 +236,6 @@ class PrefillWorker(EngineWorker):
         hashes = self.engine.prefix_hashes(req.prompt_token_ids[: full * bs], req.cache_salt)
         try:
             await self.kv.store(lease, hashes, kv_format=self.engine.config.kv_format, block_bytes=self._block_bytes)
-            await self.kv.publish_stored(hashes, token_count=bs)
         except Exception as exc:
             log.debug("kvpool did not take the prefix of %s: %s", req.request_id, exc)
 
@@ -335,13 +342,26 @@ class PrefillWorker(EngineWorker):
         each request ends. Storing every finished prompt (export, lease, copy, store: four copies
         and four bus round trips) cost ~6% of large-model c32 throughput on 2 cores for prefixes
         that never left tier 0; a worker that keeps a prefix serves it itself when a repeat comes
-        its way (the router does not steer repeats yet). Best effort, like every kvpool store."""
+        its way (the router sends repeats here). Best effort, like every kvpool store."""
         while True:
             await asyncio.sleep(period_s)
             if self.engine.num_evicted:
                 evicted = await self.loop.call(lambda e: e.take_evicted())
                 for chain in _chains(evicted):
                     await self._store_chain(chain)
+
+    async def _announce_cache(self, period_s: float = 0.1) -> None:
+        """Tell kvpool's prefix index what this worker's cache gained and lost (KV events, tier 0),
+        so the router can send a prompt to the worker that holds most of it. Fire and forget."""
+        while True:
+            await asyncio.sleep(period_s)
+            if not self.engine.num_cache_changes:
+                continue
+            changes = await self.loop.call(lambda e: e.take_cache_changes())
+            batch = cache_events(self.ctx.instance_id, changes, self.engine.layout.block_size)
+            if batch is not None:
+                with contextlib.suppress(Exception):  # NATS reconnecting: kvpool's index is a hint
+                    await self.ctx.nc.publish(subjects.KVPOOL_EVENTS, encode(batch))
 
     async def _store_chain(self, chain: list[tuple[bytes, bytes, object]]) -> None:
         import torch

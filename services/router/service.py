@@ -6,6 +6,14 @@ For each request on ``LLMBUS_REQUESTS`` (consumer ``router``):
 - otherwise publish it, with ``lane`` set, to ``llmbus.prefill.<lane>.<model>`` (Nats-Msg-Id =
   request_id) and ``ack`` only after the prefill stream has acknowledged it; on failure ``nak``
   (1 s), and on the last delivery fail the request instead.
+
+Routing by cached prefix (``RoutingPolicy.kv_routing``, when a model has two or more prefill
+workers with a prefix cache): the router hashes the prompt's blocks as those workers do (their
+registry entries say how), asks kvpool's index which worker's cache holds how much of it
+(``lookup``), and sends the request to ``llmbus.prefill.direct.<instance_id>`` when ``place``
+finds that worker worth its load; else to the lane. kvpool not answering only costs the choice.
+A worker that leaves the registry (two reads running) has what waits on its direct subject moved
+back to the lanes, and its consumer deleted.
 """
 
 from __future__ import annotations
@@ -20,18 +28,21 @@ import msgpack
 
 from llmbus import tracing
 from llmbus.bus import subjects
+from llmbus.bus.kvclient import KVPoolClient, KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import read_registry
+from llmbus.bus.streams import ensure_direct_consumer, read_registry
 from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds
+from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
 from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, check_token_subject,
                              decode, encode)
-from services.router.policy import RouteError, RoutingPolicy, live_models
+from services.router.policy import Backlog, Placement, Route, RouteError, RoutingPolicy, live_models, place
 
 log = logging.getLogger("llmbus.router")
 
 SETTLED_IDS = 65536  # ids remembered as routed or failed: far more than come back within ack_wait
+LOOKUP_TIMEOUT_S = 0.25  # kvpool's answer on where a prompt is cached; later, the lane takes it
 
 
 class Router:
@@ -44,7 +55,21 @@ class Router:
                                "Requests the router settled, by the model and lane it chose and outcome: routed "
                                "(forwarded to prefill) or failed (the client was told why). A failed one's lane is "
                                "none, and its model the one asked for.", "counter", ("model", "lane", "outcome"))
-        ctx.add_metrics(lambda: [self.requests.family()])
+        self.directed = Metric("llmbus_router_directed_total",
+                               "Requests sent to one prefill worker for the prefix its cache holds, by model.",
+                               "counter", ("model",))  # fmt: skip
+        self.directed_blocks = Metric("llmbus_router_directed_cached_blocks_total",
+                                      "KV blocks of their prompts the directed requests were expected to reuse.",
+                                      "counter", ("model",))  # fmt: skip
+        self.rescued = Metric("llmbus_router_rescued_total",
+                              "Directed requests moved back to their lane because their worker went away.", "counter")
+        self.lookup_failures = Metric("llmbus_router_lookup_failures_total",
+                                      "kvpool lookups that failed or timed out (the request took its lane).", "counter")
+        ctx.add_metrics(lambda: [m.family() for m in (self.requests, self.directed, self.directed_blocks,
+                                                      self.rescued, self.lookup_failures)])  # fmt: skip
+        self.kv = KVPoolClient(ctx.nc, transport="bus", timeout=LOOKUP_TIMEOUT_S, owner=ctx.instance_id)
+        self.backlog = Backlog()
+        self._gone: set[str] = set()  # direct-subject owners missing from the last registry read
         self.tokens = TokenPublisher(ctx.nc)
         # request ids whose fate was sent (forwarded or failed): a message that comes back because
         # its ack failed is acked quietly, not routed (or failed) a second time
@@ -114,11 +139,15 @@ class Router:
             await self._fail(req, str(exc))
             await _settle(msg.ack())
             return
-        span.set_attributes({"llmbus.lane": route.lane, "llmbus.model": route.model})
+        placement = await self._place(req, route)
+        span.set_attributes({"llmbus.lane": route.lane, "llmbus.model": route.model,
+                             "llmbus.prefill_instance": placement.instance or "lane",
+                             "llmbus.expected_cached_blocks": placement.cached_blocks})  # fmt: skip
         forwarded = dataclasses.replace(req, lane=route.lane)
+        subject = (subjects.direct_subject(placement.instance) if placement.instance
+                   else subjects.prefill_subject(route.lane, route.model))  # fmt: skip
         try:
-            await self.ctx.js.publish(subjects.prefill_subject(route.lane, route.model), encode(forwarded),
-                                      headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
+            await self.ctx.js.publish(subject, encode(forwarded), headers={subjects.MSG_ID_HEADER: req.request_id})
         except Exception as exc:  # no stream, timeout, disconnected: transient unless out of retries
             tracing.fail(span, f"could not forward the request to prefill: {exc}")
             if worker.is_last_delivery(msg):
@@ -128,8 +157,41 @@ class Router:
                 await _settle(msg.nak(delay=1.0))
             return
         self.requests.add(1, route.model, route.lane, "routed")
+        if placement.instance:
+            self.directed.add(1, route.model)
+            self.directed_blocks.add(placement.cached_blocks, route.model)
         self._settled.add(req.request_id)
         await _settle(msg.ack())
+
+    async def _place(self, req: GenerateRequest, route: Route) -> Placement:
+        """The prefill worker whose cache makes ``req`` cheapest, or the lane (Placement())."""
+        if not self.policy.kv_routing or req.sampling.prompt_logprobs is not None:  # scoring reuses nothing
+            return Placement()
+        workers = [i for i in self.instances if i.role == "prefill" and route.model in i.models and i.block_size > 0]
+        if len(workers) < 2:
+            return Placement()
+        ref = workers[0]  # replicas of one model hash alike; one that does not is left out
+        workers = [w for w in workers if (w.prefix_model, w.kv_format, w.block_size) == (ref.prefix_model, ref.kv_format, ref.block_size)]
+        # NOTE: the last prompt token is always computed (its logits give the first token)
+        hashes = chain_hashes(root_hash(ref.prefix_model, ref.kv_format, req.cache_salt),
+                              req.prompt_token_ids[:-1], ref.block_size)  # fmt: skip
+        if not hashes:
+            return Placement()
+        try:
+            reply = await self.kv.lookup(hashes)
+        except KVPoolError as exc:
+            self.lookup_failures.add(1)
+            log.debug("no prefix lookup for %s: %s", req.request_id, exc)
+            return Placement()
+        hits = {h.worker: h.num_blocks for h in reply.hits if h.tier == "t0"}
+        if not hits:
+            return Placement()
+        now = time.time()
+        placement = place(workers, hits, reply.pool_blocks, len(hashes), self.backlog.load(workers, now),
+                          self.policy.overlap_weight, self.policy.max_imbalance)  # fmt: skip
+        if placement.instance:  # the blocks it adds there: the rest of its prompt, and its last one
+            self.backlog.add(placement.instance, len(hashes) - placement.cached_blocks + 1, now)
+        return placement
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.requests.add(1, req.model, "none", "failed")
@@ -159,8 +221,58 @@ class Router:
                 self.instances = await read_registry(self.ctx.registry)
             except Exception as exc:  # a timeout while NATS reconnects: keep the last snapshot
                 log.warning("could not read the registry: %s", exc)
+            else:
+                try:
+                    await self._rescue_orphans()
+                except Exception as exc:  # NATS reconnecting: the next read tries again
+                    log.warning("could not look after direct subjects: %s", exc)
             self.ctx.report(queue_depth=0)
             await asyncio.sleep(self.ctx.options.heartbeat_s)
+
+
+    async def _rescue_orphans(self) -> None:
+        """Move work waiting on the direct subject of a prefill worker missing from two registry
+        reads running (it crashed or stopped; a worker that stops gives back what it held, and
+        that lands there too) back to its lane, then delete the worker's consumer."""
+        js = self.ctx.js
+        live = {i.instance_id for i in self.instances if i.role == "prefill"}
+        prefix, cprefix = subjects.direct_subject("x")[:-1], subjects.direct_consumer("x")[:-1]
+        info = await js.stream_info(subjects.DIRECT_STREAM, subjects_filter=subjects.DIRECT_SUBJECTS)
+        owners = {s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix)}
+        owners |= {c.name[len(cprefix):] for c in await js.consumers_info(subjects.DIRECT_STREAM)
+                   if c.name.startswith(cprefix)}  # fmt: skip
+        gone = owners - live
+        for instance in sorted(gone & self._gone):
+            await self._move_back(instance)
+        self._gone = gone
+
+    async def _move_back(self, instance: str) -> None:
+        js, limits = self.ctx.js, self.ctx.options.limits
+        name = await ensure_direct_consumer(js, instance, limits)
+        worker = await PullWorker.bind(js, subjects.DIRECT_STREAM, name, max_deliver=limits.max_deliver)
+        moved = 0
+        try:
+            while msgs := await worker.fetch(64, timeout=0.2):
+                for msg in msgs:
+                    try:
+                        req = decode(GenerateRequest, msg.data)
+                    except ProtocolError:
+                        await msg.term()
+                        continue
+                    # NOTE: a new message id (the request id is in the lane stream's dedup window
+                    # only if it went there before); the same one from a second router dedups
+                    msg_id = f"{req.request_id}.moved.{msg.metadata.sequence.stream}"
+                    await js.publish(subjects.prefill_subject(req.lane or "short", req.model), msg.data,
+                                     headers={subjects.MSG_ID_HEADER: msg_id})  # fmt: skip
+                    await msg.ack()
+                    moved += 1
+        finally:
+            await worker.close()
+        self.rescued.add(moved)
+        state = await js.consumer_info(subjects.DIRECT_STREAM, name)
+        if not state.num_pending and not state.num_ack_pending:
+            await js.delete_consumer(subjects.DIRECT_STREAM, name)
+        log.info("prefill worker %s went away: %d of its requests moved back to their lanes", instance, moved)
 
 
 async def _settle(ack) -> None:
