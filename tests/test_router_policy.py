@@ -3,7 +3,7 @@
 import pytest
 
 from llmbus.protocol import InstanceInfo
-from services.router.policy import (Backlog, Load, Placement, RouteError, RoutingPolicy, live_models, place)
+from services.router.policy import (Backlog, Placement, RouteError, RoutingPolicy, live_models, place)
 
 
 def test_lane_by_prompt_length_threshold_is_exclusive():
@@ -37,60 +37,46 @@ def test_config_validation():
         RoutingPolicy(models=("",))
 
 
-def _worker(iid: str, held: int = 0, requests: int = 0, updated_at: float = 0.0) -> InstanceInfo:
-    return InstanceInfo(iid, "prefill", ["m"], free_blocks=100 - held, queue_depth=requests, total_blocks=100,
-                        updated_at=updated_at, block_size=16, kv_format="model", prefix_model="m")
-
-
-def test_a_prompt_goes_to_the_worker_whose_cache_holds_it():
-    a, b = _worker("a"), _worker("b")
-    assert place([a, b], {"b": 10}, 0, 12) == Placement("b", 10)
-    assert place([a, b], {"a": 3, "b": 10}, 0, 12) == Placement("b", 10)
-    # equal hits: the one with less load; then the instance id
-    assert place([_worker("a", held=5), b], {"a": 10, "b": 10}, 0, 12) == Placement("b", 10)
-    assert place([a, b], {"a": 10, "b": 10}, 0, 12) == Placement("a", 10)
+def test_a_prompt_goes_to_the_worker_whose_cache_holds_most_of_it():
+    idle = {"a": 0, "b": 0}
+    assert place(idle, {"b": 10}, 0) == Placement("b", 10)
+    assert place(idle, {"a": 3, "b": 10}, 0) == Placement("b", 10)
+    assert place({"a": 2, "b": 0}, {"a": 10}, 0) == Placement("a", 10)  # busier, within the imbalance
+    # equal hits: the one with fewer requests; then the instance id
+    assert place({"a": 1, "b": 0}, {"a": 10, "b": 10}, 0) == Placement("b", 10)
+    assert place(idle, {"a": 10, "b": 10}, 0) == Placement("a", 10)
 
 
 def test_the_lane_when_no_worker_saves_more_than_kvpool_would():
-    a, b = _worker("a"), _worker("b")
-    assert place([a, b], {}, 0, 12) == Placement()
-    assert place([a, b], {"a": 6}, 6, 12) == Placement()  # kvpool gives any worker those 6 blocks
-    assert place([a, b], {"a": 8}, 6, 12) == Placement("a", 8)
-    assert place([], {"a": 8}, 0, 12) == Placement()
+    idle = {"a": 0, "b": 0}
+    assert place(idle, {}, 0) == Placement()
+    assert place(idle, {"a": 6}, 6) == Placement()  # kvpool gives any worker those 6 blocks
+    assert place(idle, {"a": 8}, 6) == Placement("a", 8)
+    assert place(idle, {"gone": 8}, 0) == Placement()  # a worker that is not a candidate
+    assert place({}, {"a": 8}, 0) == Placement()
 
 
-def test_a_cached_prefix_is_followed_only_while_it_outweighs_the_load():
-    busy, idle = _worker("a", held=9), _worker("b")
-    assert place([busy, idle], {"a": 10}, 0, 12) == Placement("a", 10)  # saves 10 blocks, 9 more held
-    assert place([busy, idle], {"a": 9}, 0, 12) == Placement()  # a tie is the lane's
-    # what the router sent since the last heartbeat counts as load too
-    assert place([busy, idle], {"a": 10}, 0, 12, {"a": Load(1, 1)}) == Placement()
-    assert place([busy, idle], {"a": 10}, 0, 12, {"b": Load(2, 1)}) == Placement("a", 10)
-    # a heavier prefill cost follows the cache to a busier worker
-    assert place([_worker("a", held=15), idle], {"a": 10}, 0, 12, overlap_weight=2.0) == Placement("a", 10)
-    assert place([_worker("a", held=15), idle], {"a": 10}, 0, 12) == Placement()
+def test_a_busy_cache_holder_gives_way_to_the_least_busy_workers():
+    assert place({"a": 3, "b": 0}, {"a": 10}, 0) == Placement("b", 0)
+    assert place({"a": 3, "b": 0}, {"a": 10}, 4) == Placement("b", 4)  # b fetches kvpool's part
+    assert place({"a": 3, "b": 1, "c": 0}, {"a": 10, "b": 5}, 0) == Placement("b", 5)
+    assert place({"a": 3, "b": 0}, {"a": 10}, 0, max_imbalance=3) == Placement("a", 10)
+    assert place({"a": 1, "b": 0}, {"a": 10}, 0, max_imbalance=0) == Placement("b", 0)
 
 
-def test_a_hot_prefix_spreads_past_the_request_imbalance():
-    a, b = _worker("a", requests=3), _worker("b")
-    assert place([a, b], {"a": 10}, 0, 12, max_imbalance=3) == Placement("a", 10)
-    assert place([a, b], {"a": 10}, 0, 12, {"a": Load(0, 1)}, max_imbalance=3) == Placement()
-    assert place([a, b], {"a": 10, "b": 4}, 0, 12, max_imbalance=2) == Placement("b", 4)
-
-
-def test_the_backlog_counts_until_the_next_heartbeat():
+def test_the_backlog_counts_what_was_sent_since_the_workers_own_figures():
     log = Backlog(max_age_s=5.0)
-    log.add("a", 3, now=10.0)
-    log.add("a", 2, now=11.0)
-    log.add("gone", 7, now=10.0)
-    assert log.load([_worker("a", updated_at=9.0)], now=11.5) == {"a": Load(5, 2)}
-    assert log.load([_worker("a", updated_at=10.5)], now=11.5) == {"a": Load(2, 1)}  # the heartbeat saw the first
-    assert log.load([_worker("gone", updated_at=0.0)], now=11.5) == {}  # forgotten with its worker
-    assert log.load([_worker("a", updated_at=0.0)], now=16.5) == {}  # past max_age_s
+    log.add("a", now=10.0)
+    log.add("a", now=11.0)
+    log.add("gone", now=10.0)
+    assert log.since("a", 9.0, now=11.5) == 2
+    assert log.since("a", 10.5, now=11.5) == 1  # a report after the first shows it
+    assert log.since("a", 0.0, now=11.5) == 1  # and it is forgotten
+    assert log.since("a", 0.0, now=16.5) == 0  # past max_age_s
+    log.forget(["a"])
+    assert log.since("gone", 0.0, now=10.5) == 0
 
 
 def test_kv_routing_settings_are_checked():
-    with pytest.raises(ValueError, match="overlap_weight"):
-        RoutingPolicy(overlap_weight=0)
     with pytest.raises(ValueError, match="max_imbalance"):
         RoutingPolicy(max_imbalance=-1)

@@ -11,6 +11,7 @@
 | aborts (anyone -> workers) | core NATS | `llmbus.abort.<request_id>` |
 | kvpool ops | core request/reply, queue group `kvpool` | `llmbus.kvpool.<op>` |
 | KV events (workers -> kvpool's index) | core NATS | `llmbus.kvevents` |
+| a prefill worker's load (-> routers) | core NATS | `llmbus.load.<instance_id>` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
 | a service's metrics | core request/reply | `llmbus.metrics.<instance_id>` |
 
@@ -44,6 +45,8 @@ KVPOOL_OPS = ("allocate", "renew", "release", "write", "read", "stats", "lookup"
 KVPOOL_QUEUE = "kvpool"
 KVPOOL_WILDCARD = f"{PREFIX}.kvpool.*"
 KVPOOL_EVENTS = f"{PREFIX}.kvevents"  # workers' KVEvents (core publish, no reply; every kvpool listens)
+
+LOADS_WILDCARD = f"{PREFIX}.load.*"
 
 REGISTRY_BUCKET = "llmbus_registry"
 
@@ -131,6 +134,11 @@ def tokens(request_id: str) -> str:
 def metrics(instance_id: str) -> str:
     """Core request/reply subject where an instance answers a MetricsRequest with its MetricsReply."""
     return f"{PREFIX}.metrics.{check_id('instance_id', instance_id)}"
+
+
+def load(instance_id: str) -> str:
+    """Core subject of one prefill worker's WorkerLoad reports."""
+    return f"{PREFIX}.load.{check_id('instance_id', instance_id)}"
 
 
 def token_batches(instance_id: str) -> str:

@@ -480,6 +480,18 @@ class BlockRemovedEvent:
 
 
 @dataclass(frozen=True)
+class WorkerLoad:
+    """Prefill worker -> ``llmbus.load.<instance_id>`` (core, no reply), as soon as it changes: the
+    requests it holds, fresher than its registry heartbeat, for the routers' instance choice."""
+
+    instance_id: str
+    requests: int = 0  # jobs held: waiting, prefilling or (colocated) decoding
+
+    def __post_init__(self) -> None:
+        check_id("instance_id", self.instance_id)
+
+
+@dataclass(frozen=True)
 class KVEvents:
     """A batch of a worker's KV events, in order."""
 

@@ -35,7 +35,7 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
-from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, decode, encode
+from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, WorkerLoad, decode, encode
 from llmbus.protocol.messages import INVALID_REQUEST, LANES
 from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import cache_events, token_event
@@ -70,6 +70,7 @@ class PrefillWorker(EngineWorker):
         self.lease_ttl_s = lease_ttl_s
         self._max_ttl: float | None = None  # kvpool's --max-ttl, once asked
         self.jobs: dict[str, Job] = {}
+        self._jobs_changed = asyncio.Event()
 
     @property
     def held(self) -> int:
@@ -121,8 +122,7 @@ class PrefillWorker(EngineWorker):
             pullers.append(asyncio.create_task(self._colocated_publisher()))
         if write_back:
             pullers.append(asyncio.create_task(self._write_back()))
-        if caching:
-            pullers.append(asyncio.create_task(self._announce_cache()))
+        pullers.append(asyncio.create_task(self._announce(caching)))
         try:
             await self.ctx.stop.wait()
         finally:
@@ -144,6 +144,7 @@ class PrefillWorker(EngineWorker):
             return
         # NOTE: registered before the engine sees it: its first output can arrive before we resume
         job = self.jobs[rid] = Job(msg, req)
+        self._jobs_changed.set()
         self.trace(req, "llmbus.prefill", **{"llmbus.lane": req.lane, "llmbus.colocated": self.colocated})
         job.stack.callback(self.end_span, rid)  # whatever ends the job ends its span
         await job.stack.enter_async_context(worker.working(msg))
@@ -308,6 +309,10 @@ class PrefillWorker(EngineWorker):
             await job.stack.aclose()
             self.report()
 
+    def report(self) -> None:
+        super().report()
+        self._jobs_changed.set()
+
     async def _colocated_publisher(self) -> None:
         """Colocated mode: one task publishes every TokenEvent, in seq order; a job is acked when its
         request finishes."""
@@ -350,17 +355,27 @@ class PrefillWorker(EngineWorker):
                 for chain in _chains(evicted):
                     await self._store_chain(chain)
 
-    async def _announce_cache(self, period_s: float = 0.1) -> None:
-        """Tell kvpool's prefix index what this worker's cache gained and lost (KV events, tier 0),
-        so the router can send a prompt to the worker that holds most of it. Fire and forget."""
+    async def _announce(self, caching: bool, period_s: float = 0.1) -> None:
+        """What changed: this worker's load (WorkerLoad, for the routers' instance choice) as soon as
+        a job is taken or let go, and every ``period_s`` what its cache gained and lost (KV events,
+        tier 0, for kvpool's index, which the router asks where a prompt is cached). Fire and
+        forget: both are hints."""
+        last = None
         while True:
-            await asyncio.sleep(period_s)
-            if not self.engine.num_cache_changes:
-                continue
-            changes = await self.loop.call(lambda e: e.take_cache_changes())
-            batch = cache_events(self.ctx.instance_id, changes, self.engine.layout.block_size)
-            if batch is not None:
-                with contextlib.suppress(Exception):  # NATS reconnecting: kvpool's index is a hint
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period_s):  # a job taken or let go wakes it at once
+                    await self._jobs_changed.wait()
+            self._jobs_changed.clear()
+            load = WorkerLoad(self.ctx.instance_id, len(self.jobs))
+            batch = None
+            if caching and self.engine.num_cache_changes:
+                changes = await self.loop.call(lambda e: e.take_cache_changes())
+                batch = cache_events(self.ctx.instance_id, changes, self.engine.layout.block_size)
+            with contextlib.suppress(Exception):  # NATS reconnecting: the next change says it again
+                if load != last:
+                    await self.ctx.nc.publish(subjects.load(self.ctx.instance_id), encode(load))
+                    last = load
+                if batch is not None:
                     await self.ctx.nc.publish(subjects.KVPOOL_EVENTS, encode(batch))
 
     async def _store_chain(self, chain: list[tuple[bytes, bytes, object]]) -> None:

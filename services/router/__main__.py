@@ -1,5 +1,5 @@
 """`python -m services.router --nats-url URL [--models a,b] [--long-threshold N] [--no-kv-routing]
-[--overlap-weight W] [--max-imbalance N]`."""
+[--max-imbalance N]`."""
 
 from __future__ import annotations
 
@@ -20,10 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="prompts with more tokens than this take the long lane")  # fmt: skip
     parser.add_argument("--no-kv-routing", dest="kv_routing", action="store_false",
                         help="send every request to its lane, never to the prefill worker that caches its prefix")
-    parser.add_argument("--overlap-weight", type=float, default=1.0,
-                        help="KV routing: cost of one prompt block to prefill against one block a worker's "
-                             "requests hold (higher: follow cached prefixes even to busier workers)")
-    parser.add_argument("--max-imbalance", type=int, default=8,
+    parser.add_argument("--max-imbalance", type=int, default=2,
                         help="KV routing: requests a worker may hold beyond the least busy one and still be "
                              "sent one for its cached prefix")
     return parser.parse_args(argv)
@@ -35,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level)
         models = tuple(m.strip() for m in args.models.split(",") if m.strip())
         policy = RoutingPolicy(models=models, long_threshold=args.long_threshold, kv_routing=args.kv_routing,
-                               overlap_weight=args.overlap_weight, max_imbalance=args.max_imbalance)  # fmt: skip
+                               max_imbalance=args.max_imbalance)  # fmt: skip
         options = ServiceOptions(role="router", nats_url=args.nats_url, instance_id=args.instance_id, models=models)
     except ValueError as exc:
         print(f"router: error: {exc}", file=sys.stderr)

@@ -22,22 +22,17 @@ class Route:
 class RoutingPolicy:
     """``models``: the served model names (empty: whatever live prefill instances report).
     ``long_threshold``: prompts with MORE tokens than this go to the long lane.
-    ``kv_routing``: send a prompt to the prefill worker whose cache holds most of it (``place``).
-    ``overlap_weight``: what one block to prefill costs against one block of load, and
-    ``max_imbalance``: how many requests more than the least busy worker one may hold and still be
-    sent one for its cache (``place``)."""
+    ``kv_routing``: send a prompt to the prefill worker whose cache holds most of it, unless that
+    worker holds more than ``max_imbalance`` requests above the least busy one (``place``)."""
 
     models: tuple[str, ...] = ()
     long_threshold: int = 1024
     kv_routing: bool = True
-    overlap_weight: float = 1.0
-    max_imbalance: int = 8
+    max_imbalance: int = 2
 
     def __post_init__(self) -> None:
         if self.long_threshold < 1:
             raise ValueError(f"long_threshold must be >= 1 token, got {self.long_threshold}")
-        if not self.overlap_weight > 0:
-            raise ValueError(f"overlap_weight must be > 0, got {self.overlap_weight}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0 requests, got {self.max_imbalance}")
         if any(not m for m in self.models):
@@ -69,74 +64,46 @@ class Placement:
     cached_blocks: int = 0
 
 
-@dataclass(frozen=True)
-class Load:
-    """What the router sent a worker that its registry figures may not show yet."""
+def place(loads: Mapping[str, int], hits: Mapping[str, int], pool_blocks: int, max_imbalance: int = 2) -> Placement:
+    """Send a prompt to one prefill worker, or to its lane.
 
-    blocks: int = 0
-    requests: int = 0
-
-
-def place(candidates: Iterable[InstanceInfo], hits: Mapping[str, int], pool_blocks: int, prompt_blocks: int,
-          sent: Mapping[str, Load] | None = None, overlap_weight: float = 1.0, max_imbalance: int = 8) -> Placement:
-    """Send a prompt to one prefill worker or to its lane, by cost in KV blocks (the unit NVIDIA
-    Dynamo's KV router weighs too): ``overlap_weight`` x the blocks the worker must prefill, plus
-    its load: the blocks its requests hold (registry: ``total_blocks - free_blocks``) and those
-    the router ``sent`` it since.
-
-    ``hits``: worker -> blocks of the prompt's chain its own cache holds (from the start);
-    ``pool_blocks``: blocks kvpool's tiers can give ANY worker; ``prompt_blocks``: the prompt's
-    reusable blocks. The lane costs the prefill kvpool cannot spare plus the least load: a worker
-    is chosen only when its cache saves more than the lane would, that saving outweighs its extra
-    load, and it holds at most ``max_imbalance`` requests more than the least busy worker (a hot
-    prefix shared by many requests adds few blocks but a sequence each; past that it spreads, and
-    the next worker caches it too). Ties: more reuse, then instance id (deterministic)."""
-    pool = list(candidates)
-    if not pool:
+    ``loads``: worker -> requests it holds; ``hits``: worker -> blocks of the prompt's chain its own
+    cache holds (from the start); ``pool_blocks``: blocks kvpool's tiers can give ANY worker. When
+    no worker's cache beats kvpool's tiers the lane takes it (any replica pulls it as it has room).
+    Else, among the workers holding at most ``max_imbalance`` requests more than the least busy
+    one, the one that reuses most of it (a busy cache holder is passed over: a hot prefix shared by
+    many requests spreads, and the next worker caches it too). Ties: fewer requests, then instance
+    id (deterministic)."""
+    if not loads or max((hits.get(w, 0) for w in loads), default=0) <= pool_blocks:
         return Placement()
-    sent = sent or {}
-    none = Load()
-    load = {c.instance_id: max(0, c.total_blocks - c.free_blocks) + sent.get(c.instance_id, none).blocks for c in pool}
-    requests = {c.instance_id: c.queue_depth + sent.get(c.instance_id, none).requests for c in pool}
-    lane_cost = overlap_weight * max(0, prompt_blocks - pool_blocks) + min(load.values())
-    least_busy = min(requests.values())
-    best: tuple[float, int, str] | None = None
-    for c in pool:
-        if requests[c.instance_id] - least_busy > max_imbalance:
-            continue
-        reuse = min(prompt_blocks, max(hits.get(c.instance_id, 0), pool_blocks))
-        key = (overlap_weight * (prompt_blocks - reuse) + load[c.instance_id], -reuse, c.instance_id)
-        best = key if best is None or key < best else best
-    if best is None:
-        return Placement()
-    cost, neg_reuse, instance = best
-    if hits.get(instance, 0) <= pool_blocks or cost >= lane_cost:
-        return Placement()
-    return Placement(instance, -neg_reuse)
+    least = min(loads.values())
+    eligible = [w for w, n in loads.items() if n - least <= max_imbalance]
+    best = min(eligible, key=lambda w: (-max(hits.get(w, 0), pool_blocks), loads[w], w))
+    return Placement(best, max(hits.get(best, 0), pool_blocks))
 
 
 class Backlog:
-    """What the router sent each worker that its registry figures may not show yet: an entry counts
-    until the worker's next heartbeat after it (``updated_at``, unix s), or ``max_age_s`` (clocks
-    of two hosts disagree). Pure: the caller passes the time."""
+    """Requests the router sent each worker, for the worker's load until its own figures (a load
+    report, or a heartbeat) show them: ``since(worker, t)`` counts those sent at ``t`` or later,
+    within ``max_age_s`` (a worker that never reports them). Pure: the caller passes the times."""
 
-    def __init__(self, max_age_s: float = 6.0) -> None:
+    def __init__(self, max_age_s: float = 2.0) -> None:
         self.max_age_s = max_age_s
-        self._sent: dict[str, list[tuple[float, int]]] = {}
+        self._sent: dict[str, list[float]] = {}
 
-    def add(self, instance: str, blocks: int, now: float) -> None:
-        self._sent.setdefault(instance, []).append((now, blocks))
+    def add(self, worker: str, now: float) -> None:
+        self._sent.setdefault(worker, []).append(now)
 
-    def load(self, instances: Iterable[InstanceInfo], now: float) -> dict[str, Load]:
-        """What still counts, per instance of ``instances``; forgets the rest."""
-        out: dict[str, Load] = {}
-        live = {c.instance_id: c.updated_at for c in instances}
-        for instance in list(self._sent):
-            kept = [(t, n) for t, n in self._sent[instance]
-                    if instance in live and t >= live[instance] and now - t < self.max_age_s]  # fmt: skip
-            if kept:
-                self._sent[instance] = kept
-                out[instance] = Load(sum(n for _, n in kept), len(kept))
-            else:
-                del self._sent[instance]
-        return out
+    def since(self, worker: str, t: float, now: float) -> int:
+        kept = [at for at in self._sent.get(worker, ()) if at >= t and now - at < self.max_age_s]
+        if kept:
+            self._sent[worker] = kept
+        else:
+            self._sent.pop(worker, None)
+        return len(kept)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop every worker but ``keep``."""
+        keep = set(keep)
+        for worker in [w for w in self._sent if w not in keep]:
+            del self._sent[worker]

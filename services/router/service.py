@@ -35,14 +35,17 @@ from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
-from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, check_token_subject,
-                             decode, encode)
+from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
+                             check_token_subject, decode, encode)
 from services.router.policy import Backlog, Placement, Route, RouteError, RoutingPolicy, live_models, place
 
 log = logging.getLogger("llmbus.router")
 
 SETTLED_IDS = 65536  # ids remembered as routed or failed: far more than come back within ack_wait
 LOOKUP_TIMEOUT_S = 0.25  # kvpool's answer on where a prompt is cached; later, the lane takes it
+# a WorkerLoad is sent as the worker's jobs change: requests sent to it shortly before one came may
+# not have been pulled yet, so they still count
+LOAD_SLACK_S = 0.05
 
 
 class Router:
@@ -69,6 +72,7 @@ class Router:
                                                       self.rescued, self.lookup_failures)])  # fmt: skip
         self.kv = KVPoolClient(ctx.nc, transport="bus", timeout=LOOKUP_TIMEOUT_S, owner=ctx.instance_id)
         self.backlog = Backlog()
+        self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> its last report, and when it came
         self._gone: set[str] = set()  # direct-subject owners missing from the last registry read
         self.tokens = TokenPublisher(ctx.nc)
         # request ids whose fate was sent (forwarded or failed): a message that comes back because
@@ -92,6 +96,9 @@ class Router:
                                        max_deliver=limits.max_deliver)  # fmt: skip
         self.ctx.stack.push_async_callback(worker.close)
         self.ctx.stack.push_async_callback(self.tokens.drain)
+        if self.policy.kv_routing:
+            sub = await self.ctx.nc.subscribe(subjects.LOADS_WILDCARD, cb=self._on_load)
+            self.ctx.stack.push_async_callback(sub.unsubscribe)
         watcher = asyncio.create_task(self._watch_registry())
         await self.ctx.ready()
         try:
@@ -186,12 +193,32 @@ class Router:
         hits = {h.worker: h.num_blocks for h in reply.hits if h.tier == "t0"}
         if not hits:
             return Placement()
-        now = time.time()
-        placement = place(workers, hits, reply.pool_blocks, len(hashes), self.backlog.load(workers, now),
-                          self.policy.overlap_weight, self.policy.max_imbalance)  # fmt: skip
-        if placement.instance:  # the blocks it adds there: the rest of its prompt, and its last one
-            self.backlog.add(placement.instance, len(hashes) - placement.cached_blocks + 1, now)
+        placement = place(self._loads(workers), hits, reply.pool_blocks, self.policy.max_imbalance)
+        if placement.instance:
+            self.backlog.add(placement.instance, time.time())
         return placement
+
+    def _loads(self, workers: list[InstanceInfo]) -> dict[str, int]:
+        """Requests each worker holds: its last WorkerLoad (else its heartbeat's figure), plus those
+        this router sent it since."""
+        now = time.time()
+        out: dict[str, int] = {}
+        for w in workers:
+            report = self.loads.get(w.instance_id)
+            if report is not None:
+                held, since = report[0].requests, report[1] - LOAD_SLACK_S
+            else:  # a worker that does not report: its registry entry
+                held, since = w.queue_depth, w.updated_at
+            out[w.instance_id] = held + self.backlog.since(w.instance_id, since, now)
+        return out
+
+    async def _on_load(self, msg) -> None:
+        try:
+            load = decode(WorkerLoad, msg.data)
+        except ProtocolError as exc:
+            log.debug("dropping a malformed load report: %s", exc)
+            return
+        self.loads[load.instance_id] = (load, time.time())
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.requests.add(1, req.model, "none", "failed")
@@ -222,6 +249,10 @@ class Router:
             except Exception as exc:  # a timeout while NATS reconnects: keep the last snapshot
                 log.warning("could not read the registry: %s", exc)
             else:
+                live = {i.instance_id for i in self.instances if i.role == "prefill"}
+                for gone in [w for w in self.loads if w not in live]:
+                    del self.loads[gone]
+                self.backlog.forget(live)
                 try:
                     await self._rescue_orphans()
                 except Exception as exc:  # NATS reconnecting: the next read tries again
@@ -259,11 +290,10 @@ class Router:
                     except ProtocolError:
                         await msg.term()
                         continue
-                    # NOTE: a new message id (the request id is in the lane stream's dedup window
-                    # only if it went there before); the same one from a second router dedups
-                    msg_id = f"{req.request_id}.moved.{msg.metadata.sequence.stream}"
+                    # NOTE: the lane stream has not seen this id (the router sent it here instead);
+                    # a second router moving the same message dedups
                     await js.publish(subjects.prefill_subject(req.lane or "short", req.model), msg.data,
-                                     headers={subjects.MSG_ID_HEADER: msg_id})  # fmt: skip
+                                     headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
                     await msg.ack()
                     moved += 1
         finally:
