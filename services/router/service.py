@@ -35,6 +35,7 @@ from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
+from llmbus.protocol.messages import MetricFamily
 from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
 from services.router.policy import Backlog, Placement, Route, RouteError, RoutingPolicy, live_models, place
@@ -69,7 +70,7 @@ class Router:
         self.lookup_failures = Metric("llmbus_router_lookup_failures_total",
                                       "kvpool lookups that failed or timed out (the request took its lane).", "counter")
         ctx.add_metrics(lambda: [m.family() for m in (self.requests, self.directed, self.directed_blocks,
-                                                      self.rescued, self.lookup_failures)])  # fmt: skip
+                                                      self.rescued, self.lookup_failures)] + [self._candidates()])  # fmt: skip
         self.kv = KVPoolClient(ctx.nc, transport="bus", timeout=LOOKUP_TIMEOUT_S, owner=ctx.instance_id)
         self.backlog = Backlog()
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> its last report, and when it came
@@ -170,11 +171,22 @@ class Router:
         self._settled.add(req.request_id)
         await _settle(msg.ack())
 
+    def _kv_workers(self, model: str) -> list[InstanceInfo]:
+        """The live prefill workers of ``model`` with a prefix cache, as of the last registry read."""
+        return [i for i in self.instances if i.role == "prefill" and model in i.models and i.block_size > 0]
+
+    def _candidates(self) -> MetricFamily:
+        gauge = Metric("llmbus_router_kv_workers", "Prefill workers with a prefix cache the router sees, by model "
+                       "(with two or more, it routes by cached prefix).", "gauge", ("model",))  # fmt: skip
+        for model in self.policy.served(live_models(self.instances)):
+            gauge.add(len(self._kv_workers(model)), model)
+        return gauge.family()
+
     async def _place(self, req: GenerateRequest, route: Route) -> Placement:
         """The prefill worker whose cache makes ``req`` cheapest, or the lane (Placement())."""
         if not self.policy.kv_routing or req.sampling.prompt_logprobs is not None:  # scoring reuses nothing
             return Placement()
-        workers = [i for i in self.instances if i.role == "prefill" and route.model in i.models and i.block_size > 0]
+        workers = self._kv_workers(route.model)
         if len(workers) < 2:
             return Placement()
         ref = workers[0]  # replicas of one model hash alike; one that does not is left out
