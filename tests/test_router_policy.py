@@ -3,7 +3,8 @@
 import pytest
 
 from llmbus.protocol import InstanceInfo
-from services.router.policy import (Backlog, Placement, RouteError, RoutingPolicy, live_models, place)
+from services.router.policy import (Backlog, Placement, RouteError, RoutingPolicy, live_models, place,
+                                   whole)
 
 
 def test_lane_by_prompt_length_threshold_is_exclusive():
@@ -80,3 +81,16 @@ def test_the_backlog_counts_what_was_sent_since_the_workers_own_figures():
 def test_kv_routing_settings_are_checked():
     with pytest.raises(ValueError, match="max_imbalance"):
         RoutingPolicy(max_imbalance=-1)
+
+
+def test_short_prompts_go_whole_to_a_decode_pool_when_there_is_one():
+    decode = InstanceInfo("d1", "decode", ["m"])
+    prefill = InstanceInfo("p1", "prefill", ["m"])
+    policy = RoutingPolicy(whole_threshold=32)
+    assert whole(policy, "m", 32, [prefill, decode])
+    assert not whole(policy, "m", 33, [prefill, decode])
+    assert not whole(policy, "m", 8, [prefill])  # colocated: no decode pool
+    assert not whole(policy, "other", 8, [decode])
+    assert not whole(RoutingPolicy(), "m", 8, [decode])  # off by default
+    with pytest.raises(ValueError, match="whole_threshold"):
+        RoutingPolicy(whole_threshold=-1)

@@ -59,6 +59,7 @@ def stream_configs(limits: StreamLimits) -> list[api.StreamConfig]:
     out = [work_queue(subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS)]
     out += [work_queue(subjects.PREFILL_STREAMS[lane], subjects.prefill_subjects(lane)) for lane in LANES]
     out.append(work_queue(subjects.DIRECT_STREAM, subjects.DIRECT_SUBJECTS))
+    out.append(work_queue(subjects.WHOLE_STREAM, subjects.WHOLE_SUBJECTS))
     out.append(work_queue(subjects.DECODE_STREAM, subjects.DECODE_SUBJECTS))
     return out
 
@@ -101,6 +102,13 @@ async def ensure_decode_consumer(js: JetStreamContext, model: str, limits: Strea
     limits = limits or StreamLimits()
     return await _ensure_consumer(js, subjects.DECODE_STREAM, subjects.decode_consumer(model),
                                   subjects.decode_subject(model), limits, limits.decode_max_ack_pending)  # fmt: skip
+
+
+async def ensure_whole_consumer(js: JetStreamContext, model: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer decode replicas of ``model`` share for whole requests; returns its name."""
+    limits = limits or StreamLimits()
+    return await _ensure_consumer(js, subjects.WHOLE_STREAM, subjects.whole_consumer(model),
+                                  subjects.whole_subject(model), limits, limits.decode_max_ack_pending)  # fmt: skip
 
 
 async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limits: StreamLimits,

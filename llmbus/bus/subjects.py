@@ -5,6 +5,7 @@
 | requests (gateway -> router) | JetStream work queue `LLMBUS_REQUESTS` | `llmbus.req.<model>` |
 | prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
 | prefill work for one worker (its cached prefix) | JetStream work queue `LLMBUS_PREFILL_DIRECT` | `llmbus.prefill.direct.<instance_id>` |
+| whole requests for the decode pool (short prompts) | JetStream work queue `LLMBUS_WHOLE` | `llmbus.whole.<model>` |
 | handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
 | tokens (worker -> gateway) | core NATS | `llmbus.tok.<request_id>` |
 | token batches (worker -> one gateway) | core NATS | `llmbus.toks.<instance_id>` |
@@ -34,6 +35,8 @@ ROUTER_CONSUMER = "router"
 PREFILL_STREAMS = {"short": "LLMBUS_PREFILL_SHORT", "long": "LLMBUS_PREFILL_LONG"}
 DIRECT_STREAM = "LLMBUS_PREFILL_DIRECT"
 DIRECT_SUBJECTS = f"{PREFIX}.prefill.direct.>"
+WHOLE_STREAM = "LLMBUS_WHOLE"
+WHOLE_SUBJECTS = f"{PREFIX}.whole.>"
 DECODE_STREAM = "LLMBUS_DECODE"
 DECODE_SUBJECTS = f"{PREFIX}.decode.>"
 
@@ -114,6 +117,17 @@ def direct_consumer(instance_id: str) -> str:
     """Durable pull consumer of one prefill worker's direct subject (the worker makes it; the
     router moves what is left in it back to the lanes when the worker goes away, then deletes it)."""
     return f"prefill_direct_{check_id('instance_id', instance_id)}"
+
+
+def whole_subject(model: str) -> str:
+    """Where the router sends a short prompt for the decode pool of ``model`` to prefill and decode
+    itself, skipping the handoff (JetStream, Nats-Msg-Id = request_id)."""
+    return f"{PREFIX}.whole.{model_token(model)}"
+
+
+def whole_consumer(model: str) -> str:
+    """Durable pull consumer shared by every decode replica of ``model`` for whole requests."""
+    return f"whole_{model_token(model)}"
 
 
 def decode_subject(model: str) -> str:

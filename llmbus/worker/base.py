@@ -167,6 +167,16 @@ class EngineWorker(abc.ABC):
         self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=self.held,
                         total_blocks=self.engine.runner.num_blocks, prefix=prefix)  # fmt: skip
 
+    @staticmethod
+    async def read_job(record: type, msg, what: str):
+        """``msg``'s ``record``, or None once it is termed: a malformed payload never gets better."""
+        try:
+            return decode(record, msg.data)
+        except ProtocolError as exc:
+            log.warning("dropping malformed %s: %s", what, exc)
+            await msg.term()
+            return None
+
     async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]]) -> None:
         """Fetch only as many jobs as ``capacity()`` allows, less those still being taken, and run
         ``take`` on each as its own task, until stopped.

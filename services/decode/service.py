@@ -10,6 +10,11 @@ Per handoff: malformed or unusable -> a final error TokenEvent, lease released, 
 the blocks are read (shared memory on the same host, the bus elsewhere), the sequence is imported,
 the lease released, and the handoff acked. An Abort stops a request at once and frees its blocks.
 
+Whole requests (``llmbus.whole.<model>``: short prompts the router sends here instead of to the
+prefill pool, conditional disaggregation): the engine prefills and decodes them itself, its
+TokenEvents start at seq 0, and the job is acked once the engine has it. A request the engine
+refuses (too long, bad parameters) is a final error event, then ``term``.
+
 A finished request's full blocks (prompt and output, those still in this engine's prefix cache)
 are committed to kvpool's tiers, skipping what kvpool already holds, so a later request that
 continues the conversation skips their prefill. A kvpool failure only costs that reuse.
@@ -26,10 +31,11 @@ from dataclasses import dataclass, field
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import ensure_decode_consumer
+from llmbus.bus.streams import ensure_decode_consumer, ensure_whole_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
-from llmbus.protocol import GenerateRequest, Handoff, Lease, ProtocolError, TokenEvent, decode
+from llmbus.protocol import GenerateRequest, Handoff, Lease, TokenEvent
+from llmbus.protocol.messages import INVALID_REQUEST
 from llmbus.worker.base import DEADLINE_CHECK_S, EngineWorker
 from llmbus.worker.events import token_event
 
@@ -135,10 +141,15 @@ class DecodeWorker(EngineWorker):
         worker = self.jobs = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer,
                                                    max_deliver=limits.max_deliver)
         self.ctx.stack.push_async_callback(worker.close)
+        whole = await PullWorker.bind(self.ctx.js, subjects.WHOLE_STREAM,
+                                      await ensure_whole_consumer(self.ctx.js, self.model, limits),
+                                      max_deliver=limits.max_deliver)  # fmt: skip
+        self.ctx.stack.push_async_callback(whole.close)
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
         tasks = [asyncio.create_task(self.pull(worker, lambda: self.capacity, self._take)),
+                 asyncio.create_task(self.pull(whole, lambda: self.capacity, self._take_whole)),
                  asyncio.create_task(self._publisher())]  # fmt: skip
         try:
             await self.ctx.stop.wait()
@@ -152,11 +163,7 @@ class DecodeWorker(EngineWorker):
             self.active.clear()
 
     async def _take(self, msg) -> None:
-        try:
-            handoff = decode(Handoff, msg.data)
-        except ProtocolError as exc:
-            log.warning("dropping malformed handoff: %s", exc)
-            await msg.term()
+        if (handoff := await self.read_job(Handoff, msg, "handoff")) is None:
             return
         req = handoff.request
         rid = req.request_id
@@ -215,6 +222,40 @@ class DecodeWorker(EngineWorker):
                 with contextlib.suppress(Exception):
                     await self.kv.release(handoff.lease.lease_id)
         await msg.ack()
+
+    async def _take_whole(self, msg) -> None:
+        """A short prompt to prefill and decode here (no handoff)."""
+        if (req := await self.read_job(GenerateRequest, msg, "request")) is None:
+            return
+        rid = req.request_id
+        if rid in self.recent_aborts or rid in self.active or rid in self._taking:
+            with contextlib.suppress(Exception):
+                await msg.ack()  # aborted already, or a redelivery of a request this worker holds
+            return
+        self.trace(req, "llmbus.decode", **{"llmbus.whole": True})
+        # NOTE: registered first: the engine may emit its first token before we resume
+        act = self.active[rid] = Active(req, 0)
+
+        def admit(e: Engine) -> None:
+            if self.active.get(rid) is act:  # not aborted meanwhile (on_abort found nothing to stop)
+                e.add_request(rid, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt)
+
+        try:
+            await self.loop.call(admit)
+        except Exception as exc:  # ValueError: the request's fault; anything else: ours, but it ends it too
+            if self.active.pop(rid, None) is None:  # aborted meanwhile: its end is out
+                await msg.ack()
+                return
+            bad = isinstance(exc, ValueError)
+            text = f"invalid request: {exc}" if bad else f"decode could not take the request: {exc!r}"
+            await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
+                                                        prompt_tokens=len(req.prompt_token_ids),
+                                                        code=INVALID_REQUEST if bad else ""))  # fmt: skip
+            await msg.term()
+            return
+        self.report()
+        with contextlib.suppress(Exception):  # NOTE: the engine has it: a lost ack only redelivers it, acked as ours
+            await msg.ack()
 
     async def _join(self, handoff: Handoff, need: int) -> bool:
         """Wait for room, read the handoff's KV from kvpool (once) and import the sequence; False if

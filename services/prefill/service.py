@@ -35,7 +35,7 @@ from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
-from llmbus.protocol import GenerateRequest, Handoff, ProtocolError, TokenEvent, WorkerLoad, decode, encode
+from llmbus.protocol import GenerateRequest, Handoff, TokenEvent, WorkerLoad, encode
 from llmbus.protocol.messages import INVALID_REQUEST, LANES
 from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import cache_events, token_event
@@ -132,11 +132,7 @@ class PrefillWorker(EngineWorker):
             await self._release_all()
 
     async def _take(self, worker: PullWorker, msg) -> None:
-        try:
-            req = decode(GenerateRequest, msg.data)
-        except ProtocolError as exc:
-            log.warning("dropping malformed job: %s", exc)
-            await msg.term()
+        if (req := await self.read_job(GenerateRequest, msg, "job")) is None:
             return
         rid = req.request_id
         if rid in self.recent_aborts or rid in self.jobs:

@@ -1,5 +1,5 @@
 """`python -m services.router --nats-url URL [--models a,b] [--long-threshold N] [--no-kv-routing]
-[--max-imbalance N]`."""
+[--max-imbalance N] [--whole-threshold N]`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-imbalance", type=int, default=2,
                         help="KV routing: requests a worker may hold beyond the least busy one and still be "
                              "sent one for its cached prefix")
+    parser.add_argument("--whole-threshold", type=int, default=0,
+                        help="prompts of at most this many tokens skip the prefill pool: a decode worker prefills "
+                             "and decodes them whole, with no handoff (0: never)")
     return parser.parse_args(argv)
 
 
@@ -32,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level)
         models = tuple(m.strip() for m in args.models.split(",") if m.strip())
         policy = RoutingPolicy(models=models, long_threshold=args.long_threshold, kv_routing=args.kv_routing,
-                               max_imbalance=args.max_imbalance)  # fmt: skip
+                               max_imbalance=args.max_imbalance, whole_threshold=args.whole_threshold)  # fmt: skip
         options = ServiceOptions(role="router", nats_url=args.nats_url, instance_id=args.instance_id, models=models)
     except ValueError as exc:
         print(f"router: error: {exc}", file=sys.stderr)

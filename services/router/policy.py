@@ -23,16 +23,21 @@ class RoutingPolicy:
     """``models``: the served model names (empty: whatever live prefill instances report).
     ``long_threshold``: prompts with MORE tokens than this go to the long lane.
     ``kv_routing``: send a prompt to the prefill worker whose cache holds most of it, unless that
-    worker holds more than ``max_imbalance`` requests above the least busy one (``place``)."""
+    worker holds more than ``max_imbalance`` requests above the least busy one (``place``).
+    ``whole_threshold``: prompts of at most this many tokens skip the prefill pool when the model
+    has decode workers, which prefill and decode them whole (0: never)."""
 
     models: tuple[str, ...] = ()
     long_threshold: int = 1024
     kv_routing: bool = True
     max_imbalance: int = 2
+    whole_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.long_threshold < 1:
             raise ValueError(f"long_threshold must be >= 1 token, got {self.long_threshold}")
+        if self.whole_threshold < 0:
+            raise ValueError(f"whole_threshold must be >= 0 tokens, got {self.whole_threshold}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0 requests, got {self.max_imbalance}")
         if any(not m for m in self.models):
@@ -49,6 +54,13 @@ class RoutingPolicy:
         if num_prompt_tokens < 1:
             raise RouteError("the prompt must have at least one token")
         return Route(model, "long" if num_prompt_tokens > self.long_threshold else "short")
+
+
+def whole(policy: RoutingPolicy, model: str, num_prompt_tokens: int, instances: Iterable[InstanceInfo]) -> bool:
+    """Whether a prompt goes to the decode pool whole (conditional disaggregation): short enough,
+    and a live decode worker serves the model (colocated deployments have none)."""
+    return 0 < num_prompt_tokens <= policy.whole_threshold and any(
+        i.role == "decode" and model in i.models for i in instances)
 
 
 def live_models(instances: Iterable[InstanceInfo], role: str = "prefill") -> set[str]:

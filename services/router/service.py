@@ -38,7 +38,8 @@ from llmbus.metrics import Metric
 from llmbus.protocol.messages import MetricFamily
 from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
-from services.router.policy import Backlog, Placement, Route, RouteError, RoutingPolicy, live_models, place
+from services.router.policy import (Backlog, Placement, Route, RouteError, RoutingPolicy, live_models, place,
+                                   whole)
 
 log = logging.getLogger("llmbus.router")
 
@@ -65,11 +66,14 @@ class Router:
         self.directed_blocks = Metric("llmbus_router_directed_cached_blocks_total",
                                       "KV blocks of their prompts the directed requests were expected to reuse.",
                                       "counter", ("model",))  # fmt: skip
+        self.wholes = Metric("llmbus_router_whole_total",
+                             "Short prompts sent to the decode pool whole (conditional disaggregation), by model.",
+                             "counter", ("model",))  # fmt: skip
         self.rescued = Metric("llmbus_router_rescued_total",
                               "Directed requests moved back to their lane because their worker went away.", "counter")
         self.lookup_failures = Metric("llmbus_router_lookup_failures_total",
                                       "kvpool lookups that failed or timed out (the request took its lane).", "counter")
-        ctx.add_metrics(lambda: [m.family() for m in (self.requests, self.directed, self.directed_blocks,
+        ctx.add_metrics(lambda: [m.family() for m in (self.requests, self.directed, self.directed_blocks, self.wholes,
                                                       self.rescued, self.lookup_failures)] + [self._candidates()])  # fmt: skip
         self.kv = KVPoolClient(ctx.nc, transport="bus", timeout=LOOKUP_TIMEOUT_S, owner=ctx.instance_id)
         self.backlog = Backlog()
@@ -147,13 +151,18 @@ class Router:
             await self._fail(req, str(exc))
             await _settle(msg.ack())
             return
-        placement = await self._place(req, route)
+        to_decode = whole(self.policy, route.model, len(req.prompt_token_ids), self.instances)
+        placement = Placement() if to_decode else await self._place(req, route)
         span.set_attributes({"llmbus.lane": route.lane, "llmbus.model": route.model,
-                             "llmbus.prefill_instance": placement.instance or "lane",
+                             "llmbus.target": "whole" if to_decode else placement.instance or "lane",
                              "llmbus.expected_cached_blocks": placement.cached_blocks})  # fmt: skip
         forwarded = dataclasses.replace(req, lane=route.lane)
-        subject = (subjects.direct_subject(placement.instance) if placement.instance
-                   else subjects.prefill_subject(route.lane, route.model))  # fmt: skip
+        if to_decode:
+            subject = subjects.whole_subject(route.model)
+        elif placement.instance:
+            subject = subjects.direct_subject(placement.instance)
+        else:
+            subject = subjects.prefill_subject(route.lane, route.model)
         try:
             await self.ctx.js.publish(subject, encode(forwarded), headers={subjects.MSG_ID_HEADER: req.request_id})
         except Exception as exc:  # no stream, timeout, disconnected: transient unless out of retries
@@ -168,6 +177,8 @@ class Router:
         if placement.instance:
             self.directed.add(1, route.model)
             self.directed_blocks.add(placement.cached_blocks, route.model)
+        if to_decode:
+            self.wholes.add(1, route.model)
         self._settled.add(req.request_id)
         await _settle(msg.ack())
 
