@@ -91,6 +91,7 @@ def test_short_prompts_go_whole_to_a_decode_pool_when_there_is_one():
     assert not whole(policy, "m", 33, [prefill, decode])
     assert not whole(policy, "m", 8, [prefill])  # colocated: no decode pool
     assert not whole(policy, "other", 8, [decode])
-    assert not whole(RoutingPolicy(), "m", 8, [decode])  # off by default
+    assert not whole(RoutingPolicy(whole_threshold=0), "m", 8, [decode])
+    assert RoutingPolicy().whole_threshold == 128
     with pytest.raises(ValueError, match="whole_threshold"):
         RoutingPolicy(whole_threshold=-1)

@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-imbalance", type=int, default=2,
                         help="KV routing: requests a worker may hold beyond the least busy one and still be "
                              "sent one for its cached prefix")
-    parser.add_argument("--whole-threshold", type=int, default=0,
+    parser.add_argument("--whole-threshold", type=int, default=128,
                         help="prompts of at most this many tokens skip the prefill pool: a decode worker prefills "
                              "and decodes them whole, with no handoff (0: never)")
     return parser.parse_args(argv)

@@ -187,10 +187,12 @@ class Router:
         return [i for i in self.instances if i.role == "prefill" and model in i.models and i.block_size > 0]
 
     def _candidates(self) -> MetricFamily:
-        gauge = Metric("llmbus_router_kv_workers", "Prefill workers with a prefix cache the router sees, by model "
-                       "(with two or more, it routes by cached prefix).", "gauge", ("model",))  # fmt: skip
+        gauge = Metric("llmbus_router_workers", "Live workers the router sees (its last registry read), by model and "
+                       "role: it routes by cached prefix between two or more prefill workers, and sends short "
+                       "prompts whole to a decode pool.", "gauge", ("model", "role"))  # fmt: skip
         for model in self.policy.served(live_models(self.instances)):
-            gauge.add(len(self._kv_workers(model)), model)
+            for role in ("prefill", "decode"):
+                gauge.add(sum(i.role == role and model in i.models for i in self.instances), model, role)
         return gauge.family()
 
     async def _place(self, req: GenerateRequest, route: Route) -> Placement:

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = Stack(MODEL, model_dir, tmp_path_factory.mktemp("e2e-data"), "--token-timeout", "10", "--tool-parser", "hermes")
+    # NOTE: every prompt through prefill and the handoff (short ones would go to decode whole)
+    s = Stack(MODEL, model_dir, tmp_path_factory.mktemp("e2e-data"), "--token-timeout", "10", "--tool-parser", "hermes",
+              "--router-arg=--whole-threshold=0")  # fmt: skip
     yield s
     s.stop()
 
@@ -541,11 +543,47 @@ def test_tenants_never_share_cached_prompts(model_dir, tmp_path):
         assert s.stop() == 0
 
 
+def test_a_short_prompt_is_served_whole_by_the_decode_worker(model_dir, tmp_path):
+    """`llmbus up` as it comes: a short prompt skips prefill and the handoff (the router's
+    --whole-threshold), and the decode worker's own prefill gives the in-process engine's greedy
+    tokens and logprobs; a long one still goes through prefill."""
+    s = Stack(MODEL, model_dir, tmp_path / "whole", "--token-timeout", "30")
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        metrics_url = s.base_url.removesuffix("/v1") + "/metrics"
+        deadline = time.monotonic() + 60
+        while total(parse(httpx.get(metrics_url, timeout=30).text), "llmbus_router_workers", model=MODEL, role="decode") < 1:
+            assert time.monotonic() < deadline, "the router never saw the workers"  # its registry read: every 2 s
+            time.sleep(0.2)
+        prompt = "The quick brown fox jumps over the lazy dog"
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                           logprobs=1, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        got = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+        local = LLM(model_dir, dtype="float32", device="cpu")
+        want = local.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1))[0]
+        assert text == want.text and chunks[-1].usage.completion_tokens == 12
+        assert got == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+        long_prompt = [3 + j * 7 % 1900 for j in range(300)]
+        assert client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=3, temperature=0,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 3  # fmt: skip
+        after = parse(httpx.get(metrics_url, timeout=30).text)
+        assert total(after, "llmbus_router_whole_total", model=MODEL) == 1
+        assert total(after, "llmbus_engine_requests_finished_total", model=MODEL, role="prefill", reason="handoff") == 1
+        assert total(after, "llmbus_engine_requests_finished_total", model=MODEL, role="decode", reason="length") == 2
+        assert s.wait_idle()["kvpool_leased_blocks"] == 0
+    finally:
+        assert s.stop() == 0
+
+
 def test_int4r_stack_serves_through_the_handoff(model_dir, tmp_path):
     """`llmbus up --kv-format int4r`: prefill hands rotated per-token INT4 blocks to decode through
     kvpool, with the filling block's exact keys and values (the handoff's tail rows); greedy output
     equals an in-process int4r engine's, and nothing stays leased."""
-    s = Stack(MODEL, model_dir, tmp_path / "int4r", "--kv-format", "int4r", "--token-timeout", "30")
+    s = Stack(MODEL, model_dir, tmp_path / "int4r", "--kv-format", "int4r", "--token-timeout", "30",
+              "--router-arg=--whole-threshold=0")  # fmt: skip
     try:
         assert {i.role for i in s.instances()} >= {"prefill", "decode"}
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)

@@ -28,7 +28,7 @@ def collector():
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory, collector):
-    s = Stack(MODEL, model_dir, tmp_path_factory.mktemp("trace-data"), env={
+    s = Stack(MODEL, model_dir, tmp_path_factory.mktemp("trace-data"), "--router-arg=--whole-threshold=0", env={
         "OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer%20t0ken"})
     yield s
