@@ -280,3 +280,83 @@ def test_a_bad_limits_file_stops_the_gateway_with_one_line(scratch, model_dir):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"gateway: error: {path}: tenants.a.tokens_per_minute must be a "
                                              "positive integer, got -5"]
+
+
+def test_gateways_charge_each_other_what_their_tenants_spend():
+    """Two gateways' limiters (the same limits) exchanging usage reports: each counts what the
+    tenant spends at the other, refunds included, and its requests in flight there while the
+    other keeps saying so."""
+    limits = {"requests_per_minute": 4, "tokens_per_minute": 100, "max_concurrent_requests": 3}
+    a, clock, _ = _limiter(limits)
+    b = RateLimiter(a.config, clock)
+    first = a.admit("t", 10, 20)  # reserves 30 tokens
+    second = a.admit("t", 10, 20)
+    (usage,) = a.usage()
+    assert (usage.tenant, usage.requests, usage.tokens, usage.in_flight) == ("t", 2, 60, 2)
+    assert a.usage() == []  # nothing new since
+    b.charge("gw-a", [usage])
+    assert _level(b, "t", "requests") == 2 and _level(b, "t", "tokens") == 40
+    b.admit("t", 5, 5).settle(10)  # the third this minute
+    fourth = b.admit("t", 5, 5)  # the fourth, in flight beside a's two
+    with pytest.raises(RateLimited) as e:
+        b.admit("t", 5, 5)  # b counts a's two, still in flight there, and its own
+    assert e.value.type == "concurrent"
+    fourth.settle(10)
+    with pytest.raises(RateLimited) as e:
+        b.admit("t", 5, 5)  # a fifth this minute, across the two
+    assert e.value.type == "requests"
+    first.settle(12)  # 18 of its 30 tokens come back at a; b hears of it with a's in-flight count
+    second.settle(None)  # usage unknown: the reservation stays charged
+    (usage,) = a.usage()
+    assert (usage.requests, usage.tokens, usage.in_flight) == (0, -18, 0)
+    b.charge("gw-a", [usage])
+    assert _level(b, "t", "tokens") == 100 - 60 - 10 - 10 + 18
+    assert b._tenants["t"].others_in_flight(clock.t) == 0
+
+
+def test_another_gateways_requests_in_flight_count_while_it_repeats_them():
+    a, clock, _ = _limiter({"max_concurrent_requests": 2})
+    b = RateLimiter(a.config, clock)
+    a.admit("t", 1, 1)
+    a.admit("t", 1, 1)
+    b.charge("gw-a", a.usage())
+    with pytest.raises(RateLimited) as e:
+        b.admit("t", 1, 1)
+    assert e.value.type == "concurrent"
+    clock.t += 2.0
+    assert a.usage() == [] and [u.in_flight for u in a.usage(every=True)] == [2]  # repeated while in flight
+    b.charge("gw-a", a.usage(every=True))
+    clock.t += 2.5
+    with pytest.raises(RateLimited):
+        b.admit("t", 1, 1)  # told 2.5 s ago: still counted
+    clock.t += 1.0
+    b.admit("t", 1, 1)  # a stopped saying so (it died): not counted any more
+
+
+def test_two_gateway_processes_hold_one_tenant_to_its_limit(gw_nats, model_dir, worker, scratch, tokenizer):
+    """The limits hold across gateways on one bus: a request in flight at one is counted by the
+    other (``llmbus.limits``), which refuses the tenant's next with 429 until it ends."""
+    keys, limits = scratch / "fleet-keys.json", scratch / "fleet-limits.json"
+    keys.write_text(json.dumps({"sk-fleet-00001": "fleet"}))
+    limits.write_text(json.dumps({"tenants": {"fleet": {"max_concurrent_requests": 1}}}))
+    extra = ("--api-keys-file", str(keys), "--tenant-limits", str(limits))
+    one = GatewayProcess(gw_nats, model_dir, scratch / "gateway-fleet-1.log", extra)
+    two = GatewayProcess(gw_nats, model_dir, scratch / "gateway-fleet-2.log", extra)
+    try:
+        worker.script = reply_script(_ids(tokenizer, "word " * 60), delay=0.1)  # ~6 s in flight at one
+        results = {}
+        t = threading.Thread(target=lambda: results.setdefault("slow", _post(one.url, "sk-fleet-00001", max_tokens=60)))
+        t.start()
+        deadline = time.monotonic() + 20
+        while parse(httpx.get(one.url + "/metrics").text).get('llmbus_gateway_requests_running{model="demo"}', 0) < 1:
+            assert time.monotonic() < deadline, "the first request never started"
+            time.sleep(0.02)
+        worker.script = reply_script(_ids(tokenizer, "ok"))
+        deadline = time.monotonic() + 5  # the first report reaches the other gateway within a period or two
+        while (r := _post(two.url, "sk-fleet-00001")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "concurrent", r.text
+        t.join()
+        assert results["slow"].status_code == 200
+    finally:
+        assert one.stop() == 0 and two.stop() == 0

@@ -13,6 +13,7 @@
 | kvpool ops | core request/reply, queue group `kvpool` | `llmbus.kvpool.<op>` |
 | KV events (workers -> kvpool's index) | core NATS | `llmbus.kvevents` |
 | a prefill worker's load (-> routers) | core NATS | `llmbus.load.<instance_id>` |
+| tenants' use of their limits (gateway -> gateways) | core NATS | `llmbus.limits` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
 | a service's metrics | core request/reply | `llmbus.metrics.<instance_id>` |
 
@@ -50,6 +51,7 @@ KVPOOL_WILDCARD = f"{PREFIX}.kvpool.*"
 KVPOOL_EVENTS = f"{PREFIX}.kvevents"  # workers' KVEvents (core publish, no reply; every kvpool listens)
 
 LOADS_WILDCARD = f"{PREFIX}.load.*"
+LIMITS = f"{PREFIX}.limits"  # gateways' LimitUsage (core publish; every gateway listens)
 
 REGISTRY_BUCKET = "llmbus_registry"
 

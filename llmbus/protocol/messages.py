@@ -492,6 +492,29 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's part of a LimitUsage."""
+
+    tenant: str
+    requests: int = 0  # requests admitted since the gateway's last report
+    tokens: int = 0  # tokens charged since then: reservations at admission, less what settling gave back
+    in_flight: int = 0  # its requests in flight at that gateway now
+
+
+@dataclass(frozen=True)
+class LimitUsage:
+    """Gateway -> ``llmbus.limits`` (core, no reply), every 0.1 s while its tenants' use changes
+    and every second while they have requests in flight: what they spent there, which every other
+    gateway charges to its own buckets, so a tenant's limits hold across the fleet."""
+
+    gateway: str
+    tenants: list[TenantUsage] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_id("gateway", self.gateway)
+
+
+@dataclass(frozen=True)
 class KVEvents:
     """A batch of a worker's KV events, in order."""
 

@@ -20,6 +20,7 @@ from llmbus import aio
 from llmbus.bus.service import ServiceContext, ServiceOptions, add_common_args, run_service, setup_logging
 from services.gateway.app import build_app
 from services.gateway.bus_client import GatewayBus
+from services.gateway.limits import share_usage
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.handlers import Gateway
 from services.gateway.limits import TenantLimits
@@ -103,12 +104,17 @@ async def serve_http(gw: Gateway, ctx: ServiceContext, sock: socket.socket) -> N
         raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port}")
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     print(f"llmbus gateway listening http://{host}:{port}", flush=True)
+    sharing = asyncio.ensure_future(share_usage(gw.limiter, ctx.nc, ctx.instance_id)) if gw.limiter else None
     await ctx.ready()
     stopping = asyncio.ensure_future(ctx.stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
     server.should_exit = True
     await serving
+    if sharing is not None:
+        sharing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sharing
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,19 +23,36 @@ A gateway started with ``--tenant-limits FILE`` admits a generation request only
 The file is JSON: ``{"default": {<limits>}, "tenants": {"<tenant>": {<limits>}}}``, limits being
 any of ``requests_per_minute``, ``tokens_per_minute``, ``requests_per_day``, ``tokens_per_day``,
 ``max_concurrent_requests`` (positive integers); a tenant's own entry overrides the default field by field, and a limit set nowhere is no
-limit. Each gateway keeps its own buckets: behind N gateways, a tenant gets N times its limits.
+limit.
+
+Behind several gateways (all given the same file) the limits hold across the fleet: each gateway
+reports what its tenants spent (``LimitUsage`` on ``llmbus.limits``: requests and tokens charged,
+requests in flight) every 0.1 s while it changes, and every other gateway charges that to its own
+buckets and counts those requests in flight, so a tenant may overshoot by at most what it spends
+in one report period at each gateway. A gateway's reports on requests in flight count for 3 s
+(it sends them every second while there are any), so a gateway that dies stops counting. The
+buckets live in memory: a gateway that starts, or restarts, starts them full.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from llmbus.bus import subjects
+from llmbus.protocol import LimitUsage, ProtocolError, TenantUsage, decode, encode
 from services.gateway.config import read_json_file
 from services.gateway.errors import APIError
+
+log = logging.getLogger("llmbus.gateway")
+
+REMOTE_IN_FLIGHT_S = 3.0  # another gateway's in-flight count lasts this long unless repeated
 
 FIELDS = ("requests_per_minute", "tokens_per_minute", "requests_per_day", "tokens_per_day", "max_concurrent_requests")
 # each bucket limit: (field, what it counts, its period in seconds, its name in refusals and headers)
@@ -132,6 +149,14 @@ class _TenantState:
         self.buckets = [(name, unit, Bucket(getattr(limits, f), period, now))
                         for f, unit, period, name in BUCKETS if getattr(limits, f)]  # fmt: skip
         self.in_flight = 0
+        self.remote: dict[str, tuple[int, float]] = {}  # other gateway -> (its requests in flight, when told)
+        self.spent = [0, 0]  # requests and tokens charged here since the last report
+        self.reported_in_flight = 0
+
+    def others_in_flight(self, now: float) -> int:
+        for gateway in [g for g, (_, at) in self.remote.items() if now - at > REMOTE_IN_FLIGHT_S]:
+            del self.remote[gateway]
+        return sum(n for n, _ in self.remote.values())
 
     def token_buckets(self) -> list[Bucket]:
         return [b for _, unit, b in self.buckets if unit == "tokens"]
@@ -165,7 +190,33 @@ class RateLimiter:
         for _, unit, bucket in state.buckets:
             bucket.level -= 1 if unit == "requests" else reserved
         state.in_flight += 1
-        return Admission(self, state, reserved if state.token_buckets() else 0, self.headers(state))
+        reserved = reserved if state.token_buckets() else 0
+        state.spent[0] += 1
+        state.spent[1] += reserved
+        return Admission(self, state, reserved, self.headers(state))
+
+    def usage(self, every: bool = False) -> list[TenantUsage]:
+        """What this gateway's tenants spent since the last call, and their requests in flight: the
+        tenants whose figures changed (``every``: also those with requests in flight)."""
+        out = []
+        for tenant, state in self._tenants.items():
+            changed = state.spent != [0, 0] or state.in_flight != state.reported_in_flight
+            if changed or (every and state.in_flight):
+                out.append(TenantUsage(tenant, state.spent[0], state.spent[1], state.in_flight))
+                state.spent = [0, 0]
+                state.reported_in_flight = state.in_flight
+        return out
+
+    def charge(self, gateway: str, usage: list[TenantUsage]) -> None:
+        """Charge what another gateway's tenants spent there to the buckets here, and count their
+        requests in flight there (a refund, negative tokens, refills no further than full)."""
+        now = self.clock()
+        for u in usage:
+            state = self._state(u.tenant)
+            for _, unit, bucket in state.buckets:
+                bucket.refill(now)
+                bucket.level = min(bucket.capacity, bucket.level - (u.requests if unit == "requests" else u.tokens))
+            state.remote[gateway] = (u.in_flight, now)
 
     def _check(self, tenant: str, size: tuple[int, int] | None) -> tuple[_TenantState, int]:
         """Refill every bucket, then refuse when any limit lacks room (Retry-After: the longest
@@ -186,7 +237,7 @@ class RateLimiter:
                                    f"({least} a {'minute' if least == lim.tokens_per_minute else 'day'}): it can never "
                                    "run.", param="messages", code="request_too_large")  # fmt: skip
                 reserved = min(reserved, least)
-        if lim.max_concurrent_requests is not None and state.in_flight >= lim.max_concurrent_requests:
+        if lim.max_concurrent_requests is not None and state.in_flight + state.others_in_flight(now) >= lim.max_concurrent_requests:
             self._refuse(tenant, state, "concurrent", 1.0,
                          f"Too many requests in flight for this tenant: limit {lim.max_concurrent_requests}. "
                          "Retry once one of them ends.")  # fmt: skip
@@ -239,3 +290,34 @@ class Admission:
             for bucket in state.token_buckets():
                 bucket.refill(now)
                 bucket.level = min(bucket.capacity, bucket.level + self.reserved - used_tokens)
+            if state.token_buckets():
+                state.spent[1] += used_tokens - self.reserved
+
+
+async def share_usage(limiter: RateLimiter, nc, gateway: str, period_s: float = 0.1, every_s: float = 1.0) -> None:
+    """Until cancelled: report this gateway's tenants' use on ``llmbus.limits`` (see the module's
+    docstring) and charge what the other gateways report."""
+
+    async def on_usage(msg) -> None:
+        try:
+            report = decode(LimitUsage, msg.data)
+        except ProtocolError as exc:
+            log.debug("dropping a malformed limit usage report: %s", exc)
+            return
+        if report.gateway != gateway:
+            limiter.charge(report.gateway, report.tenants)
+
+    sub = await nc.subscribe(subjects.LIMITS, cb=on_usage)
+    last_every = time.monotonic()
+    try:
+        while True:
+            await asyncio.sleep(period_s)
+            every = time.monotonic() - last_every >= every_s
+            if every:
+                last_every = time.monotonic()
+            if usage := limiter.usage(every):
+                with contextlib.suppress(Exception):  # NATS reconnecting: this period's use goes unreported
+                    await nc.publish(subjects.LIMITS, encode(LimitUsage(gateway, usage)))
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
