@@ -3,6 +3,7 @@ through the real gateway process on a real bus (a scripted worker) with httpx an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -360,3 +361,43 @@ def test_two_gateway_processes_hold_one_tenant_to_its_limit(gw_nats, model_dir, 
         assert results["slow"].status_code == 200
     finally:
         assert one.stop() == 0 and two.stop() == 0
+
+
+def test_saved_levels_are_taken_up_refilled_for_the_time_since():
+    limits = {"requests_per_minute": 6, "tokens_per_day": 86400}
+    a, clock, _ = _limiter(limits)
+    wall = [5000.0]
+    a.wall = lambda: wall[0]
+    for _ in range(3):
+        a.admit("t", 100, 0).settle(100)
+    (saved,) = a.unsaved()
+    assert (saved.tenant, saved.levels, saved.saved_at) == ("t", {"requests": 3, "tokens-day": 86100}, 5000.0)
+    assert a.unsaved() == []  # nothing changed since
+    wall[0] += 20.0  # a new gateway, 20 s later: 2 requests and 20 tokens have come back
+    b = RateLimiter(TenantLimits.parse({"default": limits}), clock, wall=lambda: wall[0])
+    b.restore(saved)
+    assert _level(b, "t", "requests") == 5 and _level(b, "t", "tokens-day") == 86120
+    b.restore(dataclasses.replace(saved, levels={"requests": 1, "gone": 5}))  # limits changed since: what fits
+    assert _level(b, "t", "requests") == 3 and _level(b, "t", "tokens-day") == 86120
+
+
+def test_a_restarted_gateway_does_not_forgive_a_daily_quota(gw_nats, model_dir, worker, scratch, tokenizer):
+    """The buckets outlive the gateway (``llmbus_limits``): a tenant's daily requests spent before
+    a restart are still spent after it."""
+    keys, limits = scratch / "daily-keys.json", scratch / "daily-limits.json"
+    keys.write_text(json.dumps({"sk-daily-00001": "daily"}))
+    limits.write_text(json.dumps({"tenants": {"daily": {"requests_per_day": 2}}}))
+    extra = ("--api-keys-file", str(keys), "--tenant-limits", str(limits))
+    worker.script = reply_script(_ids(tokenizer, "ok"))
+    first = GatewayProcess(gw_nats, model_dir, scratch / "gateway-daily-1.log", extra)
+    try:
+        assert [_post(first.url, "sk-daily-00001").status_code for _ in range(2)] == [200, 200]
+    finally:
+        assert first.stop() == 0  # saves the buckets as it stops
+    second = GatewayProcess(gw_nats, model_dir, scratch / "gateway-daily-2.log", extra)
+    try:
+        r = _post(second.url, "sk-daily-00001")
+        assert r.status_code == 429 and r.json()["error"]["type"] == "requests-day", r.text
+        assert int(r.headers["retry-after"]) > 40000  # a request comes back every 12 hours
+    finally:
+        assert second.stop() == 0

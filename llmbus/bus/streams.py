@@ -131,15 +131,29 @@ async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limi
 
 async def ensure_registry(js: JetStreamContext, limits: StreamLimits | None = None) -> KeyValue:
     """The instance-registry KV bucket (bucket-wide TTL = ``registry_ttl_s``)."""
-    limits = limits or StreamLimits()
+    return await _ensure_bucket(js, subjects.REGISTRY_BUCKET, (limits or StreamLimits()).registry_ttl_s)
+
+
+async def ensure_limits_bucket(js: JetStreamContext) -> KeyValue:
+    """The bucket where gateways save their tenants' rate-limit buckets (a day without a save
+    refills any of them, so entries expire after two)."""
+    return await _ensure_bucket(js, subjects.LIMITS_BUCKET, 2 * 86400.0)
+
+
+async def _ensure_bucket(js: JetStreamContext, name: str, ttl_s: float) -> KeyValue:
     try:
-        return await js.key_value(subjects.REGISTRY_BUCKET)
+        return await js.key_value(name)
     except Exception:  # BucketNotFoundError; create it (idempotent if a peer won the race)
-        return await js.create_key_value(bucket=subjects.REGISTRY_BUCKET, ttl=limits.registry_ttl_s, history=1)
+        return await js.create_key_value(bucket=name, ttl=ttl_s, history=1)
 
 
 async def read_registry(kv: KeyValue, timeout_s: float = 5.0) -> list[InstanceInfo]:
-    """Every live instance in the registry bucket. A key that expires or is deleted between listing
+    """Every live instance in the registry bucket (``read_bucket``)."""
+    return await read_bucket(kv, subjects.REGISTRY_BUCKET, InstanceInfo, timeout_s)
+
+
+async def read_bucket(kv: KeyValue, bucket: str, record: type, timeout_s: float = 5.0) -> list:
+    """Every ``record`` in KV bucket ``bucket``. A key that expires or is deleted between listing
     and reading, that nats-py refuses to read (a name some other client put there), or that holds a
     record this version cannot decode, is skipped. TimeoutError after ``timeout_s``.
 
@@ -147,17 +161,17 @@ async def read_registry(kv: KeyValue, timeout_s: float = 5.0) -> list[InstanceIn
     opens a watcher (a subscription and a server consumer) which it stops only when it completes,
     so a read that times out would leak one on every registry refresh."""
     async with asyncio.timeout(timeout_s):  # NOTE: not wait_for, which on 3.11 can swallow a cancel
-        return await _read_registry(kv)
+        return await _read_bucket(kv, bucket, record)
 
 
-async def _read_registry(kv: KeyValue) -> list[InstanceInfo]:
-    prefix = f"$KV.{subjects.REGISTRY_BUCKET}."
+async def _read_bucket(kv: KeyValue, bucket: str, record: type) -> list:
+    prefix = f"$KV.{bucket}."
     # NOTE: one page of at most 100,000 subjects (nats-py asks for no more): far past any registry
-    info = await kv._js.stream_info(f"KV_{subjects.REGISTRY_BUCKET}", subjects_filter=f"{prefix}>")  # noqa: SLF001
-    out: list[InstanceInfo] = []
+    info = await kv._js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")  # noqa: SLF001
+    out = []
     for subject in sorted(info.state.subjects or {}):
         try:
-            out.append(decode(InstanceInfo, (await kv.get(subject[len(prefix):])).value))
+            out.append(decode(record, (await kv.get(subject[len(prefix):])).value))
         except (KeyValueError, InvalidKeyError, ProtocolError):
             continue
     return out

@@ -15,6 +15,7 @@
 | a prefill worker's load (-> routers) | core NATS | `llmbus.load.<instance_id>` |
 | tenants' use of their limits (gateway -> gateways) | core NATS | `llmbus.limits` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
+| tenants' rate-limit buckets | KV bucket `llmbus_limits` | key `t<tenant name in hex>` |
 | a service's metrics | core request/reply | `llmbus.metrics.<instance_id>` |
 
 Model names become one subject token through :func:`model_token` (``.``, ``*``, ``>``, ``/``, ``\\``
@@ -54,6 +55,7 @@ LOADS_WILDCARD = f"{PREFIX}.load.*"
 LIMITS = f"{PREFIX}.limits"  # gateways' LimitUsage (core publish; every gateway listens)
 
 REGISTRY_BUCKET = "llmbus_registry"
+LIMITS_BUCKET = "llmbus_limits"
 
 ERROR_HEADER = "Llmbus-Error"  # set on a request/reply answer whose body is an ErrorReply
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -182,3 +184,8 @@ def kvpool(op: str) -> str:
 
 def registry_key(role: str, instance_id: str) -> str:
     return f"{role}.{check_id('instance_id', instance_id)}"
+
+
+def limits_key(tenant: str) -> str:
+    """A tenant's key in the ``llmbus_limits`` bucket (any name: KV keys allow few characters)."""
+    return "t" + tenant.encode().hex()

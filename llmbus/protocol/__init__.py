@@ -43,7 +43,7 @@ from llmbus.protocol.messages import (  # noqa: E402 - the prefix-cache records 
     TierStats,
 )
 from llmbus.protocol.messages import MetricFamily, MetricSample, MetricsReply, MetricsRequest  # noqa: E402
-from llmbus.protocol.messages import LimitUsage, TenantUsage, WorkerLoad  # noqa: E402
+from llmbus.protocol.messages import LimitUsage, TenantBuckets, TenantUsage, WorkerLoad  # noqa: E402
 
 __all__ = [
     "FINISH_REASONS", "LANES", "ROLES", "Abort", "AllocateRequest", "ErrorReply", "GenerateRequest",
@@ -54,5 +54,5 @@ __all__ = [
     "BlockRemovedEvent", "BlockStoredEvent", "FetchReply", "FetchRequest", "KVEvents", "LookupReply",
     "LookupRequest", "PrefixHit", "StoreReply", "StoreRequest", "TierStats",
     "MetricFamily", "MetricSample", "MetricsReply", "MetricsRequest", "WorkerLoad",
-    "LimitUsage", "TenantUsage",
+    "LimitUsage", "TenantBuckets", "TenantUsage",
 ]  # fmt: skip

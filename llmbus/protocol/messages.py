@@ -515,6 +515,16 @@ class LimitUsage:
 
 
 @dataclass(frozen=True)
+class TenantBuckets:
+    """A tenant's rate-limit buckets as a gateway saved them, in KV bucket ``llmbus_limits`` (key
+    ``t`` + the tenant's name in hex), so a gateway that starts takes up where the fleet was."""
+
+    tenant: str
+    levels: dict[str, float] = field(default_factory=dict)  # bucket ("requests", "tokens-day", ...) -> units left
+    saved_at: float = 0.0  # unix seconds
+
+
+@dataclass(frozen=True)
 class KVEvents:
     """A batch of a worker's KV events, in order."""
 

@@ -20,7 +20,7 @@ from llmbus import aio
 from llmbus.bus.service import ServiceContext, ServiceOptions, add_common_args, run_service, setup_logging
 from services.gateway.app import build_app
 from services.gateway.bus_client import GatewayBus
-from services.gateway.limits import share_usage
+from services.gateway.limits import keep_buckets, load_buckets, share_usage
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.handlers import Gateway
 from services.gateway.limits import TenantLimits
@@ -94,27 +94,32 @@ async def serve_http(gw: Gateway, ctx: ServiceContext, sock: socket.socket) -> N
     config = gw.config
     gw.bus = GatewayBus(ctx.nc, ctx.instance_id)
     await gw.bus.start()
-    server = _Server(uvicorn.Config(build_app(gw), host=config.host, port=config.port, log_level="warning",
-                                    lifespan="off", timeout_graceful_shutdown=30))
-    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started and not serving.done():
-        await asyncio.sleep(0.05)
-    if not server.started:
+    sharing = None
+    if gw.limiter is not None:  # the fleet's use so far, then what changes: before the first request
+        kv = await load_buckets(gw.limiter, ctx.js)
+        sharing = asyncio.gather(share_usage(gw.limiter, ctx.nc, ctx.instance_id), keep_buckets(gw.limiter, kv))
+    try:
+        server = _Server(uvicorn.Config(build_app(gw), host=config.host, port=config.port, log_level="warning",
+                                        lifespan="off", timeout_graceful_shutdown=30))
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if not server.started:
+            await serving
+            raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port}")
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        print(f"llmbus gateway listening http://{host}:{port}", flush=True)
+        await ctx.ready()
+        stopping = asyncio.ensure_future(ctx.stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        server.should_exit = True
         await serving
-        raise RuntimeError(f"the HTTP server did not start on {config.host}:{config.port}")
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    print(f"llmbus gateway listening http://{host}:{port}", flush=True)
-    sharing = asyncio.ensure_future(share_usage(gw.limiter, ctx.nc, ctx.instance_id)) if gw.limiter else None
-    await ctx.ready()
-    stopping = asyncio.ensure_future(ctx.stop.wait())
-    await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    server.should_exit = True
-    await serving
-    if sharing is not None:
-        sharing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sharing
+    finally:
+        if sharing is not None:  # NOTE: after the last answers: it saves the buckets once more
+            sharing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sharing
 
 
 def main(argv: list[str] | None = None) -> int:

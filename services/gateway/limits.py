@@ -30,8 +30,12 @@ reports what its tenants spent (``LimitUsage`` on ``llmbus.limits``: requests an
 requests in flight) every 0.1 s while it changes, and every other gateway charges that to its own
 buckets and counts those requests in flight, so a tenant may overshoot by at most what it spends
 in one report period at each gateway. A gateway's reports on requests in flight count for 3 s
-(it sends them every second while there are any), so a gateway that dies stops counting. The
-buckets live in memory: a gateway that starts, or restarts, starts them full.
+(it sends them every second while there are any), so a gateway that dies stops counting.
+
+The buckets survive restarts: each gateway saves its tenants' levels to the KV bucket
+``llmbus_limits`` every second while they change, and when it stops; one that starts loads them,
+refilled for the time since they were saved, so a daily quota spent is not forgiven by a restart.
+It loses at most the last second's use of a gateway that crashed.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from nats.js.kv import KeyValue
+
 from llmbus.bus import subjects
-from llmbus.protocol import LimitUsage, ProtocolError, TenantUsage, decode, encode
+from llmbus.bus.streams import ensure_limits_bucket, read_bucket
+from llmbus.protocol import LimitUsage, ProtocolError, TenantBuckets, TenantUsage, decode, encode
 from services.gateway.config import read_json_file
 from services.gateway.errors import APIError
 
@@ -166,11 +173,14 @@ class RateLimiter:
     """Every tenant's buckets and requests in flight; ``admit`` then, once, ``Admission.settle``."""
 
     def __init__(self, config: TenantLimits, clock: Callable[[], float] = time.monotonic,
-                 on_limited: Callable[[str, str], None] | None = None) -> None:  # fmt: skip
+                 on_limited: Callable[[str, str], None] | None = None,
+                 wall: Callable[[], float] = time.time) -> None:  # fmt: skip
         self.config = config
         self.clock = clock
+        self.wall = wall  # unix seconds, for the levels saved across restarts
         self.on_limited = on_limited  # (tenant, limit) of each refusal, for /metrics
         self._tenants: dict[str, _TenantState] = {}
+        self._unsaved: set[str] = set()  # tenants whose buckets changed since the last save
 
     def _state(self, tenant: str) -> _TenantState:
         state = self._tenants.get(tenant)
@@ -193,7 +203,30 @@ class RateLimiter:
         reserved = reserved if state.token_buckets() else 0
         state.spent[0] += 1
         state.spent[1] += reserved
-        return Admission(self, state, reserved, self.headers(state))
+        self._unsaved.add(tenant)
+        return Admission(self, state, reserved, self.headers(state), tenant)
+
+    def unsaved(self) -> list[TenantBuckets]:
+        """The levels of the tenants whose buckets changed since the last call (refilled to now)."""
+        now, at = self.clock(), self.wall()
+        out = []
+        for tenant in sorted(self._unsaved):
+            state = self._tenants[tenant]
+            for _, _, bucket in state.buckets:
+                bucket.refill(now)
+            out.append(TenantBuckets(tenant, {name: bucket.level for name, _, bucket in state.buckets}, at))
+        self._unsaved.clear()
+        return out
+
+    def restore(self, saved: TenantBuckets) -> None:
+        """Take up a tenant's saved levels, refilled for the time since they were saved (a bucket
+        its limits here no longer have is ignored; one they newly have starts full)."""
+        state = self._state(saved.tenant)
+        now, elapsed = self.clock(), max(0.0, self.wall() - saved.saved_at)
+        for name, _, bucket in state.buckets:
+            if name in saved.levels:
+                bucket.refill(now)
+                bucket.level = min(bucket.capacity, saved.levels[name] + elapsed * bucket.rate)
 
     def usage(self, every: bool = False) -> list[TenantUsage]:
         """What this gateway's tenants spent since the last call, and their requests in flight: the
@@ -217,6 +250,7 @@ class RateLimiter:
                 bucket.refill(now)
                 bucket.level = min(bucket.capacity, bucket.level - (u.requests if unit == "requests" else u.tokens))
             state.remote[gateway] = (u.in_flight, now)
+            self._unsaved.add(u.tenant)
 
     def _check(self, tenant: str, size: tuple[int, int] | None) -> tuple[_TenantState, int]:
         """Refill every bucket, then refuse when any limit lacks room (Retry-After: the longest
@@ -272,8 +306,9 @@ class RateLimiter:
 class Admission:
     """One admitted request's charge; ``settle`` once it ends (further calls do nothing)."""
 
-    def __init__(self, limiter: RateLimiter, state: _TenantState, reserved: int, headers: dict[str, str]) -> None:
-        self._limiter, self._state, self.reserved = limiter, state, reserved
+    def __init__(self, limiter: RateLimiter, state: _TenantState, reserved: int, headers: dict[str, str],
+                 tenant: str = "") -> None:  # fmt: skip
+        self._limiter, self._state, self.reserved, self.tenant = limiter, state, reserved, tenant
         self.headers = headers  # x-ratelimit-* as of the admission, for the answer
         self.settled = False
 
@@ -292,6 +327,7 @@ class Admission:
                 bucket.level = min(bucket.capacity, bucket.level + self.reserved - used_tokens)
             if state.token_buckets():
                 state.spent[1] += used_tokens - self.reserved
+                self._limiter._unsaved.add(self.tenant)
 
 
 async def share_usage(limiter: RateLimiter, nc, gateway: str, period_s: float = 0.1, every_s: float = 1.0) -> None:
@@ -321,3 +357,29 @@ async def share_usage(limiter: RateLimiter, nc, gateway: str, period_s: float = 
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def load_buckets(limiter: RateLimiter, js) -> KeyValue:
+    """The ``llmbus_limits`` bucket, after taking up every tenant's saved levels from it."""
+    kv = await ensure_limits_bucket(js)
+    for saved in await read_bucket(kv, subjects.LIMITS_BUCKET, TenantBuckets):
+        limiter.restore(saved)
+    return kv
+
+
+async def save_buckets(limiter: RateLimiter, kv: KeyValue) -> None:
+    """Save the levels of the tenants whose buckets changed (best effort: NATS reconnecting loses
+    this round's, and the next change saves them again)."""
+    for state in limiter.unsaved():
+        with contextlib.suppress(Exception):
+            await kv.put(subjects.limits_key(state.tenant), encode(state))
+
+
+async def keep_buckets(limiter: RateLimiter, kv: KeyValue, period_s: float = 1.0) -> None:
+    """Until cancelled, ``save_buckets`` every ``period_s``; once more when cancelled."""
+    try:
+        while True:
+            await asyncio.sleep(period_s)
+            await save_buckets(limiter, kv)
+    finally:
+        await save_buckets(limiter, kv)
