@@ -356,22 +356,23 @@ class PrefillWorker(EngineWorker):
         a job is taken or let go, and every ``period_s`` what its cache gained and lost (KV events,
         tier 0, for kvpool's index, which the router asks where a prompt is cached). Fire and
         forget: both are hints."""
-        last = None
+        last, drained = None, time.monotonic()
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(period_s):  # a job taken or let go wakes it at once
                     await self._jobs_changed.wait()
             self._jobs_changed.clear()
             load = WorkerLoad(self.ctx.instance_id, len(self.jobs))
-            batch = None
-            if caching and self.engine.num_cache_changes:
-                changes = await self.loop.call(lambda e: e.take_cache_changes())
-                batch = cache_events(self.ctx.instance_id, changes, self.engine.layout.block_size)
-            with contextlib.suppress(Exception):  # NATS reconnecting: the next change says it again
-                if load != last:
+            if load != last:  # NOTE: before anything waits for the engine thread (a long step)
+                with contextlib.suppress(Exception):  # NATS reconnecting: the next change says it again
                     await self.ctx.nc.publish(subjects.load(self.ctx.instance_id), encode(load))
                     last = load
-                if batch is not None:
+            if not caching or time.monotonic() - drained < period_s or not self.engine.num_cache_changes:
+                continue
+            drained = time.monotonic()
+            changes = await self.loop.call(lambda e: e.take_cache_changes())
+            if (batch := cache_events(self.ctx.instance_id, changes, self.engine.layout.block_size)) is not None:
+                with contextlib.suppress(Exception):  # kvpool's index is a hint: this batch is lost
                     await self.ctx.nc.publish(subjects.KVPOOL_EVENTS, encode(batch))
 
     async def _store_chain(self, chain: list[tuple[bytes, bytes, object]]) -> None:
