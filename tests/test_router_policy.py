@@ -3,7 +3,7 @@
 import pytest
 
 from llmbus.protocol import InstanceInfo
-from services.router.policy import (Backlog, Placement, RouteError, RoutingPolicy, live_models, place,
+from services.router.policy import (Backlog, Load, Placement, RouteError, RoutingPolicy, live_models, place,
                                    whole)
 
 
@@ -38,18 +38,22 @@ def test_config_validation():
         RoutingPolicy(models=("",))
 
 
+def _loads(**requests: int) -> dict[str, Load]:
+    return {w: Load(n) for w, n in requests.items()}
+
+
 def test_a_prompt_goes_to_the_worker_whose_cache_holds_most_of_it():
-    idle = {"a": 0, "b": 0}
+    idle = _loads(a=0, b=0)
     assert place(idle, {"b": 10}, 0) == Placement("b", 10)
     assert place(idle, {"a": 3, "b": 10}, 0) == Placement("b", 10)
-    assert place({"a": 2, "b": 0}, {"a": 10}, 0) == Placement("a", 10)  # busier, within the imbalance
+    assert place(_loads(a=2, b=0), {"a": 10}, 0) == Placement("a", 10)  # busier, within the imbalance
     # equal hits: the one with fewer requests; then the instance id
-    assert place({"a": 1, "b": 0}, {"a": 10, "b": 10}, 0) == Placement("b", 10)
+    assert place(_loads(a=1, b=0), {"a": 10, "b": 10}, 0) == Placement("b", 10)
     assert place(idle, {"a": 10, "b": 10}, 0) == Placement("a", 10)
 
 
 def test_the_lane_when_no_worker_saves_more_than_kvpool_would():
-    idle = {"a": 0, "b": 0}
+    idle = _loads(a=0, b=0)
     assert place(idle, {}, 0) == Placement()
     assert place(idle, {"a": 6}, 6) == Placement()  # kvpool gives any worker those 6 blocks
     assert place(idle, {"a": 8}, 6) == Placement("a", 8)
@@ -57,12 +61,17 @@ def test_the_lane_when_no_worker_saves_more_than_kvpool_would():
     assert place({}, {"a": 8}, 0) == Placement()
 
 
-def test_a_busy_cache_holder_gives_way_to_the_least_busy_workers():
-    assert place({"a": 3, "b": 0}, {"a": 10}, 0) == Placement("b", 0)
-    assert place({"a": 3, "b": 0}, {"a": 10}, 4) == Placement("b", 4)  # b fetches kvpool's part
-    assert place({"a": 3, "b": 1, "c": 0}, {"a": 10, "b": 5}, 0) == Placement("b", 5)
-    assert place({"a": 3, "b": 0}, {"a": 10}, 0, max_imbalance=3) == Placement("a", 10)
-    assert place({"a": 1, "b": 0}, {"a": 10}, 0, max_imbalance=0) == Placement("b", 0)
+def test_a_busy_or_full_cache_holder_is_passed_over():
+    assert place(_loads(a=3, b=0), {"a": 10}, 0) == Placement()  # the lane: b has nothing better than it
+    assert place(_loads(a=3, b=1, c=0), {"a": 10, "b": 5}, 0) == Placement("b", 5)
+    assert place(_loads(a=3, b=1, c=0), {"a": 10, "b": 5}, 5) == Placement()
+    assert place(_loads(a=3, b=0), {"a": 10}, 0, max_imbalance=3) == Placement("a", 10)
+    assert place(_loads(a=1, b=0), {"a": 10}, 0, max_imbalance=0) == Placement()
+    # no room: the request would wait in that worker's queue alone
+    full = {"a": Load(1, room=0), "b": Load(1, room=4)}
+    assert place(full, {"a": 10, "b": 4}, 0) == Placement("b", 4)
+    assert place(full, {"a": 10}, 0) == Placement()
+    assert place({"a": Load(1, room=None), "b": Load(1)}, {"a": 10}, 0) == Placement("a", 10)  # room unknown
 
 
 def test_the_backlog_counts_what_was_sent_since_the_workers_own_figures():

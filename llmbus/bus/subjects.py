@@ -15,7 +15,7 @@
 | a prefill worker's load (-> routers) | core NATS | `llmbus.load.<instance_id>` |
 | tenants' use of their limits (gateway -> gateways) | core NATS | `llmbus.limits` |
 | instance registry | KV bucket `llmbus_registry` | key `<role>.<instance_id>` |
-| tenants' rate-limit buckets | KV bucket `llmbus_limits` | key `t<tenant name in hex>` |
+| tenants' rate-limit buckets | KV bucket `llmbus_limits` | key `t<tenant name in hex>.<bucket>` |
 | a service's metrics | core request/reply | `llmbus.metrics.<instance_id>` |
 
 Model names become one subject token through :func:`model_token` (``.``, ``*``, ``>``, ``/``, ``\\``
@@ -186,6 +186,7 @@ def registry_key(role: str, instance_id: str) -> str:
     return f"{role}.{check_id('instance_id', instance_id)}"
 
 
-def limits_key(tenant: str) -> str:
-    """A tenant's key in the ``llmbus_limits`` bucket (any name: KV keys allow few characters)."""
-    return "t" + tenant.encode().hex()
+def limits_key(tenant: str, bucket: str) -> str:
+    """The key of one of a tenant's rate-limit buckets in ``llmbus_limits`` (the tenant's name in
+    hex: KV keys allow few characters)."""
+    return f"t{tenant.encode().hex()}.{bucket}"

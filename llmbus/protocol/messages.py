@@ -486,6 +486,7 @@ class WorkerLoad:
 
     instance_id: str
     requests: int = 0  # jobs held: waiting, prefilling or (colocated) decoding
+    room: int = 0  # jobs it would pull now (batch slots, blocks and prompt-token budget allowing)
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)
@@ -516,8 +517,8 @@ class LimitUsage:
 
 @dataclass(frozen=True)
 class TenantBuckets:
-    """A tenant's rate-limit buckets as a gateway saved them, in KV bucket ``llmbus_limits`` (key
-    ``t`` + the tenant's name in hex), so a gateway that starts takes up where the fleet was."""
+    """A tenant's rate-limit bucket as a gateway saved it, in KV bucket ``llmbus_limits`` (key
+    ``t<the tenant's name in hex>.<bucket>``), so a gateway that starts takes up where the fleet was."""
 
     tenant: str
     levels: dict[str, float] = field(default_factory=dict)  # bucket ("requests", "tokens-day", ...) -> units left

@@ -32,8 +32,8 @@ buckets and counts those requests in flight, so a tenant may overshoot by at mos
 in one report period at each gateway. A gateway's reports on requests in flight count for 3 s
 (it sends them every second while there are any), so a gateway that dies stops counting.
 
-The buckets survive restarts: each gateway saves its tenants' levels to the KV bucket
-``llmbus_limits`` every second while they change, and when it stops; one that starts loads them,
+The buckets survive restarts: each gateway saves the levels of the tenants it serves to the KV
+bucket ``llmbus_limits`` every second while they change, and when it stops; one that starts loads them,
 refilled for the time since they were saved, so a daily quota spent is not forgiven by a restart.
 It loses at most the last second's use of a gateway that crashed.
 """
@@ -207,14 +207,16 @@ class RateLimiter:
         return Admission(self, state, reserved, self.headers(state), tenant)
 
     def unsaved(self) -> list[TenantBuckets]:
-        """The levels of the tenants whose buckets changed since the last call (refilled to now)."""
+        """Each bucket, refilled to now, of the tenants whose use here changed since the last call,
+        one record a bucket (gateways whose limits differ then keep each other's buckets). What other
+        gateways report is charged here but saved by them: a tenant's levels are written by the
+        gateways serving it."""
         now, at = self.clock(), self.wall()
         out = []
         for tenant in sorted(self._unsaved):
-            state = self._tenants[tenant]
-            for _, _, bucket in state.buckets:
+            for name, _, bucket in self._tenants[tenant].buckets:
                 bucket.refill(now)
-            out.append(TenantBuckets(tenant, {name: bucket.level for name, _, bucket in state.buckets}, at))
+                out.append(TenantBuckets(tenant, {name: bucket.level}, at))
         self._unsaved.clear()
         return out
 
@@ -250,7 +252,6 @@ class RateLimiter:
                 bucket.refill(now)
                 bucket.level = min(bucket.capacity, bucket.level - (u.requests if unit == "requests" else u.tokens))
             state.remote[gateway] = (u.in_flight, now)
-            self._unsaved.add(u.tenant)
 
     def _check(self, tenant: str, size: tuple[int, int] | None) -> tuple[_TenantState, int]:
         """Refill every bucket, then refuse when any limit lacks room (Retry-After: the longest
@@ -343,6 +344,11 @@ async def share_usage(limiter: RateLimiter, nc, gateway: str, period_s: float = 
         if report.gateway != gateway:
             limiter.charge(report.gateway, report.tenants)
 
+    async def report(every: bool) -> None:
+        if usage := limiter.usage(every):
+            with contextlib.suppress(Exception):  # NATS reconnecting: this period's use goes unreported
+                await nc.publish(subjects.LIMITS, encode(LimitUsage(gateway, usage)))
+
     sub = await nc.subscribe(subjects.LIMITS, cb=on_usage)
     last_every = time.monotonic()
     try:
@@ -351,10 +357,9 @@ async def share_usage(limiter: RateLimiter, nc, gateway: str, period_s: float = 
             every = time.monotonic() - last_every >= every_s
             if every:
                 last_every = time.monotonic()
-            if usage := limiter.usage(every):
-                with contextlib.suppress(Exception):  # NATS reconnecting: this period's use goes unreported
-                    await nc.publish(subjects.LIMITS, encode(LimitUsage(gateway, usage)))
+            await report(every)
     finally:
+        await report(False)  # the last answers' refunds, and no requests in flight any more
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
 
@@ -370,9 +375,10 @@ async def load_buckets(limiter: RateLimiter, js) -> KeyValue:
 async def save_buckets(limiter: RateLimiter, kv: KeyValue) -> None:
     """Save the levels of the tenants whose buckets changed (best effort: NATS reconnecting loses
     this round's, and the next change saves them again)."""
-    for state in limiter.unsaved():
+    for saved in limiter.unsaved():
+        (name,) = saved.levels
         with contextlib.suppress(Exception):
-            await kv.put(subjects.limits_key(state.tenant), encode(state))
+            await kv.put(subjects.limits_key(saved.tenant, name), encode(saved))
 
 
 async def keep_buckets(limiter: RateLimiter, kv: KeyValue, period_s: float = 1.0) -> None:

@@ -123,6 +123,7 @@ class PrefillWorker(EngineWorker):
         if write_back:
             pullers.append(asyncio.create_task(self._write_back()))
         pullers.append(asyncio.create_task(self._announce(caching)))
+        pullers.append(asyncio.create_task(self._keep_direct()))
         try:
             await self.ctx.stop.wait()
         finally:
@@ -362,7 +363,7 @@ class PrefillWorker(EngineWorker):
                 async with asyncio.timeout(period_s):  # a job taken or let go wakes it at once
                     await self._jobs_changed.wait()
             self._jobs_changed.clear()
-            load = WorkerLoad(self.ctx.instance_id, len(self.jobs))
+            load = WorkerLoad(self.ctx.instance_id, len(self.jobs), self.capacity)
             if load != last:  # NOTE: before anything waits for the engine thread (a long step)
                 with contextlib.suppress(Exception):  # NATS reconnecting: the next change says it again
                     await self.ctx.nc.publish(subjects.load(self.ctx.instance_id), encode(load))
@@ -374,6 +375,15 @@ class PrefillWorker(EngineWorker):
             if (batch := cache_events(self.ctx.instance_id, changes, self.engine.layout.block_size)) is not None:
                 with contextlib.suppress(Exception):  # kvpool's index is a hint: this batch is lost
                     await self.ctx.nc.publish(subjects.KVPOOL_EVENTS, encode(batch))
+
+    async def _keep_direct(self) -> None:
+        """Make this worker's direct consumer again every few heartbeats (idempotent): a router that
+        took this worker for gone (its heartbeats failed for a registry TTL) deleted it, and the
+        pulls would find nothing until it is back."""
+        while True:
+            await asyncio.sleep(2 * self.ctx.options.heartbeat_s)
+            with contextlib.suppress(Exception):  # NATS reconnecting: the next round
+                await ensure_direct_consumer(self.ctx.js, self.ctx.instance_id, self.ctx.options.limits)
 
     async def _store_chain(self, chain: list[tuple[bytes, bytes, object]]) -> None:
         import torch

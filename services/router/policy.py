@@ -78,22 +78,37 @@ class Placement:
     cached_blocks: int = 0
 
 
-def place(loads: Mapping[str, int], hits: Mapping[str, int], pool_blocks: int, max_imbalance: int = 2) -> Placement:
+@dataclass(frozen=True)
+class Load:
+    """A worker as the router sees it: the requests it holds, and how many more it would pull now
+    (None: it does not say)."""
+
+    requests: int = 0
+    room: int | None = None
+
+
+def place(loads: Mapping[str, Load], hits: Mapping[str, int], pool_blocks: int, max_imbalance: int = 2) -> Placement:
     """Send a prompt to one prefill worker, or to its lane.
 
-    ``loads``: worker -> requests it holds; ``hits``: worker -> blocks of the prompt's chain its own
-    cache holds (from the start); ``pool_blocks``: blocks kvpool's tiers can give ANY worker. When
-    no worker's cache beats kvpool's tiers the lane takes it (any replica pulls it as it has room).
-    Else, among the workers holding at most ``max_imbalance`` requests more than the least busy
-    one, the one that reuses most of it (a busy cache holder is passed over: a hot prefix shared by
-    many requests spreads, and the next worker caches it too). Ties: fewer requests, then instance
-    id (deterministic)."""
-    if not loads or max((hits.get(w, 0) for w in loads), default=0) <= pool_blocks:
+    ``loads``: worker -> Load; ``hits``: worker -> blocks of the prompt's chain its own cache holds
+    (from the start); ``pool_blocks``: blocks kvpool's tiers can give ANY worker. A worker with no
+    room (it would not pull the request now: it would wait in that worker's queue alone) or
+    holding more than ``max_imbalance`` requests above the least busy one is passed over (a hot
+    prefix shared by many requests spreads, and the next worker caches it too). Among the rest, the
+    one whose cache reuses most of the prompt (ties: fewer requests, then instance id), but only
+    when that beats kvpool's tiers: else the lane takes it, where any replica pulls it as it has
+    room."""
+    if not loads:
         return Placement()
-    least = min(loads.values())
-    eligible = [w for w, n in loads.items() if n - least <= max_imbalance]
-    best = min(eligible, key=lambda w: (-max(hits.get(w, 0), pool_blocks), loads[w], w))
-    return Placement(best, max(hits.get(best, 0), pool_blocks))
+    least = min(load.requests for load in loads.values())
+    eligible = [w for w, load in loads.items()
+                if load.requests - least <= max_imbalance and (load.room is None or load.room > 0)]  # fmt: skip
+    if not eligible:
+        return Placement()
+    best = min(eligible, key=lambda w: (-hits.get(w, 0), loads[w].requests, w))
+    if hits.get(best, 0) <= pool_blocks:
+        return Placement()
+    return Placement(best, hits[best])
 
 
 class Backlog:

@@ -28,7 +28,7 @@ import msgpack
 
 from llmbus import tracing
 from llmbus.bus import subjects
-from llmbus.bus.kvclient import KVPoolClient, KVPoolError
+from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, read_registry
 from llmbus.bus.tokens import TokenPublisher
@@ -38,13 +38,14 @@ from llmbus.metrics import Metric
 from llmbus.protocol.messages import MetricFamily
 from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
-from services.router.policy import (Backlog, Placement, Route, RouteError, RoutingPolicy, live_models, place,
-                                   whole)
+from services.router.policy import (Backlog, Load, Placement, Route, RouteError, RoutingPolicy, live_models,
+                                   place, whole)
 
 log = logging.getLogger("llmbus.router")
 
 SETTLED_IDS = 65536  # ids remembered as routed or failed: far more than come back within ack_wait
 LOOKUP_TIMEOUT_S = 0.25  # kvpool's answer on where a prompt is cached; later, the lane takes it
+LOOKUP_BACKOFF_S = 5.0  # after a failed lookup, requests skip it (and take their lanes) this long
 # a WorkerLoad is sent as the worker's jobs change: requests sent to it shortly before one came may
 # not have been pulled yet, so they still count
 LOAD_SLACK_S = 0.05
@@ -77,6 +78,7 @@ class Router:
                                                       self.rescued, self.lookup_failures)] + [self._candidates()])  # fmt: skip
         self.kv = KVPoolClient(ctx.nc, transport="bus", timeout=LOOKUP_TIMEOUT_S, owner=ctx.instance_id)
         self.backlog = Backlog()
+        self._lookups_off_until = 0.0
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> its last report, and when it came
         self._gone: set[str] = set()  # direct-subject owners missing from the last registry read
         self.tokens = TokenPublisher(ctx.nc)
@@ -199,11 +201,16 @@ class Router:
         """The prefill worker whose cache makes ``req`` cheapest, or the lane (Placement())."""
         if not self.policy.kv_routing or req.sampling.prompt_logprobs is not None:  # scoring reuses nothing
             return Placement()
-        workers = self._kv_workers(route.model)
+        if time.monotonic() < self._lookups_off_until:  # kvpool failed a moment ago: no wait on it
+            return Placement()
+        # replicas of one model hash alike; during a change (block size, KV format) the larger group counts
+        groups: dict[tuple, list[InstanceInfo]] = {}
+        for w in self._kv_workers(route.model):
+            groups.setdefault((w.prefix_model, w.kv_format, w.block_size), []).append(w)
+        workers = max(groups.values(), key=len, default=[])
         if len(workers) < 2:
             return Placement()
-        ref = workers[0]  # replicas of one model hash alike; one that does not is left out
-        workers = [w for w in workers if (w.prefix_model, w.kv_format, w.block_size) == (ref.prefix_model, ref.kv_format, ref.block_size)]
+        ref = workers[0]
         # NOTE: the last prompt token is always computed (its logits give the first token)
         hashes = chain_hashes(root_hash(ref.prefix_model, ref.kv_format, req.cache_salt),
                               req.prompt_token_ids[:-1], ref.block_size)  # fmt: skip
@@ -211,9 +218,10 @@ class Router:
             return Placement()
         try:
             reply = await self.kv.lookup(hashes)
-        except KVPoolError as exc:
+        except Exception as exc:  # KVPoolError (no answer in time), a reply that does not decode
             self.lookup_failures.add(1)
-            log.debug("no prefix lookup for %s: %s", req.request_id, exc)
+            self._lookups_off_until = time.monotonic() + LOOKUP_BACKOFF_S
+            log.warning("kvpool lookup failed (%s): requests take their lanes for %.0f s", exc, LOOKUP_BACKOFF_S)
             return Placement()
         hits = {h.worker: h.num_blocks for h in reply.hits if h.tier == "t0"}
         if not hits:
@@ -223,18 +231,19 @@ class Router:
             self.backlog.add(placement.instance, time.time())
         return placement
 
-    def _loads(self, workers: list[InstanceInfo]) -> dict[str, int]:
-        """Requests each worker holds: its last WorkerLoad (else its heartbeat's figure), plus those
-        this router sent it since."""
+    def _loads(self, workers: list[InstanceInfo]) -> dict[str, Load]:
+        """Each worker's last WorkerLoad (else its heartbeat's queue depth, room unknown), with the
+        requests this router sent it since counted as held and as room taken."""
         now = time.time()
-        out: dict[str, int] = {}
+        out: dict[str, Load] = {}
         for w in workers:
             report = self.loads.get(w.instance_id)
             if report is not None:
-                held, since = report[0].requests, report[1] - LOAD_SLACK_S
+                load, since = Load(report[0].requests, report[0].room), report[1] - LOAD_SLACK_S
             else:  # a worker that does not report: its registry entry
-                held, since = w.queue_depth, w.updated_at
-            out[w.instance_id] = held + self.backlog.since(w.instance_id, since, now)
+                load, since = Load(w.queue_depth), w.updated_at
+            sent = self.backlog.since(w.instance_id, since, now)
+            out[w.instance_id] = Load(load.requests + sent, None if load.room is None else load.room - sent)
         return out
 
     async def _on_load(self, msg) -> None:
@@ -288,16 +297,20 @@ class Router:
 
     async def _rescue_orphans(self) -> None:
         """Move work waiting on the direct subject of a prefill worker missing from two registry
-        reads running (it crashed or stopped; a worker that stops gives back what it held, and
-        that lands there too) back to its lane, then delete the worker's consumer."""
+        reads running and nobody pulls from (it crashed or stopped; a worker that stops gives back
+        what it held, and that lands there too) back to its lane, then delete the worker's
+        consumer (a worker that comes back makes it again: ``PrefillWorker._keep_direct``)."""
         js = self.ctx.js
         live = {i.instance_id for i in self.instances if i.role == "prefill"}
         prefix, cprefix = subjects.direct_subject("x")[:-1], subjects.direct_consumer("x")[:-1]
         info = await js.stream_info(subjects.DIRECT_STREAM, subjects_filter=subjects.DIRECT_SUBJECTS)
         owners = {s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix)}
-        owners |= {c.name[len(cprefix):] for c in await js.consumers_info(subjects.DIRECT_STREAM)
-                   if c.name.startswith(cprefix)}  # fmt: skip
-        gone = owners - live
+        consumers = {c.name[len(cprefix):]: c for c in await js.consumers_info(subjects.DIRECT_STREAM)
+                     if c.name.startswith(cprefix)}  # fmt: skip
+        # NOTE: a consumer someone is pulling from has a live owner, registered or not (its
+        # heartbeats may fail for a while): its queue is left alone
+        pulled = {owner for owner, c in consumers.items() if c.num_waiting}
+        gone = (owners | set(consumers)) - live - pulled
         for instance in sorted(gone & self._gone):
             await self._move_back(instance)
         self._gone = gone
