@@ -111,7 +111,7 @@ def test_repeats_of_a_prefix_go_to_the_worker_that_caches_it(nats_server, model_
             # each worker computes its own prefix first: sent to it by name, as the router would
             for iid, prefix in prefixes.items():
                 req = _request(f"seed-{iid}", prefix + [1, 2, 3])
-                await js.publish(subjects.direct_subject(iid), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
+                await js.publish(subjects.direct_subject("short", MODEL, iid), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
                 assert (await _final(finals, req.request_id)).worker == iid
             for iid, prefix in prefixes.items():  # their KV events reach kvpool's index
                 hashes = engines[iid].reusable_prefix_hashes(prefix + [1])
@@ -147,7 +147,7 @@ def test_work_left_for_a_worker_that_went_away_goes_back_to_the_lane(nats_server
         async with _worker(nats_server, _engine(model_dir), "prefill-gone"):
             pass  # it made its direct consumer, then stopped (its registry entry is deleted)
         orphan = _request("orphan", list(range(1, 40)))
-        await js.publish(subjects.direct_subject("prefill-gone"), encode(orphan), headers={subjects.MSG_ID_HEADER: "orphan"})
+        await js.publish(subjects.direct_subject("short", MODEL, "prefill-gone"), encode(orphan), headers={subjects.MSG_ID_HEADER: "orphan"})
         async with _worker(nats_server, _engine(model_dir), "prefill-live"):
             async with _router(nats_server, RoutingPolicy(models=(MODEL,)), 1) as router:
                 final = await _final(finals, "orphan")
@@ -158,7 +158,29 @@ def test_work_left_for_a_worker_that_went_away_goes_back_to_the_lane(nats_server
                     await asyncio.sleep(0.05)
                 assert router.rescued.values == {(): 1}
                 with pytest.raises(NotFoundError):  # and the gone worker's consumer with it
-                    await js.consumer_info(subjects.DIRECT_STREAM, subjects.direct_consumer("prefill-gone"))
+                    await js.consumer_info(subjects.PREFILL_STREAMS["short"], subjects.direct_consumer("prefill-gone"))
         await nc.drain()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_request_forwarded_twice_is_stored_once_whatever_the_targets(nats_server):
+    """A request that comes back to a router (its ack lost after the forward was stored) may be
+    sent elsewhere the second time: its lane, a worker's direct subject and the decode pool's whole
+    subject share the lane's stream, whose request-id dedup drops the second."""
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        req = encode(_request("twice", [1, 2, 3]))
+        for lane in ("short", "long"):
+            first = await js.publish(subjects.direct_subject(lane, MODEL, "prefill-x"), req,
+                                     headers={subjects.MSG_ID_HEADER: f"twice-{lane}"})  # fmt: skip
+            assert not first.duplicate and first.stream == subjects.PREFILL_STREAMS[lane]
+            for subject in (subjects.prefill_subject(lane, MODEL), subjects.whole_subject(lane, MODEL)):
+                again = await js.publish(subject, req, headers={subjects.MSG_ID_HEADER: f"twice-{lane}"})
+                assert again.duplicate and again.stream == first.stream
+        await nc.drain()
+
+    asyncio.run(asyncio.wait_for(body(), 30))

@@ -105,7 +105,7 @@ def test_a_whole_request_refused_or_aborted_ends_cleanly(nats_server, tmp_path):
             bad = _request("bad", [5, 6, 10**6], 4)  # a token id past the vocabulary
             long = _request("long", list(range(5, 25)), 500)
             for req in (bad, long):
-                await js.publish(subjects.whole_subject(MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
+                await js.publish(subjects.whole_subject("short", MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
             await _finished(done, "bad")
             (ev,) = events["bad"]
             assert (ev.finish_reason, ev.error_code) == ("error", "invalid_request") and "invalid request" in ev.error

@@ -58,8 +58,6 @@ def stream_configs(limits: StreamLimits) -> list[api.StreamConfig]:
 
     out = [work_queue(subjects.REQUESTS_STREAM, subjects.REQUESTS_SUBJECTS)]
     out += [work_queue(subjects.PREFILL_STREAMS[lane], subjects.prefill_subjects(lane)) for lane in LANES]
-    out.append(work_queue(subjects.DIRECT_STREAM, subjects.DIRECT_SUBJECTS))
-    out.append(work_queue(subjects.WHOLE_STREAM, subjects.WHOLE_SUBJECTS))
     out.append(work_queue(subjects.DECODE_STREAM, subjects.DECODE_SUBJECTS))
     return out
 
@@ -90,11 +88,13 @@ async def ensure_prefill_consumer(js: JetStreamContext, lane: str, model: str, l
                                   subjects.prefill_subject(lane, model), limits, limits.prefill_max_ack_pending)  # fmt: skip
 
 
-async def ensure_direct_consumer(js: JetStreamContext, instance_id: str, limits: StreamLimits | None = None) -> str:
-    """The durable consumer of prefill worker ``instance_id``'s direct subject; returns its name."""
+async def ensure_direct_consumer(js: JetStreamContext, lane: str, instance_id: str,
+                                 limits: StreamLimits | None = None) -> str:  # fmt: skip
+    """The durable consumer of prefill worker ``instance_id``'s direct subjects in ``lane``'s
+    stream; returns its name."""
     limits = limits or StreamLimits()
-    return await _ensure_consumer(js, subjects.DIRECT_STREAM, subjects.direct_consumer(instance_id),
-                                  subjects.direct_subject(instance_id), limits, limits.prefill_max_ack_pending)  # fmt: skip
+    return await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], subjects.direct_consumer(instance_id),
+                                  subjects.direct_subjects(lane, instance_id), limits, limits.prefill_max_ack_pending)  # fmt: skip
 
 
 async def ensure_decode_consumer(js: JetStreamContext, model: str, limits: StreamLimits | None = None) -> str:
@@ -104,11 +104,12 @@ async def ensure_decode_consumer(js: JetStreamContext, model: str, limits: Strea
                                   subjects.decode_subject(model), limits, limits.decode_max_ack_pending)  # fmt: skip
 
 
-async def ensure_whole_consumer(js: JetStreamContext, model: str, limits: StreamLimits | None = None) -> str:
-    """The durable consumer decode replicas of ``model`` share for whole requests; returns its name."""
+async def ensure_whole_consumer(js: JetStreamContext, lane: str, model: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer decode replicas of ``model`` share for whole requests in ``lane``'s
+    stream; returns its name."""
     limits = limits or StreamLimits()
-    return await _ensure_consumer(js, subjects.WHOLE_STREAM, subjects.whole_consumer(model),
-                                  subjects.whole_subject(model), limits, limits.decode_max_ack_pending)  # fmt: skip
+    return await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], subjects.whole_consumer(model),
+                                  subjects.whole_subject(lane, model), limits, limits.decode_max_ack_pending)  # fmt: skip
 
 
 async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limits: StreamLimits,

@@ -4,8 +4,8 @@
 |---|---|---|
 | requests (gateway -> router) | JetStream work queue `LLMBUS_REQUESTS` | `llmbus.req.<model>` |
 | prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
-| prefill work for one worker (its cached prefix) | JetStream work queue `LLMBUS_PREFILL_DIRECT` | `llmbus.prefill.direct.<instance_id>` |
-| whole requests for the decode pool (short prompts) | JetStream work queue `LLMBUS_WHOLE` | `llmbus.whole.<model>` |
+| prefill work for one worker (its cached prefix), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.at.<instance_id>` |
+| whole requests for the decode pool (short prompts), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.whole` |
 | handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
 | tokens (worker -> gateway) | core NATS | `llmbus.tok.<request_id>` |
 | token batches (worker -> one gateway) | core NATS | `llmbus.toks.<instance_id>` |
@@ -35,10 +35,6 @@ REQUESTS_SUBJECTS = f"{PREFIX}.req.>"
 ROUTER_CONSUMER = "router"
 
 PREFILL_STREAMS = {"short": "LLMBUS_PREFILL_SHORT", "long": "LLMBUS_PREFILL_LONG"}
-DIRECT_STREAM = "LLMBUS_PREFILL_DIRECT"
-DIRECT_SUBJECTS = f"{PREFIX}.prefill.direct.>"
-WHOLE_STREAM = "LLMBUS_WHOLE"
-WHOLE_SUBJECTS = f"{PREFIX}.whole.>"
 DECODE_STREAM = "LLMBUS_DECODE"
 DECODE_SUBJECTS = f"{PREFIX}.decode.>"
 
@@ -111,26 +107,34 @@ def prefill_consumer(lane: str, model: str) -> str:
     return f"prefill_{_lane(lane)}_{model_token(model)}"
 
 
-def direct_subject(instance_id: str) -> str:
+def direct_subject(lane: str, model: str, instance_id: str) -> str:
     """Where the router sends a request to one prefill worker, the one whose cache holds most of
-    its prompt (JetStream, Nats-Msg-Id = request_id)."""
-    return f"{PREFIX}.prefill.direct.{check_id('instance_id', instance_id)}"
+    its prompt (JetStream, Nats-Msg-Id = request_id). In the lane's stream, as whole requests are:
+    whichever a request was sent to, its id dedups a second forward of it to any other."""
+    return f"{prefill_subject(lane, model)}.at.{check_id('instance_id', instance_id)}"
+
+
+def direct_subjects(lane: str, instance_id: str = "*") -> str:
+    """Every direct subject of a lane (of one worker, any model): a direct consumer's filter."""
+    return f"{PREFIX}.prefill.{_lane(lane)}.*.at.{instance_id if instance_id == '*' else check_id('instance_id', instance_id)}"
 
 
 def direct_consumer(instance_id: str) -> str:
-    """Durable pull consumer of one prefill worker's direct subject (the worker makes it; the
-    router moves what is left in it back to the lanes when the worker goes away, then deletes it)."""
-    return f"prefill_direct_{check_id('instance_id', instance_id)}"
+    """Durable pull consumer of one prefill worker's direct subjects in a lane's stream (the worker
+    makes it; the router moves what is left in it back to the lane when the worker goes away, then
+    deletes it)."""
+    return f"direct_{check_id('instance_id', instance_id)}"
 
 
-def whole_subject(model: str) -> str:
+def whole_subject(lane: str, model: str) -> str:
     """Where the router sends a short prompt for the decode pool of ``model`` to prefill and decode
-    itself, skipping the handoff (JetStream, Nats-Msg-Id = request_id)."""
-    return f"{PREFIX}.whole.{model_token(model)}"
+    itself, skipping the handoff (JetStream, Nats-Msg-Id = request_id; the lane's stream)."""
+    return f"{prefill_subject(lane, model)}.whole"
 
 
 def whole_consumer(model: str) -> str:
-    """Durable pull consumer shared by every decode replica of ``model`` for whole requests."""
+    """Durable pull consumer shared by every decode replica of ``model`` for whole requests, one
+    in each lane's stream."""
     return f"whole_{model_token(model)}"
 
 

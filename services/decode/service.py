@@ -10,7 +10,7 @@ Per handoff: malformed or unusable -> a final error TokenEvent, lease released, 
 the blocks are read (shared memory on the same host, the bus elsewhere), the sequence is imported,
 the lease released, and the handoff acked. An Abort stops a request at once and frees its blocks.
 
-Whole requests (``llmbus.whole.<model>``: short prompts the router sends here instead of to the
+Whole requests (``llmbus.prefill.<lane>.<model>.whole``: short prompts the router sends here instead of to the
 prefill pool, conditional disaggregation): the engine prefills and decodes them itself, its
 TokenEvents start at seq 0, and the job is acked once the engine has it. A request the engine
 refuses (too long, bad parameters) is a final error event, then ``term``.
@@ -35,7 +35,7 @@ from llmbus.bus.streams import ensure_decode_consumer, ensure_whole_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
 from llmbus.protocol import GenerateRequest, Handoff, Lease, TokenEvent
-from llmbus.protocol.messages import INVALID_REQUEST
+from llmbus.protocol.messages import INVALID_REQUEST, LANES
 from llmbus.worker.base import DEADLINE_CHECK_S, EngineWorker
 from llmbus.worker.events import token_event
 
@@ -141,15 +141,18 @@ class DecodeWorker(EngineWorker):
         worker = self.jobs = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer,
                                                    max_deliver=limits.max_deliver)
         self.ctx.stack.push_async_callback(worker.close)
-        whole = await PullWorker.bind(self.ctx.js, subjects.WHOLE_STREAM,
-                                      await ensure_whole_consumer(self.ctx.js, self.model, limits),
-                                      max_deliver=limits.max_deliver)  # fmt: skip
-        self.ctx.stack.push_async_callback(whole.close)
+        wholes = []
+        for lane in LANES:
+            whole = await PullWorker.bind(self.ctx.js, subjects.PREFILL_STREAMS[lane],
+                                          await ensure_whole_consumer(self.ctx.js, lane, self.model, limits),
+                                          max_deliver=limits.max_deliver)  # fmt: skip
+            self.ctx.stack.push_async_callback(whole.close)
+            wholes.append(whole)
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
         tasks = [asyncio.create_task(self.pull(worker, lambda: self.capacity, self._take)),
-                 asyncio.create_task(self.pull(whole, lambda: self.capacity, self._take_whole)),
+                 *(asyncio.create_task(self.pull(w, lambda: self.capacity, self._take_whole)) for w in wholes),
                  asyncio.create_task(self._publisher())]  # fmt: skip
         try:
             await self.ctx.stop.wait()

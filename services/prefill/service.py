@@ -17,7 +17,7 @@ format, which ``Engine.import_prefix`` loads as cached blocks: the engine comput
 and usage reports them as cached tokens. After prefill the prompt's full blocks, already in the
 handoff lease, are committed to kvpool (``store``). A kvpool failure only costs the reuse, never
 the request. What this worker's own cache gains and loses goes to kvpool's index as KV events, so
-the router sends a prompt here (``llmbus.prefill.direct.<instance_id>``, pulled beside the lanes)
+the router sends a prompt here (``llmbus.prefill.<lane>.<model>.at.<instance_id>``, pulled beside the lanes)
 when this cache holds most of it.
 """
 
@@ -104,10 +104,11 @@ class PrefillWorker(EngineWorker):
         if caching:
             self.engine.track_cache_changes()
         self.start_engine(self._on_outputs)
-        queues = [(subjects.PREFILL_STREAMS[lane], await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits))
-                  for lane in self.lanes]  # fmt: skip
-        # work the router sends this worker alone, for the prefix its cache holds
-        queues.append((subjects.DIRECT_STREAM, await ensure_direct_consumer(self.ctx.js, self.ctx.instance_id, limits)))
+        queues = []
+        for lane in self.lanes:  # each lane's shared queue, and the work the router sends this worker
+            # alone there, for the prefix its cache holds
+            queues.append((subjects.PREFILL_STREAMS[lane], await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits)))
+            queues.append((subjects.PREFILL_STREAMS[lane], await ensure_direct_consumer(self.ctx.js, lane, self.ctx.instance_id, limits)))
         workers = []
         for stream, consumer in queues:
             w = await PullWorker.bind(self.ctx.js, stream, consumer, max_deliver=limits.max_deliver)
@@ -382,8 +383,9 @@ class PrefillWorker(EngineWorker):
         pulls would find nothing until it is back."""
         while True:
             await asyncio.sleep(2 * self.ctx.options.heartbeat_s)
-            with contextlib.suppress(Exception):  # NATS reconnecting: the next round
-                await ensure_direct_consumer(self.ctx.js, self.ctx.instance_id, self.ctx.options.limits)
+            for lane in self.lanes:
+                with contextlib.suppress(Exception):  # NATS reconnecting: the next round
+                    await ensure_direct_consumer(self.ctx.js, lane, self.ctx.instance_id, self.ctx.options.limits)
 
     async def _store_chain(self, chain: list[tuple[bytes, bytes, object]]) -> None:
         import torch

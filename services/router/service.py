@@ -10,7 +10,7 @@ For each request on ``LLMBUS_REQUESTS`` (consumer ``router``):
 Routing by cached prefix (``RoutingPolicy.kv_routing``, when a model has two or more prefill
 workers with a prefix cache): the router hashes the prompt's blocks as those workers do (their
 registry entries say how), asks kvpool's index which worker's cache holds how much of it
-(``lookup``), and sends the request to ``llmbus.prefill.direct.<instance_id>`` when ``place``
+(``lookup``), and sends the request to ``llmbus.prefill.<lane>.<model>.at.<instance_id>`` when ``place``
 finds that worker worth its load; else to the lane. kvpool not answering only costs the choice.
 A worker that leaves the registry (two reads running) has what waits on its direct subject moved
 back to the lanes, and its consumer deleted.
@@ -36,7 +36,7 @@ from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
 from llmbus.protocol.messages import MetricFamily
-from llmbus.protocol import (GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
+from llmbus.protocol import (LANES, GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
 from services.router.policy import (Backlog, Load, Placement, Route, RouteError, RoutingPolicy, live_models,
                                    place, whole)
@@ -159,10 +159,12 @@ class Router:
                              "llmbus.target": "whole" if to_decode else placement.instance or "lane",
                              "llmbus.expected_cached_blocks": placement.cached_blocks})  # fmt: skip
         forwarded = dataclasses.replace(req, lane=route.lane)
+        # NOTE: all three in the lane's stream, where the request id dedups a second forward of a
+        # request that came back (its ack lost) to whichever target the router picks then
         if to_decode:
-            subject = subjects.whole_subject(route.model)
+            subject = subjects.whole_subject(route.lane, route.model)
         elif placement.instance:
-            subject = subjects.direct_subject(placement.instance)
+            subject = subjects.direct_subject(route.lane, route.model, placement.instance)
         else:
             subject = subjects.prefill_subject(route.lane, route.model)
         try:
@@ -296,29 +298,33 @@ class Router:
 
 
     async def _rescue_orphans(self) -> None:
-        """Move work waiting on the direct subject of a prefill worker missing from two registry
+        """Move work waiting on the direct subjects of a prefill worker missing from two registry
         reads running and nobody pulls from (it crashed or stopped; a worker that stops gives back
         what it held, and that lands there too) back to its lane, then delete the worker's
         consumer (a worker that comes back makes it again: ``PrefillWorker._keep_direct``)."""
         js = self.ctx.js
         live = {i.instance_id for i in self.instances if i.role == "prefill"}
-        prefix, cprefix = subjects.direct_subject("x")[:-1], subjects.direct_consumer("x")[:-1]
-        info = await js.stream_info(subjects.DIRECT_STREAM, subjects_filter=subjects.DIRECT_SUBJECTS)
-        owners = {s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix)}
-        consumers = {c.name[len(cprefix):]: c for c in await js.consumers_info(subjects.DIRECT_STREAM)
-                     if c.name.startswith(cprefix)}  # fmt: skip
-        # NOTE: a consumer someone is pulling from has a live owner, registered or not (its
-        # heartbeats may fail for a while): its queue is left alone
-        pulled = {owner for owner, c in consumers.items() if c.num_waiting}
-        gone = (owners | set(consumers)) - live - pulled
-        for instance in sorted(gone & self._gone):
-            await self._move_back(instance)
+        cprefix = subjects.direct_consumer("x")[:-1]
+        gone: set[tuple[str, str]] = set()
+        for lane in LANES:
+            stream = subjects.PREFILL_STREAMS[lane]
+            info = await js.stream_info(stream, subjects_filter=subjects.direct_subjects(lane))
+            owners = {s.rsplit(".", 1)[1] for s in (info.state.subjects or {})}
+            consumers = {c.name[len(cprefix):]: c for c in await js.consumers_info(stream)
+                         if c.name.startswith(cprefix)}  # fmt: skip
+            # NOTE: a consumer someone is pulling from has a live owner, registered or not (its
+            # heartbeats may fail for a while): its queue is left alone
+            pulled = {owner for owner, c in consumers.items() if c.num_waiting}
+            gone |= {(lane, owner) for owner in (owners | set(consumers)) - live - pulled}
+        for lane, instance in sorted(gone & self._gone):
+            await self._move_back(lane, instance)
         self._gone = gone
 
-    async def _move_back(self, instance: str) -> None:
+    async def _move_back(self, lane: str, instance: str) -> None:
         js, limits = self.ctx.js, self.ctx.options.limits
-        name = await ensure_direct_consumer(js, instance, limits)
-        worker = await PullWorker.bind(js, subjects.DIRECT_STREAM, name, max_deliver=limits.max_deliver)
+        stream = subjects.PREFILL_STREAMS[lane]
+        name = await ensure_direct_consumer(js, lane, instance, limits)
+        worker = await PullWorker.bind(js, stream, name, max_deliver=limits.max_deliver)
         moved = 0
         try:
             while msgs := await worker.fetch(64, timeout=0.2):
@@ -328,19 +334,19 @@ class Router:
                     except ProtocolError:
                         await msg.term()
                         continue
-                    # NOTE: the lane stream has not seen this id (the router sent it here instead);
-                    # a second router moving the same message dedups
-                    await js.publish(subjects.prefill_subject(req.lane or "short", req.model), msg.data,
-                                     headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
+                    # NOTE: its own id (the request id is in this stream's dedup window: it came in
+                    # under it); a second router moving the same message dedups
+                    await js.publish(subjects.prefill_subject(lane, req.model), msg.data,
+                                     headers={subjects.MSG_ID_HEADER: f"{req.request_id}.moved"})  # fmt: skip
                     await msg.ack()
                     moved += 1
         finally:
             await worker.close()
         self.rescued.add(moved)
-        state = await js.consumer_info(subjects.DIRECT_STREAM, name)
+        state = await js.consumer_info(stream, name)
         if not state.num_pending and not state.num_ack_pending:
-            await js.delete_consumer(subjects.DIRECT_STREAM, name)
-        log.info("prefill worker %s went away: %d of its requests moved back to their lanes", instance, moved)
+            await js.delete_consumer(stream, name)
+        log.info("prefill worker %s went away: %d of its %s-lane requests moved back to the lane", instance, moved, lane)
 
 
 async def _settle(ack) -> None:
