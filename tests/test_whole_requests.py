@@ -23,6 +23,7 @@ MODEL = "whole"
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> GenerateRequest:
+    # NOTE: ids no other test on the session's server uses: the lane streams dedup ids for 120 s
     return GenerateRequest(rid, MODEL, prompt, token_subject=subjects.tokens(rid),
                            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
@@ -69,11 +70,11 @@ def test_a_short_prompt_is_prefilled_and_decoded_by_the_decode_pool(nats_server,
             async with serving(nats_server, "router", MODEL, lambda ctx: Router(ctx, policy)) as router:
                 while not any(i.role == "decode" for i in router.instances):
                     await asyncio.sleep(0.05)
-                for rid, prompt in (("short", short), ("longer", longer)):
+                for rid, prompt in (("whole-short", short), ("whole-longer", longer)):
                     req = _request(rid, prompt, 6)
                     await js.publish(subjects.request_subject(MODEL), encode(req), headers={subjects.MSG_ID_HEADER: rid})
-                await _finished(done, "short")
-                evs = events["short"]
+                await _finished(done, "whole-short")
+                evs = events["whole-short"]
                 assert [e.seq for e in evs] == list(range(6)) and {e.worker for e in evs} == {worker.ctx.instance_id}
                 assert [t for e in evs for t in e.token_ids] == expected
                 assert (evs[-1].finish_reason, evs[-1].prompt_tokens, evs[-1].completion_tokens) == ("length", 20, 6)
@@ -82,10 +83,10 @@ def test_a_short_prompt_is_prefilled_and_decoded_by_the_decode_pool(nats_server,
             lane = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], await ensure_prefill_consumer(js, "short", MODEL),
                                          max_deliver=5)  # fmt: skip
             (msg,) = await lane.fetch(5, timeout=5.0)
-            assert decode(GenerateRequest, msg.data).request_id == "longer"
+            assert decode(GenerateRequest, msg.data).request_id == "whole-longer"
             await msg.ack()
             await lane.close()
-            assert "longer" not in events and not worker.active
+            assert "whole-longer" not in events and not worker.active
         await nc.drain()
 
     asyncio.run(asyncio.wait_for(body(), 120))
@@ -102,19 +103,19 @@ def test_a_whole_request_refused_or_aborted_ends_cleanly(nats_server, tmp_path):
         await ensure_streams(js)
         events, done = await _events(nc)
         async with serving(nats_server, "decode", MODEL, lambda ctx: DecodeWorker(ctx, engine, MODEL)) as worker:
-            bad = _request("bad", [5, 6, 10**6], 4)  # a token id past the vocabulary
-            long = _request("long", list(range(5, 25)), 500)
+            bad = _request("whole-bad", [5, 6, 10**6], 4)  # a token id past the vocabulary
+            long = _request("whole-long", list(range(5, 25)), 500)
             for req in (bad, long):
                 await js.publish(subjects.whole_subject("short", MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
-            await _finished(done, "bad")
-            (ev,) = events["bad"]
+            await _finished(done, "whole-bad")
+            (ev,) = events["whole-bad"]
             assert (ev.finish_reason, ev.error_code) == ("error", "invalid_request") and "invalid request" in ev.error
-            while "long" not in events:
+            while "whole-long" not in events:
                 await asyncio.sleep(0.02)
-            await nc.publish(subjects.abort("long"), encode(Abort("long")))
+            await nc.publish(subjects.abort("whole-long"), encode(Abort("whole-long")))
             while worker.active or worker.engine.has_unfinished():
                 await asyncio.sleep(0.02)
-            assert len(events["long"]) < 500 and not any(e.finish_reason for e in events["long"])
+            assert len(events["whole-long"]) < 500 and not any(e.finish_reason for e in events["whole-long"])
             assert worker.engine.num_free_blocks == worker.engine.runner.num_blocks
         await nc.drain()
 
