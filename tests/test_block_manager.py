@@ -321,26 +321,26 @@ def test_evictions_of_computed_blocks_are_reported_with_their_parents_before_reu
 def test_changes_record_what_the_cache_indexes_and_forgets_in_order():
     bm = BlockManager(4, BS, model_id="m")
     assert bm.changes is None  # off until someone drains it
-    bm.changes = []
+    bm.track_changes()
     a = make_seq("a", list(range(9)))  # 2 full blocks, and a partial one never indexed
     prefill(bm, a)
     h0, h1 = a.block_hashes
     root = bm._root(a)  # noqa: SLF001
-    assert bm.changes == [(True, h0, root), (True, h1, h0)]
+    assert list(bm.changes) == [(True, h0, root), (True, h1, h0)]
     bm.free(a)
     bm.changes.clear()
     imported = bm.import_cached([b"x" * 16, b"y" * 16], protect=[h0])  # two free blocks, nothing evicted
-    assert len(imported) == 2 and bm.changes == [(True, b"x" * 16, h0), (True, b"y" * 16, b"x" * 16)]
+    assert len(imported) == 2 and list(bm.changes) == [(True, b"x" * 16, h0), (True, b"y" * 16, b"x" * 16)]
     bm.changes.clear()
     b = make_seq("b", list(range(100, 108)))
     prefill(bm, b)  # two blocks, both evicted from the LRU: a's tail goes before its head
-    assert [(added, h) for added, h, _ in bm.changes[:2]] == [(False, h1), (False, h0)]
-    assert [added for added, _, _ in bm.changes[2:]] == [True, True]
+    assert [(added, h) for added, h, _ in list(bm.changes)[:2]] == [(False, h1), (False, h0)]
+    assert [added for added, _, _ in list(bm.changes)[2:]] == [True, True]
 
 
 def test_changes_nobody_drains_are_capped():
     bm = BlockManager(2, BS)
-    bm.changes = []
+    bm.track_changes()
     for i in range(20):
         s = make_seq(f"s{i}", list(range(i * 8, i * 8 + 8)))
         prefill(bm, s)

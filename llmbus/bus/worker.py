@@ -17,15 +17,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from llmbus.protocol import ProtocolError, decode
+
+log = logging.getLogger("llmbus.worker")
+
 
 # the wait for each job the consumer reported pending: another replica may have taken it meanwhile
 _READY_WAIT_S = 0.05
+
+
+async def read_job(record: type, msg: Msg, what: str):
+    """``msg``'s ``record``, or None once it is termed: a malformed payload never gets better."""
+    try:
+        return decode(record, msg.data)
+    except ProtocolError as exc:
+        log.warning("dropping malformed %s: %s", what, exc)
+        await msg.term()
+        return None
 
 
 class RecentIds:

@@ -60,10 +60,8 @@ class BlockManager:
         # Set to a callable(seq) to hear of every ``free`` (finish, abort, preemption, handoff):
         # state kept per sequence beside its blocks goes with them.
         self.on_free = None
-        # Set to [] to record every hash the cache indexes ``(True, hash, parent)`` and forgets
-        # ``(False, hash, None)``, in order, for whoever drains it (a worker's KV events: which
-        # prefixes this cache holds). At most 4 entries per block: the oldest go first.
-        self.changes: list[tuple[bool, bytes, bytes | None]] | None = None
+        # Made by ``track_changes``: what the cache indexed and forgot, in order, for whoever drains it.
+        self.changes: deque[tuple[bool, bytes, bytes | None]] | None = None
 
     # --- counters -----------------------------------------------------------------------------
 
@@ -219,11 +217,15 @@ class BlockManager:
         self._ref[block] = 1
         return block
 
+    def track_changes(self) -> None:
+        """From now on, record in ``changes`` every hash the cache indexes ``(True, hash, parent)``
+        and forgets ``(False, hash, None)`` (a worker's KV events: which prefixes this cache holds).
+        At most 4 entries per block are kept undrained: the oldest go first."""
+        self.changes = deque(maxlen=4 * self.num_blocks)
+
     def _note(self, added: bool, h: bytes, parent: bytes | None) -> None:
         if self.changes is not None:
             self.changes.append((added, h, parent))
-            if len(self.changes) > 4 * self.num_blocks:
-                del self.changes[: len(self.changes) - 4 * self.num_blocks]
 
     def _evict(self, block: int) -> None:
         h = self._hash_of.pop(block)

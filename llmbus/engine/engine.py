@@ -514,13 +514,14 @@ class Engine:
     def track_cache_changes(self) -> None:
         """From now on, record what the prefix cache indexes and forgets (``BlockManager.changes``)
         for ``take_cache_changes`` to drain: a worker announces its cache to kvpool's index."""
-        self.block_manager.changes = []
+        self.block_manager.track_changes()
 
     def take_cache_changes(self) -> list[tuple[bool, bytes, bytes | None]]:
-        bm = self.block_manager
-        out = bm.changes or []
-        if bm.changes is not None:
-            bm.changes = []
+        changes = self.block_manager.changes
+        if changes is None:
+            return []
+        out = list(changes)
+        changes.clear()
         return out
 
     @property

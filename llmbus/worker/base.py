@@ -19,6 +19,7 @@ from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.engine.engine import Engine, StepOutput
 from llmbus.metrics import labelled, scalar
 from llmbus.protocol import Abort, GenerateRequest, MetricFamily, ProtocolError, StoreReply, TokenEvent, decode
+from llmbus.protocol.messages import INVALID_REQUEST
 from llmbus.worker.engine_loop import EngineLoop
 
 log = logging.getLogger("llmbus.worker")
@@ -167,15 +168,19 @@ class EngineWorker(abc.ABC):
         self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=self.held,
                         total_blocks=self.engine.runner.num_blocks, prefix=prefix)  # fmt: skip
 
-    @staticmethod
-    async def read_job(record: type, msg, what: str):
-        """``msg``'s ``record``, or None once it is termed: a malformed payload never gets better."""
-        try:
-            return decode(record, msg.data)
-        except ProtocolError as exc:
-            log.warning("dropping malformed %s: %s", what, exc)
-            await msg.term()
-            return None
+    async def refuse(self, req: GenerateRequest, msg, exc: Exception) -> None:
+        """End a job the engine would not take: its span and a final error event (``invalid_request``
+        when the request is at fault, a ValueError), then ``term``."""
+        rid = req.request_id
+        bad = isinstance(exc, ValueError)
+        if not bad:
+            log.warning("could not take job %s: %r", rid, exc)
+        text = f"invalid request: {exc}" if bad else f"{self.ctx.role} could not take the request: {exc!r}"
+        self.end_span(rid, text, **{"llmbus.finish_reason": "error"})
+        await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
+                                                    prompt_tokens=len(req.prompt_token_ids),
+                                                    code=INVALID_REQUEST if bad else ""))  # fmt: skip
+        await msg.term()
 
     async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]]) -> None:
         """Fetch only as many jobs as ``capacity()`` allows, less those still being taken, and run

@@ -32,10 +32,10 @@ from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_decode_consumer, ensure_whole_consumer
-from llmbus.bus.worker import PullWorker
+from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
 from llmbus.protocol import GenerateRequest, Handoff, Lease, TokenEvent
-from llmbus.protocol.messages import INVALID_REQUEST, LANES
+from llmbus.protocol.messages import LANES
 from llmbus.worker.base import DEADLINE_CHECK_S, EngineWorker
 from llmbus.worker.events import token_event
 
@@ -166,7 +166,7 @@ class DecodeWorker(EngineWorker):
             self.active.clear()
 
     async def _take(self, msg) -> None:
-        if (handoff := await self.read_job(Handoff, msg, "handoff")) is None:
+        if (handoff := await read_job(Handoff, msg, "handoff")) is None:
             return
         req = handoff.request
         rid = req.request_id
@@ -228,7 +228,7 @@ class DecodeWorker(EngineWorker):
 
     async def _take_whole(self, msg) -> None:
         """A short prompt to prefill and decode here (no handoff)."""
-        if (req := await self.read_job(GenerateRequest, msg, "request")) is None:
+        if (req := await read_job(GenerateRequest, msg, "request")) is None:
             return
         rid = req.request_id
         if rid in self.recent_aborts or rid in self.active or rid in self._taking:
@@ -248,13 +248,8 @@ class DecodeWorker(EngineWorker):
         except Exception as exc:  # ValueError: the request's fault; anything else: ours, but it ends it too
             if self.active.pop(rid, None) is None:  # aborted meanwhile: its end is out
                 await msg.ack()
-                return
-            bad = isinstance(exc, ValueError)
-            text = f"invalid request: {exc}" if bad else f"decode could not take the request: {exc!r}"
-            await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
-                                                        prompt_tokens=len(req.prompt_token_ids),
-                                                        code=INVALID_REQUEST if bad else ""))  # fmt: skip
-            await msg.term()
+            else:
+                await self.refuse(req, msg, exc)
             return
         self.report()
         with contextlib.suppress(Exception):  # NOTE: the engine has it: a lost ack only redelivers it, acked as ours

@@ -33,10 +33,10 @@ from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer
-from llmbus.bus.worker import PullWorker
+from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
 from llmbus.protocol import GenerateRequest, Handoff, TokenEvent, WorkerLoad, encode
-from llmbus.protocol.messages import INVALID_REQUEST, LANES
+from llmbus.protocol.messages import LANES
 from llmbus.worker.base import EngineWorker
 from llmbus.worker.events import cache_events, token_event
 
@@ -134,7 +134,7 @@ class PrefillWorker(EngineWorker):
             await self._release_all()
 
     async def _take(self, worker: PullWorker, msg) -> None:
-        if (req := await self.read_job(GenerateRequest, msg, "job")) is None:
+        if (req := await read_job(GenerateRequest, msg, "job")) is None:
             return
         rid = req.request_id
         if rid in self.recent_aborts or rid in self.jobs:
@@ -164,16 +164,8 @@ class PrefillWorker(EngineWorker):
             if self._aborted(job):  # on_abort acked it and closed its stack
                 return
             self.jobs.pop(rid, None)
-            if not isinstance(exc, ValueError):
-                log.warning("could not take job %s: %r", rid, exc)
-            bad = isinstance(exc, ValueError)
-            text = f"invalid request: {exc}" if bad else f"prefill could not take the request: {exc!r}"
-            self.end_span(rid, text, **{"llmbus.finish_reason": "error"})  # (before the stack's own end_span)
+            await self.refuse(req, msg, exc)  # (its span's end before the stack's own end_span)
             await job.stack.aclose()
-            await self.publish(req, TokenEvent.failure(rid, text, worker=self.ctx.instance_id,
-                                                        prompt_tokens=len(req.prompt_token_ids),
-                                                        code=INVALID_REQUEST if bad else ""))  # fmt: skip
-            await msg.term()
 
     async def _cached_prefix(self, req: GenerateRequest):
         """(reusable hashes, blocks already in tier 0, KV rows from kvpool or None). Nothing for a

@@ -32,7 +32,7 @@ from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, read_registry
 from llmbus.bus.tokens import TokenPublisher
-from llmbus.bus.worker import PullWorker, RecentIds
+from llmbus.bus.worker import PullWorker, RecentIds, read_job
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
 from llmbus.protocol.messages import MetricFamily
@@ -80,7 +80,7 @@ class Router:
         self.backlog = Backlog()
         self._lookups_off_until = 0.0
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # worker -> its last report, and when it came
-        self._gone: set[str] = set()  # direct-subject owners missing from the last registry read
+        self._gone: set[tuple[str, str]] = set()  # (lane, direct-subject owner) missing from the last registry read
         self.tokens = TokenPublisher(ctx.nc)
         # request ids whose fate was sent (forwarded or failed): a message that comes back because
         # its ack failed is acked quietly, not routed (or failed) a second time
@@ -290,20 +290,19 @@ class Router:
                     del self.loads[gone]
                 self.backlog.forget(live)
                 try:
-                    await self._rescue_orphans()
+                    await self._rescue_orphans(live)
                 except Exception as exc:  # NATS reconnecting: the next read tries again
                     log.warning("could not look after direct subjects: %s", exc)
             self.ctx.report(queue_depth=0)
             await asyncio.sleep(self.ctx.options.heartbeat_s)
 
 
-    async def _rescue_orphans(self) -> None:
+    async def _rescue_orphans(self, live: set[str]) -> None:
         """Move work waiting on the direct subjects of a prefill worker missing from two registry
         reads running and nobody pulls from (it crashed or stopped; a worker that stops gives back
         what it held, and that lands there too) back to its lane, then delete the worker's
         consumer (a worker that comes back makes it again: ``PrefillWorker._keep_direct``)."""
         js = self.ctx.js
-        live = {i.instance_id for i in self.instances if i.role == "prefill"}
         cprefix = subjects.direct_consumer("x")[:-1]
         gone: set[tuple[str, str]] = set()
         for lane in LANES:
@@ -329,10 +328,7 @@ class Router:
         try:
             while msgs := await worker.fetch(64, timeout=0.2):
                 for msg in msgs:
-                    try:
-                        req = decode(GenerateRequest, msg.data)
-                    except ProtocolError:
-                        await msg.term()
+                    if (req := await read_job(GenerateRequest, msg, "request")) is None:
                         continue
                     # NOTE: its own id (the request id is in this stream's dedup window: it came in
                     # under it); a second router moving the same message dedups
