@@ -18,7 +18,7 @@ from llmbus.bus.streams import ensure_streams
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine, kv_block_bytes
 from llmbus.model.demo import make_demo_model
-from llmbus.protocol import GenerateRequest, SamplingSpec, TokenEvent, decode, encode
+from llmbus.protocol import GenerateRequest, SamplingSpec, TokenEvent, WorkerLoad, decode, encode
 from llmbus.protocol.messages import BlockRemovedEvent, BlockStoredEvent, KVEvents
 from llmbus.worker.events import cache_events
 from services.kvpool.config import format_layout
@@ -121,15 +121,50 @@ def test_repeats_of_a_prefix_go_to_the_worker_that_caches_it(nats_server, model_
                         break
                     await asyncio.sleep(0.05)
                 assert hits == {iid: PREFIX_TOKENS // 16}
-            router = await stack.enter_async_context(_router(nats_server, RoutingPolicy(models=(MODEL,)), 2))
+            # a burst waits before the router starts (one fetch takes it all); the router, told no
+            # model names, learns them from the registry before it routes
+            seen: list[str] = []
+
+            async def on_bus(msg):
+                seen.append("lookup" if msg.subject == subjects.kvpool("lookup") else "forward")
+
+            for subject in (subjects.kvpool("lookup"), f"{subjects.PREFIX}.prefill.>"):
+                await nc.subscribe(subject, cb=on_bus)
+            taken: dict[str, set[str]] = {iid: set() for iid in prefixes}
+
+            async def on_load(msg):
+                load = decode(WorkerLoad, msg.data)
+                taken[load.instance_id] |= set(load.taken)
+
+            await nc.subscribe(subjects.LOADS_WILDCARD, cb=on_load)
+            burst = [_request(f"burst-{i}", prefixes[iid] + [60 + i] * (3 + i))
+                     for i, iid in enumerate(["prefill-a", "prefill-b"] * 3)]  # fmt: skip
+            for req in burst:
+                await js.publish(subjects.request_subject(MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
+            router = await stack.enter_async_context(_router(nats_server, RoutingPolicy(), 2))
+            for req in burst:
+                assert (await _final(finals, req.request_id)).error is None
+            # side by side: every lookup was asked before any request was forwarded (one at a
+            # time, each forward followed its own lookup)
+            assert seen == ["lookup"] * len(burst) + ["forward"] * len(burst)
+            directed, blocks = (m.values.get((MODEL,), 0) for m in (router.directed, router.directed_blocks))
             # NOTE: an order no pull pattern of the lane matches (two replicas' pulls alternate)
             for i, iid in enumerate(["prefill-a", "prefill-a", "prefill-b", "prefill-a", "prefill-b", "prefill-b"]):
                 req = _request(f"repeat-{i}", prefixes[iid] + [i + 1] * (5 + i))
                 await js.publish(subjects.request_subject(MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
                 final = await _final(finals, req.request_id)
                 assert (final.worker, final.error, final.cached_tokens) == (iid, None, PREFIX_TOKENS)
-            assert router.directed.values == {(MODEL,): 6}
-            assert router.directed_blocks.values == {(MODEL,): 6 * PREFIX_TOKENS // 16}
+            assert router.directed.values == {(MODEL,): directed + 6}
+            assert router.directed_blocks.values == {(MODEL,): blocks + 6 * PREFIX_TOKENS // 16}
+            # each worker said which requests sent to it by name it took (routers stop counting them
+            # as on their way): these, and no request of its lanes
+            expected = {"prefill-a": {"repeat-0", "repeat-1", "repeat-3"}, "prefill-b": {"repeat-2", "repeat-4", "repeat-5"}}
+            for _ in range(100):
+                if all(expected[iid] <= taken[iid] for iid in expected):
+                    break
+                await asyncio.sleep(0.05)
+            for iid in expected:
+                assert expected[iid] <= taken[iid] <= expected[iid] | {r.request_id for r in burst}
         await nc.drain()
 
     try:

@@ -74,17 +74,24 @@ def test_a_busy_or_full_cache_holder_is_passed_over():
     assert place({"a": Load(1, room=None), "b": Load(1)}, {"a": 10}, 0) == Placement("a", 10)  # room unknown
 
 
-def test_the_backlog_counts_what_was_sent_since_the_workers_own_figures():
+def test_the_backlog_counts_what_was_sent_and_not_yet_shown_by_the_worker():
     log = Backlog(max_age_s=5.0)
-    log.add("a", now=10.0)
-    log.add("a", now=11.0)
-    log.add("gone", now=10.0)
+    log.add("a", "r1", now=10.0)
+    log.add("a", "r2", now=11.0)
+    log.add("gone", "r3", now=10.0)
     assert log.since("a", 9.0, now=11.5) == 2
     assert log.since("a", 10.5, now=11.5) == 1  # a report after the first shows it
     assert log.since("a", 0.0, now=11.5) == 1  # and it is forgotten
     assert log.since("a", 0.0, now=16.5) == 0  # past max_age_s
     log.forget(["a"])
     assert log.since("gone", 0.0, now=10.5) == 0
+    # a report that lists a request as taken shows it, however soon after the send it came
+    log.add("a", "r4", now=20.0)
+    log.add("a", "r5", now=20.0)
+    log.taken("a", ["r4", "not-sent-by-this-router"])
+    assert log.since("a", 19.9, now=20.01) == 1
+    log.taken("nobody", ["r5"])
+    assert log.since("a", 19.9, now=20.01) == 1
 
 
 def test_kv_routing_settings_are_checked():

@@ -487,6 +487,9 @@ class WorkerLoad:
     instance_id: str
     requests: int = 0  # jobs held: waiting, prefilling or (colocated) decoding
     room: int = 0  # jobs it would pull now (batch slots, blocks and prompt-token budget allowing)
+    # ids of requests sent to it by name (its direct subject) it took since its last report: a
+    # router stops counting them as on their way (they are in ``requests`` now)
+    taken: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_id("instance_id", self.instance_id)

@@ -44,6 +44,7 @@ log = logging.getLogger("llmbus.prefill")
 
 _LEASE_RETRY_S = 0.05  # first wait for a full kvpool; doubled each time, up to
 _LEASE_RETRY_MAX_S = 1.0
+MAX_TAKEN = 256  # request ids one WorkerLoad lists as taken (more go in the next)
 
 
 class DeadlinePassed(Exception):
@@ -71,6 +72,7 @@ class PrefillWorker(EngineWorker):
         self._max_ttl: float | None = None  # kvpool's --max-ttl, once asked
         self.jobs: dict[str, Job] = {}
         self._jobs_changed = asyncio.Event()
+        self._taken: list[str] = []  # ids of requests sent here by name, taken since the last WorkerLoad
 
     @property
     def held(self) -> int:
@@ -137,6 +139,9 @@ class PrefillWorker(EngineWorker):
         if (req := await read_job(GenerateRequest, msg, "job")) is None:
             return
         rid = req.request_id
+        if msg.subject.endswith(f".at.{self.ctx.instance_id}"):  # sent here by name: routers count it till told
+            self._taken.append(rid)
+            self._jobs_changed.set()
         if rid in self.recent_aborts or rid in self.jobs:
             await msg.ack()  # aborted before it reached us, or a redelivery of a job we hold
             return
@@ -356,11 +361,14 @@ class PrefillWorker(EngineWorker):
                 async with asyncio.timeout(period_s):  # a job taken or let go wakes it at once
                     await self._jobs_changed.wait()
             self._jobs_changed.clear()
-            load = WorkerLoad(self.ctx.instance_id, len(self.jobs), self.capacity)
-            if load != last:  # NOTE: before anything waits for the engine thread (a long step)
+            load = WorkerLoad(self.ctx.instance_id, len(self.jobs), self.capacity, self._taken[:MAX_TAKEN])
+            if (load.requests, load.room) != last or load.taken:  # NOTE: before anything waits for the engine thread
                 with contextlib.suppress(Exception):  # NATS reconnecting: the next change says it again
                     await self.ctx.nc.publish(subjects.load(self.ctx.instance_id), encode(load))
-                    last = load
+                    last = (load.requests, load.room)
+                    del self._taken[: len(load.taken)]
+                    if self._taken:  # more than one report holds
+                        self._jobs_changed.set()
             if not caching or time.monotonic() - drained < period_s or not self.engine.num_cache_changes:
                 continue
             drained = time.monotonic()

@@ -112,19 +112,26 @@ def place(loads: Mapping[str, Load], hits: Mapping[str, int], pool_blocks: int, 
 
 
 class Backlog:
-    """Requests the router sent each worker, for the worker's load until its own figures (a load
-    report, or a heartbeat) show them: ``since(worker, t)`` counts those sent at ``t`` or later,
-    within ``max_age_s`` (a worker that never reports them). Pure: the caller passes the times."""
+    """Requests the router sent each worker by name, for the worker's load until its own figures
+    show them: a load report that lists them as taken, a report (or heartbeat) from well after
+    they were sent, or ``max_age_s`` (one lost on the way). ``since(worker, t, now)`` counts those
+    sent at ``t`` or later and not reported taken. Pure: the caller passes the times."""
 
     def __init__(self, max_age_s: float = 2.0) -> None:
         self.max_age_s = max_age_s
-        self._sent: dict[str, list[float]] = {}
+        self._sent: dict[str, dict[str, float]] = {}  # worker -> request id -> when sent
 
-    def add(self, worker: str, now: float) -> None:
-        self._sent.setdefault(worker, []).append(now)
+    def add(self, worker: str, request_id: str, now: float) -> None:
+        self._sent.setdefault(worker, {})[request_id] = now
+
+    def taken(self, worker: str, request_ids: Iterable[str]) -> None:
+        """``worker`` reported these: its own request count holds them now."""
+        sent = self._sent.get(worker, {})
+        for rid in request_ids:
+            sent.pop(rid, None)
 
     def since(self, worker: str, t: float, now: float) -> int:
-        kept = [at for at in self._sent.get(worker, ()) if at >= t and now - at < self.max_age_s]
+        kept = {rid: at for rid, at in self._sent.get(worker, {}).items() if at >= t and now - at < self.max_age_s}
         if kept:
             self._sent[worker] = kept
         else:

@@ -1,5 +1,6 @@
 """The router service: pulls GenerateRequests, routes them (policy.py), forwards to prefill lanes.
 
+The registry is read before the first pull; the requests of one pull are routed side by side.
 For each request on ``LLMBUS_REQUESTS`` (consumer ``router``):
 - malformed payload -> a final error TokenEvent when the request id can be read, then ``term``;
 - unknown model / empty prompt / passed deadline -> a final error TokenEvent, then ``ack``;
@@ -106,23 +107,31 @@ class Router:
         if self.policy.kv_routing:
             sub = await self.ctx.nc.subscribe(subjects.LOADS_WILDCARD, cb=self._on_load)
             self.ctx.stack.push_async_callback(sub.unsubscribe)
-        watcher = asyncio.create_task(self._watch_registry())
+        # NOTE: the registry is read before the first fetch: a router (re)started while requests
+        # wait must not fail them as unknown models, nor route them knowing no worker
+        watcher = asyncio.create_task(self._watch_registry(await self._read_registry()))
         await self.ctx.ready()
         try:
             while not self.ctx.stop.is_set():
-                for msg in await worker.fetch(self.fetch_batch, timeout=0.5):
-                    try:
-                        await self._handle(worker, msg)
-                    except Exception:  # one message's bad luck must not stop the routing of the rest
-                        log.exception("could not route a request; dropping it")
-                        with contextlib.suppress(Exception):
-                            await self._fail_unreadable(msg.data, "the router could not route this request")
-                        with contextlib.suppress(Exception):
-                            await msg.term()
+                # NOTE: a batch's requests are routed side by side: one waiting on kvpool's lookup
+                # or on its stream's ack holds up none of the others (one at a time, a burst's last
+                # request waited for every lookup before it)
+                msgs = await worker.fetch(self.fetch_batch, timeout=0.5)
+                await asyncio.gather(*(self._handle_guarded(worker, msg) for msg in msgs))
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+
+    async def _handle_guarded(self, worker: PullWorker, msg) -> None:
+        try:
+            await self._handle(worker, msg)
+        except Exception:  # one message's bad luck must not stop the routing of the rest
+            log.exception("could not route a request; dropping it")
+            with contextlib.suppress(Exception):
+                await self._fail_unreadable(msg.data, "the router could not route this request")
+            with contextlib.suppress(Exception):
+                await msg.term()
 
     async def _handle(self, worker: PullWorker, msg) -> None:
         try:
@@ -230,12 +239,13 @@ class Router:
             return Placement()
         placement = place(self._loads(workers), hits, reply.pool_blocks, self.policy.max_imbalance)
         if placement.instance:
-            self.backlog.add(placement.instance, time.time())
+            self.backlog.add(placement.instance, req.request_id, time.time())
         return placement
 
     def _loads(self, workers: list[InstanceInfo]) -> dict[str, Load]:
         """Each worker's last WorkerLoad (else its heartbeat's queue depth, room unknown), with the
-        requests this router sent it since counted as held and as room taken."""
+        requests this router sent it since and no report has listed as taken counted as held and
+        as room taken."""
         now = time.time()
         out: dict[str, Load] = {}
         for w in workers:
@@ -255,6 +265,7 @@ class Router:
             log.debug("dropping a malformed load report: %s", exc)
             return
         self.loads[load.instance_id] = (load, time.time())
+        self.backlog.taken(load.instance_id, load.taken)
 
     async def _fail(self, req: GenerateRequest, message: str) -> None:
         self.requests.add(1, req.model, "none", "failed")
@@ -277,25 +288,30 @@ class Router:
         self.requests.add(1, "unknown", "none", "failed")  # (a name nothing checked: not a label)
         await self.tokens.publish(subject, event)
 
-    async def _watch_registry(self) -> None:
-        """Refresh the live-instance snapshot once per heartbeat period."""
+    async def _watch_registry(self, live: set[str] | None) -> None:
+        """Refresh the live-instance snapshot once per heartbeat period (``live``: the first read's)."""
         while True:
-            try:
-                self.instances = await read_registry(self.ctx.registry)
-            except Exception as exc:  # a timeout while NATS reconnects: keep the last snapshot
-                log.warning("could not read the registry: %s", exc)
-            else:
-                live = {i.instance_id for i in self.instances if i.role == "prefill"}
-                for gone in [w for w in self.loads if w not in live]:
-                    del self.loads[gone]
-                self.backlog.forget(live)
+            if live is not None:
                 try:
                     await self._rescue_orphans(live)
                 except Exception as exc:  # NATS reconnecting: the next read tries again
                     log.warning("could not look after direct subjects: %s", exc)
             self.ctx.report(queue_depth=0)
             await asyncio.sleep(self.ctx.options.heartbeat_s)
+            live = await self._read_registry()
 
+    async def _read_registry(self) -> set[str] | None:
+        """Read the live instances; the live prefill workers' ids, or None (the last snapshot stays)."""
+        try:
+            self.instances = await read_registry(self.ctx.registry)
+        except Exception as exc:  # a timeout while NATS reconnects: keep the last snapshot
+            log.warning("could not read the registry: %s", exc)
+            return None
+        live = {i.instance_id for i in self.instances if i.role == "prefill"}
+        for gone in [w for w in self.loads if w not in live]:
+            del self.loads[gone]
+        self.backlog.forget(live)
+        return live
 
     async def _rescue_orphans(self, live: set[str]) -> None:
         """Move work waiting on the direct subjects of a prefill worker missing from two registry
