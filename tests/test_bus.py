@@ -281,6 +281,46 @@ def test_aio_run_picks_uvloop_for_the_gateway_and_the_bench_client_too(monkeypat
     assert not issubclass(aio.run(loop_type()), uvloop.Loop)
 
 
+async def _decode_queue(nats_server: str, model: str):
+    """A connection, its JetStream context and a PullWorker on ``model``'s decode consumer."""
+    nc = await connect(nats_server)
+    js = nc.jetstream()
+    limits = StreamLimits(ack_wait_s=30)
+    await ensure_streams(js, limits, models=(model,))
+    worker = await PullWorker.bind(js, subjects.DECODE_STREAM, subjects.decode_consumer(model), max_deliver=limits.max_deliver)
+    return nc, js, worker
+
+
+def test_pulling_stops_where_the_callers_room_ends_job_by_job(nats_server):
+    """``messages`` asks for room again before each job: a caller whose room shrinks with what
+    each job costs (a prompt's tokens) stops the pull there, with the rest left in the stream for
+    another replica, not at the room it had before the burst."""
+
+    async def body():
+        nc, js, worker = await _decode_queue(nats_server, "room")
+        subj = subjects.decode_subject("room")
+        for i in range(6):
+            await js.publish(subj, f"cost-{i}".encode(), headers={subjects.MSG_ID_HEADER: f"room-{i}"})
+        claimed: list = []
+
+        def room() -> int:  # eight slots, but 250 units of work, each job costing 100
+            return 0 if 100 * len(claimed) >= 250 else 8 - len(claimed)
+
+        async for msg in worker.messages(room, timeout=5.0):
+            claimed.append(msg)
+        assert [m.data for m in claimed] == [b"cost-0", b"cost-1", b"cost-2"]
+        info = await js.consumer_info(subjects.DECODE_STREAM, subjects.decode_consumer("room"))
+        assert info.num_pending == 3  # left for another replica
+        rest = await worker.fetch(64, timeout=5.0)
+        assert [m.data for m in rest] == [f"cost-{i}".encode() for i in range(3, 6)]
+        for m in claimed + rest:
+            await m.ack()
+        await worker.close()
+        await nc.close()
+
+    run(body())
+
+
 def test_pull_worker_returns_a_lone_job_at_once_and_a_burst_in_one_fetch(nats_server):
     """A fetch with room for many returns as soon as one job arrives, not when its wait ends, and
     takes a burst already queued in one call, never more than its capacity.
@@ -290,13 +330,8 @@ def test_pull_worker_returns_a_lone_job_at_once_and_a_burst_in_one_fetch(nats_se
     lingering request for n, which then caught a later job and held it until it expired."""
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        limits = StreamLimits(ack_wait_s=30)
-        await ensure_streams(js, limits, models=("lone",))
+        nc, js, worker = await _decode_queue(nats_server, "lone")
         subj = subjects.decode_subject("lone")
-        worker = await PullWorker.bind(js, subjects.DECODE_STREAM, subjects.decode_consumer("lone"),
-                                       max_deliver=limits.max_deliver)
 
         async def one(name: str) -> None:
             waiting = asyncio.create_task(worker.fetch(64, timeout=30.0))

@@ -20,7 +20,7 @@ from llmbus.bus.streams import ensure_decode_consumer, ensure_streams
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine, kv_block_bytes
 from llmbus.model.demo import make_demo_model
-from llmbus.protocol import Abort, GenerateRequest, Handoff, SamplingSpec, TokenEvent, decode, encode
+from llmbus.protocol import Abort, GenerateRequest, Handoff, SamplingSpec, TokenEvent, WorkerLoad, decode, encode
 from services.prefill.service import PrefillWorker
 
 BURST = 6
@@ -110,6 +110,50 @@ def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
     # NOTE: taken one job at a time, each waited for a step boundary, so steps prefilled one prompt each
     assert max(prompts_per_step) >= BURST // 2, prompts_per_step
     assert engine.leak_check()["free_blocks"] == engine.leak_check()["total_blocks"]
+
+
+def test_a_burst_of_long_prompts_is_pulled_only_up_to_the_token_budget(nats_server, tmp_path):
+    """A worker pulls prompts while those waiting for their first token fill less than two steps'
+    token budget: a burst queued before it looked stays in the stream past that (where another
+    replica can take it), however many batch slots are free."""
+    model = "budget"
+    engine = _engine(tmp_path, enable_prefix_caching=False, max_num_batched_tokens=64)
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        # NOTE: one subscription, so its callbacks run in the order the worker sent (loads, tokens)
+        seen: list[tuple[str, object]] = []
+        finished: set[str] = set()
+        done = asyncio.Event()
+
+        async def on_msg(msg):
+            if msg.subject.startswith(subjects.load("x")[:-1]):
+                seen.append(("load", decode(WorkerLoad, msg.data)))
+            elif msg.subject.startswith(subjects.tokens("x")[:-1]):
+                ev = decode(TokenEvent, msg.data)
+                seen.append(("token", ev))
+                if ev.finish_reason:
+                    finished.add(ev.request_id)
+                    if len(finished) == BURST:
+                        done.set()
+
+        await nc.subscribe(f"{subjects.PREFIX}.>", cb=on_msg)
+        for i in range(BURST):
+            await _submit(js, model, f"budget-{i}", list(range(3 + i, 103 + i)), 2)
+        async with _colocated_worker(nats_server, engine, model) as worker:
+            await asyncio.wait_for(done.wait(), 60)
+            iid = worker.ctx.instance_id
+        await nc.close()
+        first_token = next(i for i, (kind, _) in enumerate(seen) if kind == "token")
+        held = [load.requests for kind, load in seen[:first_token] if kind == "load" and load.instance_id == iid]
+        return finished, held
+
+    finished, held = asyncio.run(body())
+    assert finished == {f"budget-{i}" for i in range(BURST)}
+    # two 100-token prompts fill two 64-token steps: the third waits in the stream until a first token
+    assert max(held) == 2, held
 
 
 def test_a_short_prompt_is_handed_off_before_a_long_one_prefilled_with_it(nats_server, tmp_path):

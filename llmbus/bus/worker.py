@@ -1,6 +1,6 @@
 """Pulling work from a durable JetStream consumer only as fast as the caller can take it.
 
-Contract for a job ``msg`` from :meth:`PullWorker.fetch`:
+Contract for a job ``msg`` from :meth:`PullWorker.fetch` (or ``messages``):
 - wrap the work in ``async with worker.working(msg):`` - it calls ``msg.in_progress()`` every
   ``heartbeat_s`` so AckWait does not expire on a long job;
 - then exactly one of ``msg.ack()`` (done: the result is durably published), ``msg.nak(delay=s)``
@@ -18,7 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -75,31 +75,40 @@ class PullWorker:
 
     async def fetch(self, capacity: int, timeout: float = 1.0) -> list[Msg]:
         """Up to ``capacity`` jobs: those ready now, or the first to arrive within ``timeout`` s;
-        [] when none (or capacity < 1).
-
-        NOTE: one message at a time: the first within ``timeout``, then as many more as the
-        consumer reports pending, each within ``_READY_WAIT_S``. nats-py's ``fetch(n)`` for n > 1
-        returns only when n messages came or the pull request expired, so a lone job published
-        while a worker waited could sit in its queue for the rest of the wait (a real server:
-        74-143 ms in about 1 of 10-30 publishes at n = 64, 1 ms at n = 1; a decode worker's handoff
-        150-230 ms, which was the p99 of short requests' TPOT). A ``fetch(n)`` cut short also
-        leaves the rest of its batch to land in the local queue, which its next call takes whole,
-        past any capacity; a ``fetch(1)`` cut short leaves at most one, which the next call takes
-        first."""
-        if capacity < 1:
-            await asyncio.sleep(min(timeout, 0.05))
-            return []
+        [] when none (or capacity < 1). See ``messages``."""
         msgs: list[Msg] = []
-        wait = timeout
-        while len(msgs) < capacity:
-            try:
-                msgs += await self._sub.fetch(1, timeout=wait)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # NOTE: nats raises either on an empty fetch
-                break
-            if not msgs[-1].metadata.num_pending:
-                break
-            wait = _READY_WAIT_S  # a burst: the rest are there already (unless another replica took them)
+        async for msg in self.messages(lambda: capacity - len(msgs), timeout):
+            msgs.append(msg)
         return msgs
+
+    async def messages(self, room: Callable[[], int], timeout: float = 1.0) -> AsyncIterator[Msg]:
+        """Jobs while ``room()`` > 0, asked before each: the first to arrive within ``timeout`` s,
+        then as many more as the consumer reports pending. A caller that counts each job it is
+        given (before it asks for the next) stops the pull where its room ends, whatever a job
+        costs it.
+
+        NOTE: one message at a time: the first within ``timeout``, then each pending one within
+        ``_READY_WAIT_S``. nats-py's ``fetch(n)`` for n > 1 returns only when n messages came or
+        the pull request expired, so a lone job published while a worker waited could sit in its
+        queue for the rest of the wait (a real server: 74-143 ms in about 1 of 10-30 publishes at
+        n = 64, 1 ms at n = 1; a decode worker's handoff 150-230 ms, which was the p99 of short
+        requests' TPOT). A ``fetch(n)`` cut short also leaves the rest of its batch to land in the
+        local queue, which its next call takes whole, past any room; a ``fetch(1)`` cut short
+        leaves at most one, which the next call takes first."""
+        if room() < 1:
+            await asyncio.sleep(min(timeout, 0.05))
+            return
+        wait = timeout
+        while room() > 0:
+            try:
+                msgs = await self._sub.fetch(1, timeout=wait)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):  # NOTE: nats raises either on an empty fetch
+                return
+            for msg in msgs:
+                yield msg
+            if not msgs or not msgs[-1].metadata.num_pending:
+                return
+            wait = _READY_WAIT_S  # a burst: the rest are there already (unless another replica took them)
 
     @contextlib.asynccontextmanager
     async def working(self, msg: Msg) -> AsyncIterator[None]:

@@ -182,24 +182,34 @@ class EngineWorker(abc.ABC):
                                                     code=INVALID_REQUEST if bad else ""))  # fmt: skip
         await msg.term()
 
-    async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]]) -> None:
+    async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]], *,
+                   counts_at_once: bool = False) -> None:  # fmt: skip
         """Fetch only as many jobs as ``capacity()`` allows, less those still being taken, and run
-        ``take`` on each as its own task, until stopped.
+        ``take`` on each as its own task, until stopped. ``capacity()`` is asked again after each
+        job's take has started. ``counts_at_once``: a take has its job counted in ``capacity()``
+        before its first wait (prefill registers it), so takes in flight are not subtracted again,
+        and a burst stops where the worker's room ends (prefill: its prompt-token budget), not at
+        the free batch slots counted before the burst came.
 
         NOTE: takes run concurrently because each waits for the engine thread between two steps
         (prefix lookup, admission): taken one after another, a burst of N jobs needed N steps to
         reach the batch (one 256-token prompt per step instead of eight)."""
         taking: set[asyncio.Task] = set()
+
+        def room() -> int:
+            return capacity() - (0 if counts_at_once else len(taking))
+
         try:
             while not self.ctx.stop.is_set():
                 if self.loop.error is not None:
                     log.error("engine thread died; stopping")
                     self.ctx.stop.set()
                     return
-                for msg in await worker.fetch(capacity() - len(taking), timeout=0.5):
+                async for msg in worker.messages(room, timeout=0.5):
                     task = asyncio.create_task(take(msg))
                     taking.add(task)
                     task.add_done_callback(_finished_take(taking))
+                    await asyncio.sleep(0)  # NOTE: the take starts (and claims its job) before room() is asked again
                 self.report()
         finally:
             if taking:  # let takes in flight finish (a step or two), so shutdown sees their jobs

@@ -119,8 +119,10 @@ class PrefillWorker(EngineWorker):
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
-        pullers = [asyncio.create_task(self.pull(w, lambda: self.capacity, lambda m, w=w: self._take(w, m)))
-                   for w in workers]  # fmt: skip
+        # NOTE: a take registers its job before its first wait, so every puller sees the others'
+        # jobs (batch slots and prompt tokens) as soon as they are pulled
+        pullers = [asyncio.create_task(self.pull(w, lambda: self.capacity, lambda m, w=w: self._take(w, m),
+                                                 counts_at_once=True)) for w in workers]  # fmt: skip
         if self.colocated:
             pullers.append(asyncio.create_task(self._colocated_publisher()))
         if write_back:
