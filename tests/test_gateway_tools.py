@@ -178,6 +178,41 @@ def test_a_call_comes_back_as_an_openai_tool_call(tools_gateway, worker, tokeniz
     assert out.choices[0].message.tool_calls is None
 
 
+def test_the_responses_api_calls_functions_as_chat_does(tools_gateway, worker, tokenizer):
+    """``client.responses`` with function tools: earlier calls and their outputs (input items)
+    reach the chat template as chat's do, and a call in the answer is a ``function_call`` item,
+    streamed as OpenAI's events, which the openai client's stream helper assembles."""
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    client = openai.OpenAI(base_url=tools_gateway + "/v1", api_key="unused", max_retries=0)
+    worker.script = reply_script(_ids(tokenizer, "Sure. " + CALL_A), per_event=3)
+    before = len(worker.requests)
+    out = client.responses.create(model="demo", input=history, tools=tools)
+    (req, _), = worker.requests[before:]
+    prompt = tokenizer.decode(req.prompt_token_ids)
+    assert '"name": "get_weather"' in prompt and "[call get_weather city=Rome]" in prompt and "(for call_1)" in prompt
+    assert out.status == "completed" and [i.type for i in out.output] == ["message", "function_call"]
+    assert out.output_text == "Sure."
+    call = out.output[1]
+    assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Paris", "unit": "C"}, "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_") and out.tools[0].name == "get_weather"
+    with client.responses.stream(model="demo", input=history, tools=tools) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.count("response.function_call_arguments.done") == 1 and kinds[-1] == "response.completed"
+    assert [i.type for i in final.output] == ["message", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"city": "Paris", "unit": "C"}
+    # the client answers the call: the next turn carries it back as input items
+    worker.script = reply_script(_ids(tokenizer, "It is sunny in Paris."))
+    out = client.responses.create(model="demo", tools=tools, input=[
+        *history[:1], *[i.model_dump(exclude_none=True) for i in final.output if i.type == "function_call"],
+        {"type": "function_call_output", "call_id": final.output[1].call_id, "output": "sunny"}])
+    assert (out.output_text, [i.type for i in out.output]) == ("It is sunny in Paris.", ["message"])
+
+
 def test_mistral_calls_come_back_with_ids_its_templates_take(mistral_gateway, worker, tokenizer):
     worker.script = reply_script(_ids(tokenizer, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}]'),
                                  per_event=2)

@@ -1,14 +1,17 @@
-"""OpenAI's Responses API (``POST /v1/responses``), for text: a request becomes a chat request (its
+"""OpenAI's Responses API (``POST /v1/responses``): a request becomes a chat request (its
 ``instructions`` a system message, its ``input`` the messages) served by the same pipeline, and its
 answer is shaped as a ``response`` object, or streamed as Responses events.
 
-Supported: ``input`` (a string, or messages ``{"role", "content"}`` whose content is a string or
-``input_text``/``output_text`` parts), ``instructions``, ``max_output_tokens``, ``temperature``,
-``top_p``, ``stream``, ``text.format`` (text, json_object, json_schema: guided, as chat's
-``response_format``), ``user``/``metadata`` (carried), ``store`` (nothing is stored: a response
-cannot be fetched or continued later), and the sampling extras chat takes (``seed``, ``top_k``...).
-Refused with 400: ``previous_response_id`` and ``conversation`` (nothing is stored), ``tools``,
-``reasoning``, ``background``, and input items other than messages.
+Supported: ``input`` (a string, or items: messages ``{"role", "content"}`` whose content is a string
+or ``input_text``/``output_text`` parts, ``function_call`` items (an assistant turn's calls) and
+``function_call_output`` items (a tool message)), ``instructions``, ``max_output_tokens``,
+``temperature``, ``top_p``, ``stream``, ``text.format`` (text, json_object, json_schema: guided, as
+chat's ``response_format``), function ``tools`` with ``tool_choice`` (read with the gateway's
+``--tool-parser``, as chat's; a call comes back as a ``function_call`` output item),
+``parallel_tool_calls`` (echoed), ``user``/``metadata`` (carried), ``store`` (nothing is stored:
+a response cannot be fetched or continued later), and the sampling extras chat takes (``seed``,
+``top_k``...). Refused with 400: ``previous_response_id`` and ``conversation`` (nothing is stored),
+tools other than functions, ``reasoning``, ``background``, and other input items.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from services.gateway.openai_request import OpenAIRequest, parse_chat
 from services.gateway.shapes import Usage
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-UNSUPPORTED = ("previous_response_id", "conversation", "tools", "reasoning", "prompt")
+UNSUPPORTED = ("previous_response_id", "conversation", "reasoning", "prompt")
 # chat's names for what a Responses request calls otherwise, for its errors
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
@@ -49,6 +52,13 @@ def parse_responses(body: Any, max_stop: int) -> tuple[OpenAIRequest, dict]:
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                                  "stop", "stop_token_ids", "logit_bias") if k in body}  # fmt: skip
     chat["messages"] = messages
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if t.get(k) is not None}} for t in tools]  # fmt: skip
+    choice = body.get("tool_choice")
+    if choice is not None:
+        chat["tool_choice"] = _tool_choice(choice)
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     fmt = body.get("text", {}).get("format") if isinstance(body.get("text"), dict) else None
@@ -64,12 +74,43 @@ def parse_responses(body: Any, max_stop: int) -> tuple[OpenAIRequest, dict]:
         if exc.param in _PARAMS:
             exc.param = _PARAMS[exc.param]
             exc.message = exc.message.replace("'max_completion_tokens'", "'max_output_tokens'")
+        elif exc.param and exc.param.startswith("tools["):  # chat's tools[i].function.x is tools[i].x here
+            exc.param = exc.param.replace(".function", "", 1)
+            exc.message = exc.message.replace(".function.", ".")
         raise
     echo = {"instructions": instructions, "max_output_tokens": req.max_tokens,
             "temperature": req.sampling["temperature"], "top_p": req.sampling["top_p"],
             "text": {"format": fmt or {"type": "text"}}, "metadata": f.get_dict(body, "metadata") or {},
-            "user": req.user}  # fmt: skip
+            "user": req.user, "tools": tools, "tool_choice": choice if choice is not None else "auto",
+            "parallel_tool_calls": f.get_bool(body, "parallel_tool_calls", True)}  # fmt: skip
     return req, echo
+
+
+def _tools(raw: Any) -> list[dict]:
+    """Function tools, as the response echoes them (chat checks their names and schemas)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise wrong_type("tools", "an array", raw)
+    out = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise APIError(400, f"'tools[{i}]' must be a function tool {{'type': 'function', 'name': ...}}; other "
+                           "tools (web search, file search, MCP...) are not supported by this server.",
+                           param=f"tools[{i}]", code="unsupported_parameter")  # fmt: skip
+        out.append({"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+                    "parameters": tool.get("parameters"), "strict": tool.get("strict")})  # fmt: skip
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    """``tool_choice`` in chat's terms: a named function is ``{"type": "function", "name"}`` here."""
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise invalid("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}.",
+                          "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def _input(raw: Any) -> list[dict]:
@@ -78,16 +119,38 @@ def _input(raw: Any) -> list[dict]:
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
-        raise invalid("'input' must be a string or a non-empty array of messages.", "input")
-    out = []
+        raise invalid("'input' must be a string or a non-empty array of items.", "input")
+    out: list[dict] = []
     for i, item in enumerate(raw):
         where = f"input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in ROLES:
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call":  # a call the model made: its assistant turn's (one turn holds all its calls)
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": "", "tool_calls": []})
+            out[-1].setdefault("tool_calls", []).append(_call(item, where))
+        elif kind == "function_call_output":  # what the client's function returned
+            if not isinstance(item.get("call_id"), str):
+                raise wrong_type(f"{where}.call_id", "a string", item.get("call_id"))
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content(item.get("output"), f"{where}.output")})
+        elif kind == "message" and item.get("role") in ROLES:
+            out.append({"role": ROLES[item["role"]], "content": _content(item.get("content"), f"{where}.content")})
+        else:
             raise APIError(400, f"'{where}' must be a message {{'role': 'user' | 'assistant' | 'system' | 'developer', "
-                           "'content': ...}; other input items are not supported by this server.",
-                           param=where, code="unsupported_parameter")  # fmt: skip
-        out.append({"role": ROLES[item["role"]], "content": _content(item.get("content"), f"{where}.content")})
+                           "'content': ...}, a function_call or a function_call_output; other input items are not "
+                           "supported by this server.", param=where, code="unsupported_parameter")  # fmt: skip
     return out
+
+
+def _call(item: dict, where: str) -> dict:
+    """A ``function_call`` input item as chat's tool call (chat checks its arguments)."""
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str):
+            raise wrong_type(f"{where}.{name}", "a string", item.get(name))
+    try:
+        orjson.loads(item["arguments"] or "{}")
+    except orjson.JSONDecodeError:
+        raise invalid(f"'{where}.arguments' must be a JSON string.", f"{where}.arguments") from None
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
 def _content(content: Any, where: str) -> str:
@@ -126,14 +189,12 @@ class ResponseShapes:
         self.created = created if created is not None else int(time.time())
         self.seq = 0
 
-    def response(self, status: str, text: str | None = None, finish: str | None = None,
+    def response(self, status: str, output: list[dict] | None = None, finish: str | None = None,
                  usage: Usage | None = None) -> dict:  # fmt: skip
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": None, "model": self.model, "output": [],
-                "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "previous_response_id": None,
+                "error": None, "incomplete_details": None, "model": self.model, "output": output or [],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "previous_response_id": None,
                 "store": False, "usage": None, **self.echo}  # fmt: skip
-        if text is not None:
-            body["output"] = [self.message(text, "completed" if finish != "length" else "incomplete")]
         if finish == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:
@@ -151,58 +212,102 @@ class ResponseShapes:
     def part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": []}
 
+    @staticmethod
+    def function_call(call: dict, status: str = "completed") -> dict:
+        """A chat tool call as a ``function_call`` output item (its chat id is the ``call_id``)."""
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n"
 
     def from_chat(self, chat: dict) -> dict:
-        """A non-streamed chat completion body as a ``response``."""
+        """A non-streamed chat completion body as a ``response``: its text a message item (unless it
+        is empty beside calls), then a ``function_call`` item per tool call."""
         choice = chat["choices"][0]
         u = chat["usage"]
         usage = Usage(u["prompt_tokens"], u["completion_tokens"], u.get("prompt_tokens_details", {}).get("cached_tokens", 0))
-        return self.response("completed", choice["message"].get("content") or "", choice["finish_reason"], usage)
+        text, calls = choice["message"].get("content") or "", choice["message"].get("tool_calls") or []
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        output = [self.message(text, status)] if text.strip() or not calls else []
+        output += [self.function_call(c) for c in calls]
+        return self.response("completed", output, choice["finish_reason"], usage)
 
 
 async def events(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], shapes: ResponseShapes) -> AsyncIterator[bytes]:
-    """The Responses stream of one answer: created, in_progress, the message item and its text part
-    added, a delta per piece of text, the text, part and item done, then completed (or incomplete,
-    when max_output_tokens ended it, or failed with the error)."""
+    """The Responses stream of one answer: created, in_progress, then its output items as they come
+    (the message item and its text part added, a delta per piece of text; each tool call a
+    ``function_call`` item, added, its arguments, done), the text, part and message item done, then
+    completed (or incomplete, when max_output_tokens ended it, or failed with the error). Without
+    tools the message item opens at once; with tools, at its first text (an answer that is only
+    calls has none)."""
     ev = shapes.event
     yield ev("response.created", response=shapes.response("in_progress"))
     yield ev("response.in_progress", response=shapes.response("in_progress"))
-    yield ev("response.output_item.added", output_index=0, item=shapes.message(None, "in_progress"))
-    yield ev("response.content_part.added", item_id=shapes.message_id, output_index=0, content_index=0,
-             part=shapes.part(""))
-    text: list[str] = []
+    out = _Output(shapes)
+    if not shapes.echo.get("tools"):
+        for chunk in out.open_message():
+            yield chunk
     async with contextlib.aclosing(pieces()) as stream:
         async for _, piece in stream:
-            for chunk in _piece_events(piece, shapes, text):
+            for chunk in out.piece(piece):
                 yield chunk
             if piece.error is not None or piece.finish_reason is not None:
                 return
 
 
-def _piece_events(piece: Piece, shapes: ResponseShapes, text: list[str]) -> list[bytes]:
-    """The events one piece makes (``text``: the answer's text so far, appended to)."""
-    ev = shapes.event
-    out: list[bytes] = []
-    if piece.error is not None:
-        error = piece.error.body()["error"]
-        failed = shapes.response("failed")
-        failed["error"] = {"code": error.get("code") or "server_error", "message": error["message"]}
-        return [ev("response.failed", response=failed)]
-    if piece.text:
-        text.append(piece.text)
-        out.append(ev("response.output_text.delta", item_id=shapes.message_id, output_index=0, content_index=0,
-                      delta=piece.text, logprobs=[]))
-    if piece.finish_reason is not None:
-        whole = "".join(text)
-        status = "incomplete" if piece.finish_reason == "length" else "completed"
-        out += [ev("response.output_text.done", item_id=shapes.message_id, output_index=0, content_index=0,
-                   text=whole, logprobs=[]),
-                ev("response.content_part.done", item_id=shapes.message_id, output_index=0, content_index=0,
-                   part=shapes.part(whole)),
-                ev("response.output_item.done", output_index=0, item=shapes.message(whole, status)),
-                ev(f"response.{status}", response=shapes.response(status, whole, piece.finish_reason, piece.usage))]
-    return out
+class _Output:
+    """A streamed answer's output items so far, and the events each piece makes."""
+
+    def __init__(self, shapes: ResponseShapes) -> None:
+        self.shapes = shapes
+        self.items: list[dict | None] = []  # in output_index order; None: the message, still open
+        self.message_index: int | None = None
+        self.text: list[str] = []
+        self.held = ""  # with tools: blank text before the message opens (dropped if no text follows)
+
+    def open_message(self) -> list[bytes]:
+        ev, mid = self.shapes.event, self.shapes.message_id
+        self.message_index = len(self.items)
+        self.items.append(None)
+        return [ev("response.output_item.added", output_index=self.message_index, item=self.shapes.message(None, "in_progress")),
+                ev("response.content_part.added", item_id=mid, output_index=self.message_index, content_index=0,
+                   part=self.shapes.part(""))]  # fmt: skip
+
+    def piece(self, piece: Piece) -> list[bytes]:
+        shapes, ev = self.shapes, self.shapes.event
+        if piece.error is not None:
+            error = piece.error.body()["error"]
+            failed = shapes.response("failed")
+            failed["error"] = {"code": error.get("code") or "server_error", "message": error["message"]}
+            return [ev("response.failed", response=failed)]
+        out: list[bytes] = []
+        text = piece.text
+        if text and self.message_index is None:  # (with tools) the answer's first text: blank between calls waits
+            self.held, text = ("", self.held + text) if text.strip() else (self.held + text, "")
+            if text:
+                out += self.open_message()
+        if text:
+            self.text.append(text)
+            out.append(ev("response.output_text.delta", item_id=shapes.message_id, output_index=self.message_index,
+                          content_index=0, delta=text, logprobs=[]))  # fmt: skip
+        for call in piece.tool_calls:  # NOTE: the parser gives whole calls: its arguments in one delta
+            item, index = shapes.function_call(call), len(self.items)
+            self.items.append(item)
+            fid, args = item["id"], item["arguments"]
+            out += [ev("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}),
+                    ev("response.function_call_arguments.delta", item_id=fid, output_index=index, delta=args),
+                    ev("response.function_call_arguments.done", item_id=fid, output_index=index, arguments=args),
+                    ev("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+        if piece.finish_reason is not None:
+            status = "incomplete" if piece.finish_reason == "length" else "completed"
+            if self.message_index is not None:
+                whole, i, mid = "".join(self.text), self.message_index, shapes.message_id
+                self.items[i] = shapes.message(whole, status)
+                out += [ev("response.output_text.done", item_id=mid, output_index=i, content_index=0, text=whole, logprobs=[]),
+                        ev("response.content_part.done", item_id=mid, output_index=i, content_index=0, part=shapes.part(whole)),
+                        ev("response.output_item.done", output_index=i, item=self.items[i])]  # fmt: skip
+            out.append(ev(f"response.{status}", response=shapes.response(status, self.items, piece.finish_reason, piece.usage)))
+        return out

@@ -258,6 +258,14 @@ def test_forced_tool_calls_are_calls(client):
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), params["get_weather"])
+    # the Responses API: the same tools in its flat shape, the call a function_call item
+    flat = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in tools]
+    out = client.responses.create(model=MODEL, input="What is the weather in Oslo?", max_output_tokens=400,
+                                  temperature=0.9, extra_body={"seed": 3}, tools=flat,
+                                  tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
+    assert out.status == "completed" and [i.type for i in out.output] == ["function_call"]
+    assert out.output[0].name == "get_weather"
+    jsonschema.validate(json.loads(out.output[0].arguments), params["get_weather"])
 
 
 def test_metrics_show_the_requests_and_every_service(stack, client):
