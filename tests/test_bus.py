@@ -359,3 +359,14 @@ def test_pull_worker_returns_a_lone_job_at_once_and_a_burst_in_one_fetch(nats_se
         await nc.close()
 
     run(body())
+
+
+def test_a_second_signal_hurries_the_stop():
+    """SIGINT/SIGTERM once stops a service (workers drain what they hold); a second one hurries it."""
+    from llmbus.bus.service import ServiceContext, ServiceOptions
+
+    ctx = ServiceContext(ServiceOptions("decode", "nats://127.0.0.1:1"), None, None, None, None)
+    ctx.signalled()
+    assert ctx.stop.is_set() and not ctx.hurry.is_set()
+    ctx.signalled()
+    assert ctx.hurry.is_set()

@@ -175,6 +175,9 @@ def test_model_names_that_would_share_a_work_queue_are_refused(model_dir, tmp_pa
     proc = subprocess.run([sys.executable, "-m", "services.decode", "--model", f"my model={model_dir}"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "without spaces" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "services.prefill", "--model", f"m={model_dir}", "--drain-timeout", "-1"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == "prefill: error: --drain-timeout must be >= 0 seconds, got -1.0"
 
 
 @pytest.mark.parametrize("worker_args", [["--worker-arg=--max-model-len=24"], ["--worker-arg=--max-model-len", "--worker-arg=24"]])

@@ -137,7 +137,7 @@ def test_repeats_of_a_prefix_go_to_the_worker_that_caches_it(nats_server, model_
                 taken[load.instance_id] |= set(load.taken)
 
             await nc.subscribe(subjects.LOADS_WILDCARD, cb=on_load)
-            burst = [_request(f"burst-{i}", prefixes[iid] + [60 + i] * (3 + i))
+            burst = [_request(f"kvr-burst-{i}", prefixes[iid] + [60 + i] * (3 + i))
                      for i, iid in enumerate(["prefill-a", "prefill-b"] * 3)]  # fmt: skip
             for req in burst:
                 await js.publish(subjects.request_subject(MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})

@@ -583,3 +583,39 @@ def test_evicted_blocks_nobody_drains_are_capped(tmp_path):
             engine.step()
     assert engine.num_evicted == 64  # the floor of the cap (a quarter of a larger cache)
     assert len(engine.take_evicted()) == 64 and engine.num_evicted == 0
+
+
+def test_a_stopping_colocated_worker_finishes_its_requests_and_says_it_has_no_room(nats_server, tmp_path):
+    """At SIGTERM a colocated worker lets the request it decodes run to its end, and its load
+    report says room 0 at once, so routers send it nothing more by name."""
+    from tests.test_decode_worker import slow_steps
+
+    model = "drainco"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+    slow_steps(engine, 0.03)
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        events, done = await _token_events(nc, lambda ev: ev.finish_reason is not None)
+        loads: list[WorkerLoad] = []
+
+        async def on_load(msg):
+            loads.append(decode(WorkerLoad, msg.data))
+
+        await nc.subscribe(subjects.LOADS_WILDCARD, cb=on_load)
+        async with _colocated_worker(nats_server, engine, model) as worker:
+            await _submit(js, model, "drainco-1", list(range(3, 43)), 30)
+            while len(events.get("drainco-1", [])) < 3:  # decoding
+                await asyncio.sleep(0.01)
+            worker.ctx.stop.set()  # what SIGTERM does
+            await asyncio.wait_for(done.wait(), 60)
+            iid = worker.ctx.instance_id
+        await nc.close()
+        return events["drainco-1"], [load for load in loads if load.instance_id == iid]
+
+    evs, loads = asyncio.run(body())
+    assert evs[-1].finish_reason == "length" and evs[-1].error is None
+    assert sum(len(e.token_ids) for e in evs) == 30 and [e.seq for e in evs] == list(range(len(evs)))
+    assert (loads[-2].requests, loads[-2].room) == (1, 0) and loads[-1] == WorkerLoad(loads[-1].instance_id, 0, 0)

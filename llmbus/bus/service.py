@@ -1,7 +1,8 @@
 """The skeleton every llmbus service runs in: connect, set up streams, serve, report, drain.
 
 ``run_service(options, body)``:
-1. SIGINT/SIGTERM set ``ctx.stop`` (an ``asyncio.Event``); an ``AsyncExitStack`` owns the connection.
+1. SIGINT/SIGTERM set ``ctx.stop`` (an ``asyncio.Event``), a second one ``ctx.hurry`` (workers stop
+   without letting what they hold finish); an ``AsyncExitStack`` owns the connection.
 2. Connects, creates streams/consumers idempotently, opens the registry bucket.
 3. Runs ``body(ctx)``. The body subscribes, then calls ``await ctx.ready()``, which writes the
    instance's :class:`InstanceInfo` to the registry and prints ``llmbus-ready <role> <instance_id>``
@@ -70,6 +71,7 @@ class ServiceContext:
         self.instance_id = options.instance_id
         self.nc, self.js, self.registry, self.stack = nc, js, registry, stack
         self.stop = asyncio.Event()
+        self.hurry = asyncio.Event()  # a second SIGINT/SIGTERM: stop without waiting for held work
         self.is_ready = False
         self._models = list(options.models)
         self._free_blocks = 0
@@ -77,6 +79,10 @@ class ServiceContext:
         self._total_blocks = 0
         self._prefix: tuple[str, str, int] = ("", "", 0)
         self._metric_sources: list[Callable[[], Iterable[MetricFamily]]] = []
+
+    def signalled(self) -> None:
+        """SIGINT/SIGTERM: the first stops the service, a second hurries its stop along."""
+        (self.hurry if self.stop.is_set() else self.stop).set()
 
     def add_metrics(self, source: Callable[[], Iterable[MetricFamily]]) -> None:
         """``source()``, called at each metrics request on the event loop, gives families this
@@ -145,7 +151,7 @@ async def run_service(options: ServiceOptions, body: Body) -> int:
         await _answer_metrics(ctx)
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):  # not on the main thread
-                loop.add_signal_handler(sig, ctx.stop.set)
+                loop.add_signal_handler(sig, ctx.signalled)
                 stack.callback(loop.remove_signal_handler, sig)
         beat = asyncio.create_task(_heartbeats(ctx))
         try:

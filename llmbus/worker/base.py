@@ -26,13 +26,20 @@ log = logging.getLogger("llmbus.worker")
 
 MAX_STORES = 8  # best-effort kvpool stores a worker has in flight at most
 DEADLINE_CHECK_S = 1.0  # how often, at least, a publisher checks its requests' deadlines
+# at stop, how long the requests a worker holds may run to their end: under `llmbus up`'s 30 s
+# before SIGKILL and Kubernetes' default 30 s grace
+DRAIN_S = 20.0
 
 
 class EngineWorker(abc.ABC):
-    def __init__(self, ctx: ServiceContext, engine: Engine, model: str) -> None:
+    def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, drain_s: float = DRAIN_S) -> None:
+        if drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0 s, got {drain_s}")
         self.ctx = ctx
         self.engine = engine
         self.model = model
+        self.drain_s = drain_s
+        self.draining = False  # stopped: taking nothing new, letting what it holds finish
         self.recent_aborts = RecentIds()
         self.kv = KVPoolClient(ctx.nc, owner=ctx.instance_id)
         self.tokens = TokenPublisher(ctx.nc)
@@ -197,6 +204,8 @@ class EngineWorker(abc.ABC):
         taking: set[asyncio.Task] = set()
 
         def room() -> int:
+            if self.ctx.stop.is_set():
+                return 0
             return capacity() - (0 if counts_at_once else len(taking))
 
         try:
@@ -206,6 +215,10 @@ class EngineWorker(abc.ABC):
                     self.ctx.stop.set()
                     return
                 async for msg in worker.messages(room, timeout=0.5):
+                    if self.ctx.stop.is_set():  # it came as the worker stopped: another replica's, at once
+                        with contextlib.suppress(Exception):
+                            await msg.nak()
+                        continue
                     task = asyncio.create_task(take(msg))
                     taking.add(task)
                     task.add_done_callback(_finished_take(taking))
@@ -216,6 +229,30 @@ class EngineWorker(abc.ABC):
                 _, late = await asyncio.wait(taking, timeout=10.0)
                 for task in late:
                     task.cancel()
+
+    async def drain(self, pullers: list[asyncio.Task]) -> None:
+        """Once stopped: take nothing new (``pullers``, the ``pull`` loops, end with the pull in
+        flight, whose wait is at most 0.5 s, and give back a job it brings; what waits in the
+        streams is another replica's), and let the requests held run to their end, for ``drain_s``
+        at most (a second signal, ``ctx.hurry``, or a dead engine thread cuts it short). A rolling
+        restart then fails no request a worker had started.
+
+        NOTE: not cancelled: a cancelled fetch leaves its pull request open on the server, and a job
+        it then delivers sits unacked for the consumer's whole ack wait before anyone gets it."""
+        self.draining = True
+        self.report()  # (a prefill worker's room is 0 now: routers stop sending it requests by name)
+        await asyncio.gather(*pullers, return_exceptions=True)
+        deadline = time.monotonic() + self.drain_s
+        while self.held and not self.ctx.hurry.is_set() and self.loop.error is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.05)):
+                    await self.ctx.hurry.wait()
+        if self.held:
+            log.warning("stopping with %d requests unfinished (drained %.1f s of %.0f)", self.held,
+                        self.drain_s - max(0.0, deadline - time.monotonic()), self.drain_s)  # fmt: skip
 
     async def publish(self, req: GenerateRequest, event: TokenEvent) -> None:
         """Send ``event`` where ``req`` asked (``llmbus.bus.tokens``: batched per gateway, or alone).

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from llmbus.bus.service import ServiceOptions, add_common_args, serve, setup_logging
 from llmbus.engine.config import EngineConfig, add_engine_args, engine_config_from_args
+from llmbus.worker.base import DRAIN_S
 from llmbus.worker.options import parse_model_spec
 
 
@@ -21,12 +22,17 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
     add_common_args(parser)
     parser.add_argument("--model", required=True, help="NAME=DIR: the served name and its Hugging Face directory")
     add_engine_args(parser)
+    parser.add_argument("--drain-timeout", type=float, default=DRAIN_S, metavar="S",
+                        help="at SIGINT/SIGTERM, take nothing new and let the requests held finish for up to S "
+                             f"seconds (default {DRAIN_S:.0f}; a second signal stops at once)")  # fmt: skip
     if add_args is not None:
         add_args(parser)
     args = parser.parse_args(argv)
     try:
         setup_logging(args.log_level)
         name, path = parse_model_spec(args.model)
+        if args.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
         config = engine_config_from_args(args)
         if adjust is not None:
             config = adjust(config, args)

@@ -8,4 +8,4 @@ from llmbus.worker.main import worker_main
 from services.decode.service import DecodeWorker
 
 if __name__ == "__main__":
-    sys.exit(worker_main("decode", lambda ctx, engine, name, args: DecodeWorker(ctx, engine, name).run()))
+    sys.exit(worker_main("decode", lambda ctx, engine, name, args: DecodeWorker(ctx, engine, name, drain_s=args.drain_timeout).run()))

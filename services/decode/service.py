@@ -36,7 +36,7 @@ from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
 from llmbus.protocol import GenerateRequest, Handoff, Lease, TokenEvent
 from llmbus.protocol.messages import LANES
-from llmbus.worker.base import DEADLINE_CHECK_S, EngineWorker
+from llmbus.worker.base import DEADLINE_CHECK_S, DRAIN_S, EngineWorker
 from llmbus.worker.events import token_event
 
 log = logging.getLogger("llmbus.decode")
@@ -54,8 +54,9 @@ class Active:
 
 
 class DecodeWorker(EngineWorker):
-    def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, min_free_fraction: float = 0.05) -> None:
-        super().__init__(ctx, engine, model)
+    def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, min_free_fraction: float = 0.05,
+                 drain_s: float = DRAIN_S) -> None:  # fmt: skip
+        super().__init__(ctx, engine, model, drain_s=drain_s)
         self.min_free_blocks = max(1, int(engine.runner.num_blocks * min_free_fraction))
         self.active: dict[str, Active] = {}
         self.events: asyncio.Queue = asyncio.Queue()
@@ -151,15 +152,16 @@ class DecodeWorker(EngineWorker):
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
-        tasks = [asyncio.create_task(self.pull(worker, lambda: self.capacity, self._take)),
-                 *(asyncio.create_task(self.pull(w, lambda: self.capacity, self._take_whole)) for w in wholes),
-                 asyncio.create_task(self._publisher())]  # fmt: skip
+        pullers = [asyncio.create_task(self.pull(worker, lambda: self.capacity, self._take)),
+                   *(asyncio.create_task(self.pull(w, lambda: self.capacity, self._take_whole)) for w in wholes)]
+        publisher = asyncio.create_task(self._publisher())
         try:
             await self.ctx.stop.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # NOTE: a handoff still waiting for room goes back to the stream at once (_Stopping)
+            await self.drain(pullers)
+            publisher.cancel()
+            await asyncio.gather(publisher, return_exceptions=True)
             for rid, act in list(self.active.items()):  # tell clients instead of leaving them waiting
                 await self.publish(act.request, TokenEvent.failure(rid, "the decode worker shut down",
                                                                     seq=act.next_seq, worker=self.ctx.instance_id))

@@ -25,4 +25,4 @@ def adjust(config: EngineConfig, args) -> EngineConfig:
 
 if __name__ == "__main__":
     sys.exit(worker_main("prefill", lambda ctx, engine, name, args: PrefillWorker(
-        ctx, engine, name, colocated=args.colocated).run(), add_args=add_args, adjust=adjust))
+        ctx, engine, name, colocated=args.colocated, drain_s=args.drain_timeout).run(), add_args=add_args, adjust=adjust))

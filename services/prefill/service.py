@@ -37,7 +37,7 @@ from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
 from llmbus.protocol import GenerateRequest, Handoff, TokenEvent, WorkerLoad, encode
 from llmbus.protocol.messages import LANES
-from llmbus.worker.base import EngineWorker
+from llmbus.worker.base import DRAIN_S, EngineWorker
 from llmbus.worker.events import cache_events, token_event
 
 log = logging.getLogger("llmbus.prefill")
@@ -62,9 +62,9 @@ class Job:
 
 class PrefillWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
-                 lease_ttl_s: float = 120.0, colocated: bool = False) -> None:  # fmt: skip
+                 lease_ttl_s: float = 120.0, colocated: bool = False, drain_s: float = DRAIN_S) -> None:  # fmt: skip
         """``colocated``: decode here too instead of handing off (one worker does both phases)."""
-        super().__init__(ctx, engine, model)
+        super().__init__(ctx, engine, model, drain_s=drain_s)
         self.colocated = colocated
         self.events: asyncio.Queue = asyncio.Queue()
         self.lanes = lanes
@@ -88,7 +88,7 @@ class PrefillWorker(EngineWorker):
         already taken fill less than two steps' token budget (the rest wait in the stream, where
         another replica can take them)."""
         cfg = self.engine.config
-        if self.engine.num_free_blocks < 1 or self.pending_tokens >= 2 * cfg.max_num_batched_tokens:
+        if self.draining or self.engine.num_free_blocks < 1 or self.pending_tokens >= 2 * cfg.max_num_batched_tokens:
             return 0
         return max(0, cfg.max_num_seqs - len(self.jobs))
 
@@ -123,18 +123,18 @@ class PrefillWorker(EngineWorker):
         # jobs (batch slots and prompt tokens) as soon as they are pulled
         pullers = [asyncio.create_task(self.pull(w, lambda: self.capacity, lambda m, w=w: self._take(w, m),
                                                  counts_at_once=True)) for w in workers]  # fmt: skip
+        tasks = [asyncio.create_task(self._announce(caching)), asyncio.create_task(self._keep_direct())]
         if self.colocated:
-            pullers.append(asyncio.create_task(self._colocated_publisher()))
+            tasks.append(asyncio.create_task(self._colocated_publisher()))
         if write_back:
-            pullers.append(asyncio.create_task(self._write_back()))
-        pullers.append(asyncio.create_task(self._announce(caching)))
-        pullers.append(asyncio.create_task(self._keep_direct()))
+            tasks.append(asyncio.create_task(self._write_back()))
         try:
             await self.ctx.stop.wait()
         finally:
-            for t in pullers:
+            await self.drain(pullers)
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(*pullers, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._release_all()
 
     async def _take(self, worker: PullWorker, msg) -> None:
