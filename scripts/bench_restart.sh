@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# A decode worker restarted under load (docs/benchmarks.md, "A decode worker restarted under
+# load"): `llmbus up` on the small demo model (one prefill, one decode worker) plus a second decode
+# worker started beside it on the same bus; random 128-token prompts for 256 tokens at RATE a
+# second, NUM_PROMPTS of them; KILL_AT seconds in, the second decode worker gets SIGTERM (as a
+# rolling restart or a scale-down sends) and is started again once it has exited. What matters:
+# requests that failed. When BASE_TREE names another checkout of llmbus (a `git worktree` of the
+# tree before workers drained at SIGTERM), its stack runs the same load first, each round.
+# Env: OUT (bench-results/restart), ROUNDS (2), BASE_TREE (unset: no A/B), RATE (4),
+#      NUM_PROMPTS (64), KILL_AT (6).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=$(realpath -m "${OUT:-bench-results/restart}")
+source scripts/bench_lib.sh
+demo_model small
+load=(--dataset random --num-prompts "${NUM_PROMPTS:-64}" --input-len 128 --output-len 256 --ignore-eos
+      --request-rate "${RATE:-4}")
+run() {  # name tree
+    local name=$1 tree=$2 url extra ok=0
+    rm -rf "$OUT/data-$name"
+    pushd "$tree" > /dev/null
+    start "$name" 8330 env PYTHONPATH="$tree" "$PY" -m llmbus.cli up --model "$size=$ROOT/$model" --port 8330 \
+        --data-dir "$OUT/data-$name" || ok=1
+    url=$(grep -o "nats-server at nats://[0-9.:]*" "$OUT/$name.log" | head -1 | cut -d' ' -f3)
+    extra_worker() {  # a decode worker of its own, outside `llmbus up` (from the tree's directory: -m looks there first)
+        local ready; ready=$(grep -c "llmbus-ready" "$OUT/$name.extra.log")
+        (cd "$tree" && exec env PYTHONPATH="$tree" "$PY" -m services.decode --nats-url "$url" \
+            --model "$size=$ROOT/$model") >> "$OUT/$name.extra.log" 2>&1 & extra=$!
+        for _ in $(seq 1 120); do
+            [ "$(grep -c "llmbus-ready" "$OUT/$name.extra.log")" -gt "$ready" ] && break; sleep 0.5
+        done
+    }
+    popd > /dev/null
+    [ $ok = 0 ] || return 1
+    : > "$OUT/$name.extra.log"
+    extra_worker
+    bench 8330 "$name" "$name" "${load[@]}" &
+    local client=$!
+    sleep "${KILL_AT:-6}"
+    echo "$(date -u +%T) SIGTERM to the second decode worker" >> "$OUT/$name.extra.log"
+    kill -TERM $extra; wait $extra
+    echo "$(date -u +%T) it exited ($?); started again" >> "$OUT/$name.extra.log"
+    extra_worker
+    wait $client
+    kill -TERM $extra; wait $extra
+    stop
+}
+for round in $(seq 1 "${ROUNDS:-2}"); do
+    [ -n "${BASE_TREE:-}" ] && run "base-r$round" "$BASE_TREE"
+    run "drain-r$round" "$ROOT"
+done
+"$PY" -m llmbus.cli bench compare --markdown "$OUT"/{base,drain}-r*.json
