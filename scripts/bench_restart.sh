@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # A decode worker restarted under load (docs/benchmarks.md, "A decode worker restarted under
 # load"): `llmbus up` on the small demo model (one prefill, one decode worker) plus a second decode
-# worker started beside it on the same bus; random 128-token prompts for 256 tokens at RATE a
+# worker started beside it on the same bus; random 128-token prompts for OUTPUT_LEN tokens at RATE a
 # second, NUM_PROMPTS of them; KILL_AT seconds in, the second decode worker gets SIGTERM (as a
-# rolling restart or a scale-down sends) and is started again once it has exited. What matters:
+# rolling restart sends) while a replacement starts beside it (a rolling update with surge). What matters:
 # requests that failed. When BASE_TREE names another checkout of llmbus (a `git worktree` of the
 # tree before workers drained at SIGTERM), its stack runs the same load first, each round.
-# Env: OUT (bench-results/restart), ROUNDS (2), BASE_TREE (unset: no A/B), RATE (4),
-#      NUM_PROMPTS (64), KILL_AT (6).
+# Env: OUT (bench-results/restart), ROUNDS (2), BASE_TREE (unset: no A/B), RATE (12), OUTPUT_LEN (512),
+#      NUM_PROMPTS (96), KILL_AT (6).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-bench-results/restart}")
 source scripts/bench_lib.sh
 demo_model small
-load=(--dataset random --num-prompts "${NUM_PROMPTS:-64}" --input-len 128 --output-len 256 --ignore-eos
-      --request-rate "${RATE:-4}")
+load=(--dataset random --num-prompts "${NUM_PROMPTS:-96}" --input-len 128 --output-len "${OUTPUT_LEN:-512}" --ignore-eos
+      --request-rate "${RATE:-12}")
 run() {  # name tree
     local name=$1 tree=$2 url extra ok=0
     rm -rf "$OUT/data-$name"
@@ -37,10 +37,12 @@ run() {  # name tree
     bench 8330 "$name" "$name" "${load[@]}" &
     local client=$!
     sleep "${KILL_AT:-6}"
-    echo "$(date -u +%T) SIGTERM to the second decode worker" >> "$OUT/$name.extra.log"
-    kill -TERM $extra; wait $extra
-    echo "$(date -u +%T) it exited ($?); started again" >> "$OUT/$name.extra.log"
-    extra_worker
+    echo "$(date -u +%T) SIGTERM to the second decode worker; its replacement starts" >> "$OUT/$name.extra.log"
+    local old=$extra
+    kill -TERM $old
+    extra_worker  # (as a rolling update with surge: the new one comes up while the old one stops)
+    wait $old
+    echo "$(date -u +%T) the old one exited ($?)" >> "$OUT/$name.extra.log"
     wait $client
     kill -TERM $extra; wait $extra
     stop
