@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from kernels import cpu_native
+    from llmbus.kernels import cpu_native
 
     if not cpu_native.available():
         print("the C kernels are not available on this machine", file=sys.stderr)

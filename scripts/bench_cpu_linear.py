@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import cpu_native  # noqa: E402
+from llmbus.kernels import cpu_native  # noqa: E402
 from llmbus.model import cpu_linear  # noqa: E402
 from llmbus.model.demo import DEMO_SIZES  # noqa: E402
 

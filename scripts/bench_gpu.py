@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import reference as ref  # noqa: E402
-from kernels import paged_decode  # noqa: E402
-from kernels.kv_cache import allocate_cache  # noqa: E402
-from kernels.paged_decode import paged_decode_attention  # noqa: E402
-from kernels.paged_prefill import paged_prefill_attention  # noqa: E402
-from kernels.write_kv import write_kv  # noqa: E402
+from llmbus.kernels import reference as ref  # noqa: E402
+from llmbus.kernels import paged_decode  # noqa: E402
+from llmbus.kernels.kv_cache import allocate_cache  # noqa: E402
+from llmbus.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from llmbus.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from llmbus.kernels.write_kv import write_kv  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -52,7 +52,7 @@ def peak_for(name: str) -> float | None:
 
 
 # (tile, num_warps, num_stages, max registers per thread, 0: no cap) tried by --sweep; the first of
-# each is the launch default (kernels.paged_decode.CUDA_LAUNCH). The quantized loops keep
+# each is the launch default (llmbus.kernels.paged_decode.CUDA_LAUNCH). The quantized loops keep
 # num_stages - 1 tiles of codes in flight (decode_tiles.next_blocks): 2 stages is one tile, as
 # every launch had before 2026-11-30 (night), so those rows compare the two. The formats run in
 # this order: the ones never timed as they are first, so a run cut short by its time limit keeps them.

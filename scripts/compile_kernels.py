@@ -1,7 +1,7 @@
 """Compile every Triton kernel for an NVIDIA GPU without one (default target sm_90, the H200).
 
 Each launch wrapper (``write_kv``, ``paged_decode_attention``, ``paged_prefill_attention``, the
-split-K reduction and ``kernels.fused``'s) runs as it would on CUDA: its tensors report ``is_cuda`` (so the wrapper picks
+split-K reduction and ``llmbus.kernels.fused``'s) runs as it would on CUDA: its tensors report ``is_cuda`` (so the wrapper picks
 the CUDA launch configuration, tile sizes and dot dtypes), and a stand-in driver compiles each
 launch to a cubin (ptxas included) instead of running it. That catches what fails to compile
 natively, which the interpreter (``TRITON_INTERPRET=1``, where the kernel tests run) accepts; it
@@ -83,7 +83,7 @@ def compile_only(arch: int) -> list[tuple[str, object]]:
 
 def cuda_cache(fmt: str, layout, tail_rows: int = 0, head_major: bool = False):
     """An 8-block ``PagedKVCache`` whose tensors the launch wrappers take for CUDA ones."""
-    from kernels.kv_cache import allocate_cache
+    from llmbus.kernels.kv_cache import allocate_cache
     from llmbus.kv.formats import KVFormat
 
     cache = allocate_cache(KVFormat(fmt), layout, 8, "cpu", tail_rows=tail_rows, head_major=head_major)
@@ -99,9 +99,9 @@ def variants():
     generic-tile path), with and without tail rows; INT8, INT4 and INT4R over head-major caches;
     split-K on and off; INT8's, INT4R's and INT4's shared loops (their per-warp or per-block loops
     are the default) and those loops at other GQA groups."""
-    from kernels.paged_decode import paged_decode_attention
-    from kernels.paged_prefill import paged_prefill_attention
-    from kernels.write_kv import write_kv
+    from llmbus.kernels.paged_decode import paged_decode_attention
+    from llmbus.kernels.paged_prefill import paged_prefill_attention
+    from llmbus.kernels.write_kv import write_kv
     from llmbus.kv.layout import KVLayout
 
     def cuda(t):
@@ -148,9 +148,9 @@ def variants():
 
 
 def fused_variants(cuda):
-    """kernels.fused at Llama-3-8B's sizes (hidden 4096, 32 + 8 heads of 128, intermediate 14336)
+    """llmbus.kernels.fused at Llama-3-8B's sizes (hidden 4096, 32 + 8 heads of 128, intermediate 14336)
     in bf16, and the norm in float32."""
-    from kernels import fused
+    from llmbus.kernels import fused
 
     for dtype in (torch.bfloat16, torch.float32):
         x, w = cuda(torch.randn(3, 4096).to(dtype)), cuda(torch.ones(4096).to(dtype))

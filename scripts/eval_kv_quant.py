@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.backends import make_attention_backend  # noqa: E402
+from llmbus.kernels.backends import make_attention_backend  # noqa: E402
 from llmbus.engine.attention import build_attention_metadata  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -53,14 +53,14 @@ from llmbus.kv.layout import KVLayout  # noqa: E402
 def candidate_backend(device: str, key_group: int, value_group: int | None = None, rotate_values: bool = False):
     """A candidate INT4 format, simulated (not a format of ``llmbus.kv.formats``): keys rotated by
     the head_dim's Hadamard matrix and quantized per token, in groups of ``key_group`` channels,
-    like values (``kernels.quant_reference.int4_group_quantize``: fp16 scale and minimum a group);
+    like values (``llmbus.kernels.quant_reference.int4_group_quantize``: fp16 scale and minimum a group);
     values as INT4's (``value_group``: in groups of that many channels instead; ``rotate_values``:
     rotated first, as keys). Each token's keys and values are stored as their round trip (rotated
     back) in a model-dtype cache, from the step that writes them: no exact tail rows. Attention
     over rotated keys is the same as over these, with the query rotated too (``q . k = Hq . Hk``),
     which is what a kernel would do: per-token scales then fold into the scores, as INT8's do."""
-    from kernels import quant_reference as qr
-    from kernels.backends import TorchPagedAttentionBackend
+    from llmbus.kernels import quant_reference as qr
+    from llmbus.kernels.backends import TorchPagedAttentionBackend
     from llmbus.kv.formats import KVFormat
 
     def round_trip(x, group, rotated):
@@ -82,7 +82,7 @@ def run_logits(model, cfg, kv_format: str, tokens: torch.Tensor, device: str, bl
                backend=None, prompt_tokens: int = 0) -> torch.Tensor:
     """Teacher-forced logits ``[S, L, vocab]`` fp32: one decode step per position (``path``
     "decode", how generated tokens are cached), or one prefill pass per sequence ("prefill", how a
-    prompt is; it attends to its own K/V as computed, ``kernels.reference.exact_chunks``), or
+    prompt is; it attends to its own K/V as computed, ``llmbus.kernels.reference.exact_chunks``), or
     ("mixed", as a request is served) a prefill pass over the first ``prompt_tokens`` and decode
     steps after them. ``kv_dtype``
     (default: the model's) is the cache dtype of the ``model`` format. ``tails=False``: no exact

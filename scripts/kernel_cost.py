@@ -24,7 +24,7 @@ loop's own ``LDL``/``STL`` count in ``ops``.
 query block of a sequence reads the same tiles, so it is no bandwidth figure).
 
 ``--lines`` counts the loop's instructions per source line (nvdisasm's line table): which lines of
-``kernels/`` the loop's cost comes from.
+``llmbus/kernels/`` the loop's cost comes from.
 
     python scripts/kernel_cost.py [--formats model,int8,int4,int4r] [--launch TILE,WARPS,STAGES[,MAXREGS]]
         [--kernel decode|prefill] [--ops] [--lines [DEPTH]] [--json F]
@@ -145,9 +145,9 @@ def loop_lines(sass: str, depth: int = 0) -> collections.Counter:
 
 
 def source_line(where: str) -> str:
-    """The text of ``file.py:N`` (a file of ``kernels/``), stripped; empty if it is not there."""
+    """The text of ``file.py:N`` (a file of ``llmbus/kernels/``), stripped; empty if it is not there."""
     name, _, line = where.partition(":")
-    path = SCRIPTS.parent / "kernels" / name
+    path = SCRIPTS.parent / "llmbus" / "kernels" / name
     if not path.is_file() or not line.isdigit():
         return ""
     lines = path.read_text().splitlines()
@@ -156,7 +156,7 @@ def source_line(where: str) -> str:
 
 def occupancy(regs: int, warps: int, smem: int) -> int:
     """Resident warps per SM of a Hopper GPU (``paged_decode.resident_programs``)."""
-    from kernels.paged_decode import HOPPER_SM, resident_programs
+    from llmbus.kernels.paged_decode import HOPPER_SM, resident_programs
 
     return resident_programs(regs, warps, smem, HOPPER_SM) * warps
 
@@ -178,8 +178,8 @@ def analyse(fmt: str, launch: tuple[int, ...] | None = None, arch: int = 90, ker
 
     from bench_gpu import BS, D, HKV, HQ, read_bytes_per_token
     from compile_kernels import CudaLike, cuda_cache
-    from kernels.paged_decode import launch_defaults, paged_decode_attention, register_cap
-    from kernels.paged_prefill import paged_prefill_attention
+    from llmbus.kernels.paged_decode import launch_defaults, paged_decode_attention, register_cap
+    from llmbus.kernels.paged_prefill import paged_prefill_attention
     from llmbus.kv.layout import KVLayout
 
     tile, warps, stages = (launch or launch_defaults(fmt))[:3]

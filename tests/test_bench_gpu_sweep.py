@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH
+from llmbus.kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH
 
 
 def _bench():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.paged_decode import CUDA_LAUNCH
+from llmbus.kernels.paged_decode import CUDA_LAUNCH
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_kernels.py"
 FP8_KERNEL = textwrap.dedent('''
@@ -88,9 +88,9 @@ PRELUDE = textwrap.dedent('''
     import compile_kernels as ck
     import torch
     compiled = ck.compile_only(90)
-    from kernels.paged_decode import paged_decode_attention
-    from kernels.paged_prefill import paged_prefill_attention
-    from kernels.write_kv import write_kv
+    from llmbus.kernels.paged_decode import paged_decode_attention
+    from llmbus.kernels.paged_prefill import paged_prefill_attention
+    from llmbus.kernels.write_kv import write_kv
     from llmbus.kv.layout import KVLayout
 
     def cuda(t):
@@ -118,7 +118,7 @@ VARIANTS = PRELUDE + textwrap.dedent('''
     for nd in (1, 2, 3):  # a mixed step's prompts: views past nd decodes' rows, at any alignment
         paged_prefill_attention(q[:2], cache, wide[nd : nd + 2], six[nd : nd + 2], starts[nd : nd + 3] - nd, 0.1,
                                 chunk=(chunk[nd : nd + 2], chunk[nd : nd + 2]))
-    from kernels.paged_decode import decode_launch, single_split_kernel
+    from llmbus.kernels.paged_decode import decode_launch, single_split_kernel
     single = single_split_kernel(q, decode_launch(q, cache, tables, lens, max_seq_len=40), tables, lens)
     print("single-split variant:", single.metadata.num_warps, single.metadata.shared > 0)
     variants = {{}}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from llmbus.kernels import cpu_native
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine
 from llmbus.model import cpu_linear

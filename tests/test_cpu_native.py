@@ -1,5 +1,5 @@
-"""The fused CPU decode kernel (kernels/cpu_decode.c via kernels.cpu_native) against
-``kernels.reference.paged_decode_attention``: GQA 1/4/8, block sizes 16 and 32, head dims 64 and 128,
+"""The fused CPU decode kernel (llmbus/kernels/cpu_decode.c via llmbus.kernels.cpu_native) against
+``llmbus.kernels.reference.paged_decode_attention``: GQA 1/4/8, block sizes 16 and 32, head dims 64 and 128,
 fp32 and bf16, odd, empty and single-token sequences, shuffled block tables; clear errors for bad
 tables; the per-machine build cache and the torch fallback when the kernel is switched off."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_native, reference
+from llmbus.kernels import cpu_native, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -98,7 +98,7 @@ def _python(code: str, data_dir: Path, **env) -> str:
 
 @needs_kernel
 def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
-    probe = "from kernels import cpu_native; print(cpu_native.available())"
+    probe = "from llmbus.kernels import cpu_native; print(cpu_native.available())"
     assert _python(probe, tmp_path) == "True"
     built = sorted((tmp_path / "native").glob("cpu_decode-*.so"))
     assert len(built) == 1
@@ -109,7 +109,7 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
     # switched off: the backend's default takes the gathered path; asking for the kernel is refused
     code = (
         "import torch\n"
-        "from kernels import cpu\n"
+        "from llmbus.kernels import cpu\n"
         "from llmbus.engine.attention import AttentionMetadata\n"
         "cache = torch.randn(2, 4, 16, 2, 64)\n"
         "q, k, v = torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64)\n"
@@ -131,7 +131,7 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
 def test_int4_write_matches_the_reference_on_random_calls(d, bs, hkv, rows):
     """Random calls, byte for byte: duplicate slots (the last write wins), tokens sealing blocks
     at random, tail slots of -1, no tail rows at all, head dims not a power of two."""
-    from kernels import kv_cache
+    from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -159,7 +159,7 @@ def test_int4_write_matches_the_reference_on_random_calls(d, bs, hkv, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_cache_matches_the_reference(dtype, scale_dtype, threads):
     """int8 entries times their per (token, head) scale, dequantized inside the kernel."""
-    from kernels import kv_cache
+    from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -191,7 +191,7 @@ def test_int4_blocks_dequantize_as_the_reference(fmt, d, bs, hkv, threads, monke
     """The C pass over INT4 blocks: full blocks per channel, partial ones per token, values per
     token, repeated and shuffled ids; equal to the reference up to fused multiply-adds. INT4R's
     blocks (every key per token, one pair a head) take the same pass, full or not."""
-    from kernels import kv_cache
+    from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -225,7 +225,7 @@ def test_int4_blocks_dequantize_as_the_reference(fmt, d, bs, hkv, threads, monke
 def test_int4_cache_decodes_inside_the_kernel(dtype, d, bs, hq, hkv, tails, threads):
     """INT4 blocks widened inside the kernel: full blocks per channel, a partial last block per
     token or from its sequence's exact tail row; equal to the reference up to fused multiply-adds."""
-    from kernels import kv_cache
+    from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -261,8 +261,8 @@ def test_int4_backend_decodes_in_the_kernel_and_bad_input_is_refused(monkeypatch
     """The CPU backend's INT4 decode goes through the fused kernel (the dequantize-first pass is not
     called); ``LLMBUS_CPU_INT4_FUSED=0`` leaves it to that pass; tables, lengths and tail rows that
     do not fit raise clear errors, never a read past their ends."""
-    from kernels import kv_cache
-    from kernels.backends import CpuPagedAttentionBackend
+    from llmbus.kernels import kv_cache
+    from llmbus.kernels.backends import CpuPagedAttentionBackend
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -303,7 +303,7 @@ def test_int4_write_gives_the_references_bytes(fmt, dtype, d, bs, hkv):
     tokens of which this call overwrites (a chunk of 3 in sequence 2); values whose ranges vary a
     lot per channel and token, with ties and constant rows. INT4R: every key per token, nothing
     sealed, the same tail rows."""
-    from kernels import kv_cache
+    from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -353,7 +353,7 @@ def test_int4_write_gives_the_references_bytes(fmt, dtype, d, bs, hkv):
 def test_int8_write_gives_the_references_bytes(dtype, scale_dtype):
     """The C INT8 write against reference.write_kv_cache, byte for byte: rows of very different
     ranges, an all-zero row, exact ties, a scale that overflows fp16."""
-    from kernels import kv_cache
+    from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
@@ -510,7 +510,7 @@ def test_prefill_kernel_refuses_tables_outside_the_cache():
 def test_rope_is_bit_identical_to_apply_rotary(threads, rows):
     if not cpu_native.available():
         pytest.skip("no C compiler")
-    from kernels.reference import rotary as apply_rotary
+    from llmbus.kernels.reference import rotary as apply_rotary
     from llmbus.model.rope import RotaryEmbedding
     from llmbus.model.rope_config import RopeConfig
 

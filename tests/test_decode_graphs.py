@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from kernels.backends import TritonAttentionBackend
+from llmbus.kernels.backends import TritonAttentionBackend
 from llmbus.engine import engine as engine_module
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.engine.graphs import DecodeGraphs, batch_sizes

@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers  # the independent reference
 
-from kernels import cpu_native
-from kernels.backends import CpuPagedAttentionBackend
-from kernels.cpu import CpuAttentionBackend
+from llmbus.kernels import cpu_native
+from llmbus.kernels.backends import CpuPagedAttentionBackend
+from llmbus.kernels.cpu import CpuAttentionBackend
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine
 from llmbus.engine.sampling_params import SamplingParams

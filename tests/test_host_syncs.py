@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels.backends import TritonAttentionBackend
+from llmbus.kernels.backends import TritonAttentionBackend
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.engine.runner import TailRows
 from llmbus.kv.layout import KVLayout
@@ -62,7 +62,7 @@ def test_the_probe_sees_host_reads_in_inference_mode():
                                        ("model", True)])
 def test_model_steps_on_the_triton_backend_read_nothing_back(tmp_path, fmt, fused):
     """Prefill, mixed and decode-only steps through every layer of a model (``fused``: its glue
-    in kernels.fused, as on CUDA)."""
+    in llmbus.kernels.fused, as on CUDA)."""
     loaded = load_model(write_random_model(tmp_path, {"num_hidden_layers": 2}, seed=3),
                         backend=TritonAttentionBackend(fmt))
     loaded.model.fused_ops = fused

@@ -4,9 +4,9 @@ step by step through the AttentionBackend protocol."""
 import pytest
 import torch
 
-from kernels import cpu_native  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.backends import (  # noqa: E402
+from llmbus.kernels import cpu_native  # noqa: E402
+from llmbus.kernels import reference  # noqa: E402
+from llmbus.kernels.backends import (  # noqa: E402
     CpuPagedAttentionBackend, TorchPagedAttentionBackend, TritonAttentionBackend, make_attention_backend)
 from llmbus.engine.attention import AttentionMetadata, build_attention_metadata  # noqa: E402
 from llmbus.engine.runner import TailRows  # noqa: E402
@@ -98,7 +98,7 @@ def test_int4r_backends_rotate_queries_and_keys(backend):
     of ``k``) and rotates the queries that meet them, in a prefill and in the decodes after it, so
     attention is that over the keys themselves, within INT4's error; an outlier channel, which
     per-token codes of unrotated keys would spread over every channel's step, costs little."""
-    from kernels import quant_reference as qr
+    from llmbus.kernels import quant_reference as qr
 
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     be = backend("int4r")
@@ -153,10 +153,10 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cpu_backend_over_head_major_caches(fmt, monkeypatch):
-    """Head-major caches (kernels.backends.HEAD_MAJOR) on the CPU backend: the reference's results
+    """Head-major caches (llmbus.kernels.backends.HEAD_MAJOR) on the CPU backend: the reference's results
     and bytes, and no C kernel handed the cache itself (INT8's fused decode would copy the whole
     layer cache to make it contiguous, every layer and step)."""
-    from kernels import backends
+    from llmbus.kernels import backends
 
     if not cpu_native.available():
         pytest.skip("the native CPU library did not build")
@@ -200,7 +200,7 @@ def test_cpu_backend_prefill_matches_the_reference_and_ignores_bytes_past_the_en
     """Prefill over a quantized cache against the reference: chunks after a cached prefix, a fresh
     prompt, a zero-length chunk, GQA 4; slots past each sequence's end hold NaN metadata, which
     must not reach the output. ``sdpa``: bf16 as on a CPU without the bf16 dot instruction."""
-    from kernels.kv_cache import allocate_cache
+    from llmbus.kernels.kv_cache import allocate_cache
     from llmbus.kv.formats import KVFormat
 
     if path == "sdpa":
@@ -313,7 +313,7 @@ def test_dequantized_context_holds_each_sequences_own_blocks(fmt):
     (not B x the longest), row i of the table names them in order, each equal to its block
     dequantized alone; slots past each end are zeroed (zero_past_end) and int4 tail rows stand in
     for a partial last block's codes."""
-    from kernels.kv_cache import allocate_cache
+    from llmbus.kernels.kv_cache import allocate_cache
     from llmbus.kv.formats import KVFormat
 
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32")

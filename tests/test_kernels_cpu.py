@@ -1,14 +1,14 @@
-"""kernels.cpu.CpuAttentionBackend against the pure-torch references in kernels/reference.py, on
+"""llmbus.kernels.cpu.CpuAttentionBackend against the pure-torch references in llmbus/kernels/reference.py, on
 random paged caches: odd lengths, GQA 1/2/4, mixed decode+prefill batches, cached prefixes, and
 single-token and empty sequences. Decodes run both ways: through the fused C kernel
-(``kernels.cpu_native``) and through the gathered torch path."""
+(``llmbus.kernels.cpu_native``) and through the gathered torch path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu, cpu_native
+from llmbus.kernels import cpu, cpu_native
 from llmbus.engine.attention import AttentionMetadata, TorchAttentionBackend
 from llmbus.kv.layout import KVLayout
 

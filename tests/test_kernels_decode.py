@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from kernels import quant_reference as qr  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
-from kernels.paged_decode import int4_lanes, int8_words, paged_decode_attention  # noqa: E402
+from llmbus.kernels import quant_reference as qr  # noqa: E402
+from llmbus.kernels import reference as ref  # noqa: E402
+from llmbus.kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
+from llmbus.kernels.paged_decode import int4_lanes, int8_words, paged_decode_attention  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -180,7 +180,7 @@ def test_decode_warp_tiles(name, group, head_dim, splits, tile, num_warps):
     rows, its state merged with the others' at the end, the partial block after it; GQA ratios
     (the query rows the dots' columns: one, a group under a mma's 8, 6 padded to 8, 8, 16), split-K,
     empty and one-token sequences."""
-    from kernels.paged_decode import decode_launch
+    from llmbus.kernels.paged_decode import decode_launch
 
     cache = _check(name, "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=16, lens=[150, 48, 0, 1, 33],
                    splits=splits, seed=group + tile, tile=tile, num_warps=num_warps, warp_tiles=True)
@@ -204,7 +204,7 @@ def test_decode_int4_blocks_loop(group, head_dim, bs, splits, tile, num_warps):
     warps, the slots' states merged at the end and the partial block after them; GQA ratios
     (query rows the dots' columns, padded to a power of two), split-K, empty and one-token
     sequences."""
-    from kernels.paged_decode import decode_launch
+    from llmbus.kernels.paged_decode import decode_launch
 
     cache = _check("int4", "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=bs, lens=[150, 2 * bs, 0, 1, 33],
                    splits=splits, seed=group + tile, tile=tile, num_warps=num_warps, warp_tiles=True)
@@ -217,8 +217,8 @@ def test_decode_int4_blocks_loop(group, head_dim, bs, splits, tile, num_warps):
 def test_decode_int4_blocks_loop_only_for_one_or_two_value_groups(monkeypatch):
     """Four value groups a token (head_dim 256) keep the lane loop, at its own launch; the block
     loop's launch (CUDA_LAUNCH) is uncapped, the lane loop's (SHARED_LAUNCH) capped."""
-    from kernels import paged_decode
-    from kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH, decode_launch, int4_blocks, launch_defaults, register_cap
+    from llmbus.kernels import paged_decode
+    from llmbus.kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH, decode_launch, int4_blocks, launch_defaults, register_cap
 
     one = torch.ones(1, dtype=torch.int32, device=DEV)
     for d, blocks in ((64, True), (128, True), (256, False)):
@@ -242,8 +242,8 @@ def test_decodes_through_the_per_warp_loops_by_default(name, monkeypatch):
     the per-warp loops serve them by default (paged_decode.WARP_TILES), a group of 6 padded to 8
     rows, at the launch's register cap; turned off, the shared loops run at their own launches
     (SHARED_LAUNCH), rows padded to 16."""
-    from kernels import paged_decode
-    from kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH, decode_launch, launch_defaults, register_cap
+    from llmbus.kernels import paged_decode
+    from llmbus.kernels.paged_decode import CUDA_LAUNCH, SHARED_LAUNCH, decode_launch, launch_defaults, register_cap
 
     if "LLMBUS_TRITON_WARP_TILES" not in os.environ:
         assert paged_decode.WARP_TILES
@@ -274,7 +274,7 @@ def test_decode_int4_lanes_rows_in_warp_order(bs, tile, num_warps):
 def test_pipeline_stages_keep_buffered_tiles_within_budget():
     """The pipeliner buffers ``stages - 1`` tiles of codes: launches whose tiles would pass the
     budget get fewer stages, never under two (one buffer)."""
-    from kernels.paged_decode import STAGE_BUDGET, pipeline_stages
+    from llmbus.kernels.paged_decode import STAGE_BUDGET, pipeline_stages
 
     def cache(name, d):
         return allocate_cache(KVFormat(name), KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16,
@@ -289,7 +289,7 @@ def test_pipeline_stages_keep_buffered_tiles_within_budget():
 def test_decode_grid_order_defaults_heads_first_within_cuda_limits(monkeypatch):
     """KV heads first unless asked otherwise (argument or module default), and never for a batch
     that would overflow the grid's second dimension."""
-    from kernels import paged_decode
+    from llmbus.kernels import paged_decode
 
     assert paged_decode.grid_order(8) and not paged_decode.grid_order(8, heads_first=False)
     assert not paged_decode.grid_order(paged_decode.MAX_GRID_Y + 1)
@@ -300,7 +300,7 @@ def test_decode_grid_order_defaults_heads_first_within_cuda_limits(monkeypatch):
 def test_resident_programs_by_registers_threads_and_shared_memory():
     """Programs an SM holds: registers per warp in units of 8 a thread, a KB of shared memory
     reserved per program, 32 programs at most; 0 when one does not fit."""
-    from kernels.paged_decode import HOPPER_SM, resident_programs
+    from llmbus.kernels.paged_decode import HOPPER_SM, resident_programs
 
     assert resident_programs(128, 4, 75_800, HOPPER_SM) == 3  # shared memory binds: INT8's default launch
     assert resident_programs(128, 4, 30_000, HOPPER_SM) == 4  # registers bind
@@ -315,8 +315,8 @@ def test_split_count_fills_the_device_then_avoids_thin_last_waves(monkeypatch):
     that, a grid whose last wave would be thin splits further, into the fewest splits within 5% of
     the best time, every split (the last included) of at least MIN_SPLIT_TILES tiles. Never more
     than the fill where that is no faster (timed in whole tiles a split)."""
-    from kernels import paged_decode
-    from kernels.paged_decode import grid_time, split_count
+    from llmbus.kernels import paged_decode
+    from llmbus.kernels.paged_decode import grid_time, split_count
 
     assert split_count(8, 512, 132, 4) == 33 and split_count(8, 5, 132, 4) == 5  # the fill: 264 programs
     assert split_count(128, 256, 132, 4) == 3
@@ -337,7 +337,7 @@ def test_split_count_fills_the_device_then_avoids_thin_last_waves(monkeypatch):
 
 def test_decode_launch_off_cuda_takes_one_split_unless_asked():
     """Off CUDA the split count is 1 (none is chosen from a device); an explicit count sets SPLIT."""
-    from kernels.paged_decode import decode_launch
+    from llmbus.kernels.paged_decode import decode_launch
 
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
     cache = allocate_cache(KVFormat("int8"), lay, 8, DEV)
@@ -406,7 +406,7 @@ def test_int8_pair_ptx_reads_the_right_bytes_and_values(biased):
     (S8_BIASED_*: 1152 + code). It runs natively in the kernel tests on a GPU (scripts/gpu_check.sh)."""
     import numpy as np
 
-    from kernels import decode_tiles
+    from llmbus.kernels import decode_tiles
 
     codes = np.arange(-127, 128, dtype=np.int8)
     names = [f"S8_{'BIASED' if biased else 'PAIR'}_{b}" for b in range(4)]
@@ -433,7 +433,7 @@ def test_int4_lanes_ptx_reads_the_right_nibbles_and_values(biased):
     around it: output $r holds channel class r of both lanes (class 0, 1: the low byte's low and high
     nibble; 2, 3: the high byte's); U4_LANES_BIASED, the same as 1024 + code (classes 0, 2) and 1024 +
     16 code (1, 3)."""
-    from kernels import decode_tiles
+    from llmbus.kernels import decode_tiles
 
     text = (decode_tiles.U4_LANES_BIASED if biased else decode_tiles.U4_LANES).value
     for byte in range(256):
@@ -455,7 +455,7 @@ def test_int4_bytes_ptx_splits_nibbles_by_channel_parity():
     byte's low nibble (its even channel's code), $1 its high nibble (the odd channel's), in place."""
     import re
 
-    from kernels import decode_tiles
+    from llmbus.kernels import decode_tiles
 
     text = decode_tiles.U4_BYTES.value
     statements = [x.strip() for x in text.strip("{} ").split(";") if x.strip()]
@@ -561,7 +561,7 @@ def test_decode_biased_codes(monkeypatch, name, dtype, warp_tiles, num_warps):
     1152 + code), the bias taken off the scores (INT8's keys: 1152 * sum(q) a row) and off the sums
     at the end (values). Off CUDA the dots run in fp32, so the path is forced here
     (paged_decode.BIASED_VALUES)."""
-    from kernels import paged_decode
+    from llmbus.kernels import paged_decode
 
     monkeypatch.setattr(paged_decode, "BIASED_VALUES", True)
     cache = _check(name, dtype, hkv=2, group=4, head_dim=64, bs=16, lens=[130, 64, 31, 1, 0], splits=2, seed=7,
@@ -614,7 +614,7 @@ def test_decode_int4_lane_loops_high_block_ids_do_not_overflow_int32(name):
     """INT4's block loop and INT4R's per-warp loop index the codes as 16-bit lanes: blocks whose
     lane offset exceeds 2**31 (key codes past 4 GiB; the cache is torch.empty: untouched pages are
     free)."""
-    from kernels.paged_decode import decode_launch
+    from llmbus.kernels.paged_decode import decode_launch
 
     lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype="float16")
     fmt = KVFormat(name)

@@ -1,11 +1,11 @@
-"""kernels.fused (a layer's norms, residual adds, rotation, SiLU-and-multiply in Triton) against
-the torch references in kernels.reference, under TRITON_INTERPRET=1 on CPU; and the model's
+"""llmbus.kernels.fused (a layer's norms, residual adds, rotation, SiLU-and-multiply in Triton) against
+the torch references in llmbus.kernels.reference, under TRITON_INTERPRET=1 on CPU; and the model's
 forward with them against its torch forward."""
 
 import pytest
 import torch
 
-from kernels import fused, reference
+from llmbus.kernels import fused, reference
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.model.rope import RotaryEmbedding
 from llmbus.model.rope_config import RopeConfig

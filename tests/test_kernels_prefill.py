@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels import reference as ref  # noqa: E402
-from kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
-from kernels.paged_decode import int4_lanes, int8_words
-from kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from llmbus.kernels import reference as ref  # noqa: E402
+from llmbus.kernels.kv_cache import PagedKVCache, allocate_cache  # noqa: E402
+from llmbus.kernels.paged_decode import int4_lanes, int8_words
+from llmbus.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402
 from llmbus.kv.layout import KVLayout  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_prefill_decode_loops_at_the_cuda_launch(name, head_dim, bs):
 
 def test_prefill_tile_defaults_and_checks():
     """INT4 on CUDA takes tiles of two blocks or more (one-block INT4 tiles went wrong on an H200)."""
-    from kernels.paged_decode import tile_size
+    from llmbus.kernels.paged_decode import tile_size
 
     def cache(name, bs):
         return allocate_cache(KVFormat(name), KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_size=bs), 1, "cpu")

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels import reference as ref  # noqa: E402
-from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks, write_blocks  # noqa: E402
-from kernels.write_kv import write_kv  # noqa: E402
+from llmbus.kernels import reference as ref  # noqa: E402
+from llmbus.kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks, write_blocks  # noqa: E402
+from llmbus.kernels.write_kv import write_kv  # noqa: E402
 from llmbus.engine.attention import build_attention_metadata  # noqa: E402
 from llmbus.engine.runner import TailRows  # noqa: E402
 from llmbus.kv.formats import KVFormat  # noqa: E402

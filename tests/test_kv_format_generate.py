@@ -46,9 +46,9 @@ def test_quantized_kv_greedy_matches_first_tokens(model_dir, baseline, kv_format
 
 @pytest.mark.parametrize("kv_format", ["int8", "int4", "int4r"])
 def test_head_major_caches_serve_the_same_tokens(model_dir, kv_format, monkeypatch):
-    """LLMBUS_KV_HEAD_MAJOR stores the engine's caches head-major (kernels.backends.HEAD_MAJOR): the
+    """LLMBUS_KV_HEAD_MAJOR stores the engine's caches head-major (llmbus.kernels.backends.HEAD_MAJOR): the
     same greedy tokens as token-major caches of the format, through prefill, decode and tail rows."""
-    from kernels import backends
+    from llmbus.kernels import backends
 
     params = SamplingParams(max_tokens=FIRST, temperature=0, ignore_eos=True)
     token_major = [o.token_ids for o in LLM(model_dir, device="cpu", kv_format=kv_format).generate(PROMPTS, params)]
@@ -87,10 +87,10 @@ def model_dtype_first_logprobs(model_dir):
 @pytest.mark.parametrize("kv_format", ["int8", "int4", "int4r"])
 def test_a_prompts_pass_attends_to_its_own_kv_exactly(model_dir, model_dtype_first_logprobs, kv_format, monkeypatch):
     """A prompt prefilled in one pass over a quantized cache attends to its own keys and values as
-    computed (kernels.reference.exact_chunks, as KIVI's prefill does): its first token's logprobs
+    computed (llmbus.kernels.reference.exact_chunks, as KIVI's prefill does): its first token's logprobs
     are the model-dtype cache's (INT4R's within its int8 query rounding), where reading the
     prompt back from its codes moved them (INT4's by ~8e-3, INT8's by ~6e-4 on this prompt)."""
-    from kernels import reference
+    from llmbus.kernels import reference
 
     want = model_dtype_first_logprobs
     exact = _gap(_first_logprobs(model_dir, kv_format), want)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels import quant_reference as qr
-from kernels import reference as ref
-from kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks, write_blocks
+from llmbus.kernels import quant_reference as qr
+from llmbus.kernels import reference as ref
+from llmbus.kernels.kv_cache import PagedKVCache, allocate_cache, read_blocks, write_blocks
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.engine.runner import TailRows
 from llmbus.kv.formats import KVFormat, parse_kv_format

@@ -2,7 +2,7 @@
 
 import torch
 
-from kernels import quant_reference as qr
+from llmbus.kernels import quant_reference as qr
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.kv.layout import KVLayout
 from llmbus.kv.tier_format import dequantize

@@ -14,7 +14,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from kernels import cpu_native
+from llmbus.kernels import cpu_native
 from llmbus.engine.sampler import Sampler, apply_penalties, step_seed, warp_logits
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import quant_reference as qr
-from kernels import reference as ref
+from llmbus.kernels import quant_reference as qr
+from llmbus.kernels import reference as ref
 from llmbus.engine.attention import build_attention_metadata
 from llmbus.engine.llm import LLM
 from llmbus.engine.runner import TailRows

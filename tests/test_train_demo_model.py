@@ -124,7 +124,7 @@ def test_eval_candidate_rotated_int4_keys_round_trip_as_described(base):
     """scripts/eval_kv_quant.py's simulated candidate format: keys rotated by an orthonormal
     Hadamard matrix, quantized per token in groups, rotated back; values as INT4's. Its logits stay
     near the model-dtype cache's, and differ from them."""
-    from kernels import quant_reference as qr
+    from llmbus.kernels import quant_reference as qr
     from scripts.eval_kv_quant import candidate_backend, compare, run_logits
 
     h = qr.hadamard(32)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from kernels import reference
+from llmbus.kernels import reference
 from llmbus.kv.layout import KVLayout
 
 

@@ -69,20 +69,20 @@ def _pick_device(name: str | None) -> torch.device:
 
 
 def make_backend(device: torch.device, kv_format: str):
-    """The fast SDPA backend (kernels.cpu) for model-dtype caches on CPU; otherwise Triton kernels on
+    """The fast SDPA backend (llmbus.kernels.cpu) for model-dtype caches on CPU; otherwise Triton kernels on
     CUDA and the torch references on CPU, for quantized formats where the kernels exist."""
     if device.type == "cpu" and kv_format == "model":
-        from kernels.cpu import CpuAttentionBackend
+        from llmbus.kernels.cpu import CpuAttentionBackend
 
         return CpuAttentionBackend()
     try:
-        from kernels.backends import make_attention_backend
+        from llmbus.kernels.backends import make_attention_backend
     except ImportError:
         make_attention_backend = None
     if make_attention_backend is not None:
         return make_attention_backend(device.type, kv_format)
     if kv_format != "model":
-        raise ValueError(f"kv_format {kv_format!r} needs the quantized-KV backends in kernels/, which are not installed")
+        raise ValueError(f"kv_format {kv_format!r} needs the quantized-KV backends in llmbus/kernels/, which are not installed")
     return TorchAttentionBackend()
 
 

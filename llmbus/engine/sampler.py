@@ -5,7 +5,7 @@ frequency penalties (OpenAI convention, over output tokens), the request's logit
 (tokens that cannot continue the guided JSON get -inf; ``llmbus.guide``), then argmax (temperature 0) or
 temperature, top-k, top-p, min-p (each as the transformers logits warper of the same name) and a
 draw by the exponential race ``argmax(probs / Exponential(1))``. On CPU the warp and the race run
-in C (``kernels.cpu_native.sample``: thresholds by radix selection instead of a sort, the same race
+in C (``llmbus.kernels.cpu_native.sample``: thresholds by radix selection instead of a sort, the same race
 in logs, ``argmax(logits + Gumbel)``, its uniforms a counter-based hash of a per-row key); elsewhere
 (or without the C library) ``warp_logits`` and torch's generator serve.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_native
+from llmbus.kernels import cpu_native
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.guide.masks import GuideMasks, GuideRun

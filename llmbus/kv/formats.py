@@ -30,7 +30,7 @@ Four formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N`` 
   rotated keys. With per-token scales a decode kernel applies them to a tile's scores and
   probabilities, as INT8's, instead of to every code. Attention over an INT4R cache meets it
   with each query row (token, head) rounded to int8, symmetrically (step ``max |q| / 127``;
-  ``kernels.quant_reference.round_query``): the kernels' key dots are integer ones. Tail rows as
+  ``llmbus.kernels.quant_reference.round_query``): the kernels' key dots are integer ones. Tail rows as
   INT4's (holding rotated keys). ``head_dim`` must be a power of two.
 
 NOTE: whether an INT4 block is full is not stored: a reader knows it from the sequence length
@@ -49,7 +49,7 @@ from them (so those tokens' keys end up rounded twice).
 
 Prefill over a quantized cache (all three quantized formats): a chunk's queries attend to the
 prefix before it as the cache holds it and to the chunk's own keys and values as the model
-computed them (the attention backends pass them beside the cache; ``kernels.reference.exact_chunks``),
+computed them (the attention backends pass them beside the cache; ``llmbus.kernels.reference.exact_chunks``),
 as KIVI's prefill does. Quantizing what a prompt writes then changes nothing in a prompt
 prefilled in one pass: not its first token, and not the keys and values its later layers compute
 and write (INT4R: but for its queries' int8 rounding). A prompt prefilled in several chunks, or

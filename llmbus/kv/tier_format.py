@@ -2,7 +2,7 @@
 
 A block travels as uint8 rows ``[n, num_layers * layer_block_bytes]`` in one format of
 ``llmbus.kv.formats`` (what ``Engine.read_blocks`` gives, flattened per block). Conversion
-dequantizes to fp32 with the torch references in ``kernels/`` and re-encodes; every layer of every
+dequantizes to fp32 with the torch references in ``llmbus/kernels/`` and re-encodes; every layer of every
 block is independent, so the ``n * num_layers`` layer-blocks are converted as one batch.
 
 NOTE: only full blocks are ever cached (their hashes name them), so INT4 keys are always in the
@@ -44,9 +44,9 @@ def parse_tier_format(name: str, tier0: KVFormat) -> KVFormat:
 
 
 def convert_blocks(rows: torch.Tensor, layout: KVLayout, src: KVFormat, dst: KVFormat) -> torch.Tensor:
-    from kernels import reference
-    from kernels.quant_reference import rotate
-    from kernels.kv_cache import allocate_cache, read_blocks, write_blocks
+    from llmbus.kernels import reference
+    from llmbus.kernels.quant_reference import rotate
+    from llmbus.kernels.kv_cache import allocate_cache, read_blocks, write_blocks
 
     n = rows.shape[0]
     want = src.bytes_per_block(layout)
@@ -72,9 +72,9 @@ def convert_blocks(rows: torch.Tensor, layout: KVLayout, src: KVFormat, dst: KVF
 
 def dequantize(rows: torch.Tensor, layout: KVLayout, fmt: KVFormat) -> torch.Tensor:
     """Blocks as fp32 ``[n, num_layers, 2, bs, H, D]`` (what the tests compare), INT4R's keys rotated back."""
-    from kernels import reference
-    from kernels.quant_reference import rotate
-    from kernels.kv_cache import allocate_cache, write_blocks
+    from llmbus.kernels import reference
+    from llmbus.kernels.quant_reference import rotate
+    from llmbus.kernels.kv_cache import allocate_cache, write_blocks
 
     n = rows.shape[0]
     m = n * layout.num_layers

@@ -9,7 +9,7 @@ summation order may differ in the last bits).
 
 bf16 and float32 weights go further on CPUs with AVX-512 or AVX2 with FMA (bf16 with the bf16 dot
 instruction where there is one, else widened): they are blocked once for our own kernel
-(``kernels.cpu_native.linear``, the layout and the reasons in kernels/cpu_decode.c) instead of
+(``llmbus.kernels.cpu_native.linear``, the layout and the reasons in llmbus/kernels/cpu_decode.c) instead of
 oneDNN's, still one copy; where neither serves a weight (bf16 on a CPU without oneDNN's bf16 and
 outputs not a multiple of 16), the model keeps its plain weights. A decode step at
 low batch is bound by reading the weights once; oneDNN reads them at 11-15 GB/s on one core for
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native
+from llmbus.kernels import cpu_native
 
 # rows the packed layout is tuned for: the measured speed barely depends on it (1, 32 or 2,048)
 BATCH_HINT = 32
@@ -39,7 +39,7 @@ class PackedWeight:
     """One copy of a weight, in exactly one of the two layouts."""
 
     onednn: torch.Tensor | None = None  # opaque oneDNN tensor
-    blocked: torch.Tensor | None = None  # kernels.cpu_native.to_blocked's layout
+    blocked: torch.Tensor | None = None  # llmbus.kernels.cpu_native.to_blocked's layout
 
 
 def _onednn_supported(dtype: torch.dtype, device: torch.device) -> bool:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native, reference
-from kernels.kv_cache import PagedKVCache
+from llmbus.kernels import cpu_native, reference
+from llmbus.kernels.kv_cache import PagedKVCache
 from llmbus.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from llmbus.model.config import ModelConfig
 from llmbus.model.cpu_linear import PackedWeight, can_pack, linear, pack
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _param(size, dtype=dtype, device=device)
-        self.fused = False  # one pass in C (kernels.cpu_native) where it applies: set with packed weights
+        self.fused = False  # one pass in C (llmbus.kernels.cpu_native) where it applies: set with packed weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and (y := cpu_native.rms_norm(x, self.weight, self.eps)) is not None:
@@ -56,13 +56,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache, meta: AttentionMetadata, backend: AttentionBackend,
                 fused: bool = False) -> torch.Tensor:
-        """``fused``: the rotation in place by ``kernels.fused`` (Triton)."""
+        """``fused``: the rotation in place by ``llmbus.kernels.fused`` (Triton)."""
         t = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias, self.packed.get("qkv"))
         # q and k sit side by side in qkv: rotate both heads' sets in one pass, then split.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         if fused:
-            from kernels import fused as triton_fused  # NOTE: imports Triton, which CPU steps never need
+            from llmbus.kernels import fused as triton_fused  # NOTE: imports Triton, which CPU steps never need
 
             qk = triton_fused.rotary_(qk, cos, sin)
         else:
@@ -85,10 +85,10 @@ class MLP(nn.Module):
         self.packed: dict[str, PackedWeight] = {}  # "gate_up", "down"
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """``fused``: SiLU-and-multiply by ``kernels.fused`` (Triton)."""
+        """``fused``: SiLU-and-multiply by ``llmbus.kernels.fused`` (Triton)."""
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias, self.packed.get("gate_up"))
         if fused:
-            from kernels import fused as triton_fused
+            from llmbus.kernels import fused as triton_fused
 
             act = triton_fused.silu_mul(gate_up)
         else:
@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         # int64 [L, 10] weight addresses for cpu_native.decode_layers (set by pack_cpu_weights where
         # every projection is blocked): a step of only decodes runs all its layers in one C call
         self.decode_stack: torch.Tensor | None = None
-        # the layers' norms, residual adds, rotation and SiLU-and-multiply in kernels.fused (Triton):
+        # the layers' norms, residual adds, rotation and SiLU-and-multiply in llmbus.kernels.fused (Triton):
         # None = on CUDA unless LLMBUS_TRITON_FUSED=0; True/False forces it (tests run it on CPU
         # under the Triton interpreter)
         self.fused_ops: bool | None = None
@@ -251,10 +251,10 @@ class LlamaForCausalLM(nn.Module):
         return self.fused_ops
 
     def _fused_layers(self, h: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> torch.Tensor:
-        """The layers with their glue in ``kernels.fused``: ``residual`` carries ``h`` and each norm
+        """The layers with their glue in ``llmbus.kernels.fused``: ``residual`` carries ``h`` and each norm
         adds the previous sublayer's output into it first, so a layer is four element-wise launches
         (rotation, norm with the add, SiLU-and-multiply, the next norm with the add), plus the first norm."""
-        from kernels import fused as triton_fused
+        from llmbus.kernels import fused as triton_fused
 
         residual = h
         norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]

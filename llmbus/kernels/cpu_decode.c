@@ -7,12 +7,12 @@
    of its group. Here a task is one sequence (or, when the batch is too small to keep the threads
    busy, one of its KV heads): for each KV head, its G query rows (GQA) score a block's keys, fold
    them into a running softmax (max, sum, fp32 accumulator), and add the block's values, reading
-   only the sequence's own tokens, once. Built by kernels/cpu_native.py with -O3 -march=native so
+   only the sequence's own tokens, once. Built by llmbus/kernels/cpu_native.py with -O3 -march=native so
    the loops over head_dim vectorize (bf16 scores use the CPU's bf16 dot instruction where it has
    one); threads come from the OpenMP runtime torch already loaded (same libgomp soname), sized by
    the caller.
 
-   Cache layout (kernels/cpu.py): [2, num_blocks, block_size, Hkv, D], keys then values, contiguous.
+   Cache layout (llmbus/kernels/cpu.py): [2, num_blocks, block_size, Hkv, D], keys then values, contiguous.
    Element types: float32, or bfloat16 as uint16_t (widened by a shift; stored round-to-nearest-even). */
 
 #include <math.h>
@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void add_weighted(float *acc, const
         for (int64_t i = 0; i < d; i++) acc[i] += w[t] * rows[t][i];
 }
 
-/* int4 caches (llmbus.kv.formats), as kernels.reference.dequantize_blocks reads them (same
+/* int4 caches (llmbus.kv.formats), as llmbus.kernels.reference.dequantize_blocks reads them (same
    operations in the same order). data: uint8 [2, N, bs, Hkv, D/2], low nibble the even channel;
    k_meta [N, Hkv, key_slots]: for a full block, per channel codes m | M << 8 and the head's (lo, hi)
    at slots D, D + 1; for a partial one, per token (scale, min) pairs in groups of gk channels;
@@ -234,7 +234,7 @@ static inline __attribute__((always_inline)) void int4_values(const int4_src *c,
    row's accumulator stays in registers across a block's tokens; a block's keys and values are
    widened to fp32 once per head, into a buffer that stays in L1. QT: the queries' and output's
    element type; KT: the cache's; SCALED: int8 entries times a per (token, head) scale of type ST
-   (``kernels/kv_cache.py``'s int8 format: scales [2, N, bs, Hkv] beside the data). I4: int4 blocks
+   (``llmbus/kernels/kv_cache.py``'s int8 format: scales [2, N, bs, Hkv] beside the data). I4: int4 blocks
    (``i4``; KT uint8_t, D/2 bytes a head's row), widened by int4_keys / int4_values, or from the
    sequence's tail row ``trow`` (-1: none) for its partial last block; with the channels by parity
    (i4_col) in the query rows, the buffer and the accumulator alike (a dot and a weighted sum take
@@ -474,8 +474,8 @@ int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_
     return 0;
 }
 
-/* ---- The quantizing KV writes (kernels.reference.write_kv_cache, bit for bit) --------------------
-   kernels.quant_reference defines the encoding in fp32 torch ops, each rounded on its own: the
+/* ---- The quantizing KV writes (llmbus.kernels.reference.write_kv_cache, bit for bit) --------------------
+   llmbus.kernels.quant_reference defines the encoding in fp32 torch ops, each rounded on its own: the
    code below does the same operations in the same order, with contraction into fused
    multiply-adds off (torch runs a * b + c as two ops), fp16 rounded to nearest even as .half()
    does, floor(x + 0.5) for rounding, NaN winning a min or max as in torch. The one difference: a

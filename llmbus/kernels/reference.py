@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import quant_reference as qr
+from llmbus.kernels import quant_reference as qr
 
 if TYPE_CHECKING:
-    from kernels.kv_cache import PagedKVCache
+    from llmbus.kernels.kv_cache import PagedKVCache
 
 
 def write_kv(
@@ -144,7 +144,7 @@ def paged_prefill_attention(
     return out
 
 
-# -- paged caches in any KV format (kernels.kv_cache.PagedKVCache) -------------------------------
+# -- paged caches in any KV format (llmbus.kernels.kv_cache.PagedKVCache) -------------------------------
 def write_kv_cache(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -391,7 +391,7 @@ def exact_chunks(kv: torch.Tensor, tables: torch.Tensor, key: torch.Tensor, valu
     kv[1, blk, off] = value[:t].to(kv.device, kv.dtype)
 
 
-# --- a decoder layer's element-wise glue (kernels.fused on CUDA) --------------------------------
+# --- a decoder layer's element-wise glue (llmbus.kernels.fused on CUDA) --------------------------------
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

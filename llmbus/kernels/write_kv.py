@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache import PagedKVCache
-from kernels.kv_tile import FMT_IDS
+from llmbus.kernels.kv_cache import PagedKVCache
+from llmbus.kernels.kv_tile import FMT_IDS
 
 
 @triton.jit

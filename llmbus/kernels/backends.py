@@ -1,7 +1,7 @@
 """Attention backends over paged caches of any KV format (``llmbus.kv.formats``).
 
 Both implement ``llmbus.engine.attention.AttentionBackend``; their per-layer cache objects are
-``kernels.kv_cache.PagedKVCache``. ``read_blocks`` / ``write_blocks`` move whole blocks as bytes
+``llmbus.kernels.kv_cache.PagedKVCache``. ``read_blocks`` / ``write_blocks`` move whole blocks as bytes
 for the KV handoff between workers and tiers (same bytes on either backend).
 """
 
@@ -12,9 +12,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, kv_cache, reference
-from kernels import quant_reference as qr
-from kernels.cpu import NativeDecodes
+from llmbus.kernels import cpu_native, kv_cache, reference
+from llmbus.kernels import quant_reference as qr
+from llmbus.kernels.cpu import NativeDecodes
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
 
@@ -112,7 +112,7 @@ def _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale, out_dtype: torch.dtype | N
 
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
-    """The CPU engine's backend for int8/int4 caches (``kernels.cpu_native``): decodes through the
+    """The CPU engine's backend for int8/int4 caches (``llmbus.kernels.cpu_native``): decodes through the
     fused C kernel, int8 and int4 dequantized inside it (int4, where the kernel does not take the
     query's dtype, dequantized first for the blocks its batch reads with the C pass
     ``dequantize_int4_blocks``, then attended in fp32); prefill chunks over their context dequantized
@@ -213,21 +213,21 @@ class TritonAttentionBackend(_PagedBackend):
 
     @staticmethod
     def _write(k, v, cache, slot_mapping, tail_slots=None):
-        from kernels.write_kv import write_kv
+        from llmbus.kernels.write_kv import write_kv
 
         # NOTE: k and v are views into the step's qkv projection; the kernel takes their strides
         write_kv(k, v, cache, slot_mapping.to(torch.int64), tail_slots)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):
-        from kernels.paged_decode import paged_decode_attention
+        from llmbus.kernels.paged_decode import paged_decode_attention
 
         return paged_decode_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), scale,
                                       max_seq_len=max_seq_len, tail_rows=tail_rows)
 
     @staticmethod
     def _prefill(q, cache, block_tables, seq_lens, qsl, scale, tail_rows=None, max_query_len=None, chunk=None):
-        from kernels.paged_prefill import paged_prefill_attention
+        from llmbus.kernels.paged_prefill import paged_prefill_attention
 
         return paged_prefill_attention(q, cache, block_tables.to(torch.int32), seq_lens.to(torch.int32), qsl, scale,
                                        max_query_len=max_query_len, tail_rows=tail_rows, chunk=chunk)

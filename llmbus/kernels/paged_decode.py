@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import (attend_tile, int4_blocks_warp_loop, int4_lanes_loop, int4_tokens_loop,
+from llmbus.kernels.decode_tiles import (attend_tile, int4_blocks_warp_loop, int4_lanes_loop, int4_tokens_loop,
                                   int4_tokens_warp_loop, int8_tile, int8_words_loop, int8_words_warp_loop, tile_query)
-from kernels.kv_tile import dot_args, load_kv_tile, tile_args
-from kernels.reduce_splits import reduce_splits
+from llmbus.kernels.kv_tile import dot_args, load_kv_tile, tile_args
+from llmbus.kernels.reduce_splits import reduce_splits
 
 LOG2E = 1.4426950408889634
 # NOTE: LLMBUS_TRITON_ASM=0 swaps the inline-PTX code conversions for their plain Triton twins.
@@ -454,7 +454,7 @@ class DecodeLaunch(NamedTuple):
 
 def paged_decode_attention(
     query: torch.Tensor,  # [B, Hq, D]
-    cache,  # kernels.kv_cache.PagedKVCache
+    cache,  # llmbus.kernels.kv_cache.PagedKVCache
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,

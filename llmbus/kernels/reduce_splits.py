@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-# NOTE: S, the split count, follows the longest context (kernels.paged_decode.choose_splits, at
+# NOTE: S, the split count, follows the longest context (llmbus.kernels.paged_decode.choose_splits, at
 # most 64): a runtime value, and the block SP is 64 for any S up to it, so a serving run compiles
 # one variant, not one per count (the masked lanes cost next to nothing)
 @triton.jit(do_not_specialize=["S"])

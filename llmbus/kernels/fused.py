@@ -5,7 +5,7 @@ Written in torch, each layer's glue is ~25 launches (RMSNorm alone is eight: cas
 add, rsqrt, multiply, cast, scale); at small batch a GPU step is bound by launches, and even
 replayed as a CUDA graph each tiny kernel costs the GPU a few microseconds. These make it four a
 layer. Each rounds where the torch code (``llmbus.model.llama``, HF's order) rounds;
-``kernels.reference`` has the torch statements they are tested against.
+``llmbus.kernels.reference`` has the torch statements they are tested against.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, s_t, s_h, s_cos, s_sin, n_heads,
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, H, D]`` in place (``x * cos + rotate_half(x) * sin``, the halves' form of
-    ``kernels.reference.rotary``) by ``cos``/``sin [T, 1, D/2]``; ``x`` may be a strided view
+    ``llmbus.kernels.reference.rotary``) by ``cos``/``sin [T, 1, D/2]``; ``x`` may be a strided view
     (the q and k heads inside the qkv projection's output). Returns ``x``."""
     t, h, d = x.shape
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or d % 2:

@@ -121,7 +121,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 def round_query(q: torch.Tensor) -> torch.Tensor:
     """``q [..., D]`` rounded to int8 symmetrically per row and back, fp32: how INT4R attends (its
-    kernels' key dots are integer ones: ``kernels.decode_tiles.int4_tokens_loop``). Codes are
+    kernels' key dots are integer ones: ``llmbus.kernels.decode_tiles.int4_tokens_loop``). Codes are
     ``floor(q * 127 / amax + 0.5)``, the division correctly rounded (a tie, common in half-precision
     rows, comes out the same everywhere); the rounding adds at most amax / 254 a channel, little
     beside INT4 keys' error."""

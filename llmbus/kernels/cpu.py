@@ -15,7 +15,7 @@ the same bytes), computed with batched matmuls (decodes) and
   ``Hkv x group`` matrices, softmax in fp32 between them (2x faster than SDPA, whose flash kernel
   is tuned for long query blocks, not a decode's ``G`` rows). GQA needs no repeat: a decode's query
   heads are viewed as ``[Hkv, G]`` rows over their one KV head.
-- Where the fused C kernel builds (``kernels.cpu_native``, the default), decodes skip all of that:
+- Where the fused C kernel builds (``llmbus.kernels.cpu_native``, the default), decodes skip all of that:
   one call per layer reads every sequence's blocks in place (no gather, no padding to the longest
   sequence), 20% off a large-demo-model decode step at batch 32 against the gathered path.
 - A prefill chunk with no cached prefix attends to its own k/v directly (no gather, causal SDPA);
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, reference
+from llmbus.kernels import cpu_native, reference
 from llmbus.engine.attention import AttentionMetadata, TorchAttentionBackend, torch_dtype
 from llmbus.kv.layout import KVLayout
 
@@ -200,7 +200,7 @@ class CpuAttentionBackend:
     @staticmethod
     def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """uint8 ``[n, layer_block_bytes]`` (block ``i``'s keys then values): the same bytes as
-        ``kernels.kv_cache.read_blocks`` for a ``model``-format cache."""
+        ``llmbus.kernels.kv_cache.read_blocks`` for a ``model``-format cache."""
         return TorchAttentionBackend.read_blocks(cache, _checked_ids(cache, block_ids))
 
     @staticmethod

@@ -60,7 +60,7 @@ code by OR-ing it into the mantissa of 1024.0 and subtracting 1024 (exact for co
   H200's latency needs in flight). Now ``num_stages`` 3 gives two buffers: the next tile's copy
   is in flight while the current one is used.
 Encodings are documented in ``llmbus.kv.formats``; the arithmetic follows
-``kernels.quant_reference`` operation for operation.
+``llmbus.kernels.quant_reference`` operation for operation.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.kv_tile import softmax_step
+from llmbus.kernels.kv_tile import softmax_step
 
 
 @triton.jit
@@ -886,7 +886,7 @@ def byte_codes(x, ASM: tl.constexpr):
 @triton.jit
 def int8_codes(x, amax):
     """Rows ``x [R, n]`` (fp32) rounded to int8 steps of ``amax / 127`` (``amax [R]``: the rows'
-    largest magnitudes, at least 127e-30), as fp32 (``kernels.quant_reference.round_query``). NOTE:
+    largest magnitudes, at least 127e-30), as fp32 (``llmbus.kernels.quant_reference.round_query``). NOTE:
     ``x * 127 / amax`` correctly rounded, not ``x * (127 / amax)``: a half-precision row's channel at
     half its largest magnitude lands on a tie (63.5), where an ulp of the reciprocal, or a fused
     multiply-add, would decide the rounding."""

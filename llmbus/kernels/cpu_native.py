@@ -1,8 +1,8 @@
-"""The CPU kernels in ``kernels/cpu_decode.c``: built once per machine, loaded with ctypes.
+"""The CPU kernels in ``llmbus/kernels/cpu_decode.c``: built once per machine, loaded with ctypes.
 
 ``paged_decode(q, cache, block_tables, seq_lens, scale)`` is the whole decode half of a step in one
 call; ``CpuAttentionBackend`` uses it when ``available()``, else its torch path (same results within
-the dtype's rounding, checked by tests/test_cpu_native.py against ``kernels.reference``). The same
+the dtype's rounding, checked by tests/test_cpu_native.py against ``llmbus.kernels.reference``). The same
 library holds bf16 prefill attention (``prefill_into``), the model's element-wise fusions
 (``rms_norm``, ``silu_mul``, ``rope``), the bf16/float32 linear product over blocked weights
 (``linear``) and the sampler's warp and draw (``sample``), each of which returns None (or is not
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from llmbus.kernels import reference
 
 log = logging.getLogger("llmbus.kernels")
 
@@ -251,7 +251,7 @@ def decode_into(out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables:
 def decode_int8_into(out: torch.Tensor, q: torch.Tensor, data: torch.Tensor, scales: torch.Tensor,
                      tables: torch.Tensor, lens: torch.Tensor, scale: float) -> None:
     """``decode_into`` over an int8 cache: ``data`` int8 ``[2, N, bs, Hkv, D]`` and ``scales``
-    ``[2, N, bs, Hkv]`` (fp16 or fp32), entry = int8 x scale (``kernels/kv_cache.py``)."""
+    ``[2, N, bs, Hkv]`` (fp16 or fp32), entry = int8 x scale (``llmbus/kernels/kv_cache.py``)."""
     entry = _INT8.get((q.dtype, scales.dtype))
     if entry is None or data.dtype != torch.int8 or scales.shape != data.shape[:4] or out.dtype != q.dtype:
         raise ValueError(f"unsupported int8 decode: q {q.dtype}, data {data.dtype} {list(data.shape)}, "
@@ -463,7 +463,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """``kernels.reference.rotary`` of bf16 or float32 ``x [T, H, D]`` (rows may be strided,
+    """``llmbus.kernels.reference.rotary`` of bf16 or float32 ``x [T, H, D]`` (rows may be strided,
     heads contiguous) in one pass (bf16: bit-identical); cos/sin ``[T, 1, D/2]`` of x's dtype.
     None where the kernel does not apply."""
     if (x.dtype not in _SUFFIX or x.device.type != "cpu" or x.dim() != 3 or x.stride(2) != 1
@@ -676,7 +676,7 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
                   num_heads: int, intermediate: int, eps: float, scale: float,
                   tail_slots: torch.Tensor | None = None, tail_rows: torch.Tensor | None = None) -> None:
     """Every decoder layer of a step whose tokens are all decodes, in one call (bf16 or float32,
-    blocked weights; kernels/cpu_decode.c ``decode_layers_*``): ``h [B, H]`` holds the embedded
+    blocked weights; llmbus/kernels/cpu_decode.c ``decode_layers_*``): ``h [B, H]`` holds the embedded
     tokens and is replaced in place by the last layer's output (bf16: bit-identical to running the
     layers' modules; float32: up to the order of sums); every layer's new keys/values are written
     to its cache. ``layers``: int64 ``[L, 10]``

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_words_loop, tile_query
-from kernels.kv_tile import load_kv_tile, softmax_step, tile_args
-from kernels.paged_decode import code_args, pipeline_stages, tile_size
+from llmbus.kernels.decode_tiles import int4_lanes_loop, int4_tokens_loop, int8_words_loop, tile_query
+from llmbus.kernels.kv_tile import load_kv_tile, softmax_step, tile_args
+from llmbus.kernels.paged_decode import code_args, pipeline_stages, tile_size
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def paged_prefill_kernel(
 
 def paged_prefill_attention(
     query: torch.Tensor,  # [T, Hq, D]
-    cache,  # kernels.kv_cache.PagedKVCache
+    cache,  # llmbus.kernels.kv_cache.PagedKVCache
     block_tables: torch.Tensor,  # [B, M] int32
     seq_lens: torch.Tensor,  # [B] int32
     query_start_loc: torch.Tensor,  # [B+1] int32
