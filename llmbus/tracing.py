@@ -13,6 +13,8 @@ sends one) and writes its context into every ``GenerateRequest.traceparent``; th
 prefill and the decode worker each open a child span of it for their part. Off, no span is
 recorded and ``traceparent`` stays empty.
 
+A busy collector (429, 502, 503, 504) is tried again, as OTLP/HTTP asks (``OtlpJsonExporter``).
+
 NOTE: the OTLP exporter is ours (OTLP/HTTP's JSON encoding, urllib), not the
 opentelemetry-exporter-otlp package: that one brings protobuf and requests into every service for
 a few dozen lines of encoding.
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
@@ -134,27 +139,52 @@ def _headers(text: str) -> dict[str, str]:
     return out
 
 
+# what OTLP/HTTP calls retryable: the collector is busy or restarting and asks the exporter to come back
+RETRYABLE = frozenset({429, 502, 503, 504})
+FIRST_RETRY_S = 0.5  # doubled each time; a Retry-After header overrides it
+
+
 class OtlpJsonExporter(SpanExporter):
     """Spans as OTLP/HTTP JSON (``ExportTraceServiceRequest``) POSTed to ``url``; runs on the batch
-    processor's thread."""
+    processor's thread. A retryable answer (429, 502, 503, 504) is tried again after its
+    Retry-After, else after 0.5 s, 1 s, 2 s..., while ``timeout_s`` allows; any other failure, or
+    a collector that cannot be reached, costs the batch's spans and nothing else."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> None:
         self.url, self.timeout_s = url, timeout_s
         self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self._stopping = threading.Event()  # shutdown: no more waiting to retry
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         body = orjson.dumps(encode_spans(spans))
-        request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read()
-        except Exception as exc:  # a collector that is down costs its spans, nothing else
-            log.warning("could not send %d spans to %s: %s", len(spans), self.url, exc)
-            return SpanExportResult.FAILURE
-        return SpanExportResult.SUCCESS
+        deadline = time.monotonic() + self.timeout_s
+        delay = FIRST_RETRY_S
+        while True:
+            request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=max(0.1, deadline - time.monotonic())) as response:
+                    response.read()
+                return SpanExportResult.SUCCESS
+            except urllib.error.HTTPError as exc:
+                wait = _retry_after(exc.headers.get("Retry-After"), delay) if exc.code in RETRYABLE else None
+                failure: Exception = exc
+            except Exception as exc:  # unreachable, a timeout: no second try
+                wait, failure = None, exc
+            if wait is None or time.monotonic() + wait >= deadline or self._stopping.wait(wait):
+                log.warning("could not send %d spans to %s: %s", len(spans), self.url, failure)
+                return SpanExportResult.FAILURE
+            delay *= 2
 
     def shutdown(self) -> None:
-        pass
+        self._stopping.set()
+
+
+def _retry_after(value: str | None, default: float) -> float:
+    """A Retry-After header's seconds (its HTTP-date form counts as none), else ``default``."""
+    try:
+        return max(0.0, float(value)) if value is not None else default
+    except ValueError:
+        return default
 
 
 def encode_spans(spans: Sequence[ReadableSpan]) -> dict:

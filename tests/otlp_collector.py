@@ -22,14 +22,24 @@ class Collector:
     def __init__(self) -> None:
         self.spans: list[dict] = []  # each span as sent, plus "service" (its resource's service.name)
         self.requests: list[tuple[str, dict]] = []  # (path, headers with lowercase names)
+        # the answers to give the next exports instead of taking them: (status, Retry-After or None)
+        self.refusals: list[tuple[int, str | None]] = []
         lock = threading.Lock()
-        spans, requests = self.spans, self.requests
+        spans, requests, refusals = self.spans, self.requests, self.refusals
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
                     requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                    if refusals:
+                        status, retry_after = refusals.pop(0)
+                        self.send_response(status)
+                        if retry_after is not None:
+                            self.send_header("Retry-After", retry_after)
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
                     for rs in body["resourceSpans"]:
                         resource = attrs(rs["resource"]["attributes"])
                         for ss in rs["scopeSpans"]:

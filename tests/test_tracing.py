@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExportResult
 
 from llmbus import tracing
@@ -89,6 +90,23 @@ def test_a_collector_that_is_down_costs_the_spans_only(collector):
     exporter = tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url})
     collector.close()
     assert exporter.export([]) == SpanExportResult.FAILURE
+
+
+def test_a_busy_collector_gets_the_spans_again_and_a_refusing_one_loses_them(collector):
+    """429/502/503/504 are tried again (after Retry-After, else a growing pause) within the
+    exporter's timeout; any other answer costs the batch at once."""
+    exporter = tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url})
+    provider = TracerProvider()
+    span = provider.get_tracer("t").start_span("retried")
+    span.end()
+    collector.refusals[:] = [(503, "0"), (429, None), (502, "soon")]
+    assert exporter.export([span]) == SpanExportResult.SUCCESS
+    assert len(collector.requests) == 4 and [s["name"] for s in collector.spans] == ["retried"]
+    collector.refusals[:] = [(400, None)]
+    assert exporter.export([span]) == SpanExportResult.FAILURE
+    assert len(collector.requests) == 5 and len(collector.spans) == 1
+    collector.refusals[:] = [(503, "3600")]  # later than the timeout allows: given up at once
+    assert exporter.export([span]) == SpanExportResult.FAILURE and len(collector.requests) == 6
 
 
 def test_a_request_carries_a_w3c_trace_context_or_nothing():
