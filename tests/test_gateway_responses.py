@@ -15,12 +15,12 @@ from services.gateway.shapes import Usage
 
 
 def test_instructions_and_input_become_chat_messages():
-    req, echo = parse_responses({"model": "m", "instructions": "Be brief.", "input": "Hi", "max_output_tokens": 7,
+    req, echo, _ = parse_responses({"model": "m", "instructions": "Be brief.", "input": "Hi", "max_output_tokens": 7,
                                  "temperature": 0.5, "metadata": {"k": "v"}}, 4)
     assert req.kind == "chat" and req.messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
     assert req.max_tokens == 7 and req.sampling["temperature"] == 0.5 and not req.stream
     assert echo["max_output_tokens"] == 7 and echo["metadata"] == {"k": "v"} and echo["text"] == {"format": {"type": "text"}}
-    req, _ = parse_responses({"model": "m", "stream": True, "input": [
+    req, _, _ = parse_responses({"model": "m", "stream": True, "input": [
         {"role": "developer", "content": "Rules."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
         {"role": "assistant", "content": [{"type": "output_text", "text": "c"}]}]}, 4)
@@ -30,16 +30,16 @@ def test_instructions_and_input_become_chat_messages():
 
 def test_text_format_guides_as_response_format_does():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    req, echo = parse_responses({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "n",
+    req, echo, _ = parse_responses({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "n",
                                                                                   "schema": schema, "strict": True}}}, 4)
     assert req.sampling["guide"] and echo["text"]["format"]["name"] == "n"
-    req, _ = parse_responses({"model": "m", "input": "x", "text": {"format": {"type": "json_object"}}}, 4)
+    req, _, _ = parse_responses({"model": "m", "input": "x", "text": {"format": {"type": "json_object"}}}, 4)
     assert req.sampling["guide"]
 
 
 @pytest.mark.parametrize("body, param, code", [
     ({"model": "m"}, "input", "missing_required_parameter"),
-    ({"model": "m", "input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
+    ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
     ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0]", "unsupported_parameter"),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name", None),
     ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}},
@@ -72,7 +72,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather now
 
 
 def test_function_tools_and_their_turns_become_chats():
-    req, echo = parse_responses({"model": "m", "tools": TOOLS, "input": [
+    req, echo, _ = parse_responses({"model": "m", "tools": TOOLS, "input": [
         {"role": "user", "content": "Weather in Oslo and the time?"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
@@ -92,15 +92,15 @@ def test_function_tools_and_their_turns_become_chats():
     assert echo["tools"][0] == {**TOOLS[0], "strict": None} and echo["tools"][1]["strict"] is False
     assert (echo["tool_choice"], echo["parallel_tool_calls"]) == ("auto", True)
     # calls alone open the assistant turn; a named tool_choice forces that function, "required" any
-    req, echo = parse_responses({"model": "m", "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"},
+    req, echo, _ = parse_responses({"model": "m", "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"},
                                  "parallel_tool_calls": False, "input": [
         {"type": "function_call", "call_id": "c", "name": "get_time", "arguments": ""}]}, 4)
     assert req.messages[0]["role"] == "assistant" and req.messages[0]["tool_calls"][0]["id"] == "c"
     assert req.forced_tools == ("get_time",)  # (the gateway guides its decoding to a call)
     assert echo["tool_choice"] == {"type": "function", "name": "get_time"} and echo["parallel_tool_calls"] is False
-    req, _ = parse_responses({"model": "m", "tools": TOOLS[:1], "tool_choice": "required", "input": "x"}, 4)
+    req, _, _ = parse_responses({"model": "m", "tools": TOOLS[:1], "tool_choice": "required", "input": "x"}, 4)
     assert req.forced_tools == ("get_weather",)
-    req, _ = parse_responses({"model": "m", "tools": TOOLS, "tool_choice": "none", "input": "x"}, 4)
+    req, _, _ = parse_responses({"model": "m", "tools": TOOLS, "tool_choice": "none", "input": "x"}, 4)
     assert req.tools == ()
 
 

@@ -98,3 +98,48 @@ def test_up_hands_the_keys_file_to_the_gateway(tmp_path, model_dir, monkeypatch)
     args = parser.parse_args(["up", "--model", f"m={model_dir}", "--api-keys-file", "keys.json"])
     gateway = next(c for c in _plan(args, "nats://127.0.0.1:4222", [("m", str(model_dir))]) if c.name == "gateway")
     assert gateway.argv[gateway.argv.index("--api-keys-file") + 1] == str(tmp_path / "keys.json")  # absolute
+
+
+def test_stored_responses_continue_show_and_delete_for_their_tenant_only(keyed, worker, tokenizer):
+    """``store`` (on by default): a response is kept on the bus (KV bucket ``llmbus_responses``);
+    ``previous_response_id`` puts its conversation, answer included, before the new input (its
+    instructions do not carry over); ``GET``/``DELETE /v1/responses/{id}`` show and remove it. For
+    another tenant, or once deleted, it is a 404."""
+    import openai
+
+    alpha = openai.OpenAI(base_url=keyed + "/v1", api_key="sk-alpha-0001", max_retries=0)
+    alpha2 = openai.OpenAI(base_url=keyed + "/v1", api_key="sk-alpha-0002", max_retries=0)  # same tenant
+    beta = openai.OpenAI(base_url=keyed + "/v1", api_key="sk-beta-00001", max_retries=0)
+    worker.script = reply_script(_ids(tokenizer, "Paris is in France."))
+    first = alpha.responses.create(model="demo", instructions="Be terse.", input="Where is Paris?")
+    assert first.store and first.output_text == "Paris is in France."
+    shown = alpha2.responses.retrieve(first.id)
+    assert shown.model_dump() == first.model_dump()
+    worker.script = reply_script(_ids(tokenizer, "About two million."))
+    before = len(worker.requests)
+    with alpha.responses.stream(model="demo", input="How many live there?", previous_response_id=first.id) as s:
+        for _ in s:
+            pass
+        second = s.get_final_response()
+    (req, _), = worker.requests[before:]
+    prompt = tokenizer.decode(req.prompt_token_ids)
+    assert prompt.index("Where is Paris?") < prompt.index("Paris is in France.") < prompt.index("How many live there?")
+    assert "Be terse." not in prompt  # instructions belong to their own response
+    assert second.store and second.previous_response_id == first.id
+    assert alpha.responses.retrieve(second.id).output_text == "About two million."
+    for call in (lambda: beta.responses.retrieve(first.id),
+                 lambda: beta.responses.create(model="demo", input="x", previous_response_id=first.id),
+                 lambda: beta.responses.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    unstored = alpha.responses.create(model="demo", input="Forget this.", store=False)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        alpha.responses.retrieve(unstored.id)
+    alpha.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        alpha.responses.create(model="demo", input="x", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        alpha.responses.retrieve(first.id)
+    assert alpha.responses.retrieve(second.id).id == second.id  # its own conversation is its own copy

@@ -141,11 +141,18 @@ async def ensure_limits_bucket(js: JetStreamContext) -> KeyValue:
     return await _ensure_bucket(js, subjects.LIMITS_BUCKET, 2 * 86400.0)
 
 
-async def _ensure_bucket(js: JetStreamContext, name: str, ttl_s: float) -> KeyValue:
+async def ensure_responses_bucket(js: JetStreamContext, ttl_s: float, max_bytes: int) -> KeyValue:
+    """The bucket where gateways keep Responses API answers for ``previous_response_id`` and
+    ``GET /v1/responses/{id}``: each for ``ttl_s``, ``max_bytes`` in all (a gateway that finds it
+    full stores nothing more until entries expire). Settings are the first creator's."""
+    return await _ensure_bucket(js, subjects.RESPONSES_BUCKET, ttl_s, max_bytes)
+
+
+async def _ensure_bucket(js: JetStreamContext, name: str, ttl_s: float, max_bytes: int | None = None) -> KeyValue:
     try:
         return await js.key_value(name)
     except Exception:  # BucketNotFoundError; create it (idempotent if a peer won the race)
-        return await js.create_key_value(bucket=name, ttl=ttl_s, history=1)
+        return await js.create_key_value(bucket=name, ttl=ttl_s, history=1, max_bytes=max_bytes)
 
 
 async def read_registry(kv: KeyValue, timeout_s: float = 5.0) -> list[InstanceInfo]:

@@ -52,6 +52,7 @@ LIMITS = f"{PREFIX}.limits"  # gateways' LimitUsage (core publish; every gateway
 
 REGISTRY_BUCKET = "llmbus_registry"
 LIMITS_BUCKET = "llmbus_limits"
+RESPONSES_BUCKET = "llmbus_responses"  # stored Responses API answers, key = the response id
 
 ERROR_HEADER = "Llmbus-Error"  # set on a request/reply answer whose body is an ErrorReply
 MSG_ID_HEADER = "Nats-Msg-Id"

@@ -18,6 +18,7 @@ import uvicorn
 
 from llmbus import aio
 from llmbus.bus.service import ServiceContext, ServiceOptions, add_common_args, run_service, setup_logging
+from llmbus.bus.streams import ensure_responses_bucket
 from services.gateway.app import build_app
 from services.gateway.bus_client import GatewayBus
 from services.gateway.limits import keep_buckets, load_buckets, share_usage
@@ -26,6 +27,7 @@ from services.gateway.handlers import Gateway
 from services.gateway.limits import TenantLimits
 from services.gateway.tools import PARSERS
 from services.gateway.models import ModelRegistry
+from services.gateway.stored import ResponseStore
 from services.gateway.tenants import Tenants
 
 
@@ -55,12 +57,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
                         "requests_per_minute, tokens_per_minute, requests_per_day, tokens_per_day, "
                         "max_concurrent_requests: a tenant over one gets 429 "
                         "with Retry-After (default: no limits)")
+    p.add_argument("--responses-ttl", type=float, default=86400.0, metavar="S",
+                   help="keep Responses API answers (store: true, the default) S seconds, for previous_response_id "
+                        "and GET/DELETE /v1/responses/{id}, in the bus's KV bucket llmbus_responses "
+                        "(default a day; 0: store nothing)")
+    p.add_argument("--responses-max-bytes", type=int, default=1 << 30, metavar="N",
+                   help="the stored answers' size in all (default 1 GiB; set by the gateway that creates the bucket)")
     a = p.parse_args(argv)
     models = tuple(ModelSpec.parse(m, a.max_model_len) for m in a.model)
     config = GatewayConfig(nats_url=a.nats_url, models=models, host=a.host, port=a.port,
                            max_body_bytes=a.max_body_bytes, token_timeout_s=a.token_timeout,
                            request_timeout_s=a.request_timeout, api_keys_file=a.api_keys_file,
-                           tool_parser=a.tool_parser, tenant_limits_file=a.tenant_limits)
+                           tool_parser=a.tool_parser, tenant_limits_file=a.tenant_limits,
+                           responses_ttl_s=a.responses_ttl, responses_max_bytes=a.responses_max_bytes)
     return config, a.instance_id, a.log_level
 
 
@@ -94,6 +103,9 @@ async def serve_http(gw: Gateway, ctx: ServiceContext, sock: socket.socket) -> N
     config = gw.config
     gw.bus = GatewayBus(ctx.nc, ctx.instance_id)
     await gw.bus.start()
+    if config.responses_ttl_s > 0:
+        gw.responses = ResponseStore(await ensure_responses_bucket(ctx.js, config.responses_ttl_s,
+                                                                   config.responses_max_bytes))  # fmt: skip
     sharing = None
     if gw.limiter is not None:  # the fleet's use so far, then what changes: before the first request
         kv = await load_buckets(gw.limiter, ctx.js)

@@ -13,10 +13,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.gateway.errors import APIError, invalid
+from services.gateway.errors import APIError, invalid, wrong_type
 from services.gateway.handlers import Gateway, serve
 from services.gateway.openai_request import parse_chat, parse_completion
-from services.gateway.responses import parse_responses
+from services.gateway.responses import ResponsesCall, answer_turn, parse_responses
 
 log = logging.getLogger("llmbus.gateway")
 
@@ -51,8 +51,25 @@ def build_app(gw: Gateway) -> Starlette:
         async with counted("responses") as answer:
             tenant = gw.tenant(request)
             body = await read_json(request, gw.config.max_body_bytes)
-            req, echo = parse_responses(body, gw.config.max_stop_strings)
-            return answer(await serve(gw, request, req, tenant, responses=echo))
+            previous = body.get("previous_response_id") if isinstance(body, dict) else None
+            if previous is not None and not isinstance(previous, str):
+                raise wrong_type("previous_response_id", "a string", previous)
+            history = (await gw.responses.load(previous, tenant, "previous_response_id"))["messages"] if previous else []
+            req, echo, conversation = parse_responses(body, gw.config.max_stop_strings, history)
+
+            async def keep(response: dict) -> bool:
+                return await gw.responses.save(response, conversation + answer_turn(response), tenant)
+
+            call = ResponsesCall(echo, keep if echo["store"] and gw.responses.on else None)
+            return answer(await serve(gw, request, req, tenant, responses=call))
+
+    async def stored_response(request: Request) -> Response:
+        tenant = gw.tenant(request)
+        rid = request.path_params["response_id"]
+        if request.method == "DELETE":
+            await gw.responses.delete(rid, tenant)
+            return _json({"id": rid, "object": "response", "deleted": True})
+        return _json((await gw.responses.load(rid, tenant))["response"])
 
     @contextlib.asynccontextmanager
     async def counted(endpoint: str):
@@ -84,6 +101,7 @@ def build_app(gw: Gateway) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _unexpected}
     return Starlette(routes=routes, exception_handlers=handlers)

@@ -58,6 +58,8 @@ class GatewayConfig:
     api_keys_file: str | None = None  # JSON {key: tenant} (services/gateway/tenants.py); None: open
     tool_parser: str | None = None  # how tool calls read in the models' output (tools.PARSERS); None: no tools
     tenant_limits_file: str | None = None  # JSON limits per tenant (services/gateway/limits.py); None: none
+    responses_ttl_s: float = 86400.0  # how long stored Responses answers are kept (0: none is stored)
+    responses_max_bytes: int = 1 << 30  # the store's whole size (the bucket's creator sets it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -70,6 +72,10 @@ class GatewayConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.responses_ttl_s < 0:
+            raise ValueError(f"responses_ttl_s must be >= 0 (0: store no responses), got {self.responses_ttl_s}")
+        if self.responses_max_bytes < 1024:
+            raise ValueError(f"responses_max_bytes must be >= 1024, got {self.responses_max_bytes}")
         if self.token_timeout_s <= 0:
             raise ValueError(f"token_timeout_s must be > 0, got {self.token_timeout_s}")
         if self.request_timeout_s <= 0:

@@ -27,8 +27,9 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
 from services.gateway.prepare import prepare
-from services.gateway.responses import ResponseShapes, events
+from services.gateway.responses import ResponsesCall, ResponseShapes, events
 from services.gateway.shapes import Shapes, TokenLogprob, Usage
+from services.gateway.stored import ResponseStore
 from services.gateway.sse import SSEResponse, chunks
 from services.gateway.tenants import Tenants
 from services.gateway.token_stream import TokenStream
@@ -50,6 +51,7 @@ class Gateway:
     bus: GatewayBus | None = None  # set once the NATS connection is up
     metrics: GatewayMetrics = dataclasses.field(default_factory=GatewayMetrics)
     tenants: Tenants | None = None  # --api-keys-file: keys -> tenants; None: open, one shared cache
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # stored Responses answers
     limits: TenantLimits | None = None  # --tenant-limits; None: no limits
     limiter: RateLimiter | None = dataclasses.field(default=None, init=False)
 
@@ -62,11 +64,11 @@ class Gateway:
         return "" if self.tenants is None else self.tenants.tenant(http.headers.get("authorization"))
 
 
-async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = "", responses: dict | None = None):
+async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = "", responses: ResponsesCall | None = None):
     """``tenant`` salts the prefix caches: tenants never share cached blocks. With tracing on the
     request's span starts here (continuing the client's ``traceparent``) and ends with its answer.
-    ``responses``: the request came to /v1/responses (what its response echoes back): the answer
-    is a ``response`` object or Responses events (``services.gateway.responses``)."""
+    ``responses``: the request came to /v1/responses (what its response echoes back, how it is
+    stored): the answer is a ``response`` object or Responses events (``services.gateway.responses``)."""
     arrival = time.monotonic()
     operation = "chat" if req.kind == "chat" else "text_completion"
     span = tracing.start(f"{operation} {req.model}", http.headers.get("traceparent", ""), root=True,
@@ -85,7 +87,7 @@ async def serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str = ""
 
 
 async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, arrival: float, span,
-                 responses: dict | None):
+                 responses: ResponsesCall | None):
     model = gw.models.get(req.model)
     if req.tools and gw.config.tool_parser is None:
         raise APIError(400, "This server reads no tool calls: start the gateway with --tool-parser (e.g. hermes) "
@@ -114,7 +116,7 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
 
 
 async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepared, span, arrival: float,
-                  admission: Admission | None, responses: dict | None):
+                  admission: Admission | None, responses: ResponsesCall | None):
     bus = gw.bus
     tok = model.tokenizer
     requests = choice_requests(prepared.requests, req.n)
@@ -170,7 +172,7 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
 
     headers = admission.headers if admission is not None else None  # the tenant's x-ratelimit-*
     observer = gw.metrics.request(model.name, req.n, arrival, span, settle, prepared.requests[0].tenant)
-    answer = ResponseShapes(model.name, responses, prepared.created) if responses is not None else None
+    answer = None if responses is None else ResponseShapes(model.name, responses.echo, prepared.created, responses.keep)
     if req.stream:
         body = events(pieces, answer) if answer else chunks(pieces, len(gens), shapes, req.include_usage, req.n)
         return SSEResponse(body, guard, headers)
@@ -179,7 +181,7 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
     if body is None:  # the client hung up; the guard has published the aborts
         return Response(status_code=499)
     if answer is not None:
-        body = answer.from_chat(body)
+        body = await answer.finish(answer.from_chat(body))
     return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
 

@@ -8,10 +8,11 @@ or ``input_text``/``output_text`` parts, ``function_call`` items (an assistant t
 ``temperature``, ``top_p``, ``stream``, ``text.format`` (text, json_object, json_schema: guided, as
 chat's ``response_format``), function ``tools`` with ``tool_choice`` (read with the gateway's
 ``--tool-parser``, as chat's; a call comes back as a ``function_call`` output item),
-``parallel_tool_calls`` (echoed), ``user``/``metadata`` (carried), ``store`` (nothing is stored:
-a response cannot be fetched or continued later), and the sampling extras chat takes (``seed``,
-``top_k``...). Refused with 400: ``previous_response_id`` and ``conversation`` (nothing is stored),
-tools other than functions, ``reasoning``, ``background``, and other input items.
+``parallel_tool_calls`` (echoed), ``user``/``metadata`` (carried), ``store`` (default true: the
+answer is kept, ``services/gateway/stored.py``) and ``previous_response_id`` (a stored answer's
+conversation comes before ``input``; its ``instructions`` do not carry over), and the sampling
+extras chat takes (``seed``, ``top_k``...). Refused with 400: ``conversation``, tools other than
+functions, ``reasoning``, ``background``, and other input items.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -31,13 +33,24 @@ from services.gateway.openai_request import OpenAIRequest, parse_chat
 from services.gateway.shapes import Usage
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-UNSUPPORTED = ("previous_response_id", "conversation", "reasoning", "prompt")
+UNSUPPORTED = ("conversation", "reasoning", "prompt")
 # chat's names for what a Responses request calls otherwise, for its errors
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
-def parse_responses(body: Any, max_stop: int) -> tuple[OpenAIRequest, dict]:
-    """The chat request that serves a Responses request, and what its response echoes back."""
+@dataclass
+class ResponsesCall:
+    """A Responses request as the chat pipeline serves it: what its response echoes back, and
+    ``keep`` (the response -> whether it was stored), None when it is not to be stored."""
+
+    echo: dict
+    keep: Callable[[dict], Awaitable[bool]] | None = None
+
+
+def parse_responses(body: Any, max_stop: int, history: list[dict] | None = None) -> tuple[OpenAIRequest, dict, list[dict]]:
+    """The chat request that serves a Responses request, what its response echoes back, and its
+    conversation as chat messages (``history``, a stored response's, then its ``input``; not its
+    ``instructions``)."""
     if not isinstance(body, dict):
         raise invalid("The request body must be a JSON object.", None, code="invalid_json")
     for name in UNSUPPORTED:
@@ -47,7 +60,8 @@ def parse_responses(body: Any, max_stop: int) -> tuple[OpenAIRequest, dict]:
         raise APIError(400, "'background' is not supported by this server.", param="background",
                        code="unsupported_parameter")
     instructions = f.get_str(body, "instructions")
-    messages = ([{"role": "system", "content": instructions}] if instructions else []) + _input(body.get("input"))
+    conversation = list(history or []) + _input(body.get("input"))
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     chat = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p",
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
                                  "stop", "stop_token_ids", "logit_bias") if k in body}  # fmt: skip
@@ -82,8 +96,14 @@ def parse_responses(body: Any, max_stop: int) -> tuple[OpenAIRequest, dict]:
             "temperature": req.sampling["temperature"], "top_p": req.sampling["top_p"],
             "text": {"format": fmt or {"type": "text"}}, "metadata": f.get_dict(body, "metadata") or {},
             "user": req.user, "tools": tools, "tool_choice": choice if choice is not None else "auto",
-            "parallel_tool_calls": f.get_bool(body, "parallel_tool_calls", True)}  # fmt: skip
-    return req, echo
+            "parallel_tool_calls": f.get_bool(body, "parallel_tool_calls", True),
+            "store": f.get_bool(body, "store", True), "previous_response_id": body.get("previous_response_id") or None}  # fmt: skip
+    return req, echo, conversation
+
+
+def answer_turn(response: dict) -> list[dict]:
+    """A response's output as the chat messages of its turn (for the conversation stored with it)."""
+    return _input(response["output"]) if response["output"] else []
 
 
 def _tools(raw: Any) -> list[dict]:
@@ -182,10 +202,11 @@ def _response_format(fmt: Any) -> dict:
 class ResponseShapes:
     """The ``response`` object and its stream events for one request."""
 
-    def __init__(self, model: str, echo: dict, created: int | None = None) -> None:
+    def __init__(self, model: str, echo: dict, created: int | None = None,
+                 keep: Callable[[dict], Awaitable[bool]] | None = None) -> None:  # fmt: skip
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
-        self.model, self.echo = model, echo
+        self.model, self.echo, self.keep = model, echo, keep
         self.created = created if created is not None else int(time.time())
         self.seq = 0
 
@@ -194,7 +215,7 @@ class ResponseShapes:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": None, "model": self.model, "output": output or [],
                 "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "previous_response_id": None,
-                "store": False, "usage": None, **self.echo}  # fmt: skip
+                "usage": None, **self.echo, "store": False}  # fmt: skip
         if finish == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:
@@ -217,6 +238,13 @@ class ResponseShapes:
         """A chat tool call as a ``function_call`` output item (its chat id is the ``call_id``)."""
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+    async def finish(self, response: dict) -> dict:
+        """The final ``response``, stored when it is to be (``store`` says whether it was)."""
+        if self.keep is not None and response["status"] in ("completed", "incomplete"):
+            response["store"] = True  # (as kept)
+            response["store"] = await self.keep(response)
+        return response
 
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
@@ -254,6 +282,9 @@ async def events(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], shapes:
         async for _, piece in stream:
             for chunk in out.piece(piece):
                 yield chunk
+            if out.final is not None:  # NOTE: stored before it is told: the client may continue it at once
+                status, response = out.final
+                yield ev(f"response.{status}", response=await shapes.finish(response))
             if piece.error is not None or piece.finish_reason is not None:
                 return
 
@@ -267,6 +298,7 @@ class _Output:
         self.message_index: int | None = None
         self.text: list[str] = []
         self.held = ""  # with tools: blank text before the message opens (dropped if no text follows)
+        self.final: tuple[str, dict] | None = None  # the last event's status and response, once finished
 
     def open_message(self) -> list[bytes]:
         ev, mid = self.shapes.event, self.shapes.message_id
@@ -309,5 +341,5 @@ class _Output:
                 out += [ev("response.output_text.done", item_id=mid, output_index=i, content_index=0, text=whole, logprobs=[]),
                         ev("response.content_part.done", item_id=mid, output_index=i, content_index=0, part=shapes.part(whole)),
                         ev("response.output_item.done", output_index=i, item=self.items[i])]  # fmt: skip
-            out.append(ev(f"response.{status}", response=shapes.response(status, self.items, piece.finish_reason, piece.usage)))
+            self.final = (status, shapes.response(status, self.items, piece.finish_reason, piece.usage))
         return out

@@ -400,9 +400,16 @@ def test_the_responses_api_answers_as_chat_does(client):
                                     extra_body={"seed": 2},
                                     text_format=Verdict)  # text.format: a strict json_schema, guided
     assert isinstance(parsed.output_parsed, Verdict), parsed.output_text
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_123")
-    assert e.value.code == "unsupported_parameter"
+    assert e.value.code == "previous_response_not_found"
+    # stored (the default) on the stack's bus: continued with the answer in the prompt, then gone
+    again = client.responses.create(input="And then?", previous_response_id=out.id, max_output_tokens=6, **ask)
+    assert again.previous_response_id == out.id and again.usage.input_tokens > out.usage.input_tokens
+    assert client.responses.retrieve(out.id).output_text == out.output_text
+    client.responses.delete(out.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(out.id)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="Hi", max_output_tokens=0)
     assert e.value.param == "max_output_tokens"
