@@ -10,6 +10,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from nats.aio.msg import Msg
+
 from llmbus import tracing
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolClient
@@ -189,24 +191,28 @@ class EngineWorker(abc.ABC):
                                                     code=INVALID_REQUEST if bad else ""))  # fmt: skip
         await msg.term()
 
-    async def pull(self, worker: PullWorker, capacity: Callable[[], int], take: Callable[..., Awaitable[None]], *,
-                   counts_at_once: bool = False) -> None:  # fmt: skip
-        """Fetch only as many jobs as ``capacity()`` allows, less those still being taken, and run
-        ``take`` on each as its own task, until stopped. ``capacity()`` is asked again after each
-        job's take has started. ``counts_at_once``: a take has its job counted in ``capacity()``
-        before its first wait (prefill registers it), so takes in flight are not subtracted again,
-        and a burst stops where the worker's room ends (prefill: its prompt-token budget), not at
-        the free batch slots counted before the burst came.
+    async def pull(self, worker: PullWorker, capacity: Callable[[int, int], int], take: Callable[..., Awaitable[None]],
+                   *, cost: Callable[[Msg], int] | None = None, counts_at_once: bool = False) -> None:  # fmt: skip
+        """Fetch only as many jobs as ``capacity(jobs, tokens)`` allows, less those still being
+        taken, and run ``take`` on each as its own task, until stopped. Room is asked again before
+        each job of a pull, with the ``jobs`` pulled so far and their summed ``cost`` (prefill: their
+        prompt tokens) as ``tokens``: a burst of long prompts stops at the prompt-token budget, not
+        at the free batch slots counted before it came. ``counts_at_once``: a take has its job
+        counted in ``capacity`` before its first wait (prefill registers it), so takes in flight
+        are not subtracted again.
 
-        NOTE: takes run concurrently because each waits for the engine thread between two steps
-        (prefix lookup, admission): taken one after another, a burst of N jobs needed N steps to
-        reach the batch (one 256-token prompt per step instead of eight)."""
+        NOTE: a pull's takes start together, once it ends: each waits for the engine thread between
+        two steps (prefix lookup, admission), and started one by one as they came (a network round
+        trip apart), the first would start a step alone and the burst split across steps. Taken one
+        after another, a burst of N jobs needed N steps to reach the batch."""
         taking: set[asyncio.Task] = set()
+        batch: list[Msg] = []
+        tokens = 0
 
         def room() -> int:
             if self.ctx.stop.is_set():
                 return 0
-            return capacity() - (0 if counts_at_once else len(taking))
+            return capacity(len(batch), tokens) - (0 if counts_at_once else len(taking))
 
         try:
             while not self.ctx.stop.is_set():
@@ -214,15 +220,20 @@ class EngineWorker(abc.ABC):
                     log.error("engine thread died; stopping")
                     self.ctx.stop.set()
                     return
+                batch, tokens = [], 0
                 async for msg in worker.messages(room, timeout=0.5):
                     if self.ctx.stop.is_set():  # it came as the worker stopped: another replica's, at once
                         with contextlib.suppress(Exception):
                             await msg.nak()
                         continue
+                    batch.append(msg)
+                    tokens += cost(msg) if cost is not None else 0
+                for msg in batch:
                     task = asyncio.create_task(take(msg))
                     taking.add(task)
                     task.add_done_callback(_finished_take(taking))
-                    await asyncio.sleep(0)  # NOTE: the take starts (and claims its job) before room() is asked again
+                batch, tokens = [], 0
+                await asyncio.sleep(0)  # NOTE: the takes start (and claim their jobs) before room is asked again
                 self.report()
         finally:
             if taking:  # let takes in flight finish (a step or two), so shutdown sees their jobs

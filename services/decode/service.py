@@ -152,8 +152,11 @@ class DecodeWorker(EngineWorker):
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
-        pullers = [asyncio.create_task(self.pull(worker, lambda: self.capacity, self._take)),
-                   *(asyncio.create_task(self.pull(w, lambda: self.capacity, self._take_whole)) for w in wholes)]
+        def room(jobs: int, tokens: int) -> int:
+            return self.capacity - jobs
+
+        pullers = [asyncio.create_task(self.pull(worker, room, self._take)),
+                   *(asyncio.create_task(self.pull(w, room, self._take_whole)) for w in wholes)]
         publisher = asyncio.create_task(self._publisher())
         try:
             await self.ctx.stop.wait()

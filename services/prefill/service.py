@@ -29,6 +29,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgpack
+
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
@@ -60,6 +62,15 @@ class Job:
     next_seq: int = 0  # colocated mode: seq of the next TokenEvent
 
 
+def _prompt_tokens(msg) -> int:
+    """A pulled job's prompt length, read before it is taken (0 for one that does not decode)."""
+    try:
+        prompt = msgpack.unpackb(msg.data, raw=False).get("prompt_token_ids")
+    except Exception:
+        return 0
+    return len(prompt) if isinstance(prompt, list) else 0
+
+
 class PrefillWorker(EngineWorker):
     def __init__(self, ctx: ServiceContext, engine: Engine, model: str, *, lanes: tuple[str, ...] = LANES,
                  lease_ttl_s: float = 120.0, colocated: bool = False, drain_s: float = DRAIN_S) -> None:  # fmt: skip
@@ -87,10 +98,14 @@ class PrefillWorker(EngineWorker):
         """Jobs this worker can take now: batch slots left, while blocks remain and the prompt tokens
         already taken fill less than two steps' token budget (the rest wait in the stream, where
         another replica can take them)."""
+        return self.room(0, 0)
+
+    def room(self, jobs: int, tokens: int) -> int:
+        """``capacity`` with ``jobs`` more pulled, of ``tokens`` prompt tokens, not yet taken."""
         cfg = self.engine.config
-        if self.draining or self.engine.num_free_blocks < 1 or self.pending_tokens >= 2 * cfg.max_num_batched_tokens:
+        if self.draining or self.engine.num_free_blocks < 1 or self.pending_tokens + tokens >= 2 * cfg.max_num_batched_tokens:
             return 0
-        return max(0, cfg.max_num_seqs - len(self.jobs))
+        return max(0, cfg.max_num_seqs - len(self.jobs) - jobs)
 
     @property
     def pending_tokens(self) -> int:
@@ -121,7 +136,7 @@ class PrefillWorker(EngineWorker):
         await self.ctx.ready()
         # NOTE: a take registers its job before its first wait, so every puller sees the others'
         # jobs (batch slots and prompt tokens) as soon as they are pulled
-        pullers = [asyncio.create_task(self.pull(w, lambda: self.capacity, lambda m, w=w: self._take(w, m),
+        pullers = [asyncio.create_task(self.pull(w, self.room, lambda m, w=w: self._take(w, m), cost=_prompt_tokens,
                                                  counts_at_once=True)) for w in workers]  # fmt: skip
         tasks = [asyncio.create_task(self._announce(caching)), asyncio.create_task(self._keep_direct())]
         if self.colocated:
