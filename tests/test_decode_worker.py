@@ -259,7 +259,10 @@ def test_a_handoff_whose_lease_is_not_as_kvpool_granted_it_is_refused(nats_serve
         async with _decode_worker(nats_server, engine, model):
             await js.publish(subjects.decode_subject(model), encode(handoff), headers={subjects.MSG_ID_HEADER: rid})
             await asyncio.wait_for(failed.wait(), 30)
-            stats = await client.stats()
+            for _ in range(100):  # NOTE: the take releases the lease after it sends the failure
+                if (stats := await client.stats()).active_leases == 1:
+                    break
+                await asyncio.sleep(0.05)
         assert await client.release(other.lease_id)  # still the other request's, untouched
         await nc.close()
         return events, stats
