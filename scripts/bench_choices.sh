@@ -12,16 +12,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-bench-results/choices}")
 source scripts/bench_lib.sh
-llmbus() {  # name tree model: `llmbus up` from that tree
-    local name=$1 tree=$2 model=$3 ok
-    rm -rf "$OUT/data-$name"
-    pushd "$tree" > /dev/null
-    start "$name" 8300 env PYTHONPATH="$tree" "$PY" -m llmbus.cli up --model "$size=$ROOT/$model" --port 8300 \
-        --data-dir "$OUT/data-$name" --colocated
-    ok=$?
-    popd > /dev/null
-    return $ok
-}
 for size in ${SIZES:-small large}; do
     demo_model "$size"
     if [ "$size" = small ]; then np=32; burst=(--groups 4 --prompts-per-group 16 --max-concurrency 64)
@@ -30,7 +20,7 @@ for size in ${SIZES:-small large}; do
              --extra-body '{"n": 4}')
     shared=(--dataset shared-prefix "${burst[@]}" --system-len 512 --question-len 32 --output-len 32 --ignore-eos)
     # 1. n=4 against llama-server
-    if llmbus "llmbus-$size" "$ROOT" "$model"; then
+    if up_tree "llmbus-$size" 8300 "$ROOT" --colocated; then
         for c in 1 4; do bench 8300 "llmbus n4 c$c" "$size-llmbus-n4-c$c" "${choices[@]}" --seed $c --max-concurrency $c; done
         stop
     fi
@@ -43,10 +33,10 @@ for size in ${SIZES:-small large}; do
     else echo "skip llama.cpp: no llama-server or no GGUF of $size in $GGUF_DIR" >&2; fi
     # 2. bursts, alternating with the base tree
     for round in $(seq 1 "${ROUNDS:-3}"); do
-        if [ -n "${BASE_TREE:-}" ] && llmbus "base-$size" "$BASE_TREE" "$model"; then
+        if [ -n "${BASE_TREE:-}" ] && up_tree "base-$size" 8300 "$BASE_TREE" --colocated; then
             bench 8300 "base burst r$round" "$size-base-burst-r$round" "${shared[@]}" --seed $round; stop
         fi
-        if llmbus "llmbus-$size" "$ROOT" "$model"; then
+        if up_tree "llmbus-$size" 8300 "$ROOT" --colocated; then
             bench 8300 "llmbus burst r$round" "$size-llmbus-burst-r$round" "${shared[@]}" --seed $round; stop
         fi
     done

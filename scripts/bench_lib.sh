@@ -32,3 +32,14 @@ bench() {  # port label out args...
         --server-pid "$SP" --no-progress --label "$label" --out "$OUT/$out.json" "$@" > /dev/null 2>&1 \
         || echo "bench $out failed" >&2
 }
+up_tree() {  # name port tree up-args...: `llmbus up` on $model run from that checkout of llmbus (an A/B
+    # run's base or new tree; from its directory, which `python -m` searches first), data in $OUT/data-NAME
+    local name=$1 port=$2 tree=$3 ok; shift 3
+    rm -rf "$OUT/data-$name"
+    pushd "$tree" > /dev/null
+    start "$name" "$port" env PYTHONPATH="$tree" "$PY" -m llmbus.cli up --model "$size=$ROOT/$model" --port "$port" \
+        --data-dir "$OUT/data-$name" "$@"
+    ok=$?
+    popd > /dev/null
+    return $ok
+}

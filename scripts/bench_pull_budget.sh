@@ -16,21 +16,11 @@ demo_model small
 load=(--dataset mixed --num-prompts "${NUM_PROMPTS:-384}" --input-len 128 --output-len 64 --long-share 0.25
       --long-input-len 1536 --long-output-len 16 --ignore-eos --request-rate "${RATE:-40}"
       --burstiness "${BURSTINESS:-0.1}" --slo ttft:2000 tpot:100)
-llmbus() {  # name tree: `llmbus up` from that tree
-    local name=$1 tree=$2 ok
-    rm -rf "$OUT/data-$name"
-    pushd "$tree" > /dev/null
-    start "$name" 8320 env PYTHONPATH="$tree" "$PY" -m llmbus.cli up --model "$size=$ROOT/$model" --port 8320 \
-        --data-dir "$OUT/data-$name" --colocated --prefill 2
-    ok=$?
-    popd > /dev/null
-    return $ok
-}
 for round in $(seq 1 "${ROUNDS:-4}"); do
-    if [ -n "${BASE_TREE:-}" ] && llmbus "llmbus-base-$round" "$BASE_TREE"; then
+    if [ -n "${BASE_TREE:-}" ] && up_tree "llmbus-base-$round" 8320 "$BASE_TREE" --colocated --prefill 2; then
         bench 8320 "base" "base-r$round" "${load[@]}" --seed "$round"; stop
     fi
-    if llmbus "llmbus-$round" "$ROOT"; then
+    if up_tree "llmbus-$round" 8320 "$ROOT" --colocated --prefill 2; then
         bench 8320 "budget" "budget-r$round" "${load[@]}" --seed "$round"; stop
     fi
 done

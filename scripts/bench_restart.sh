@@ -15,23 +15,19 @@ source scripts/bench_lib.sh
 demo_model small
 load=(--dataset random --num-prompts "${NUM_PROMPTS:-96}" --input-len 128 --output-len "${OUTPUT_LEN:-512}" --ignore-eos
       --request-rate "${RATE:-12}")
+extra_worker() {  # a decode worker of its own beside run's `llmbus up` (its name, tree and url), from the
+    # tree's directory: `python -m` searches there first
+    local ready; ready=$(grep -c "llmbus-ready" "$OUT/$name.extra.log")
+    (cd "$tree" && exec env PYTHONPATH="$tree" "$PY" -m services.decode --nats-url "$url" \
+        --model "$size=$ROOT/$model") >> "$OUT/$name.extra.log" 2>&1 & extra=$!
+    for _ in $(seq 1 120); do
+        [ "$(grep -c "llmbus-ready" "$OUT/$name.extra.log")" -gt "$ready" ] && break; sleep 0.5
+    done
+}
 run() {  # name tree
-    local name=$1 tree=$2 url extra ok=0
-    rm -rf "$OUT/data-$name"
-    pushd "$tree" > /dev/null
-    start "$name" 8330 env PYTHONPATH="$tree" "$PY" -m llmbus.cli up --model "$size=$ROOT/$model" --port 8330 \
-        --data-dir "$OUT/data-$name" || ok=1
+    local name=$1 tree=$2 url extra
+    up_tree "$name" 8330 "$tree" || return 1
     url=$(grep -o "nats-server at nats://[0-9.:]*" "$OUT/$name.log" | head -1 | cut -d' ' -f3)
-    extra_worker() {  # a decode worker of its own, outside `llmbus up` (from the tree's directory: -m looks there first)
-        local ready; ready=$(grep -c "llmbus-ready" "$OUT/$name.extra.log")
-        (cd "$tree" && exec env PYTHONPATH="$tree" "$PY" -m services.decode --nats-url "$url" \
-            --model "$size=$ROOT/$model") >> "$OUT/$name.extra.log" 2>&1 & extra=$!
-        for _ in $(seq 1 120); do
-            [ "$(grep -c "llmbus-ready" "$OUT/$name.extra.log")" -gt "$ready" ] && break; sleep 0.5
-        done
-    }
-    popd > /dev/null
-    [ $ok = 0 ] || return 1
     : > "$OUT/$name.extra.log"
     extra_worker
     bench 8330 "$name" "$name" "${load[@]}" &

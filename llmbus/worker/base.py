@@ -232,7 +232,6 @@ class EngineWorker(abc.ABC):
                     task = asyncio.create_task(take(msg))
                     taking.add(task)
                     task.add_done_callback(_finished_take(taking))
-                batch, tokens = [], 0
                 await asyncio.sleep(0)  # NOTE: the takes start (and claim their jobs) before room is asked again
                 self.report()
         finally:
@@ -253,9 +252,9 @@ class EngineWorker(abc.ABC):
         self.draining = True
         self.report()  # (a prefill worker's room is 0 now: routers stop sending it requests by name)
         await asyncio.gather(*pullers, return_exceptions=True)
-        deadline = time.monotonic() + self.drain_s
+        started = time.monotonic()
         while self.held and not self.ctx.hurry.is_set() and self.loop.error is None:
-            left = deadline - time.monotonic()
+            left = started + self.drain_s - time.monotonic()
             if left <= 0:
                 break
             with contextlib.suppress(TimeoutError):
@@ -263,7 +262,7 @@ class EngineWorker(abc.ABC):
                     await self.ctx.hurry.wait()
         if self.held:
             log.warning("stopping with %d requests unfinished (drained %.1f s of %.0f)", self.held,
-                        self.drain_s - max(0.0, deadline - time.monotonic()), self.drain_s)  # fmt: skip
+                        time.monotonic() - started, self.drain_s)  # fmt: skip
 
     async def publish(self, req: GenerateRequest, event: TokenEvent) -> None:
         """Send ``event`` where ``req`` asked (``llmbus.bus.tokens``: batched per gateway, or alone).

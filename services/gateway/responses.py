@@ -234,10 +234,10 @@ class ResponseShapes:
         return {"type": "output_text", "text": text, "annotations": []}
 
     @staticmethod
-    def function_call(call: dict, status: str = "completed") -> dict:
-        """A chat tool call as a ``function_call`` output item (its chat id is the ``call_id``)."""
+    def function_call(call: dict) -> dict:
+        """A chat tool call as a completed ``function_call`` output item (its chat id is the ``call_id``)."""
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
     async def finish(self, response: dict) -> dict:
         """The final ``response``, stored when it is to be (``store`` says whether it was)."""

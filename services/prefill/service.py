@@ -134,8 +134,8 @@ class PrefillWorker(EngineWorker):
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
-        # NOTE: a take registers its job before its first wait, so every puller sees the others'
-        # jobs (batch slots and prompt tokens) as soon as they are pulled
+        # NOTE: a pull counts its own jobs' slots and prompt tokens (cost), and a take registers its
+        # job before its first wait, so every puller sees the others' jobs once their pull ends
         pullers = [asyncio.create_task(self.pull(w, self.room, lambda m, w=w: self._take(w, m), cost=_prompt_tokens,
                                                  counts_at_once=True)) for w in workers]  # fmt: skip
         tasks = [asyncio.create_task(self._announce(caching)), asyncio.create_task(self._keep_direct())]
