@@ -49,6 +49,7 @@ log = logging.getLogger("llmbus.tracing")
 _PROPAGATOR = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
 _tracer: trace.Tracer = trace.NoOpTracer()
+_exporter: SpanExporter | None = None
 
 
 class TracingConfigError(ValueError):
@@ -58,7 +59,7 @@ class TracingConfigError(ValueError):
 def setup(role: str, instance_id: str, env: dict[str, str] | None = None) -> bool:
     """Configure this process's tracing from ``env`` (default ``os.environ``); whether it is on.
     Raises TracingConfigError on a setting it cannot use (an endpoint that is not an http(s) URL)."""
-    global _provider, _tracer
+    global _provider, _tracer, _exporter
     env = os.environ if env is None else env
     exporter = exporter_from(env)
     if exporter is None:
@@ -67,6 +68,7 @@ def setup(role: str, instance_id: str, env: dict[str, str] | None = None) -> boo
                                 "service.instance.id": instance_id})  # fmt: skip
     _provider = TracerProvider(resource=resource)  # NOTE: the sampler comes from OTEL_TRACES_SAMPLER
     _provider.add_span_processor(BatchSpanProcessor(exporter))
+    _exporter = exporter
     _tracer = _provider.get_tracer("llmbus")
     return True
 
@@ -95,11 +97,17 @@ def exporter_from(env) -> SpanExporter | None:
 
 
 def shutdown() -> None:
-    """Send what is still queued (a few seconds at most) and stop."""
-    global _provider, _tracer
+    """Send what is still queued, each batch tried once, and stop.
+
+    NOTE: the exporter is told first: the batch processor calls its ``shutdown`` only after
+    exporting everything queued, and with a collector asking to come back later each batch would
+    wait out its retries (up to ``timeout_s`` each) past the 30 s a stopping service has."""
+    global _provider, _tracer, _exporter
+    if _exporter is not None:
+        _exporter.shutdown()
     if _provider is not None:
         _provider.shutdown()
-    _provider, _tracer = None, trace.NoOpTracer()
+    _provider, _tracer, _exporter = None, trace.NoOpTracer(), None
 
 
 def enabled() -> bool:
@@ -166,7 +174,8 @@ class OtlpJsonExporter(SpanExporter):
                     response.read()
                 return SpanExportResult.SUCCESS
             except urllib.error.HTTPError as exc:
-                wait = _retry_after(exc.headers.get("Retry-After"), delay) if exc.code in RETRYABLE else None
+                # NOTE: never sooner than the backoff: a collector that says 0 would be asked again at once
+                wait = max(delay, _retry_after(exc.headers.get("Retry-After"), delay)) if exc.code in RETRYABLE else None
                 failure: Exception = exc
             except Exception as exc:  # unreachable, a timeout: no second try
                 wait, failure = None, exc

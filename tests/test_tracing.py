@@ -109,6 +109,40 @@ def test_a_busy_collector_gets_the_spans_again_and_a_refusing_one_loses_them(col
     assert exporter.export([span]) == SpanExportResult.FAILURE and len(collector.requests) == 6
 
 
+class _Waits:
+    """Stands in for the exporter's stop event: records each wait asked for, waits none."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def wait(self, seconds: float) -> bool:
+        self.asked.append(seconds)
+        return False
+
+    def set(self) -> None:
+        pass
+
+
+def test_a_retry_never_comes_sooner_than_the_backoff(collector):
+    """Retry-After 0 (or any shorter than the backoff) waits the backoff: 0.5 s, then 1 s..."""
+    exporter = tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url})
+    exporter._stopping = waits = _Waits()
+    span = TracerProvider().get_tracer("t").start_span("s")
+    span.end()
+    collector.refusals[:] = [(503, "0"), (429, "0.1"), (503, "3")]
+    assert exporter.export([span]) == SpanExportResult.SUCCESS
+    assert waits.asked == [0.5, 1.0, 3.0] and len(collector.requests) == 4
+
+
+def test_stopping_sends_each_queued_batch_once_without_waiting_to_retry(collector):
+    collector.refusals[:] = [(503, "1")] * 100
+    assert tracing.setup("router", "router-stop", {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url})
+    for i in range(3):
+        tracing.start(f"s{i}", root=True).end()
+    tracing.shutdown()  # NOTE: told late, the exporter would try this batch every 1 s for 10 s
+    assert len(collector.requests) == 1 and not tracing.enabled()
+
+
 def test_a_request_carries_a_w3c_trace_context_or_nothing():
     tp = f"00-{'0a' * 16}-{'0b' * 8}-01"
     req = GenerateRequest("r1", "m", [1, 2], traceparent=tp)
