@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from llmbus.guide.grammar import compile_guide
+from services.gateway.responses import answer_turn
 from services.gateway.tools import Llama3JsonParser, MistralParser, ToolCallParser, forced_call_guide, make_parser
 from tests.test_gateway_harness import (  # noqa: F401
     GatewayProcess, gw_nats, model_dir, reply_script, scratch, sse_events, tokenizer, worker,
@@ -54,6 +55,17 @@ def test_what_is_not_a_call_stays_text():
     assert _run(["<tool_call>{\"name\": \"f\""]) == ("<tool_call>{\"name\": \"f\"", [])  # never closed
     p = ToolCallParser()
     assert p.feed("a <tool") == ("a ", []) and p.feed("box>") == ("<toolbox>", [])
+
+
+def test_a_calls_arguments_are_always_json_text():
+    """Arguments given as a string that is JSON stay as they are; any other string becomes a JSON
+    string, so the call can be sent back in a conversation (and stored with a response)."""
+    _, calls = _run(['<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+                     '<tool_call>{"name": "g", "arguments": "oops"}</tool_call>'])
+    assert [c["function"]["arguments"] for c in calls] == ['{"x": 1}', '"oops"']
+    answer = {"output": [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"],
+                          "arguments": c["function"]["arguments"]} for c in calls]}  # fmt: skip
+    assert [m["function"]["arguments"] for m in answer_turn(answer)[0]["tool_calls"]] == ['{"x": 1}', '"oops"']
 
 
 def _splitter(seed: int):

@@ -58,7 +58,12 @@ def build_app(gw: Gateway) -> Starlette:
             req, echo, conversation = parse_responses(body, gw.config.max_stop_strings, history)
 
             async def keep(response: dict) -> bool:
-                return await gw.responses.save(response, conversation + answer_turn(response), tenant)
+                try:
+                    turn = answer_turn(response)
+                except APIError as exc:  # NOTE: an answer that cannot be continued: told unstored, not failed
+                    log.warning("response %s not stored: %s", response["id"], exc.message)
+                    return False
+                return await gw.responses.save(response, conversation + turn, tenant)
 
             call = ResponsesCall(echo, keep if echo["store"] and gw.responses.on else None)
             return answer(await serve(gw, request, req, tenant, responses=call))

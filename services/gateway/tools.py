@@ -55,9 +55,19 @@ def _call(block: str | dict, call_id: str = "") -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    # NOTE: always a JSON text: a string that is one (arguments the model encoded twice) as it is,
+    # any other string as a JSON string, so the call can go back in a conversation
+    arguments = args if isinstance(args, str) and _is_json(args) else json.dumps(args, ensure_ascii=False)
     return {"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": arguments}}
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ToolCallParser:
