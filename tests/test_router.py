@@ -10,9 +10,9 @@ import msgpack
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.service import ServiceOptions, run_service
-from llmbus.bus.streams import ensure_prefill_consumer
+from llmbus.bus.streams import ensure_prefill_consumer, ensure_registry, ensure_streams
 from llmbus.bus.worker import PullWorker
-from llmbus.protocol import GenerateRequest, TokenEvent, decode, encode
+from llmbus.protocol import GenerateRequest, InstanceInfo, TokenEvent, decode, encode
 from services.router.policy import RoutingPolicy
 from services.router.service import Router
 
@@ -91,6 +91,48 @@ def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
         router = await _with_router(nats_server, ("rt",), 4, scenario)
         assert router.routed == 2 and router.failed == 3
         assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # all acked or termed
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_router_whose_first_registry_read_fails_reads_again_before_routing(nats_server, monkeypatch):
+    """A request waiting when the router starts, for a model it knows only from the registry (no
+    --models): a failed first read (NATS settling) must not route it knowing no worker."""
+    import services.router.service as router_service
+
+    real, failures = router_service.read_registry, []
+
+    async def flaky(kv, *args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise TimeoutError("the registry did not answer")
+        return await real(kv, *args, **kwargs)
+
+    monkeypatch.setattr(router_service, "read_registry", flaky)
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        events = await _collect_token_events(nc)
+        await ensure_streams(js)
+        registry = await ensure_registry(js)
+        await registry.put(subjects.registry_key("prefill", "pf-late"),
+                           encode(InstanceInfo("pf-late", "prefill", models=["late-model"], host="h", updated_at=time.time())))
+        req = GenerateRequest("r-registry-late", "late-model", [1, 2, 3], token_subject=subjects.tokens("r-registry-late"))
+        await js.publish(subjects.request_subject(req.model), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
+
+        async def scenario():
+            name = await ensure_prefill_consumer(js, "short", "late-model")
+            w = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], name, max_deliver=5)
+            msgs = await w.fetch(1, timeout=5.0)
+            assert [decode(GenerateRequest, m.data).request_id for m in msgs] == ["r-registry-late"]
+            await msgs[0].ack()
+            await w.close()
+
+        await _with_router(nats_server, (), 4, scenario)
+        assert failures and "r-registry-late" not in events
+        await registry.delete(subjects.registry_key("prefill", "pf-late"))
         await nc.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

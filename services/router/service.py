@@ -109,7 +109,11 @@ class Router:
             self.ctx.stack.push_async_callback(sub.unsubscribe)
         # NOTE: the registry is read before the first fetch: a router (re)started while requests
         # wait must not fail them as unknown models, nor route them knowing no worker
-        watcher = asyncio.create_task(self._watch_registry(await self._read_registry()))
+        live = await self._read_registry()
+        while live is None and not self.ctx.stop.is_set():  # (NATS settling: a failed read knows nothing)
+            await asyncio.sleep(0.5)
+            live = await self._read_registry()
+        watcher = asyncio.create_task(self._watch_registry(live))
         await self.ctx.ready()
         try:
             while not self.ctx.stop.is_set():
