@@ -21,6 +21,7 @@ from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine, kv_block_bytes
 from llmbus.model.demo import make_demo_model
 from llmbus.protocol import Abort, GenerateRequest, Handoff, SamplingSpec, TokenEvent, WorkerLoad, decode, encode
+from llmbus.protocol.messages import LANES
 from services.prefill.service import PrefillWorker
 
 BURST = 6
@@ -32,10 +33,10 @@ def _engine(tmp_path, **config) -> Engine:
 
 
 async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, token_subject: str = "",
-                  deadline: float | None = None) -> None:
+                  deadline: float | None = None, lane: str = "short") -> None:
     req = GenerateRequest(rid, model, prompt, token_subject=token_subject or subjects.tokens(rid), deadline=deadline,
                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    await js.publish(subjects.prefill_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
+    await js.publish(subjects.prefill_subject(lane, model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
 
 
 async def _token_events(nc, finished) -> tuple[dict[str, list[TokenEvent]], asyncio.Event]:
@@ -140,8 +141,8 @@ def test_a_burst_of_long_prompts_is_pulled_only_up_to_the_token_budget(nats_serv
                         done.set()
 
         await nc.subscribe(f"{subjects.PREFIX}.>", cb=on_msg)
-        for i in range(BURST):
-            await _submit(js, model, f"budget-{i}", list(range(3 + i, 103 + i)), 2)
+        for i in range(BURST):  # NOTE: in both lanes: each lane's pull loop counts the other's pull
+            await _submit(js, model, f"budget-{i}", list(range(3 + i, 103 + i)), 2, lane=LANES[i % 2])
         async with _colocated_worker(nats_server, engine, model) as worker:
             await asyncio.wait_for(done.wait(), 60)
             iid = worker.ctx.instance_id
@@ -152,8 +153,10 @@ def test_a_burst_of_long_prompts_is_pulled_only_up_to_the_token_budget(nats_serv
 
     finished, held = asyncio.run(body())
     assert finished == {f"budget-{i}" for i in range(BURST)}
-    # two 100-token prompts fill two 64-token steps: the third waits in the stream until a first token
-    assert max(held) == 2, held
+    # two 100-token prompts fill two 64-token steps: the rest wait in the streams until a first
+    # token. The other lane's pull may have had a fetch in flight when the budget filled (one job
+    # more); counting only its own pull, each lane's loop took two (four)
+    assert 2 <= max(held) <= 3, held
 
 
 def test_a_short_prompt_is_handed_off_before_a_long_one_prefilled_with_it(nats_server, tmp_path):

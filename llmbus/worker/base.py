@@ -49,6 +49,10 @@ class EngineWorker(abc.ABC):
         self._tasks: set[asyncio.Task] = set()  # background work, held until done
         self.stores_in_flight = 0
         self.spans: dict = {}  # request id -> its span here, while tracing is on
+        # NOTE: every puller's room counts these: a burst that reaches several queues at once must
+        # not fill the budget once per puller
+        self._pulled = [0, 0]  # jobs pulled (by any pull loop) whose takes have not started, their cost
+        self._takes_running = 0  # takes in flight, of every pull loop
         ctx.add_metrics(self.metric_families)
 
     def trace(self, req: GenerateRequest, name: str, **attributes) -> None:
@@ -206,13 +210,12 @@ class EngineWorker(abc.ABC):
         trip apart), the first would start a step alone and the burst split across steps. Taken one
         after another, a burst of N jobs needed N steps to reach the batch."""
         taking: set[asyncio.Task] = set()
-        batch: list[Msg] = []
-        tokens = 0
+        pulled = self._pulled
 
         def room() -> int:
             if self.ctx.stop.is_set():
                 return 0
-            return capacity(len(batch), tokens) - (0 if counts_at_once else len(taking))
+            return capacity(pulled[0], pulled[1]) - (0 if counts_at_once else self._takes_running)
 
         try:
             while not self.ctx.stop.is_set():
@@ -221,17 +224,24 @@ class EngineWorker(abc.ABC):
                     self.ctx.stop.set()
                     return
                 batch, tokens = [], 0
-                async for msg in worker.messages(room, timeout=0.5):
-                    if self.ctx.stop.is_set():  # it came as the worker stopped: another replica's, at once
-                        with contextlib.suppress(Exception):
-                            await msg.nak()
-                        continue
-                    batch.append(msg)
-                    tokens += cost(msg) if cost is not None else 0
+                try:
+                    async for msg in worker.messages(room, timeout=0.5):
+                        if self.ctx.stop.is_set():  # it came as the worker stopped: another replica's, at once
+                            with contextlib.suppress(Exception):
+                                await msg.nak()
+                            continue
+                        batch.append(msg)
+                        tokens += (c := cost(msg) if cost is not None else 0)
+                        pulled[0] += 1
+                        pulled[1] += c
+                finally:
+                    pulled[0] -= len(batch)
+                    pulled[1] -= tokens
                 for msg in batch:
                     task = asyncio.create_task(take(msg))
                     taking.add(task)
-                    task.add_done_callback(_finished_take(taking))
+                    self._takes_running += 1
+                    task.add_done_callback(self._finished_take(taking))
                 await asyncio.sleep(0)  # NOTE: the takes start (and claim their jobs) before room is asked again
                 self.report()
         finally:
@@ -318,11 +328,11 @@ class EngineWorker(abc.ABC):
         rows = torch.frombuffer(buf, dtype=torch.uint8).reshape(n_blocks, lease_block_bytes)
         return rows[:, : num_layers * layer_bytes].reshape(n_blocks, num_layers, layer_bytes)
 
+    def _finished_take(self, taking: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+        def done(task: asyncio.Task) -> None:
+            taking.discard(task)
+            self._takes_running -= 1
+            if not task.cancelled() and task.exception() is not None:  # takes report their own failures
+                log.error("taking a job failed", exc_info=task.exception())
 
-def _finished_take(taking: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
-    def done(task: asyncio.Task) -> None:
-        taking.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # takes report their own failures
-            log.error("taking a job failed", exc_info=task.exception())
-
-    return done
+        return done
