@@ -180,8 +180,18 @@ def test_guided_output_requests_that_cannot_be_served(http):
                           ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
                           ({"structured_outputs": {"grammar": "a"}}, "structured_outputs"),
                           ({"guided_choice": ["a"], "guided_json": {}}, "guided_choice"),
-                          ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice")):  # fmt: skip
+                          ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+                          # a guide no output can follow: refused here, before a worker's engine meets it
+                          ({"guided_regex": "[^\\s\\S]"}, "guided_regex"), ({"guided_json": {"$ref": "#"}}, "guided_json"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+                              "$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}}}},
+                           "response_format.json_schema.schema")):  # fmt: skip
         assert err(**fields)["param"] == param, fields
+    deep: dict = {}
+    for _ in range(900):  # deeper than Python's recursion allows to compile or even to serialize
+        deep = {"items": deep}  # (an array: small enough for this gateway's 16 KiB bodies)
+    e = err(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}})
+    assert e["param"] == "response_format.json_schema.schema" and "nested too deeply" in e["message"]
 
 
 def test_prompt_token_ids_out_of_vocabulary(http):

@@ -4,6 +4,7 @@ and the engine's guided generation through prefill, handoff and decode."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -191,6 +192,19 @@ def test_a_choice_is_one_of_its_strings_as_text():
             compile_guide(json.dumps({"choice": bad}))
 
 
+def test_a_regex_lets_out_nothing_it_cannot_finish():
+    """A pattern that matches nothing is refused; a branch that can never end lets no character out
+    (its start is not a way to the end); a character class holds nothing past U+10FFFF."""
+    for pattern in (r"[^\s\S]", r"a[^\s\S]", r"(x[^\d\D])+"):
+        with pytest.raises(GuideError, match="matches no text"):
+            compile_guide(guide_spec(regex=pattern))
+    grammar = compile_guide(guide_spec(regex=r"a[^\s\S]|b|[^\s\Sa]c"))
+    assert [b for b in range(256) if grammar.step(grammar.initial, b) is not None] == [ord("b")]
+    high = compile_guide(guide_spec(regex=r"[^\u0000-\uffff]"))  # U+10000 and up: four bytes, F0-F4 first
+    assert [b for b in range(256) if high.step(high.initial, b) is not None] == [0xF0, 0xF1, 0xF2, 0xF3, 0xF4]
+    assert high.matches("\U0010ffff".encode()) and not high.matches(b"\xf4\x90\x80\x80")
+
+
 @pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no)( please)?", r"[a-z\u00e9 ]+", r"^a.c$", r"x*",
                                      r"[^\n]{0,5}\n?"])  # fmt: skip
 def test_a_regex_guide_matches_the_whole_text_as_re_fullmatch_does(pattern):
@@ -301,6 +315,13 @@ def test_string_formats_are_enforced():
     ({"type": "string", "minLength": 3, "maxLength": 2}, "'maxLength' (2) is below 'minLength' (3)"),
     ({"allOf": [{}, {}]}, "'allOf' is supported with exactly one"),
     ({"enum": []}, "'enum' must be a non-empty array"),
+    # choices that lead back to themselves before a value begins: reading a byte would never end
+    ({"$ref": "#"}, "refers to itself before any value begins"),
+    ({"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}, "refers to itself"),
+    ({"$defs": {"x": {"anyOf": [{"$ref": "#/$defs/y"}, {"type": "string"}]}, "y": {"allOf": [{"$ref": "#/$defs/x"}]}},
+      "$ref": "#/$defs/x"}, "refers to itself"),
+    (functools.reduce(lambda s, _: {"anyOf": [s]}, range(65), {"type": "string"}), "nest more than 64 deep"),
+    (functools.reduce(lambda s, _: {"type": "array", "items": s}, range(1000), {}), "nested too deeply"),
 ])  # fmt: skip
 def test_schemas_it_cannot_enforce_are_refused_clearly(schema, words):
     with pytest.raises(GuideError) as err:

@@ -40,6 +40,7 @@ MAX_TABS = 10
 MAX_NUMBER = 24  # bytes in one number
 MAX_SPEC_BYTES = 64 * 1024  # a guide spec (the schema) as sent on the bus
 MAX_NODES = 2048  # schema nodes after compilation ($refs count once)
+MAX_UNION_DEPTH = 64  # choices ($ref, anyOf, allOf) directly within one another
 MAX_CHOICES = 1024  # strings in a choice guide
 MAX_THREADS = 256  # ways one output may be read at once (anyOf options alive): a byte needing more is refused
 
@@ -513,9 +514,9 @@ _HEX_BITS = {3: 12, 4: 8, 5: 4}  # \u digits still due, as bits
 
 def _due_range(esc: int, utf8: int, acc: int) -> tuple[int, int] | None:
     """The code points the character being read can still become (None: between characters)."""
-    if utf8:
+    if utf8:  # NOTE: within U+10FFFF (an F4 lead byte's bits reach 0x13FFFF)
         bits = 6 * (utf8 % 10)
-        return max(acc << bits, _LEAST[utf8 % 10]), ((acc + 1) << bits) - 1
+        return max(acc << bits, _LEAST[utf8 % 10]), min(((acc + 1) << bits) - 1, 0x10FFFF)
     if esc in _HEX_BITS:
         bits = _HEX_BITS[esc]
         return acc << bits, ((acc + 1) << bits) - 1
@@ -885,7 +886,10 @@ def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "", c
         spec["prefix"] = prefix
     if suffix:
         spec["suffix"] = suffix
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise GuideError("the schema is nested too deeply") from None
 
 
 def check_guide(spec: str) -> None:
@@ -926,5 +930,40 @@ def compile_guide(spec: str) -> Grammar:
         return Grammar(options, prefix.encode("utf-8"), suffix.encode("utf-8"))
     schema = parsed["schema"]
     compiler = _Compiler(schema if isinstance(schema, dict) else {})
-    root = compiler.node(schema, "schema")
+    try:
+        root = compiler.node(schema, "schema")
+    except RecursionError:
+        raise GuideError("the schema is nested too deeply") from None
+    _check_choices(root)
     return Grammar(root, prefix.encode("utf-8"), suffix.encode("utf-8"))
+
+
+def _check_choices(root) -> None:
+    """Refuse a schema whose choices (``$ref``, ``anyOf``, ``oneOf``, ``allOf``) lead back to
+    themselves before any value begins (``{"$ref": "#"}``: reading a first byte would never end;
+    it matches no JSON text, or only through its other options), or nest more than ``MAX_UNION_DEPTH`` deep (the matcher opens them
+    one within another). Objects and arrays between two choices break such a loop: their bracket
+    comes first."""
+    depth: dict[int, int] = {}  # id -> the deepest chain of choices below it; -1 while on the path
+    stack = [(root, iter(root.options))] if type(root) is UnionNode else []
+    if stack:
+        depth[id(root)] = -1
+    while stack:
+        node, options = stack[-1]
+        for option in options:
+            if type(option) is not UnionNode:
+                continue
+            seen = depth.get(id(option))
+            if seen == -1:
+                raise GuideError("the schema refers to itself before any value begins ($ref, anyOf or allOf "
+                                 "chains that lead back to where they started): it cannot be guided")  # fmt: skip
+            if seen is None:
+                depth[id(option)] = -1
+                stack.append((option, iter(option.options)))
+                break
+        else:
+            stack.pop()
+            below = [depth[id(o)] for o in node.options if type(o) is UnionNode]
+            depth[id(node)] = 1 + max(below, default=0)
+            if depth[id(node)] > MAX_UNION_DEPTH:
+                raise GuideError(f"the schema's choices ($ref, anyOf, allOf) nest more than {MAX_UNION_DEPTH} deep")

@@ -250,6 +250,28 @@ class Regex:
         self._closures: dict[int, frozenset] = {}
         self.initial = self._close({start})
         self._memo: dict = {}
+        # NOTE: a move only into a state from which the end can still be reached: a branch that can
+        # never match ("a[^\s\S]") must not let its first characters out
+        self.live = self._live()
+        if not self.initial & self.live:
+            raise RegexError(f"pattern {pattern!r} matches no text")
+
+    def _live(self) -> frozenset:
+        """The states from which ``final`` can be reached (over characters that exist as UTF-8)."""
+        back: list[list[int]] = [[] for _ in self.sets]
+        for s, targets in enumerate(self.eps):
+            for t in targets:
+                back[t].append(s)
+        for s, cset in enumerate(self.sets):
+            if cset is not None and (_meets(cset, 0, 0xD7FF) or _meets(cset, 0xE000, 0x10FFFF)):
+                back[self.next[s]].append(s)
+        live, todo = set(), [self.final]
+        while todo:
+            s = todo.pop()
+            if s not in live:
+                live.add(s)
+                todo.extend(back[s])
+        return frozenset(live)
 
     def _state(self) -> int:
         if len(self.sets) >= MAX_STATES:
@@ -315,7 +337,8 @@ class Regex:
         key = (states, cp)
         hit = self._memo.get(key, False)
         if hit is False:
-            moved = {self.next[s] for s in states if self.sets[s] is not None and _member(self.sets[s], cp)}
+            moved = {self.next[s] for s in states
+                     if self.sets[s] is not None and self.next[s] in self.live and _member(self.sets[s], cp)}
             hit = self._close(moved) if moved else None
             self._remember(key, hit)
         return hit
@@ -325,7 +348,8 @@ class Regex:
         key = (states, lo, hi)
         hit = self._memo.get(key)
         if hit is None:
-            hit = any(self.sets[s] is not None and _meets(self.sets[s], lo, hi) for s in states)
+            hit = any(self.sets[s] is not None and self.next[s] in self.live and _meets(self.sets[s], lo, hi)
+                      for s in states)  # fmt: skip
             self._remember(key, hit)
         return hit
 

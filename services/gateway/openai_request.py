@@ -6,8 +6,10 @@ The result is a plain frozen record; tokenization, context checks and SamplingPa
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,8 +123,8 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     forced = (choice["function"]["name"],) if named else tuple(names) if choice == "required" else ()
     for i, tool in enumerate(out):
         if tool["function"]["name"] in forced:
-            _checked(guide_spec(tool["function"].get("parameters") or {"type": "object"}), f"tools[{i}].function.parameters",
-                     "cannot guide a forced tool call")
+            _checked(lambda: guide_spec(tool["function"].get("parameters") or {"type": "object"}),
+                     f"tools[{i}].function.parameters", "cannot guide a forced tool call")
     return tuple(out), forced
 
 
@@ -154,11 +156,11 @@ def _guide(body: dict) -> str:
     if name == "guided_regex":
         if not isinstance(value, str) or not value:
             raise invalid(f"'{name}' must be a non-empty string.", name)
-        spec = guide_spec(regex=value)
+        spec = functools.partial(guide_spec, regex=value)
     elif name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise invalid(f"'{name}' must be a non-empty array of non-empty strings.", name)
-        spec = guide_spec(choice=value)
+        spec = functools.partial(guide_spec, choice=value)
     else:
         if isinstance(value, str):
             try:
@@ -167,7 +169,7 @@ def _guide(body: dict) -> str:
                 raise invalid(f"'{name}' must be a JSON Schema (an object, or a string of one).", name) from None
         if not isinstance(value, dict):
             raise wrong_type(name, "an object (a JSON Schema)", value)
-        spec = guide_spec(value)
+        spec = functools.partial(guide_spec, value)
     return _checked(spec, name)
 
 
@@ -192,12 +194,13 @@ def _response_format(body: dict) -> str:
     schema = spec.get("schema")
     if schema is not None and not isinstance(schema, dict):
         raise wrong_type("response_format.json_schema.schema", "an object (a JSON Schema)", schema)
-    return _checked(guide_spec(schema), "response_format.json_schema.schema")
+    return _checked(lambda: guide_spec(schema), "response_format.json_schema.schema")
 
 
-def _checked(spec: str, param: str, what: str = "") -> str:
-    """``spec``, once it compiles; else a 400 naming ``param`` and saying why."""
+def _checked(make: Callable[[], str], param: str, what: str = "") -> str:
+    """The spec ``make`` builds, once it compiles; else a 400 naming ``param`` and saying why."""
     try:
+        spec = make()
         check_guide(spec)
     except GuideError as exc:
         raise invalid(f"{param}{' ' + what if what else ''}: {exc}", param) from None
