@@ -173,4 +173,17 @@ def test_a_response_object_has_openais_fields():
     assert body["usage"] == {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 5,
                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8}
     assert shapes.event("response.created", response={}).startswith(b"event: response.created\ndata: ")
+    assert body["store"] is False  # nothing keeps it
     assert b'"sequence_number":1' in shapes.event("response.in_progress")
+
+
+def test_a_response_to_be_stored_says_so_from_its_first_event_and_at_the_end_whether_it_was():
+    async def kept(response: dict) -> bool:
+        return True
+
+    async def lost(response: dict) -> bool:
+        return False
+
+    for keep, stored in ((kept, True), (lost, False)):
+        evs = _streamed(ResponseShapes("m", {}, keep=keep), [Piece("Hi"), Piece("", finish_reason="stop", usage=Usage(2, 1))])
+        assert [e["response"]["store"] for e in evs if "response" in e] == [True, True, stored]
