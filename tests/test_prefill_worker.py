@@ -15,7 +15,7 @@ from pathlib import Path
 
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
-from llmbus.bus.service import READY_PREFIX
+from llmbus.bus.service import READY_PREFIX, ServiceOptions, run_service
 from llmbus.bus.streams import ensure_decode_consumer, ensure_streams
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.engine import Engine, kv_block_bytes
@@ -157,6 +157,30 @@ def test_a_burst_of_long_prompts_is_pulled_only_up_to_the_token_budget(nats_serv
     # token. The other lane's pull may have had a fetch in flight when the budget filled (one job
     # more); counting only its own pull, each lane's loop took two (four)
     assert 2 <= max(held) <= 3, held
+
+
+def test_a_worker_whose_engine_thread_dies_exits_with_a_failure(nats_server, tmp_path):
+    """A job that breaks the engine's step (a bug, a guide that cannot be followed): the worker
+    stops and exits 1, so ``llmbus up`` or a supervisor sees a failure, not a clean stop."""
+    model = "dies"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+
+    def broken_step():
+        raise RuntimeError("a step that cannot be taken")
+
+    engine.step = broken_step
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        await _submit(js, model, "dies-0", list(range(5, 25)), 3)
+        code = await asyncio.wait_for(run_service(ServiceOptions("prefill", nats_server, models=(model,)),
+                                                  lambda ctx: PrefillWorker(ctx, engine, model, colocated=True).run()), 60)
+        await nc.close()
+        return code
+
+    assert asyncio.run(body()) == 1
 
 
 def test_a_short_prompt_is_handed_off_before_a_long_one_prefilled_with_it(nats_server, tmp_path):

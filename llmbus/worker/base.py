@@ -250,6 +250,12 @@ class EngineWorker(abc.ABC):
                 for task in late:
                     task.cancel()
 
+    def check_engine(self) -> None:
+        """Raise when the engine thread died: the service then exits 1, not 0 (a supervisor, or
+        ``llmbus up``, must see a failure, not a clean stop)."""
+        if self.loop is not None and self.loop.error is not None:
+            raise RuntimeError(f"the engine thread died: {self.loop.error!r}")
+
     async def drain(self, pullers: list[asyncio.Task]) -> None:
         """Once stopped: take nothing new (``pullers``, the ``pull`` loops, end with the pull in
         flight, whose wait is at most 0.5 s, and give back a job it brings; what waits in the

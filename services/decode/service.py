@@ -169,6 +169,7 @@ class DecodeWorker(EngineWorker):
                 await self.publish(act.request, TokenEvent.failure(rid, "the decode worker shut down",
                                                                     seq=act.next_seq, worker=self.ctx.instance_id))
             self.active.clear()
+        self.check_engine()
 
     async def _take(self, msg) -> None:
         if (handoff := await read_job(Handoff, msg, "handoff")) is None:

@@ -151,6 +151,7 @@ class PrefillWorker(EngineWorker):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._release_all()
+        self.check_engine()
 
     async def _take(self, worker: PullWorker, msg) -> None:
         if (req := await read_job(GenerateRequest, msg, "job")) is None:
