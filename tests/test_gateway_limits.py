@@ -15,12 +15,12 @@ import openai
 import pytest
 
 from services.gateway.errors import APIError
-from services.gateway.limits import Limits, RateLimited, RateLimiter, TenantLimits
+from services.gateway.limits import Limits, RateLimited, RateLimiter, TenantLimits, effective_priority
 from tests.metrics_text import parse
 from tests.test_gateway_harness import (  # noqa: F401
     ROOT, GatewayProcess, gw_nats, model_dir, reply_script, scratch, tokenizer, worker,
 )
-from tests.test_gateway_stream import COMP, _ids
+from tests.test_gateway_stream import COMP, _ids, _last_request
 
 
 class Clock:
@@ -153,18 +153,33 @@ def test_a_tenants_own_limits_override_the_default_field_by_field():
     for bad, why in [([], "JSON object"), ({"defaults": {}}, "'default'"), ({"tenants": []}, "'tenants'"),
                      ({"default": {"rpm": 1}}, "unknown limit 'rpm'"),
                      ({"default": {"tokens_per_minute": 1.5}}, "positive integer"),
-                     ({"tenants": {"a": {"max_concurrent_requests": True}}}, "tenants.a.max_concurrent_requests")]:
+                     ({"tenants": {"a": {"max_concurrent_requests": True}}}, "tenants.a.max_concurrent_requests"),
+                     ({"default": {"priority": 0.5}}, "default.priority must be an integer"),
+                     ({"tenants": {"a": {"priority": 10**7}}}, "tenants.a.priority must be an integer")]:
         with pytest.raises(ValueError, match=why):
             TenantLimits.parse(bad)
 
 
+def test_a_request_runs_at_its_tenants_priority_or_a_larger_one_it_asks():
+    config = TenantLimits.parse({"default": {"requests_per_minute": 5},
+                                 "tenants": {"vip": {"priority": -3}, "bulk": {"priority": 2}}})
+    assert config.of("vip").priority == -3 and config.of("vip").requests_per_minute == 5
+    assert config.priority_of("someone") == 0  # set nowhere
+    assert [effective_priority(asked, config.priority_of("vip")) for asked in (None, -9, -3, 0, 7)] == [-3, -3, -3, 0, 7]
+    assert [effective_priority(asked, config.priority_of("bulk")) for asked in (None, -1, 5)] == [2, 2, 5]
+    assert [effective_priority(asked, config.priority_of("someone")) for asked in (None, -1, 5)] == [0, 0, 5]
+    assert [effective_priority(asked, None) for asked in (None, -4, 4)] == [0, -4, 4]  # no limits: as asked
+
+
 # --- through the gateway --------------------------------------------------------------------------
 
-KEYS = {"sk-small-00001": "small", "sk-other-00001": "other", "sk-meter-00001": "meter", "sk-wide-000001": "wide"}
+KEYS = {"sk-small-00001": "small", "sk-other-00001": "other", "sk-meter-00001": "meter", "sk-wide-000001": "wide",
+        "sk-urgent-0001": "urgent", "sk-batch-00001": "batch"}
 LIMITS = {"default": {"requests_per_minute": 1000},
           "tenants": {"small": {"requests_per_minute": 2, "tokens_per_minute": 100000, "max_concurrent_requests": 1},
                       "meter": {"tokens_per_minute": 1000, "max_concurrent_requests": 1},
-                      "wide": {"tokens_per_minute": 1000}}}
+                      "wide": {"tokens_per_minute": 1000},
+                      "urgent": {"priority": -2}, "batch": {"priority": 3}}}
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +244,24 @@ def test_a_tenant_over_its_limits_gets_openai_429s_and_others_do_not(limited, wo
     assert got['llmbus_gateway_rate_limited_total{tenant="small",limit="requests"}'] == 2
     assert not any(k.startswith("llmbus_gateway_rate_limited_total") and 'tenant="other"' in k for k in got)
     assert got['llmbus_gateway_tenant_tokens_total{tenant="other",kind="completion"}'] > 0
+
+
+def test_the_priority_a_request_carries_is_its_tenants_floor_or_what_it_asks(limited, worker, tokenizer):
+    worker.script = reply_script(_ids(tokenizer, "ok"))
+    for key, asked, runs in (("sk-urgent-0001", None, -2), ("sk-urgent-0001", -50, -2), ("sk-urgent-0001", 4, 4),
+                             ("sk-batch-00001", None, 3), ("sk-batch-00001", -1, 3), ("sk-other-00001", -1, 0)):
+        r = _post(limited, key, **({} if asked is None else {"priority": asked}))
+        assert r.status_code == 200, r.text
+        assert _last_request(worker, r.json()["id"])[0].priority == runs, (key, asked)
+    headers = {"Authorization": "Bearer sk-urgent-0001"}
+    r = httpx.post(limited + "/v1/responses", json={"model": "demo", "input": "Hi", "max_output_tokens": 5, "store": False},
+                   headers=headers, timeout=30)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert worker.requests[-1][0].priority == -2
+    for bad, code in ((10**7, "invalid_value"), ("high", "invalid_type"), (1.5, "invalid_type")):
+        r = _post(limited, "sk-urgent-0001", priority=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        assert r.json()["error"]["code"] == code
 
 
 def test_a_finished_request_is_charged_its_usage_and_a_client_that_leaves_frees_its_place(limited, worker, tokenizer):

@@ -33,10 +33,20 @@ def _engine(tmp_path, **config) -> Engine:
 
 
 async def _submit(js, model: str, rid: str, prompt: list[int], max_tokens: int, token_subject: str = "",
-                  deadline: float | None = None, lane: str = "short") -> None:
+                  deadline: float | None = None, priority: int = 0, lane: str = "short") -> None:
+    """A request in ``lane``'s queue for its priority (as the router sends it)."""
     req = GenerateRequest(rid, model, prompt, token_subject=token_subject or subjects.tokens(rid), deadline=deadline,
-                          sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    await js.publish(subjects.prefill_subject(lane, model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
+                          sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                          priority=priority)  # fmt: skip
+    await js.publish(subjects.lane_subject(lane, model, priority), encode(req), headers={subjects.MSG_ID_HEADER: rid})
+
+
+async def _bus(nats_server: str):
+    """A connection and its JetStream context, the streams made."""
+    nc = await connect(nats_server)
+    js = nc.jetstream()
+    await ensure_streams(js)
+    return nc, js
 
 
 async def _token_events(nc, finished) -> tuple[dict[str, list[TokenEvent]], asyncio.Event]:
@@ -88,9 +98,7 @@ def test_a_burst_of_jobs_is_prefilled_as_one_batch(nats_server, tmp_path):
     engine.step = counting_step
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         def all_finished(_) -> bool:
             return sum(1 for evs in events.values() if evs[-1].finish_reason) == BURST
 
@@ -121,9 +129,7 @@ def test_a_burst_of_long_prompts_is_pulled_only_up_to_the_token_budget(nats_serv
     engine = _engine(tmp_path, enable_prefix_caching=False, max_num_batched_tokens=64)
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         # NOTE: one subscription, so its callbacks run in the order the worker sent (loads, tokens)
         seen: list[tuple[str, object]] = []
         finished: set[str] = set()
@@ -159,6 +165,39 @@ def test_a_burst_of_long_prompts_is_pulled_only_up_to_the_token_budget(nats_serv
     assert 2 <= max(held) <= 3, held
 
 
+def test_urgent_jobs_are_taken_ahead_of_a_backlog_queued_before_them(nats_server, tmp_path):
+    """One batch slot, five jobs waiting when the worker starts, the two urgent ones queued last:
+    each goes into the first room that frees (a job in flight when the worker started may share
+    it), so both start before every job queued before them but one; FIFO, they would run last."""
+    model = "urgent"
+    engine = _engine(tmp_path, enable_prefix_caching=False, max_num_seqs=1)
+
+    async def body():
+        nc, js = await _bus(nats_server)
+        order: list[str] = []
+
+        def finished(ev) -> bool:
+            if ev.seq == 0:
+                order.append(ev.request_id)
+            return len(order) == 5 and all(evs[-1].finish_reason for evs in events.values())
+
+        events, done = await _token_events(nc, finished)
+        for i in range(3):
+            await _submit(js, model, f"urgent-n{i}", list(range(5 + i, 25 + i)), 3)
+        for i in range(2):
+            await _submit(js, model, f"urgent-u{i}", list(range(50 + i, 70 + i)), 3, priority=-1 - i)
+        async with _colocated_worker(nats_server, engine, model):
+            await asyncio.wait_for(done.wait(), 60)
+        await nc.close()
+        return order, events
+
+    order, events = asyncio.run(body())
+    assert sorted(order) == ["urgent-n0", "urgent-n1", "urgent-n2", "urgent-u0", "urgent-u1"]
+    assert {"urgent-u0", "urgent-u1"} <= set(order[:3]), order
+    assert all(evs[-1].finish_reason == "length" for evs in events.values())
+    assert engine.leak_check()["free_blocks"] == engine.leak_check()["total_blocks"]
+
+
 def test_a_worker_whose_engine_thread_dies_exits_with_a_failure(nats_server, tmp_path):
     """A job that breaks the engine's step (a bug, a guide that cannot be followed): the worker
     stops and exits 1, so ``llmbus up`` or a supervisor sees a failure, not a clean stop."""
@@ -171,9 +210,7 @@ def test_a_worker_whose_engine_thread_dies_exits_with_a_failure(nats_server, tmp
     engine.step = broken_step
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         await _submit(js, model, "dies-0", list(range(5, 25)), 3)
         code = await asyncio.wait_for(run_service(ServiceOptions("prefill", nats_server, models=(model,)),
                                                   lambda ctx: PrefillWorker(ctx, engine, model, colocated=True).run()), 60)
@@ -261,9 +298,7 @@ def test_a_job_aborted_while_its_prefix_is_looked_up_never_starts(nats_server, t
     engine.step, engine.add_request = slow_step, recording_add
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         first_token, finished = asyncio.Event(), asyncio.Event()
 
         async def on_token(msg):
@@ -311,9 +346,7 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
     engine.local_prefix_blocks = failing_once
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         events, done = await _token_events(nc, lambda ev: ev.request_id == "next" and ev.finish_reason is not None)
         async with _colocated_worker(nats_server, engine, model) as worker:
             await _submit(js, model, "unlucky", list(range(7, 47)), 4)
@@ -360,9 +393,7 @@ def test_a_job_aborted_during_its_handoff_ends_quietly(nats_server, tmp_path, ca
     engine.export_sequence = export_after_the_abort
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         events: list[TokenEvent] = []
         first = asyncio.Event()
 
@@ -493,9 +524,7 @@ def test_a_job_whose_ack_fails_after_its_handoff_is_not_failed(nats_server, tmp_
     monkeypatch.setattr(Msg, "ack", failing_ack)
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         handoffs = await js.pull_subscribe_bind(await ensure_decode_consumer(js, model), stream=subjects.DECODE_STREAM)
         events, first = await _token_events(nc, lambda ev: ev.request_id == rid)
         async with _colocated_worker(nats_server, engine, model, colocated=False) as worker:
@@ -524,9 +553,7 @@ def test_a_colocated_request_past_its_deadline_is_ended_with_abort(nats_server, 
     slow_steps(engine, 0.05)  # 400 tokens would take 20 s: the 1 s deadline comes first
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         events, done = await _token_events(nc, lambda ev: ev.finish_reason is not None)
         async with _colocated_worker(nats_server, engine, model) as worker:
             req = GenerateRequest(rid, model, list(range(7, 47)), token_subject=subjects.tokens(rid),
@@ -622,9 +649,7 @@ def test_a_stopping_colocated_worker_finishes_its_requests_and_says_it_has_no_ro
     slow_steps(engine, 0.03)
 
     async def body():
-        nc = await connect(nats_server)
-        js = nc.jetstream()
-        await ensure_streams(js)
+        nc, js = await _bus(nats_server)
         events, done = await _token_events(nc, lambda ev: ev.finish_reason is not None)
         loads: list[WorkerLoad] = []
 

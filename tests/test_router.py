@@ -10,7 +10,7 @@ import msgpack
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.service import ServiceOptions, run_service
-from llmbus.bus.streams import ensure_prefill_consumer, ensure_registry, ensure_streams
+from llmbus.bus.streams import ensure_prefill_consumer, ensure_registry, ensure_streams, ensure_urgent_consumer
 from llmbus.bus.worker import PullWorker
 from llmbus.protocol import GenerateRequest, InstanceInfo, TokenEvent, decode, encode
 from services.router.policy import RoutingPolicy
@@ -91,6 +91,39 @@ def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
         router = await _with_router(nats_server, ("rt",), 4, scenario)
         assert router.routed == 2 and router.failed == 3
         assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # all acked or termed
+        await nc.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_an_urgent_request_goes_to_its_lanes_urgent_queue(nats_server):
+    """priority below 0: the lane's urgent queue; 0 and above: the shared one."""
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+
+        async def scenario():
+            reqs = [GenerateRequest(rid, "pr", list(range(1, n + 1)), token_subject=subjects.tokens(rid), priority=p)
+                    for rid, n, p in (("u-short", 3, -1), ("u-long", 9, -7), ("n-short", 3, 0), ("b-short", 3, 4))]
+            for r in reqs:
+                await js.publish(subjects.request_subject(r.model), encode(r), headers={subjects.MSG_ID_HEADER: r.request_id})
+            got = {}
+            for lane in ("short", "long"):
+                for stream_urgent in (False, True):
+                    name = await (ensure_urgent_consumer(js, subjects.PREFILL_STREAMS[lane], "pr") if stream_urgent
+                                  else ensure_prefill_consumer(js, lane, "pr"))  # fmt: skip
+                    w = await PullWorker.bind(js, subjects.PREFILL_STREAMS[lane], name, max_deliver=5)
+                    msgs = await w.fetch(10, timeout=2.0)
+                    got[lane, stream_urgent] = sorted((m.subject, decode(GenerateRequest, m.data).priority) for m in msgs)
+                    for m in msgs:
+                        await m.ack()
+                    await w.close()
+            assert got == {("short", False): [("llmbus.prefill.short.pr", 0), ("llmbus.prefill.short.pr", 4)],
+                           ("short", True): [("llmbus.prefill.short.pr.urgent", -1)],
+                           ("long", False): [], ("long", True): [("llmbus.prefill.long.pr.urgent", -7)]}
+
+        router = await _with_router(nats_server, ("pr",), 4, scenario)
+        assert router.routed == 4
         await nc.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

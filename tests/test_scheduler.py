@@ -299,6 +299,43 @@ def test_preemption_by_recompute_when_the_pool_runs_out():
     assert_no_leaks(bm)
 
 
+def test_waiting_sequences_are_admitted_by_priority_then_age():
+    sched, bm, model = make(max_num_seqs=1)
+    order = []
+    for rid, priority in (("n1", 0), ("n2", 0), ("late", 5), ("u1", -1), ("n3", 0), ("u2", -1)):
+        s = seq(rid, [len(order) + 1, 2, 3], max_tokens=1)
+        s.priority = priority
+        order.append(s)
+        sched.add(s)
+    admitted = []
+    while sched.has_unfinished():
+        admitted += [e.seq.request_id for e in step(sched, model)[0].scheduled if e.num_new_tokens > 1]
+    assert admitted == ["u1", "u2", "n1", "n2", "n3", "late"]
+    assert_no_leaks(bm)
+
+
+def test_preemption_takes_the_largest_priority_first_and_it_resumes_ahead_of_its_own():
+    sched, bm, model = make(num_blocks=4)
+    a, b = seq("a", [1, 2, 3, 4], max_tokens=8), seq("b", [11, 12, 13, 14], max_tokens=8)
+    a.priority = 1  # older, but less urgent: it yields its blocks to b
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    while sched.has_unfinished() and not preempted:
+        preempted = [s.request_id for s in step(sched, model)[0].preempted]
+    assert preempted == ["a"] and b.num_preemptions == 0
+    c = seq("c", [21, 22, 23], max_tokens=1)
+    c.priority = 1
+    sched.add(c)  # newer, same priority as a: a resumes before it
+    d = seq("d", [31, 32, 33], max_tokens=1)
+    sched.add(d)  # more urgent than both: ahead of a
+    assert [s.request_id for s in sched._waiting] == ["d", "a", "c"]
+    run_to_end(sched, model)
+    assert a.output_token_ids == reference_output([1, 2, 3, 4], 8)
+    assert b.output_token_ids == reference_output([11, 12, 13, 14], 8)
+    assert_no_leaks(bm)
+
+
 def test_a_sequence_outgrowing_the_whole_pool_ends_with_length():
     sched, bm, model = make(num_blocks=2)
     s = seq("s", range(6), max_tokens=10)

@@ -4,9 +4,11 @@
 |---|---|---|
 | requests (gateway -> router) | JetStream work queue `LLMBUS_REQUESTS` | `llmbus.req.<model>` |
 | prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
+| urgent prefill work (priority below 0), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.urgent` |
 | prefill work for one worker (its cached prefix), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.at.<instance_id>` |
 | whole requests for the decode pool (short prompts), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.whole` |
 | handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
+| urgent handoffs (priority below 0) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>.urgent` |
 | tokens (worker -> gateway) | core NATS | `llmbus.tok.<request_id>` |
 | token batches (worker -> one gateway) | core NATS | `llmbus.toks.<instance_id>` |
 | aborts (anyone -> workers) | core NATS | `llmbus.abort.<request_id>` |
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from llmbus.protocol.messages import LANES, check_id
+from llmbus.protocol.messages import LANES, check_id, urgent
 
 PREFIX = "llmbus"
 
@@ -108,6 +110,23 @@ def prefill_consumer(lane: str, model: str) -> str:
     return f"prefill_{_lane(lane)}_{model_token(model)}"
 
 
+def urgent_subject(lane: str, model: str) -> str:
+    """Where the router forwards an urgent request (``GenerateRequest.priority`` below 0) for the
+    prefill pool of ``model`` in ``lane``: its own queue, which workers empty before the lane's."""
+    return f"{prefill_subject(lane, model)}.urgent"
+
+
+def urgent_consumer(model: str) -> str:
+    """Durable pull consumer shared by every prefill replica of ``model`` for urgent work, one in
+    each lane's stream; also the decode replicas' for urgent handoffs, in the decode stream."""
+    return f"urgent_{model_token(model)}"
+
+
+def lane_subject(lane: str, model: str, priority: int = 0) -> str:
+    """A request's queue in ``lane``: the urgent one or the shared one, by its priority."""
+    return urgent_subject(lane, model) if urgent(priority) else prefill_subject(lane, model)
+
+
 def direct_subject(lane: str, model: str, instance_id: str) -> str:
     """Where the router sends a request to one prefill worker, the one whose cache holds most of
     its prompt (JetStream, Nats-Msg-Id = request_id). In the lane's stream, as whole requests are:
@@ -142,6 +161,15 @@ def whole_consumer(model: str) -> str:
 def decode_subject(model: str) -> str:
     """Where prefill publishes a Handoff (JetStream, Nats-Msg-Id = request_id)."""
     return f"{PREFIX}.decode.{model_token(model)}"
+
+
+def urgent_decode_subject(model: str) -> str:
+    """Where prefill publishes the Handoff of an urgent request (the decode pool's urgent queue)."""
+    return f"{decode_subject(model)}.urgent"
+
+
+def handoff_subject(model: str, priority: int = 0) -> str:
+    return urgent_decode_subject(model) if urgent(priority) else decode_subject(model)
 
 
 def decode_consumer(model: str) -> str:

@@ -66,6 +66,9 @@ class PullWorker:
         self._sub = sub
         self.max_deliver = max_deliver
         self.heartbeat_s = heartbeat_s
+        # jobs the consumer reported pending after the last one it gave; 0 once a pull came back
+        # empty. Stale while nobody pulls (another replica may take them meanwhile).
+        self.backlog = 0
 
     @classmethod
     async def bind(cls, js: JetStreamContext, stream: str, consumer: str, *, max_deliver: int, heartbeat_s: float = 5.0):
@@ -103,10 +106,12 @@ class PullWorker:
             try:
                 msgs = await self._sub.fetch(1, timeout=wait)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):  # NOTE: nats raises either on an empty fetch
+                self.backlog = 0
                 return
+            self.backlog = msgs[-1].metadata.num_pending if msgs else 0
             for msg in msgs:
                 yield msg
-            if not msgs or not msgs[-1].metadata.num_pending:
+            if not self.backlog:
                 return
             wait = _READY_WAIT_S  # a burst: the rest are there already (unless another replica took them)
 

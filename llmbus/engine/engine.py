@@ -213,7 +213,10 @@ class Engine:
         params: SamplingParams,
         cache_salt: str = "",
         prefill_only: bool = False,
+        priority: int = 0,
     ) -> None:
+        """Queue a request; ``priority``: smaller runs first (admitted before, preempted after, the
+        waiting and running requests of a larger one)."""
         if request_id in self._seqs or request_id in self._handoffs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
@@ -224,6 +227,7 @@ class Engine:
             params=params,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            priority=priority,
         )
         self._seqs[request_id] = seq
         if prefill_only:
@@ -405,8 +409,9 @@ class Engine:
         except KeyError:
             raise ValueError(f"no handed-off request {request_id!r}") from None
 
-    def import_sequence(self, state: dict, kv: torch.Tensor, params: SamplingParams) -> None:
-        """Join a sequence computed elsewhere: copy its KV into fresh blocks, continue decoding."""
+    def import_sequence(self, state: dict, kv: torch.Tensor, params: SamplingParams, priority: int = 0) -> None:
+        """Join a sequence computed elsewhere: copy its KV into fresh blocks, continue decoding
+        (``priority`` as ``add_request``'s)."""
         request_id = state["request_id"]
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -432,6 +437,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=salt,
             output_token_ids=outputs,
+            priority=priority,
         )
         n_blocks = self.layout.num_blocks_for(computed)
         tail_tokens, tail_dtype = int(state.get("tail_tokens", 0)), state.get("tail_dtype", self.layout.dtype)

@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill and preemption by recompute. Pure Python state machine.
 
 Each ``schedule()`` spends a token budget: first on running decodes, then on running prefills'
-next chunks, then on admitting waiting sequences oldest first. The runner computes positions
+next chunks, then on admitting waiting sequences, in order of priority (smaller first), oldest first
+within one. Preemption takes the running sequence of the largest priority, the newest among them. The runner computes positions
 ``[seq.num_computed_tokens, + num_new_tokens)`` of every scheduled entry; ``update()`` then advances
 the counters, appends sampled tokens and finishes sequences.
 
@@ -99,7 +100,7 @@ class Scheduler:
         if seq.num_prompt_tokens == 0:
             raise ValueError(f"sequence {seq.request_id!r} has an empty prompt")
         self._by_id[seq.request_id] = seq
-        self._waiting.append(seq)
+        self._queue(seq, behind=True)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a waiting or running sequence with "abort" and free its blocks now."""
@@ -125,7 +126,7 @@ class Scheduler:
         def preempt_for(seq: Sequence) -> bool:
             """Preempt the newest running seq; False if that was ``seq`` itself."""
             nonlocal budget
-            victim = max(self._running, key=lambda s: s.arrival)
+            victim = max(self._running, key=_yields)
             entry = scheduled.pop(victim.request_id, None)
             if entry is not None:
                 budget += entry.num_new_tokens
@@ -133,8 +134,8 @@ class Scheduler:
             preempted.append(victim)
             return victim is not seq
 
-        # Running sequences: decodes first, then unfinished prefills, oldest first within each.
-        order = sorted(self._running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival))
+        # Running sequences: decodes first, then unfinished prefills, by priority and age within each.
+        order = sorted(self._running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.priority, s.arrival))
         for seq in order:
             if budget == 0:
                 break
@@ -150,7 +151,7 @@ class Scheduler:
                 scheduled[seq.request_id] = self._entry(seq, n)
                 budget -= n
 
-        # Waiting sequences, oldest first; skip admission after a preemption (the pool is full).
+        # Waiting sequences, by priority then age (the queue's order); skip admission after a preemption (the pool is full).
         # A sequence whose next uncached block a running prefill is computing right now waits a
         # step (or as many as that prefill takes) and then takes it, and every block after it the
         # two share, from the prefix cache instead of computing them again: n copies of one prompt
@@ -228,7 +229,18 @@ class Scheduler:
         self._running.remove(seq)
         self._drop_kv(seq)
         seq.status = SequenceStatus.WAITING
-        self._waiting.appendleft(seq)
+        self._queue(seq, behind=False)
+
+    def _queue(self, seq: Sequence, *, behind: bool) -> None:
+        """Put ``seq`` in the waiting queue among its priority's: after them (``behind``: a new
+        sequence) or before them (preempted: it resumes first)."""
+        waiting = self._waiting
+        if not waiting or (behind and waiting[-1].priority <= seq.priority):
+            waiting.append(seq)  # (the common case: one priority)
+            return
+        i = next((i for i, s in enumerate(waiting) if s.priority > seq.priority or not behind and s.priority == seq.priority),
+                 len(waiting))  # fmt: skip
+        waiting.insert(i, seq)
 
     def _drop_kv(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks; it computes its tokens again when it next runs."""
@@ -247,7 +259,7 @@ class Scheduler:
         holders = [s for s in self._waiting if s is not head and s.block_table]
         if not holders:
             return False
-        victim = max(holders, key=lambda s: s.arrival)
+        victim = max(holders, key=_yields)
         self._drop_kv(victim)
         preempted.append(victim)
         return True
@@ -294,3 +306,8 @@ class Scheduler:
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+
+def _yields(seq: Sequence) -> tuple[int, int]:
+    """Preemption's order: the largest priority first, the newest first within one."""
+    return seq.priority, seq.arrival

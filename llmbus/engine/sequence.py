@@ -47,6 +47,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    priority: int = 0  # smaller first: admitted before, and preempted after, any larger one
     arrival: int = field(default_factory=lambda: next(_arrivals))
 
     @property

@@ -116,6 +116,14 @@ class SamplingSpec:
         )  # fmt: skip
 
 
+PRIORITY_LIMIT = 1_000_000  # |GenerateRequest.priority| at most
+URGENT_BELOW = 0  # a priority below it is urgent: its own queues on the bus (llmbus.bus.subjects)
+
+
+def urgent(priority: int) -> bool:
+    return priority < URGENT_BELOW
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """Gateway -> router (stream LLMBUS_REQUESTS) and router -> prefill (lane streams)."""
@@ -128,7 +136,9 @@ class GenerateRequest:
     # prefix-hash salt: requests with different salts never share a cached block. Set by whatever
     # authenticates tenants, never taken from a client's request (the gateway: the key's tenant)
     cache_salt: str = ""
-    priority: int = 0  # reserved: larger to run first within a lane (not read yet)
+    # smaller runs first (vLLM's sense): below URGENT_BELOW it takes its lane's urgent queue, and in a
+    # worker it goes ahead of every request of a larger one (admitted first, preempted last)
+    priority: int = 0
     deadline: float | None = None  # unix seconds; the router fails a request that reaches it later
     created: float = 0.0  # unix seconds when the gateway accepted it
     token_subject: str = ""  # where its events go: "" = subjects.tokens(request_id); a gateway's subjects.token_batches(...)
@@ -149,6 +159,8 @@ class GenerateRequest:
         _check_tokens("prompt_token_ids", self.prompt_token_ids)
         if self.lane not in ("",) + LANES:
             raise ValueError(f"lane must be one of {LANES} or empty, got {self.lane!r}")
+        if type(self.priority) is not int or not -PRIORITY_LIMIT <= self.priority <= PRIORITY_LIMIT:
+            raise ValueError(f"priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {self.priority!r}")
         if self.token_subject:
             check_token_subject(self.token_subject, self.request_id)
 

@@ -49,6 +49,7 @@ class EngineWorker(abc.ABC):
         self._tasks: set[asyncio.Task] = set()  # background work, held until done
         self.stores_in_flight = 0
         self.spans: dict = {}  # request id -> its span here, while tracing is on
+        self._urgent: list[PullWorker] = []  # the urgent queues this worker pulls (pull(urgent=True))
         # NOTE: every puller's room counts these: a burst that reaches several queues at once must
         # not fill the budget once per puller
         self._pulled = [0, 0]  # jobs pulled (by any pull loop) whose takes have not started, their cost
@@ -196,14 +197,17 @@ class EngineWorker(abc.ABC):
         await msg.term()
 
     async def pull(self, worker: PullWorker, capacity: Callable[[int, int], int], take: Callable[..., Awaitable[None]],
-                   *, cost: Callable[[Msg], int] | None = None, counts_at_once: bool = False) -> None:  # fmt: skip
+                   *, cost: Callable[[Msg], int] | None = None, counts_at_once: bool = False,
+                   urgent: bool = False) -> None:  # fmt: skip
         """Fetch only as many jobs as ``capacity(jobs, tokens)`` allows, less those still being
         taken, and run ``take`` on each as its own task, until stopped. Room is asked again before
         each job of a pull, with the ``jobs`` pulled so far and their summed ``cost`` (prefill: their
         prompt tokens) as ``tokens``: a burst of long prompts stops at the prompt-token budget, not
         at the free batch slots counted before it came. ``counts_at_once``: a take has its job
         counted in ``capacity`` before its first wait (prefill registers it), so takes in flight
-        are not subtracted again.
+        are not subtracted again. ``urgent``: ``worker`` is an urgent queue (priority below 0). While
+        one reports jobs pending, the other queues' pulls find no room: the urgent jobs take what
+        frees first, wherever the rest of the stream's backlog began.
 
         NOTE: a pull's takes start together, once it ends: each waits for the engine thread between
         two steps (prefix lookup, admission), and started one by one as they came (a network round
@@ -212,8 +216,11 @@ class EngineWorker(abc.ABC):
         taking: set[asyncio.Task] = set()
         pulled = self._pulled
 
+        if urgent:
+            self._urgent.append(worker)
+
         def room() -> int:
-            if self.ctx.stop.is_set():
+            if self.ctx.stop.is_set() or not urgent and any(w.backlog for w in self._urgent):
                 return 0
             return capacity(pulled[0], pulled[1]) - (0 if counts_at_once else self._takes_running)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import ensure_decode_consumer, ensure_whole_consumer
+from llmbus.bus.streams import ensure_decode_consumer, ensure_urgent_consumer, ensure_whole_consumer
 from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
 from llmbus.protocol import GenerateRequest, Handoff, Lease, TokenEvent
@@ -142,6 +142,10 @@ class DecodeWorker(EngineWorker):
         worker = self.jobs = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM, consumer,
                                                    max_deliver=limits.max_deliver)
         self.ctx.stack.push_async_callback(worker.close)
+        urgent = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM,
+                                       await ensure_urgent_consumer(self.ctx.js, subjects.DECODE_STREAM, self.model, limits),
+                                       max_deliver=limits.max_deliver)  # fmt: skip
+        self.ctx.stack.push_async_callback(urgent.close)
         wholes = []
         for lane in LANES:
             whole = await PullWorker.bind(self.ctx.js, subjects.PREFILL_STREAMS[lane],
@@ -156,6 +160,7 @@ class DecodeWorker(EngineWorker):
             return self.capacity - jobs
 
         pullers = [asyncio.create_task(self.pull(worker, room, self._take)),
+                   asyncio.create_task(self.pull(urgent, room, self._take, urgent=True)),
                    *(asyncio.create_task(self.pull(w, room, self._take_whole)) for w in wholes)]
         publisher = asyncio.create_task(self._publisher())
         try:
@@ -247,7 +252,7 @@ class DecodeWorker(EngineWorker):
 
         def admit(e: Engine) -> None:
             if self.active.get(rid) is act:  # not aborted meanwhile (on_abort found nothing to stop)
-                e.add_request(rid, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt)
+                e.add_request(rid, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt, priority=req.priority)
 
         try:
             await self.loop.call(admit)
@@ -284,7 +289,7 @@ class DecodeWorker(EngineWorker):
                     raise _Stopping
                 # NOTE: registered first: the engine may emit its first token before we resume
                 self.active[rid] = Active(req, handoff.next_seq, list(handoff.output_token_ids))
-                await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params))
+                await self.loop.call(lambda e: e.import_sequence(handoff.state, kv, params, req.priority))
                 if (span := self.spans.get(rid)) is not None:  # NOTE: here, before its tokens' events run
                     span.add_event("joined_batch")  # after waiting for room and reading the KV
                 return True

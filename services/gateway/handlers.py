@@ -22,7 +22,7 @@ from services.gateway.bus_client import GatewayBus, Listening
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import APIError
 from services.gateway.generation import Generation, Piece, choice_pieces
-from services.gateway.limits import Admission, RateLimiter, TenantLimits
+from services.gateway.limits import Admission, RateLimiter, TenantLimits, effective_priority
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
 from services.gateway.openai_request import OpenAIRequest
@@ -98,7 +98,8 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
     if gw.limiter is not None:  # a tenant with no room is refused before its prompt is tokenized
         gw.limiter.precheck(tenant)
     # NOTE: rendering and tokenizing a large prompt takes a while: keep it off the event loop
-    prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s, tenant)
+    priority = effective_priority(req.priority, None if gw.limits is None else gw.limits.priority_of(tenant))
+    prepared = await asyncio.to_thread(prepare, req, model, gw.config.request_timeout_s, tenant, priority)
     if gw.bus is None:
         raise APIError(503, "the gateway is not connected to the bus yet", type="server_error",
                        code="service_unavailable")

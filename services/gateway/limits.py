@@ -22,8 +22,13 @@ A gateway started with ``--tenant-limits FILE`` admits a generation request only
 
 The file is JSON: ``{"default": {<limits>}, "tenants": {"<tenant>": {<limits>}}}``, limits being
 any of ``requests_per_minute``, ``tokens_per_minute``, ``requests_per_day``, ``tokens_per_day``,
-``max_concurrent_requests`` (positive integers); a tenant's own entry overrides the default field by field, and a limit set nowhere is no
-limit.
+``max_concurrent_requests`` (positive integers), and ``priority``; a tenant's own entry overrides
+the default field by field, and a limit set nowhere is no limit.
+
+``priority`` (an integer, smaller first; 0 when set nowhere) is where the tenant's requests run: a
+request that asks for none gets it, one that asks for a smaller (more urgent) one is held to it,
+and one may always ask for a larger one. Below 0 a request is urgent: the bus keeps it in its own
+queues, which workers empty first (docs/architecture.md, "Priorities").
 
 Behind several gateways (all given the same file) the limits hold across the fleet: each gateway
 reports what its tenants spent (``LimitUsage`` on ``llmbus.limits``: requests and tokens charged,
@@ -54,6 +59,7 @@ from nats.js.kv import KeyValue
 from llmbus.bus import subjects
 from llmbus.bus.streams import ensure_limits_bucket, read_bucket
 from llmbus.protocol import LimitUsage, ProtocolError, TenantBuckets, TenantUsage, decode, encode
+from llmbus.protocol.messages import PRIORITY_LIMIT
 from services.gateway.config import read_json_file
 from services.gateway.errors import APIError
 
@@ -61,7 +67,8 @@ log = logging.getLogger("llmbus.gateway")
 
 REMOTE_IN_FLIGHT_S = 3.0  # another gateway's in-flight count lasts this long unless repeated
 
-FIELDS = ("requests_per_minute", "tokens_per_minute", "requests_per_day", "tokens_per_day", "max_concurrent_requests")
+FIELDS = ("requests_per_minute", "tokens_per_minute", "requests_per_day", "tokens_per_day", "max_concurrent_requests",
+          "priority")  # fmt: skip
 # each bucket limit: (field, what it counts, its period in seconds, its name in refusals and headers)
 BUCKETS = (("requests_per_minute", "requests", 60.0, "requests"), ("tokens_per_minute", "tokens", 60.0, "tokens"),
            ("requests_per_day", "requests", 86400.0, "requests-day"), ("tokens_per_day", "tokens", 86400.0, "tokens-day"))
@@ -74,6 +81,7 @@ class Limits:
     requests_per_day: int | None = None
     tokens_per_day: int | None = None
     max_concurrent_requests: int | None = None
+    priority: int | None = None  # not a limit: the tenant's requests' priority (``effective_priority``)
 
     @classmethod
     def parse(cls, raw: object, where: str) -> Limits:
@@ -83,7 +91,11 @@ class Limits:
         if unknown:
             raise ValueError(f"{where}: unknown limit {unknown[0]!r} (known: {', '.join(FIELDS)})")
         for name, value in raw.items():
-            if type(value) is not int or value < 1:
+            if name == "priority":
+                if type(value) is not int or abs(value) > PRIORITY_LIMIT:
+                    raise ValueError(f"{where}.priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], "
+                                     f"got {value!r}")  # fmt: skip
+            elif type(value) is not int or value < 1:
                 raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
         return cls(**raw)
 
@@ -91,6 +103,14 @@ class Limits:
         """These limits, each one unset taken from ``base``."""
         return Limits(**{f.name: getattr(self, f.name) if getattr(self, f.name) is not None else getattr(base, f.name)
                          for f in fields(self)})  # fmt: skip
+
+
+def effective_priority(asked: int | None, tenant: int | None) -> int:
+    """The priority a request runs at: what it ``asked`` (None: nothing), no smaller than its
+    ``tenant``'s (None: no tenant limits, any), which it gets when it asked for none."""
+    if tenant is None:
+        return asked or 0
+    return tenant if asked is None else max(asked, tenant)
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,11 @@ class TenantLimits:
             raise ValueError(f"{where}: 'tenants' must be an object {{tenant: limits}}")
         return cls(Limits.parse(raw.get("default", {}), f"{where}: default"),
                    {t: Limits.parse(v, f"{where}: tenants.{t}") for t, v in tenants.items()})
+
+    def priority_of(self, tenant: str) -> int:
+        """The tenant's priority (0 when set nowhere)."""
+        priority = self.of(tenant).priority
+        return 0 if priority is None else priority
 
     def of(self, tenant: str) -> Limits:
         own = (self.tenants or {}).get(tenant)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmbus.guide.grammar import GuideError, check_guide, guide_spec
+from llmbus.protocol.messages import PRIORITY_LIMIT
 from services.gateway import fields as f
 from services.gateway.errors import invalid, missing, wrong_type
 
@@ -41,6 +42,7 @@ class OpenAIRequest:
     logprobs: int | None = None  # None: none; n: the sampled token's logprob plus the top n
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
     user: str | None = None
+    priority: int | None = None  # smaller runs first (vLLM's extension); None: not asked (the tenant's, or 0)
 
 
 def parse_completion(body: Any, max_stop: int) -> OpenAIRequest:
@@ -238,7 +240,8 @@ def _shared(body: dict, max_stop: int) -> dict:
         "guide": _guide(body),
     }
     return {"stream": stream, "include_usage": include_usage, "n": f.get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1),
-            "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user")}
+            "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user"),
+            "priority": f.get_int(body, "priority", lo=-PRIORITY_LIMIT, hi=PRIORITY_LIMIT)}
 
 
 def _prompt(body: dict) -> tuple[str | tuple[int, ...], ...]:

@@ -22,8 +22,10 @@ class Prepared:
     created: int  # unix seconds, the "created" field of every response body
 
 
-def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float, tenant: str = "") -> Prepared:
-    """``tenant`` ("" on an open gateway) names the caller and salts its prefix caches."""
+def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float, tenant: str = "",
+            priority: int = 0) -> Prepared:  # fmt: skip
+    """``tenant`` ("" on an open gateway) names the caller and salts its prefix caches; ``priority``
+    is what its requests run at (``effective_priority``)."""
     now = time.time()
     request_id = f"{'chatcmpl' if req.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     prompts: list[str | tuple[int, ...] | None] = [None] if req.kind == "chat" else list(req.prompt)
@@ -36,7 +38,7 @@ def prepare(req: OpenAIRequest, model: ServedModel, request_timeout_s: float, te
         spec = _sampling(req, _max_tokens(req, len(prompt_ids), model.max_model_len, where), model)
         requests.append(GenerateRequest(request_id=request_id, model=model.name, prompt_token_ids=prompt_ids,
                                         sampling=spec, deadline=now + request_timeout_s, created=now,
-                                        tenant=tenant, cache_salt=tenant))  # fmt: skip
+                                        tenant=tenant, cache_salt=tenant, priority=priority))  # fmt: skip
     echoes = [Echo.build(p if isinstance(p, str) else None, r.prompt_token_ids, model.tokenizer, req.logprobs is not None)
               if req.echo else None for p, r in zip(prompts, requests)]
     return Prepared(requests, echoes, int(now))

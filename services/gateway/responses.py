@@ -64,7 +64,7 @@ def parse_responses(body: Any, max_stop: int, history: list[dict] | None = None)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     chat = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p",
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                                 "stop", "stop_token_ids", "logit_bias") if k in body}  # fmt: skip
+                                 "stop", "stop_token_ids", "logit_bias", "priority") if k in body}  # fmt: skip
     chat["messages"] = messages
     tools = _tools(body.get("tools"))
     if tools:

@@ -34,7 +34,7 @@ import msgpack
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer
+from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer, ensure_urgent_consumer
 from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
 from llmbus.protocol import GenerateRequest, Handoff, TokenEvent, WorkerLoad, encode
@@ -121,23 +121,25 @@ class PrefillWorker(EngineWorker):
         if caching:
             self.engine.track_cache_changes()
         self.start_engine(self._on_outputs)
-        queues = []
-        for lane in self.lanes:  # each lane's shared queue, and the work the router sends this worker
-            # alone there, for the prefix its cache holds
-            queues.append((subjects.PREFILL_STREAMS[lane], await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits)))
-            queues.append((subjects.PREFILL_STREAMS[lane], await ensure_direct_consumer(self.ctx.js, lane, self.ctx.instance_id, limits)))
+        queues = []  # (stream, consumer, urgent)
+        for lane in self.lanes:  # each lane's shared and urgent queues, and the work the router sends
+            # this worker alone there, for the prefix its cache holds
+            stream = subjects.PREFILL_STREAMS[lane]
+            queues.append((stream, await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits), False))
+            queues.append((stream, await ensure_urgent_consumer(self.ctx.js, stream, self.model, limits), True))
+            queues.append((stream, await ensure_direct_consumer(self.ctx.js, lane, self.ctx.instance_id, limits), False))
         workers = []
-        for stream, consumer in queues:
+        for stream, consumer, urgent in queues:
             w = await PullWorker.bind(self.ctx.js, stream, consumer, max_deliver=limits.max_deliver)
             self.ctx.stack.push_async_callback(w.close)
-            workers.append(w)
+            workers.append((w, urgent))
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
         # NOTE: a pull counts its own jobs' slots and prompt tokens (cost), and a take registers its
         # job before its first wait, so every puller sees the others' jobs once their pull ends
         pullers = [asyncio.create_task(self.pull(w, self.room, lambda m, w=w: self._take(w, m), cost=_prompt_tokens,
-                                                 counts_at_once=True)) for w in workers]  # fmt: skip
+                                                 counts_at_once=True, urgent=urgent)) for w, urgent in workers]  # fmt: skip
         tasks = [asyncio.create_task(self._announce(caching)), asyncio.create_task(self._keep_direct())]
         if self.colocated:
             tasks.append(asyncio.create_task(self._colocated_publisher()))
@@ -180,7 +182,8 @@ class PrefillWorker(EngineWorker):
                     return
                 if kv is not None:  # NOTE: same engine call as add_request: nothing evicts it in between
                     e.import_prefix(hashes[local : local + kv.shape[0]], kv, protect=hashes[:local])
-                e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=not self.colocated)
+                e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=not self.colocated,
+                              priority=req.priority)
 
             await self.loop.call(admit)
         except Exception as exc:  # ValueError: the request's fault; anything else: ours, but it ends the job too
@@ -470,7 +473,7 @@ class PrefillWorker(EngineWorker):
                 next_seq=1,
                 num_cached_tokens=out.num_cached_tokens,
             )
-            ack = await self.ctx.js.publish(subjects.decode_subject(self.model), encode(handoff),
+            ack = await self.ctx.js.publish(subjects.handoff_subject(self.model, req.priority), encode(handoff),
                                             headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):

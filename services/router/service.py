@@ -36,7 +36,7 @@ from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds, read_job
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
-from llmbus.protocol.messages import MetricFamily
+from llmbus.protocol.messages import MetricFamily, urgent
 from llmbus.protocol import (LANES, GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
 from services.router.policy import (Backlog, Load, Placement, Route, RouteError, RoutingPolicy, live_models,
@@ -166,7 +166,9 @@ class Router:
             await self._fail(req, str(exc))
             await _settle(msg.ack())
             return
-        to_decode = whole(self.policy, route.model, len(req.prompt_token_ids), self.instances)
+        # NOTE: an urgent request is not sent whole: the decode pool's whole queue has no urgent twin
+        to_decode = not urgent(req.priority) and whole(self.policy, route.model, len(req.prompt_token_ids),
+                                                       self.instances)  # fmt: skip
         placement = Placement() if to_decode else await self._place(req, route)
         span.set_attributes({"llmbus.lane": route.lane, "llmbus.model": route.model,
                              "llmbus.target": "whole" if to_decode else placement.instance or "lane",
@@ -179,7 +181,7 @@ class Router:
         elif placement.instance:
             subject = subjects.direct_subject(route.lane, route.model, placement.instance)
         else:
-            subject = subjects.prefill_subject(route.lane, route.model)
+            subject = subjects.lane_subject(route.lane, route.model, req.priority)
         try:
             await self.ctx.js.publish(subject, encode(forwarded), headers={subjects.MSG_ID_HEADER: req.request_id})
         except Exception as exc:  # no stream, timeout, disconnected: transient unless out of retries
@@ -352,7 +354,7 @@ class Router:
                         continue
                     # NOTE: its own id (the request id is in this stream's dedup window: it came in
                     # under it); a second router moving the same message dedups
-                    await js.publish(subjects.prefill_subject(lane, req.model), msg.data,
+                    await js.publish(subjects.lane_subject(lane, req.model, req.priority), msg.data,
                                      headers={subjects.MSG_ID_HEADER: f"{req.request_id}.moved"})  # fmt: skip
                     await msg.ack()
                     moved += 1

@@ -73,6 +73,19 @@ class Stack:
 
         return asyncio.run(read())
 
+    def delivered(self, stream: str, consumer: str) -> int:
+        """Messages ``consumer`` of ``stream`` has delivered so far (0 when it does not exist)."""
+        async def read():
+            nc = await connect(self.nats_url)
+            try:
+                return (await nc.jetstream().consumer_info(stream, consumer)).delivered.consumer_seq
+            except Exception:  # NotFoundError
+                return 0
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
     def kvpool_leased_blocks(self) -> int:
         async def read():
             nc = await connect(self.nats_url)

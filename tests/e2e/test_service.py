@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 
+from llmbus.bus import subjects
 from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.guide.grammar import compile_guide, guide_spec
@@ -64,6 +65,27 @@ def test_completion_greedy_equals_in_process_engine(client, reference):
     assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
     assert out.usage.completion_tokens == 16
     assert out.usage.total_tokens == len(ref.prompt_token_ids) + 16
+
+
+def test_an_urgent_request_takes_the_urgent_queues_through_prefill_and_decode(client, stack, reference):
+    """priority below 0 (vLLM's extra_body field): the same answer, by the urgent queues of the
+    prefill lane and of the handoffs; priority 3 goes the shared way."""
+    queues = [(subjects.PREFILL_STREAMS["short"], subjects.urgent_consumer(MODEL)),
+              (subjects.DECODE_STREAM, subjects.urgent_consumer(MODEL)),
+              (subjects.PREFILL_STREAMS["short"], subjects.prefill_consumer("short", MODEL)),
+              (subjects.DECODE_STREAM, subjects.decode_consumer(MODEL))]  # fmt: skip
+    before = [stack.delivered(*q) for q in queues]
+    prompt = "An urgent question about the lazy dog"
+    ref = reference.generate([prompt], greedy(12))[0]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "priority": -1})  # fmt: skip
+    assert out.choices[0].text == ref.text
+    assert [stack.delivered(*q) - b for q, b in zip(queues, before)] == [1, 1, 0, 0]
+    other = "A question in no hurry"  # (no prefix in common: the shared queue, not one worker's)
+    out = client.completions.create(model=MODEL, prompt=other, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "priority": 3})  # fmt: skip
+    assert out.choices[0].text == reference.generate([other], greedy(12))[0].text
+    assert [stack.delivered(*q) - b for q, b in zip(queues, before)] == [1, 1, 1, 1]
 
 
 def test_streamed_chat_equals_non_streamed(client, reference):
