@@ -220,6 +220,13 @@ def test_prompt_too_long(http):
     for name in ("max_tokens", "max_completion_tokens"):  # the error names the field the client sent
         err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, name: MAX_MODEL_LEN}), 400)
         assert (err["param"], err["code"]) == (name, "context_length_exceeded") and f"'{name}'" in err["message"]
+    # the Responses API names its own fields
+    err = _error(http.post("/v1/responses", json={"model": "demo", "input": "Hi", "max_output_tokens": MAX_MODEL_LEN}), 400)
+    assert (err["param"], err["code"]) == ("max_output_tokens", "context_length_exceeded")
+    assert "'max_output_tokens'" in err["message"] and "max_completion_tokens" not in err["message"]
+    err = _error(http.post("/v1/responses", json={"model": "demo", "input": "Hi", "text": {"format": {
+        "type": "json_schema", "name": "no spaces here", "schema": {}}}}), 400)  # fmt: skip
+    assert err["param"] == "text.format.name" and "response_format" not in err["message"]
 
 
 def test_body_too_large_is_json_413(http):

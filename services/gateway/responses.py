@@ -18,6 +18,7 @@ functions, ``reasoning``, ``background``, and other input items.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -88,10 +89,15 @@ def parse_responses(body: Any, max_stop: int, history: list[dict] | None = None)
         if exc.param in _PARAMS:
             exc.param = _PARAMS[exc.param]
             exc.message = exc.message.replace("'max_completion_tokens'", "'max_output_tokens'")
+        elif exc.param and exc.param.startswith("response_format.json_schema."):  # text.format holds the fields
+            exc.param = "text.format." + exc.param.removeprefix("response_format.json_schema.")
+            exc.message = exc.message.replace("response_format.json_schema.", "text.format.")
         elif exc.param and exc.param.startswith("tools["):  # chat's tools[i].function.x is tools[i].x here
             exc.param = exc.param.replace(".function", "", 1)
             exc.message = exc.message.replace(".function.", ".")
         raise
+    if req.max_tokens is not None:  # (a context-length refusal names it as this request did)
+        req = dataclasses.replace(req, max_tokens_param="max_output_tokens")
     echo = {"instructions": instructions, "max_output_tokens": req.max_tokens,
             "temperature": req.sampling["temperature"], "top_p": req.sampling["top_p"],
             "text": {"format": fmt or {"type": "text"}}, "metadata": f.get_dict(body, "metadata") or {},
