@@ -107,6 +107,8 @@ def test_an_urgent_request_goes_to_its_lanes_urgent_queue(nats_server):
                     for rid, n, p in (("u-short", 3, -1), ("u-long", 9, -7), ("n-short", 3, 0), ("b-short", 3, 4))]
             for r in reqs:
                 await js.publish(subjects.request_subject(r.model), encode(r), headers={subjects.MSG_ID_HEADER: r.request_id})
+            while (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages:  # all routed (side by side)
+                await asyncio.sleep(0.02)
             got = {}
             for lane in ("short", "long"):
                 for stream_urgent in (False, True):

@@ -6,6 +6,7 @@ request the engine refuses, or one aborted, ends cleanly."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
@@ -70,15 +71,19 @@ def test_a_short_prompt_is_prefilled_and_decoded_by_the_decode_pool(nats_server,
             async with serving(nats_server, "router", MODEL, lambda ctx: Router(ctx, policy)) as router:
                 while not any(i.role == "decode" for i in router.instances):
                     await asyncio.sleep(0.05)
-                for rid, prompt in (("whole-short", short), ("whole-longer", longer)):
-                    req = _request(rid, prompt, 6)
+                for rid, prompt, priority in (("whole-short", short, 0), ("whole-longer", longer, 0),
+                                              ("whole-urgent", short, -1)):
+                    req = dataclasses.replace(_request(rid, prompt, 6), priority=priority)
                     await js.publish(subjects.request_subject(MODEL), encode(req), headers={subjects.MSG_ID_HEADER: rid})
-                await _finished(done, "whole-short")
-                evs = events["whole-short"]
-                assert [e.seq for e in evs] == list(range(6)) and {e.worker for e in evs} == {worker.ctx.instance_id}
-                assert [t for e in evs for t in e.token_ids] == expected
-                assert (evs[-1].finish_reason, evs[-1].prompt_tokens, evs[-1].completion_tokens) == ("length", 20, 6)
-                assert router.wholes.values == {(MODEL,): 1}
+                for rid in ("whole-short", "whole-urgent"):  # the urgent one by the urgent whole queue
+                    await _finished(done, rid)
+                    evs = events[rid]
+                    assert [e.seq for e in evs] == list(range(6)) and {e.worker for e in evs} == {worker.ctx.instance_id}
+                    assert [t for e in evs for t in e.token_ids] == expected
+                    assert (evs[-1].finish_reason, evs[-1].prompt_tokens, evs[-1].completion_tokens) == ("length", 20, 6)
+                assert router.wholes.values == {(MODEL,): 2}
+                info = await js.consumer_info(subjects.PREFILL_STREAMS["short"], subjects.urgent_whole_consumer(MODEL))
+                assert info.delivered.consumer_seq == 1
             # the longer prompt waits in the prefill lane (no prefill worker here)
             lane = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], await ensure_prefill_consumer(js, "short", MODEL),
                                          max_deliver=5)  # fmt: skip

@@ -127,6 +127,15 @@ async def ensure_whole_consumer(js: JetStreamContext, lane: str, model: str, lim
                                   subjects.whole_subject(lane, model), limits, limits.decode_max_ack_pending)  # fmt: skip
 
 
+async def ensure_urgent_whole_consumer(js: JetStreamContext, lane: str, model: str,
+                                       limits: StreamLimits | None = None) -> str:  # fmt: skip
+    """The durable consumer decode replicas of ``model`` share for urgent whole requests in
+    ``lane``'s stream; returns its name."""
+    limits = limits or StreamLimits()
+    return await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], subjects.urgent_whole_consumer(model),
+                                  subjects.urgent_whole_subject(lane, model), limits, limits.decode_max_ack_pending)  # fmt: skip
+
+
 async def _ensure_consumer(js, stream: str, name: str, filter_subject: str, limits: StreamLimits,
                            max_ack_pending: int) -> str:
     # NOTE: CONSUMER.CREATE without an action is create-or-update, so this is idempotent. A work-queue

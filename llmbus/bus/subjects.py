@@ -5,6 +5,7 @@
 | requests (gateway -> router) | JetStream work queue `LLMBUS_REQUESTS` | `llmbus.req.<model>` |
 | prefill work, per lane | JetStream work queues `LLMBUS_PREFILL_SHORT` / `_LONG` | `llmbus.prefill.<lane>.<model>` |
 | urgent prefill work (priority below 0), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.urgent` |
+| urgent whole requests for the decode pool, per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.whole.urgent` |
 | prefill work for one worker (its cached prefix), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.at.<instance_id>` |
 | whole requests for the decode pool (short prompts), per lane | the lane's work queue | `llmbus.prefill.<lane>.<model>.whole` |
 | handoffs (prefill -> decode) | JetStream work queue `LLMBUS_DECODE` | `llmbus.decode.<model>` |
@@ -150,6 +151,23 @@ def whole_subject(lane: str, model: str) -> str:
     """Where the router sends a short prompt for the decode pool of ``model`` to prefill and decode
     itself, skipping the handoff (JetStream, Nats-Msg-Id = request_id; the lane's stream)."""
     return f"{prefill_subject(lane, model)}.whole"
+
+
+def urgent_whole_subject(lane: str, model: str) -> str:
+    """Where the router sends an urgent short prompt for the decode pool of ``model`` to run whole."""
+    return f"{whole_subject(lane, model)}.urgent"
+
+
+def urgent_whole_consumer(model: str) -> str:
+    """Durable pull consumer shared by every decode replica of ``model`` for urgent whole
+    requests, one in each lane's stream. NOTE: no other consumer's name begins as this one does
+    (a model named ``whole_x`` must not share ``urgent_x``'s)."""
+    return f"urgentwhole_{model_token(model)}"
+
+
+def whole_lane_subject(lane: str, model: str, priority: int = 0) -> str:
+    """A whole request's queue in ``lane``: the urgent one or the shared one, by its priority."""
+    return urgent_whole_subject(lane, model) if urgent(priority) else whole_subject(lane, model)
 
 
 def whole_consumer(model: str) -> str:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import ensure_decode_consumer, ensure_urgent_consumer, ensure_whole_consumer
+from llmbus.bus.streams import (ensure_decode_consumer, ensure_urgent_consumer, ensure_urgent_whole_consumer,
+                                ensure_whole_consumer)
 from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
 from llmbus.protocol import GenerateRequest, Handoff, Lease, TokenEvent
@@ -146,13 +147,14 @@ class DecodeWorker(EngineWorker):
                                        await ensure_urgent_consumer(self.ctx.js, subjects.DECODE_STREAM, self.model, limits),
                                        max_deliver=limits.max_deliver)  # fmt: skip
         self.ctx.stack.push_async_callback(urgent.close)
-        wholes = []
+        wholes = []  # (puller, urgent)
         for lane in LANES:
-            whole = await PullWorker.bind(self.ctx.js, subjects.PREFILL_STREAMS[lane],
-                                          await ensure_whole_consumer(self.ctx.js, lane, self.model, limits),
-                                          max_deliver=limits.max_deliver)  # fmt: skip
-            self.ctx.stack.push_async_callback(whole.close)
-            wholes.append(whole)
+            for ensure, urgent_queue in ((ensure_whole_consumer, False), (ensure_urgent_whole_consumer, True)):
+                whole = await PullWorker.bind(self.ctx.js, subjects.PREFILL_STREAMS[lane],
+                                              await ensure(self.ctx.js, lane, self.model, limits),
+                                              max_deliver=limits.max_deliver)  # fmt: skip
+                self.ctx.stack.push_async_callback(whole.close)
+                wholes.append((whole, urgent_queue))
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
@@ -161,7 +163,7 @@ class DecodeWorker(EngineWorker):
 
         pullers = [asyncio.create_task(self.pull(worker, room, self._take)),
                    asyncio.create_task(self.pull(urgent, room, self._take, urgent=True)),
-                   *(asyncio.create_task(self.pull(w, room, self._take_whole)) for w in wholes)]
+                   *(asyncio.create_task(self.pull(w, room, self._take_whole, urgent=u)) for w, u in wholes)]
         publisher = asyncio.create_task(self._publisher())
         try:
             await self.ctx.stop.wait()

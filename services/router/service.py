@@ -36,7 +36,7 @@ from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds, read_job
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
-from llmbus.protocol.messages import MetricFamily, urgent
+from llmbus.protocol.messages import MetricFamily
 from llmbus.protocol import (LANES, GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
 from services.router.policy import (Backlog, Load, Placement, Route, RouteError, RoutingPolicy, live_models,
@@ -166,9 +166,7 @@ class Router:
             await self._fail(req, str(exc))
             await _settle(msg.ack())
             return
-        # NOTE: an urgent request is not sent whole: the decode pool's whole queue has no urgent twin
-        to_decode = not urgent(req.priority) and whole(self.policy, route.model, len(req.prompt_token_ids),
-                                                       self.instances)  # fmt: skip
+        to_decode = whole(self.policy, route.model, len(req.prompt_token_ids), self.instances)
         placement = Placement() if to_decode else await self._place(req, route)
         span.set_attributes({"llmbus.lane": route.lane, "llmbus.model": route.model,
                              "llmbus.target": "whole" if to_decode else placement.instance or "lane",
@@ -177,7 +175,7 @@ class Router:
         # NOTE: all three in the lane's stream, where the request id dedups a second forward of a
         # request that came back (its ack lost) to whichever target the router picks then
         if to_decode:
-            subject = subjects.whole_subject(route.lane, route.model)
+            subject = subjects.whole_lane_subject(route.lane, route.model, req.priority)
         elif placement.instance:
             subject = subjects.direct_subject(route.lane, route.model, placement.instance)
         else:
