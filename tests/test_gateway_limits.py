@@ -253,15 +253,29 @@ def test_the_priority_a_request_carries_is_its_tenants_floor_or_what_it_asks(lim
         r = _post(limited, key, **({} if asked is None else {"priority": asked}))
         assert r.status_code == 200, r.text
         assert _last_request(worker, r.json()["id"])[0].priority == runs, (key, asked)
+    # OpenAI's service_tier: "priority" asks for -1, "flex" for 1 (priority, when given, wins); the
+    # response says the tier the request ran in
+    for key, fields, runs, tier in (("sk-other-00001", {"service_tier": "priority"}, 0, "default"),
+                                    ("sk-urgent-0001", {"service_tier": "flex"}, 1, "flex"),
+                                    ("sk-urgent-0001", {"service_tier": "auto"}, -2, "priority"),
+                                    ("sk-batch-00001", {"service_tier": "priority", "priority": 7}, 7, "flex")):
+        r = _post(limited, key, **fields)
+        assert r.status_code == 200 and r.json()["service_tier"] == tier, (key, fields, r.text)
+        assert _last_request(worker, r.json()["id"])[0].priority == runs, (key, fields)
     headers = {"Authorization": "Bearer sk-urgent-0001"}
     r = httpx.post(limited + "/v1/responses", json={"model": "demo", "input": "Hi", "max_output_tokens": 5, "store": False},
                    headers=headers, timeout=30)  # fmt: skip
     assert r.status_code == 200, r.text
-    assert worker.requests[-1][0].priority == -2
+    assert worker.requests[-1][0].priority == -2 and r.json()["service_tier"] == "priority"
+    r = httpx.post(limited + "/v1/responses", json={"model": "demo", "input": "Hi", "max_output_tokens": 5, "store": False,
+                                                     "service_tier": "flex"}, headers=headers, timeout=30)  # fmt: skip
+    assert worker.requests[-1][0].priority == 1 and r.json()["service_tier"] == "flex"
     for bad, code in ((10**7, "invalid_value"), ("high", "invalid_type"), (1.5, "invalid_type")):
         r = _post(limited, "sk-urgent-0001", priority=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
         assert r.json()["error"]["code"] == code
+    r = _post(limited, "sk-urgent-0001", service_tier="gold")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "service_tier"
 
 
 def test_a_finished_request_is_charged_its_usage_and_a_client_that_leaves_frees_its_place(limited, worker, tokenizer):

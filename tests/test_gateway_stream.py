@@ -50,7 +50,7 @@ def test_chat_non_stream_shape_usage_and_request(http, worker, tokenizer):
     assert (s.temperature, s.top_p, s.seed, s.max_tokens) == (0.5, 0.9, 7, MAX_MODEL_LEN - len(prompt))
     assert body == {
         "id": req.request_id, "object": "chat.completion", "created": body["created"], "model": "demo",
-        "system_fingerprint": None,
+        "system_fingerprint": None, "service_tier": "default",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello world!"}, "logprobs": None,
                      "finish_reason": "stop"}],
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
@@ -72,7 +72,7 @@ def test_chat_stream_exact_chunks_with_usage(http, worker, tokenizer):
     chunks = events[:-1]
     rid, created = chunks[0]["id"], chunks[0]["created"]
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": "demo",
-            "system_fingerprint": None}
+            "system_fingerprint": None, "service_tier": "default"}
     assert chunks[0] == {**head, "usage": None, "choices": [
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
     contents = chunks[1:-2]

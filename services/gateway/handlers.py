@@ -25,7 +25,7 @@ from services.gateway.generation import Generation, Piece, choice_pieces
 from services.gateway.limits import Admission, RateLimiter, TenantLimits, effective_priority
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
-from services.gateway.openai_request import OpenAIRequest
+from services.gateway.openai_request import OpenAIRequest, service_tier
 from services.gateway.prepare import prepare
 from services.gateway.responses import ResponsesCall, ResponseShapes, events
 from services.gateway.shapes import Shapes, TokenLogprob, Usage
@@ -143,7 +143,8 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
             choices[i].gen.scores_prompt = True
     for c, sub in zip(choices, await _submit_all(bus, requests, [c.gen.stream for c in choices])):
         c.sub = sub
-    shapes = Shapes(req.kind, prepared.requests[0].request_id, model.name, prepared.created)
+    tier = service_tier(prepared.requests[0].priority)
+    shapes = Shapes(req.kind, prepared.requests[0].request_id, model.name, prepared.created, tier)
     gens = [c.gen for c in choices]
 
     @contextlib.asynccontextmanager
@@ -173,7 +174,8 @@ async def _answer(gw: Gateway, http: Request, req: OpenAIRequest, model, prepare
 
     headers = admission.headers if admission is not None else None  # the tenant's x-ratelimit-*
     observer = gw.metrics.request(model.name, req.n, arrival, span, settle, prepared.requests[0].tenant)
-    answer = None if responses is None else ResponseShapes(model.name, responses.echo, prepared.created, responses.keep)
+    answer = None if responses is None else ResponseShapes(model.name, {**responses.echo, "service_tier": tier},
+                                                           prepared.created, responses.keep)  # fmt: skip
     if req.stream:
         body = events(pieces, answer) if answer else chunks(pieces, len(gens), shapes, req.include_usage, req.n)
         return SSEResponse(body, guard, headers)

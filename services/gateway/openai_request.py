@@ -241,7 +241,26 @@ def _shared(body: dict, max_stop: int) -> dict:
     }
     return {"stream": stream, "include_usage": include_usage, "n": f.get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1),
             "stop": f.get_stop(body, "stop", max_stop), "sampling": sampling, "user": f.get_str(body, "user"),
-            "priority": f.get_int(body, "priority", lo=-PRIORITY_LIMIT, hi=PRIORITY_LIMIT)}
+            "priority": _priority(body)}
+
+
+# OpenAI's service tiers as priorities (what the request asks for; its tenant may hold it back)
+SERVICE_TIERS = {"auto": None, "default": None, "scale": None, "flex": 1, "priority": -1}
+
+
+def _priority(body: dict) -> int | None:
+    """The priority the request asks for: ``priority`` (vLLM's field), else its ``service_tier``
+    (OpenAI's: "priority" is urgent, -1; "flex" waits, 1), else None."""
+    tier = f.get_str(body, "service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise invalid(f"'service_tier' must be one of {', '.join(SERVICE_TIERS)}.", "service_tier")
+    priority = f.get_int(body, "priority", lo=-PRIORITY_LIMIT, hi=PRIORITY_LIMIT)
+    return priority if priority is not None or tier is None else SERVICE_TIERS[tier]
+
+
+def service_tier(priority: int) -> str:
+    """The tier a response reports for the priority it ran at."""
+    return "priority" if priority < 0 else "flex" if priority > 0 else "default"
 
 
 def _prompt(body: dict) -> tuple[str | tuple[int, ...], ...]:

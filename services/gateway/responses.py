@@ -65,7 +65,7 @@ def parse_responses(body: Any, max_stop: int, history: list[dict] | None = None)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     chat = {k: body[k] for k in ("model", "temperature", "top_p", "stream", "user", "seed", "top_k", "min_p",
                                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                                 "stop", "stop_token_ids", "logit_bias", "priority") if k in body}  # fmt: skip
+                                 "stop", "stop_token_ids", "logit_bias", "priority", "service_tier") if k in body}  # fmt: skip
     chat["messages"] = messages
     tools = _tools(body.get("tools"))
     if tools:
@@ -221,7 +221,7 @@ class ResponseShapes:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": None, "model": self.model, "output": output or [],
                 "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "previous_response_id": None,
-                "usage": None, **self.echo, "store": self.keep is not None}  # fmt: skip (finish: whether it was)
+                "service_tier": "default", "usage": None, **self.echo, "store": self.keep is not None}  # fmt: skip (finish: whether it was)
         if finish == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:

@@ -52,14 +52,15 @@ class Usage:
 class Shapes:
     """Builds the bodies of one response; ``kind`` is "completion" or "chat"."""
 
-    def __init__(self, kind: str, request_id: str, model: str, created: int) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, created: int, service_tier: str = "default") -> None:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
         self.kind, self.request_id, self.model, self.created = kind, request_id, model, created
+        self.service_tier = service_tier  # as OpenAI reports it: the tier the request ran in
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+                "system_fingerprint": None, "service_tier": self.service_tier}
 
     def chunk(self, text: str | None, finish_reason: str | None, logprobs: list[TokenLogprob] | None,
               *, first: bool = False, include_usage: bool = False, index: int = 0,
