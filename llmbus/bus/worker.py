@@ -101,7 +101,9 @@ class PullWorker:
         if room() < 1:
             await asyncio.sleep(min(timeout, 0.05))
             return
-        wait = timeout
+        # NOTE: jobs reported pending are there already (unless another replica took them): a pull
+        # that finds none must not hold the room for the whole wait
+        wait = _READY_WAIT_S if self.backlog else timeout
         while room() > 0:
             try:
                 msgs = await self._sub.fetch(1, timeout=wait)

@@ -252,6 +252,9 @@ class EngineWorker(abc.ABC):
                 await asyncio.sleep(0)  # NOTE: the takes start (and claim their jobs) before room is asked again
                 self.report()
         finally:
+            if urgent:  # NOTE: a loop that ended (a fetch error) must not hold the others' room at 0
+                worker.backlog = 0
+                self._urgent.remove(worker)
             if taking:  # let takes in flight finish (a step or two), so shutdown sees their jobs
                 _, late = await asyncio.wait(taking, timeout=10.0)
                 for task in late:
