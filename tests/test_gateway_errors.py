@@ -128,6 +128,11 @@ def test_chat_specific_rules(http):
     assert err["param"] == "max_tokens"
     err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}), 400)
     assert err["param"] == "messages[0].role"
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "user", "content": "x", "name": 5}]}), 400)
+    assert (err["param"], err["code"]) == ("messages[0].name", "invalid_type")
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "ignore_eos": True,
+                                       "response_format": {"type": "json_object"}}), 400)  # fmt: skip
+    assert err["param"] == "ignore_eos" and "guide" in err["message"]
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     err = _error(http.post(CHAT, json={"model": "demo", "messages": [{"role": "user", "content": image}]}), 400)
     assert err["param"] == "messages[0].content[0]"

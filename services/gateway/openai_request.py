@@ -308,7 +308,9 @@ def _messages(body: dict) -> tuple[dict, ...]:
             raise invalid(f"Invalid value for '{where}.role': {role!r}; expected one of {list(_ROLES)}.",
                           f"{where}.role")
         clean = {"role": role, "content": _content(msg.get("content"), f"{where}.content", role)}
-        if isinstance(msg.get("name"), str):
+        if msg.get("name") is not None:  # (OpenAI refuses any other type too)
+            if not isinstance(msg["name"], str):
+                raise wrong_type(f"{where}.name", "a string", msg["name"])
             clean["name"] = msg["name"]
         if role == "assistant" and msg.get("tool_calls") is not None:
             clean["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")

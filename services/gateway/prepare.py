@@ -107,6 +107,7 @@ def _sampling(req: OpenAIRequest, max_tokens: int, model: ServedModel) -> Sampli
                   prompt_logprobs=req.logprobs if req.echo else None)
     try:  # the engine's own validation, so a request the workers would refuse fails here, clearly
         SamplingParams(**{**kwargs, "stop_token_ids": tuple(kwargs["stop_token_ids"])})
-    except ValueError as exc:
-        raise invalid(f"Invalid sampling parameters: {exc}", None) from None
+    except ValueError as exc:  # (named where the engine's message names one field: ignore_eos with a guide)
+        param = "ignore_eos" if str(exc).startswith("ignore_eos") else None
+        raise invalid(f"Invalid sampling parameters: {exc}", param) from None
     return SamplingSpec(**kwargs)
