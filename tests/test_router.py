@@ -112,7 +112,7 @@ def test_an_urgent_request_goes_to_its_lanes_urgent_queue(nats_server):
             got = {}
             for lane in ("short", "long"):
                 for stream_urgent in (False, True):
-                    name = await (ensure_urgent_consumer(js, subjects.PREFILL_STREAMS[lane], "pr") if stream_urgent
+                    name = await (ensure_urgent_consumer(js, lane, "pr") if stream_urgent
                                   else ensure_prefill_consumer(js, lane, "pr"))  # fmt: skip
                     w = await PullWorker.bind(js, subjects.PREFILL_STREAMS[lane], name, max_deliver=5)
                     msgs = await w.fetch(10, timeout=2.0)

@@ -78,9 +78,9 @@ async def ensure_streams(js: JetStreamContext, limits: StreamLimits | None = Non
     for model in models:
         for lane in LANES:
             await ensure_prefill_consumer(js, lane, model, limits)
-            await ensure_urgent_consumer(js, subjects.PREFILL_STREAMS[lane], model, limits)
+            await ensure_urgent_consumer(js, lane, model, limits)
         await ensure_decode_consumer(js, model, limits)
-        await ensure_urgent_consumer(js, subjects.DECODE_STREAM, model, limits)
+        await ensure_urgent_handoff_consumer(js, model, limits)
 
 
 async def ensure_prefill_consumer(js: JetStreamContext, lane: str, model: str, limits: StreamLimits | None = None) -> str:
@@ -90,17 +90,18 @@ async def ensure_prefill_consumer(js: JetStreamContext, lane: str, model: str, l
                                   subjects.prefill_subject(lane, model), limits, limits.prefill_max_ack_pending)  # fmt: skip
 
 
-async def ensure_urgent_consumer(js: JetStreamContext, stream: str, model: str,
-                                 limits: StreamLimits | None = None) -> str:  # fmt: skip
-    """The durable consumer every replica of ``model`` shares for urgent work in ``stream``: a
-    prefill lane's (``urgent_subject``) or the decode stream's (``urgent_decode_subject``)."""
+async def ensure_urgent_consumer(js: JetStreamContext, lane: str, model: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer prefill replicas of ``model`` share for urgent work on ``lane``."""
     limits = limits or StreamLimits()
-    if stream == subjects.DECODE_STREAM:
-        subject, pending = subjects.urgent_decode_subject(model), limits.decode_max_ack_pending
-    else:
-        lane = next(lane for lane, name in subjects.PREFILL_STREAMS.items() if name == stream)
-        subject, pending = subjects.urgent_subject(lane, model), limits.prefill_max_ack_pending
-    return await _ensure_consumer(js, stream, subjects.urgent_consumer(model), subject, limits, pending)
+    return await _ensure_consumer(js, subjects.PREFILL_STREAMS[lane], subjects.urgent_consumer(model),
+                                  subjects.urgent_subject(lane, model), limits, limits.prefill_max_ack_pending)  # fmt: skip
+
+
+async def ensure_urgent_handoff_consumer(js: JetStreamContext, model: str, limits: StreamLimits | None = None) -> str:
+    """The durable consumer decode replicas of ``model`` share for urgent handoffs."""
+    limits = limits or StreamLimits()
+    return await _ensure_consumer(js, subjects.DECODE_STREAM, subjects.urgent_consumer(model),
+                                  subjects.urgent_decode_subject(model), limits, limits.decode_max_ack_pending)  # fmt: skip
 
 
 async def ensure_direct_consumer(js: JetStreamContext, lane: str, instance_id: str,

@@ -2,9 +2,9 @@
 
 Each ``schedule()`` spends a token budget: first on running decodes, then on running prefills'
 next chunks, then on admitting waiting sequences, in order of priority (smaller first), oldest first
-within one. Preemption takes the running sequence of the largest priority, the newest among them. The runner computes positions
-``[seq.num_computed_tokens, + num_new_tokens)`` of every scheduled entry; ``update()`` then advances
-the counters, appends sampled tokens and finishes sequences.
+within one. Preemption takes the running sequence of the largest priority, the newest among them.
+The runner computes positions ``[seq.num_computed_tokens, + num_new_tokens)`` of every scheduled
+entry; ``update()`` then advances the counters, appends sampled tokens and finishes sequences.
 
 A sequence that can never run (a prompt longer than ``max_model_len``, or more tokens than the whole
 block pool holds) is not left to wedge the queue: when it reaches the head of the waiting queue it is
@@ -151,7 +151,8 @@ class Scheduler:
                 scheduled[seq.request_id] = self._entry(seq, n)
                 budget -= n
 
-        # Waiting sequences, by priority then age (the queue's order); skip admission after a preemption (the pool is full).
+        # Waiting sequences, by priority then age (the queue's order); skip admission after a
+        # preemption (the pool is full).
         # A sequence whose next uncached block a running prefill is computing right now waits a
         # step (or as many as that prefill takes) and then takes it, and every block after it the
         # two share, from the prefix cache instead of computing them again: n copies of one prompt

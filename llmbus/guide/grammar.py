@@ -941,8 +941,8 @@ def compile_guide(spec: str) -> Grammar:
 def _check_choices(root) -> None:
     """Refuse a schema whose choices (``$ref``, ``anyOf``, ``oneOf``, ``allOf``) lead back to
     themselves before any value begins (``{"$ref": "#"}``: reading a first byte would never end;
-    it matches no JSON text, or only through its other options), or nest more than ``MAX_UNION_DEPTH`` deep (the matcher opens them
-    one within another). Objects and arrays between two choices break such a loop: their bracket
+    it matches no JSON text, or only through its other options), or nest more than
+    ``MAX_UNION_DEPTH`` deep (the matcher opens them one within another). Objects and arrays between two choices break such a loop: their bracket
     comes first."""
     depth: dict[int, int] = {}  # id -> the deepest chain of choices below it; -1 while on the path
     stack = [(root, iter(root.options))] if type(root) is UnionNode else []

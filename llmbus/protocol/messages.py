@@ -124,6 +124,12 @@ def urgent(priority: int) -> bool:
     return priority < URGENT_BELOW
 
 
+def check_priority(where: str, value) -> None:
+    """ValueError unless ``value`` is an integer priority within ``PRIORITY_LIMIT``."""
+    if type(value) is not int or abs(value) > PRIORITY_LIMIT:
+        raise ValueError(f"{where} must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {value!r}")
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """Gateway -> router (stream LLMBUS_REQUESTS) and router -> prefill (lane streams)."""
@@ -159,8 +165,7 @@ class GenerateRequest:
         _check_tokens("prompt_token_ids", self.prompt_token_ids)
         if self.lane not in ("",) + LANES:
             raise ValueError(f"lane must be one of {LANES} or empty, got {self.lane!r}")
-        if type(self.priority) is not int or not -PRIORITY_LIMIT <= self.priority <= PRIORITY_LIMIT:
-            raise ValueError(f"priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {self.priority!r}")
+        check_priority("priority", self.priority)
         if self.token_subject:
             check_token_subject(self.token_subject, self.request_id)
 

@@ -201,8 +201,8 @@ class EngineWorker(abc.ABC):
                    urgent: bool = False) -> None:  # fmt: skip
         """Fetch only as many jobs as ``capacity(jobs, tokens)`` allows, less those still being
         taken, and run ``take`` on each as its own task, until stopped. Room is asked again before
-        each job of a pull, with the ``jobs`` pulled so far and their summed ``cost`` (prefill: their
-        prompt tokens) as ``tokens``: a burst of long prompts stops at the prompt-token budget, not
+        each job of a pull, with the ``jobs`` this worker's pull loops have pulled and not yet begun
+        to take, and their summed ``cost`` (prefill: their prompt tokens), as ``tokens``: a burst of long prompts stops at the prompt-token budget, not
         at the free batch slots counted before it came. ``counts_at_once``: a take has its job
         counted in ``capacity`` before its first wait (prefill registers it), so takes in flight
         are not subtracted again. ``urgent``: ``worker`` is an urgent queue (priority below 0). While

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
-from llmbus.bus.streams import (ensure_decode_consumer, ensure_urgent_consumer, ensure_urgent_whole_consumer,
+from llmbus.bus.streams import (ensure_decode_consumer, ensure_urgent_handoff_consumer, ensure_urgent_whole_consumer,
                                 ensure_whole_consumer)
 from llmbus.bus.worker import PullWorker, read_job
 from llmbus.engine.engine import Engine, OutOfBlocks, StepOutput
@@ -144,7 +144,7 @@ class DecodeWorker(EngineWorker):
                                                    max_deliver=limits.max_deliver)
         self.ctx.stack.push_async_callback(worker.close)
         urgent = await PullWorker.bind(self.ctx.js, subjects.DECODE_STREAM,
-                                       await ensure_urgent_consumer(self.ctx.js, subjects.DECODE_STREAM, self.model, limits),
+                                       await ensure_urgent_handoff_consumer(self.ctx.js, self.model, limits),
                                        max_deliver=limits.max_deliver)  # fmt: skip
         self.ctx.stack.push_async_callback(urgent.close)
         wholes = []  # (puller, urgent)

@@ -59,7 +59,7 @@ from nats.js.kv import KeyValue
 from llmbus.bus import subjects
 from llmbus.bus.streams import ensure_limits_bucket, read_bucket
 from llmbus.protocol import LimitUsage, ProtocolError, TenantBuckets, TenantUsage, decode, encode
-from llmbus.protocol.messages import PRIORITY_LIMIT
+from llmbus.protocol.messages import check_priority
 from services.gateway.config import read_json_file
 from services.gateway.errors import APIError
 
@@ -92,9 +92,7 @@ class Limits:
             raise ValueError(f"{where}: unknown limit {unknown[0]!r} (known: {', '.join(FIELDS)})")
         for name, value in raw.items():
             if name == "priority":
-                if type(value) is not int or abs(value) > PRIORITY_LIMIT:
-                    raise ValueError(f"{where}.priority must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], "
-                                     f"got {value!r}")  # fmt: skip
+                check_priority(f"{where}.priority", value)
             elif type(value) is not int or value < 1:
                 raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
         return cls(**raw)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmbus.guide.grammar import GuideError, check_guide, guide_spec
-from llmbus.protocol.messages import PRIORITY_LIMIT
+from llmbus.protocol.messages import PRIORITY_LIMIT, urgent
 from services.gateway import fields as f
 from services.gateway.errors import invalid, missing, wrong_type
 
@@ -260,7 +260,7 @@ def _priority(body: dict) -> int | None:
 
 def service_tier(priority: int) -> str:
     """The tier a response reports for the priority it ran at."""
-    return "priority" if priority < 0 else "flex" if priority > 0 else "default"
+    return "priority" if urgent(priority) else "flex" if priority > 0 else "default"
 
 
 def _prompt(body: dict) -> tuple[str | tuple[int, ...], ...]:

@@ -221,7 +221,8 @@ class ResponseShapes:
         body = {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": None, "model": self.model, "output": output or [],
                 "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "previous_response_id": None,
-                "service_tier": "default", "usage": None, **self.echo, "store": self.keep is not None}  # fmt: skip (finish: whether it was)
+                "service_tier": "default", "usage": None, **self.echo,
+                "store": self.keep is not None}  # fmt: skip (finish says whether it was)
         if finish == "length":
             body["status"], body["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
         if usage is not None:

@@ -126,7 +126,7 @@ class PrefillWorker(EngineWorker):
             # this worker alone there, for the prefix its cache holds
             stream = subjects.PREFILL_STREAMS[lane]
             queues.append((stream, await ensure_prefill_consumer(self.ctx.js, lane, self.model, limits), False))
-            queues.append((stream, await ensure_urgent_consumer(self.ctx.js, stream, self.model, limits), True))
+            queues.append((stream, await ensure_urgent_consumer(self.ctx.js, lane, self.model, limits), True))
             queues.append((stream, await ensure_direct_consumer(self.ctx.js, lane, self.ctx.instance_id, limits), False))
         workers = []
         for stream, consumer, urgent in queues:
@@ -136,8 +136,8 @@ class PrefillWorker(EngineWorker):
         await self.subscribe_aborts()
         self.report()
         await self.ctx.ready()
-        # NOTE: a pull counts its own jobs' slots and prompt tokens (cost), and a take registers its
-        # job before its first wait, so every puller sees the others' jobs once their pull ends
+        # NOTE: every pull loop counts the jobs any loop is pulling and their prompt tokens (cost);
+        # a take registers its job (in self.jobs, which room reads) before its first wait
         pullers = [asyncio.create_task(self.pull(w, self.room, lambda m, w=w: self._take(w, m), cost=_prompt_tokens,
                                                  counts_at_once=True, urgent=urgent)) for w, urgent in workers]  # fmt: skip
         tasks = [asyncio.create_task(self._announce(caching)), asyncio.create_task(self._keep_direct())]
