@@ -199,8 +199,9 @@ def test_urgent_jobs_are_taken_ahead_of_a_backlog_queued_before_them(nats_server
 
 
 def test_a_worker_whose_engine_thread_dies_exits_with_a_failure(nats_server, tmp_path):
-    """A job that breaks the engine's step (a bug, a guide that cannot be followed): the worker
-    stops and exits 1, so ``llmbus up`` or a supervisor sees a failure, not a clean stop."""
+    """An engine whose steps raise whatever they run (a dead device; a step that fails on one
+    request alone ends only that request, tests/test_step_failures.py): the worker stops and exits
+    1, so ``llmbus up`` or a supervisor sees a failure, not a clean stop."""
     model = "dies"
     engine = _engine(tmp_path, enable_prefix_caching=False)
 

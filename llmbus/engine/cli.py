@@ -96,9 +96,12 @@ def run(args: argparse.Namespace) -> int:
         raise option_error(exc, args) from None
     prompts = _prompts(args.prompt) if args.prompt else [_parse_ids(t) for t in args.prompt_ids]
     llm = LLM(args.model, **dataclasses.asdict(engine_config_from_args(args)))
-    for out in llm.generate(prompts, params):
+    failed = False
+    for i, out in enumerate(llm.generate(prompts, params), 1):
         if args.json:
             record = {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}
+            if out.error:
+                record["error"] = out.error
             if out.logprobs is not None:
                 record["logprobs"] = [
                     {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs
@@ -106,5 +109,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(orjson.dumps(record).decode() + "\n")
         else:
             sys.stdout.write(out.text + "\n")
+        if out.error:
+            failed = True
+            print(f"llmbus generate: prompt {i}: {out.error}", file=sys.stderr)
     sys.stdout.flush()
-    return 0
+    return 1 if failed else 0

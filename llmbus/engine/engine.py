@@ -11,7 +11,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,13 +21,16 @@ from llmbus.engine.config import EngineConfig
 from llmbus.engine.runner import ModelRunner
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.guide.masks import GuideMasks, TokenIndex
-from llmbus.engine.scheduler import Scheduler, SchedulerConfig
+from llmbus.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.engine.stats import EngineStats
 from llmbus.kv.formats import parse_kv_format
 from llmbus.kv.layout import DTYPE_BYTES, KVLayout
 
 log = logging.getLogger("llmbus.engine")
+
+# steps in a row that failed on every sequence they ran before the engine counts itself broken
+FAILED_STEPS_LIMIT = 3
 
 
 class OutOfBlocks(ValueError):
@@ -39,12 +42,13 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "handoff"
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "handoff" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
     # params.prompt_logprobs: with the first token, an entry per prompt token after the first
     prompt_logprobs: list[TokenLogprob] | None = None
+    error: str = ""  # finish_reason "error": what the step raised on this sequence alone
 
 
 def kv_block_bytes(layout: KVLayout, kv_format: str) -> int:
@@ -141,6 +145,8 @@ class Engine:
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
         self.num_preemptions = 0
         self.stats = EngineStats()
+        self.isolate_failures = True  # a step that raises fails only the sequences it fails on alone
+        self._failed_steps = 0  # steps in a row that failed on every sequence they ran
         # a sequence preempted for blocks waits to resume (as of the last step or abort; other threads
         # read it): imports wait until it has its blocks back, or a stream of them could starve it
         self.resuming = False
@@ -304,6 +310,7 @@ class Engine:
             return
         caching, bm.enable_prefix_caching = bm.enable_prefix_caching, False
         ids = [f"llmbus-warmup-{i}" for i in range(len(plan))]
+        self.isolate_failures = False  # NOTE: a kernel that cannot run must raise here, not end the dummies
         try:
             for rid, (p, o) in zip(ids, plan):
                 prompt = [1 + i % (self.vocab_size - 1) for i in range(p)]
@@ -312,6 +319,7 @@ class Engine:
             while self.has_unfinished():
                 self.step()
         finally:
+            self.isolate_failures = True
             bm.enable_prefix_caching = caching
             for rid in ids:
                 self.abort(rid)
@@ -346,7 +354,9 @@ class Engine:
         if not out.scheduled:
             return results
         chunks = [s.num_new_tokens for s in out.scheduled]
-        sampled = self.runner.execute(out)
+        sampled, failed = self._execute(out) if self.isolate_failures else (self.runner.execute(out), [])
+        if failed:
+            out = self._fail(out, failed, results)
         self.scheduler.update(out, sampled)
         for request_id, (token, lp) in sampled.items():
             seq = self._seqs[request_id]
@@ -364,6 +374,56 @@ class Engine:
                 stats.ended(reason)
         stats.step(time.perf_counter() - start, chunks, len(out.preempted), len(sampled))
         return results
+
+    def _execute(self, out: SchedulerOutput) -> tuple[dict[str, tuple[int, TokenLogprob | None]], list]:
+        """Run the step; where it raises, run it again in halves, down to single sequences: the
+        tokens sampled, and ``(sequence, exception)`` for each sequence the step fails on alone. A
+        step that fails on every sequence it ran is the engine's fault, not a request's (a dead
+        device, kernels that cannot launch): when those are two or more, or the step is the
+        ``FAILED_STEPS_LIMIT``-th such step in a row, its first exception is raised.
+
+        NOTE: a failed attempt leaves nothing behind that the retry does not redo: it writes the
+        same cache slots, scores prompt tokens not yet scored, and a guide's state follows the
+        sequence's output. The exact tail rows' bookkeeping is put back as it was. A seeded
+        sequence whose sampling ran in the failed attempt draws again, from where that left off."""
+        sampled, failed = self._bisect(out)
+        if failed and len(failed) == len(out.scheduled):
+            self._failed_steps += 1
+            if len(failed) > 1 or self._failed_steps >= FAILED_STEPS_LIMIT:
+                raise failed[0][1]
+        else:
+            self._failed_steps = 0
+        return sampled, failed
+
+    def _bisect(self, out: SchedulerOutput) -> tuple[dict[str, tuple[int, TokenLogprob | None]], list]:
+        tails = self.runner.tails
+        held = tails.snapshot() if tails is not None else None
+        try:
+            return self.runner.execute(out), []
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is run again smaller, or raised
+            if held is not None:
+                tails.restore(held)
+            if len(out.scheduled) == 1:
+                return {}, [(out.scheduled[0].seq, exc)]
+            half = len(out.scheduled) // 2
+            sampled, failed = self._bisect(replace(out, scheduled=out.scheduled[:half]))
+            more, failed_too = self._bisect(replace(out, scheduled=out.scheduled[half:]))
+            return sampled | more, failed + failed_too
+
+    def _fail(self, out: SchedulerOutput, failed: list, results: list[StepOutput]) -> SchedulerOutput:
+        """End each failed sequence with "error" (its blocks freed, its output in ``results``);
+        ``out`` without them."""
+        gone = set()
+        for seq, exc in failed:
+            log.error("the step failed on %s alone; ending it", seq.request_id, exc_info=exc)
+            gone.add(seq.request_id)
+            self.scheduler.finish(seq, "error")
+            self._seqs.pop(seq.request_id, None)
+            self._prefill_only.discard(seq.request_id)
+            results.append(replace(self._output(seq, [], None, "error"),
+                                   error=f"the engine failed on this request: {type(exc).__name__}: {exc}"))
+            self.stats.ended("error")
+        return replace(out, scheduled=[e for e in out.scheduled if e.seq.request_id not in gone])
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs, reason: str | None) -> StepOutput:

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 
 from llmbus.engine.config import EngineConfig
-from llmbus.engine.engine import Engine
+from llmbus.engine.engine import Engine, StepOutput
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.engine.sequence import TokenLogprob
 
@@ -17,10 +17,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] | None
     num_cached_tokens: int
     prompt_logprobs: list[TokenLogprob] | None = None  # entry i scores prompt token i + 1
+    error: str = ""  # finish_reason "error": why (the engine failed on this request alone)
 
 
 class LLM:
@@ -57,7 +58,7 @@ class LLM:
         order: list[str] = []
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
-        finished: dict[str, tuple[str, int]] = {}
+        finished: dict[str, StepOutput] = {}
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         for ids, p in zip(encoded, params):
             rid = f"offline-{next(self._ids)}"
@@ -74,24 +75,25 @@ class LLM:
                     if out.prompt_logprobs is not None:
                         prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finish_reason is not None:
-                        finished[out.request_id] = (out.finish_reason, out.num_cached_tokens)
+                        finished[out.request_id] = out
         except BaseException:
             for rid in order:
                 engine.abort(rid)
             raise
         results = []
         for rid, ids, p in zip(order, encoded, params):
-            reason, cached = finished.get(rid, ("abort", 0))
+            end = finished.get(rid)
             results.append(
                 RequestOutput(
                     request_id=rid,
                     prompt_token_ids=ids,
                     token_ids=tokens[rid],
                     text=self.tokenizer.decode(tokens[rid]) if self.tokenizer is not None else "",
-                    finish_reason=reason,
+                    finish_reason=end.finish_reason if end else "abort",
                     logprobs=logprobs[rid] if p.logprobs is not None else None,
-                    num_cached_tokens=cached,
+                    num_cached_tokens=end.num_cached_tokens if end else 0,
                     prompt_logprobs=prompt_logprobs.get(rid),
+                    error=end.error if end else "",
                 )
             )
         return results

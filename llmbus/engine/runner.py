@@ -12,7 +12,7 @@ attention-heavy fp32 multi-head model (1.2x), whose KV traffic dwarfs its weight
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +71,14 @@ class TailRows:
             pair.reverse()  # NOTE: seals the current row's block and starts another: switch rows
             return pair[1], pair[0], new
         return pair[0], pair[0], new
+
+    def snapshot(self) -> tuple:
+        """Who holds which rows, and the tails received, as of now: ``restore`` puts it back."""
+        return deque(self._free), {rid: list(pair) for rid, pair in self._held.items()}, dict(self.received)
+
+    def restore(self, snapshot: tuple) -> None:
+        free, held, received = snapshot
+        self._free, self._held, self.received = deque(free), {rid: list(pair) for rid, pair in held.items()}, dict(received)
 
     def current(self, request_id: str) -> int | None:
         """The row holding ``request_id``'s filling block, or None (it holds no rows)."""
@@ -202,7 +210,11 @@ class ModelRunner:
             return [self._forward(batches[0])]
         self._set_threads(1)
         futures = [self._pool.submit(self._forward_in_thread, b) for b in batches[1:]]
-        return [self._forward(batches[0])] + [f.result() for f in futures]
+        try:
+            first = self._forward(batches[0])
+        finally:  # NOTE: none may still write the cache once this returns or raises (a step run again)
+            wait(futures)
+        return [first] + [f.result() for f in futures]
 
     def _forward_in_thread(self, batch: _Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         with torch.inference_mode():  # NOTE: inference mode is per thread

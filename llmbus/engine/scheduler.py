@@ -168,7 +168,7 @@ class Scheduler:
             seq = self._waiting[i]
             if self._never_fits(seq):
                 del self._waiting[i]
-                self._finish(seq, "length")
+                self.finish(seq, "length")
                 rejected.append(seq)
                 continue
             cached, first_uncached = bm.prefix_lookup(seq)
@@ -265,7 +265,8 @@ class Scheduler:
         preempted.append(victim)
         return True
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence with ``reason`` and free its blocks now."""
         self._by_id.pop(seq.request_id, None)
         if seq in self._running:
             self._running.remove(seq)
@@ -296,7 +297,7 @@ class Scheduler:
                 seq.output_logprobs.append(logprob)
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self._finish(seq, reason)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
 

@@ -45,7 +45,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks so far
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_preemptions: int = 0
     priority: int = 0  # smaller first: admitted before, and preempted after, any larger one
     arrival: int = field(default_factory=lambda: next(_arrivals))

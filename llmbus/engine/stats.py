@@ -37,7 +37,8 @@ class EngineStats:
                                   "counter", m)  # fmt: skip
         self.finished = Metric(
             "llmbus_engine_requests_finished_total",
-            "Requests that left the engine, by reason: stop, length, abort, or handoff (a prefill passed to decode).",
+            "Requests that left the engine, by reason: stop, length, abort, handoff (a prefill passed to decode), "
+            "or error (a step failed on the request alone).",
             "counter", ("reason",))
 
     def step(self, seconds: float, chunks: list[int], preempted: int, sampled: int) -> None:

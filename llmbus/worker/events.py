@@ -21,6 +21,7 @@ def token_event(out: StepOutput, seq: int, worker: str, finish_reason: str | Non
         token_ids=list(out.new_token_ids),
         logprobs=_entries(out.logprobs),
         finish_reason=finish_reason,
+        error=out.error or None,
         prompt_tokens=out.num_prompt_tokens,
         cached_tokens=out.num_cached_tokens,
         completion_tokens=out.num_output_tokens,

@@ -330,7 +330,8 @@ class DecodeWorker(EngineWorker):
                 act.output_token_ids += out.new_token_ids
                 if reason is not None:
                     self.active.pop(out.request_id, None)
-                    self.spawn_store(self._commit_prefix(act))
+                    if reason != "error":
+                        self.spawn_store(self._commit_prefix(act))
             for act in await self.end_past_deadline(self.active):
                 self.spawn(self.loop.call(lambda e, rid=act.request.request_id: e.abort(rid)))
             self._notify_room()

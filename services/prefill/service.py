@@ -282,12 +282,12 @@ class PrefillWorker(EngineWorker):
         req = job.request
         rid = req.request_id
         try:
-            if out.finish_reason != "handoff":  # finished on its first token (or aborted)
+            if out.finish_reason != "handoff":  # finished on its first token, aborted, or failed
                 if out.finish_reason != "abort":
                     await self.publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
-                if not self._aborted(job):
-                    await job.msg.ack()
-                if out.finish_reason != "abort":
+                if not self._aborted(job):  # NOTE: term: a job the step failed on must not fail another worker too
+                    await (job.msg.term() if out.finish_reason == "error" else job.msg.ack())
+                if out.finish_reason not in ("abort", "error"):
                     self.spawn_store(self._store_from_tier0(req))
                 return
             await self.publish(req, token_event(out, 0, self.ctx.instance_id, None))
@@ -341,7 +341,7 @@ class PrefillWorker(EngineWorker):
                 job.next_seq += 1
                 if out.finish_reason is not None:
                     self.jobs.pop(req.request_id, None)
-                    await self._let_go(job)
+                    await self._let_go(job, term=out.finish_reason == "error")
             for ended in await self.end_past_deadline(self.jobs):
                 self.spawn(self._stop(ended))
 
@@ -351,10 +351,11 @@ class PrefillWorker(EngineWorker):
         await self.loop.call(lambda e: e.abort(rid))
         await self._let_go(job)
 
-    async def _let_go(self, job: Job) -> None:
-        """Ack a job taken out of ``jobs`` and close what it held."""
+    async def _let_go(self, job: Job, term: bool = False) -> None:
+        """Ack (``term``: terminate, a job the engine failed on) a job taken out of ``jobs`` and
+        close what it held."""
         with contextlib.suppress(Exception):
-            await job.msg.ack()
+            await (job.msg.term() if term else job.msg.ack())
         await job.stack.aclose()
         self.report()
 
