@@ -136,25 +136,29 @@ def _streamed(shapes, pieces) -> list[dict]:
     return asyncio.run(collect())
 
 
-def test_streamed_calls_are_items_after_the_text_before_them():
+def test_streamed_calls_are_items_after_the_message_done():
+    """Each item is added, streamed and done before the next is added (OpenAI's order), in the
+    unstreamed answer's order: the message (all its text, that after a call too), then the calls."""
     shapes = ResponseShapes("m", {"tools": TOOLS})
-    evs = _streamed(shapes, [Piece("\n"), Piece("Sure."), Piece(" ", tool_calls=(CALL,)),
+    evs = _streamed(shapes, [Piece("\n"), Piece("Sure."), Piece(" ", tool_calls=(CALL,)), Piece("Then."),
                              Piece("", finish_reason="tool_calls", usage=Usage(4, 9))])
     assert [e["type"] for e in evs] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+        "response.output_item.done", "response.completed"]
     assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
-    assert evs[4]["delta"] == "\nSure." and evs[5]["delta"] == " "  # blank before the text waits for it
-    added, delta, done = evs[6], evs[7], evs[8]
-    assert added["output_index"] == 1 and added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
+    assert [e["output_index"] for e in evs[2:-1]] == [0] * 8 + [1] * 4
+    assert [e["delta"] for e in evs[4:7]] == ["\nSure.", " ", "Then."]  # blank before the text waits for it
+    added, delta, done = evs[10], evs[11], evs[12]
+    assert added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
     assert delta["item_id"] == done["item_id"] == added["item"]["id"] and done["arguments"] == CALL["function"]["arguments"]
     final = evs[-1]["response"]
+    assert final["output"] == [evs[9]["item"], evs[13]["item"]]  # the items as done, in their order
     assert [i["type"] for i in final["output"]] == ["message", "function_call"]
-    assert final["output"][0]["content"][0]["text"] == "\nSure. " and final["usage"]["output_tokens"] == 9
+    assert final["output"][0]["content"][0]["text"] == "\nSure. Then." and final["usage"]["output_tokens"] == 9
     # only calls (and blanks): no message item at all
     evs = _streamed(ResponseShapes("m", {"tools": TOOLS}), [Piece("\n", tool_calls=(CALL,)), Piece("\n"),
                                                            Piece("", finish_reason="tool_calls", usage=Usage(4, 9))])
@@ -162,6 +166,14 @@ def test_streamed_calls_are_items_after_the_text_before_them():
                                             "response.function_call_arguments.done", "response.output_item.done",
                                             "response.completed"]  # fmt: skip
     assert [i["type"] for i in evs[-1]["response"]["output"]] == ["function_call"]
+    # blanks and no call: a message all the same, as the unstreamed answer has
+    shapes = ResponseShapes("m", {"tools": TOOLS})
+    evs = _streamed(shapes, [Piece("\n"), Piece("", finish_reason="stop", usage=Usage(4, 1))])
+    assert [e["type"] for e in evs][2:] == ["response.output_item.added", "response.content_part.added",
+                                            "response.output_text.delta", "response.output_text.done",
+                                            "response.content_part.done", "response.output_item.done",
+                                            "response.completed"]  # fmt: skip
+    assert evs[-1]["response"]["output"] == shapes.from_chat(_chat_body("\n", None, "stop"))["output"]
 
 
 def test_a_response_object_has_openais_fields():

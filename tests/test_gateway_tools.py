@@ -4,6 +4,7 @@ back as OpenAI tool calls (streamed and not, through the openai client too)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import shutil
@@ -223,6 +224,49 @@ def test_the_responses_api_calls_functions_as_chat_does(tools_gateway, worker, t
         *history[:1], *[i.model_dump(exclude_none=True) for i in final.output if i.type == "function_call"],
         {"type": "function_call_output", "call_id": final.output[1].call_id, "output": "sunny"}])
     assert (out.output_text, [i.type for i in out.output]) == ("It is sunny in Paris.", ["message"])
+
+
+def test_a_streamed_responses_item_is_done_before_the_next_is_added(tools_gateway, worker, tokenizer):
+    """Text around two calls, streamed as OpenAI streams a response: each output item added,
+    streamed and done before the next is added, ``output_index`` counting them in that order, and
+    the final response listing those items (same ids) in that order, as the unstreamed answer does
+    (the message first, with the text after the calls too); the openai client's stream helper
+    assembles the same."""
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]  # fmt: skip
+    worker.script = reply_script(_ids(tokenizer, "Sure. " + CALL_A + " Then " + CALL_B + " done."), per_event=3)
+    ask = dict(model="demo", input="Weather and time in Paris?", tools=tools)
+    client = openai.OpenAI(base_url=tools_gateway + "/v1", api_key="unused", max_retries=0)
+    plain = client.responses.create(**ask)
+    events = list(client.responses.create(stream=True, **ask))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    of_items = [e for e in events if getattr(e, "output_index", None) is not None]
+    assert len(of_items) == len(events) - 3  # every event between in_progress and completed
+    runs = [list(run) for _, run in itertools.groupby(of_items, key=lambda e: e.output_index)]
+    assert [run[0].output_index for run in runs] == list(range(len(runs)))  # one unbroken run per item, in order
+    assert all((run[0].type, run[-1].type) == ("response.output_item.added", "response.output_item.done") for run in runs)
+    assert [run[0].item.id for run in runs] == [run[-1].item.id for run in runs] == [i.id for i in final.output]
+    assert [run[-1].item for run in runs] == final.output
+
+    def shape(output):
+        return [(i.type, i.content[0].text) if i.type == "message" else (i.type, i.name, json.loads(i.arguments))
+                for i in output]  # fmt: skip
+
+    assert shape(final.output) == shape(plain.output) == [
+        ("message", "Sure.  Then  done."), ("function_call", "get_weather", {"city": "Paris", "unit": "C"}),
+        ("function_call", "get_time", {})]
+    with client.responses.stream(**ask) as stream:
+        helped = list(stream)
+        assembled = stream.get_final_response()
+    assert [e.type for e in helped] == [e.type for e in events]
+    done = [e.item for e in helped if e.type == "response.output_item.done"]
+    assert [i.id for i in done] == [i.id for i in assembled.output] and shape(done) == shape(assembled.output)
+    assert shape(assembled.output) == shape(final.output)
+    last_text = [e for e in helped if e.type == "response.output_text.delta"][-1]
+    assert last_text.snapshot == assembled.output_text == "Sure.  Then  done."
 
 
 def test_mistral_calls_come_back_with_ids_its_templates_take(mistral_gateway, worker, tokenizer):

@@ -272,12 +272,14 @@ class ResponseShapes:
 
 
 async def events(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], shapes: ResponseShapes) -> AsyncIterator[bytes]:
-    """The Responses stream of one answer: created, in_progress, then its output items as they come
-    (the message item and its text part added, a delta per piece of text; each tool call a
-    ``function_call`` item, added, its arguments, done), the text, part and message item done, then
-    completed (or incomplete, when max_output_tokens ended it, or failed with the error). Without
-    tools the message item opens at once; with tools, at its first text (an answer that is only
-    calls has none)."""
+    """The Responses stream of one answer: created, in_progress, then its output items, each added,
+    streamed and done before the next is added (as OpenAI streams them), in the order of the
+    unstreamed answer's output: the message item (its text part added, a delta per piece of text,
+    the text, part and item done), then a ``function_call`` item per tool call (added, its
+    arguments, done); then completed (or incomplete, when max_output_tokens ended it, or failed
+    with the error). Without tools the message item opens at once; with tools, at its first text
+    that is not blank (an answer that is only calls and blanks has none), and the calls wait for
+    the answer's end, since text may follow them."""
     ev = shapes.event
     yield ev("response.created", response=shapes.response("in_progress"))
     yield ev("response.in_progress", response=shapes.response("in_progress"))
@@ -297,7 +299,11 @@ async def events(pieces: Callable[[], AsyncIterator[tuple[int, Piece]]], shapes:
 
 
 class _Output:
-    """A streamed answer's output items so far, and the events each piece makes."""
+    """A streamed answer's output items so far, and the events each piece makes.
+
+    NOTE: items never interleave: the message item, open while text may come, is done before the
+    first ``function_call`` item is added, so calls are held to the answer's end (the parsers give
+    them whole, and an answer's calls are mostly its end anyway)."""
 
     def __init__(self, shapes: ResponseShapes) -> None:
         self.shapes = shapes
@@ -305,6 +311,7 @@ class _Output:
         self.message_index: int | None = None
         self.text: list[str] = []
         self.held = ""  # with tools: blank text before the message opens (dropped if no text follows)
+        self.calls: list[dict] = []  # chat tool calls so far, held to the end
         self.final: tuple[str, dict] | None = None  # the last event's status and response, once finished
 
     def open_message(self) -> list[bytes]:
@@ -316,37 +323,52 @@ class _Output:
                    part=self.shapes.part(""))]  # fmt: skip
 
     def piece(self, piece: Piece) -> list[bytes]:
-        shapes, ev = self.shapes, self.shapes.event
+        shapes = self.shapes
         if piece.error is not None:
             error = piece.error.body()["error"]
             failed = shapes.response("failed")
             failed["error"] = {"code": error.get("code") or "server_error", "message": error["message"]}
-            return [ev("response.failed", response=failed)]
+            return [shapes.event("response.failed", response=failed)]
         out: list[bytes] = []
         text = piece.text
         if text and self.message_index is None:  # (with tools) the answer's first text: blank between calls waits
             self.held, text = ("", self.held + text) if text.strip() else (self.held + text, "")
             if text:
                 out += self.open_message()
-        if text:
-            self.text.append(text)
-            out.append(ev("response.output_text.delta", item_id=shapes.message_id, output_index=self.message_index,
-                          content_index=0, delta=text, logprobs=[]))  # fmt: skip
-        for call in piece.tool_calls:  # NOTE: the parser gives whole calls: its arguments in one delta
-            item, index = shapes.function_call(call), len(self.items)
-            self.items.append(item)
-            fid, args = item["id"], item["arguments"]
-            out += [ev("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}),
-                    ev("response.function_call_arguments.delta", item_id=fid, output_index=index, delta=args),
-                    ev("response.function_call_arguments.done", item_id=fid, output_index=index, arguments=args),
-                    ev("response.output_item.done", output_index=index, item=item)]  # fmt: skip
+        out += self._text(text)
+        self.calls += piece.tool_calls
         if piece.finish_reason is not None:
             status = "incomplete" if piece.finish_reason == "length" else "completed"
+            if self.message_index is None and not self.calls:  # blanks alone are a message, as unstreamed
+                out += self.open_message() + self._text(self.held)
             if self.message_index is not None:
-                whole, i, mid = "".join(self.text), self.message_index, shapes.message_id
-                self.items[i] = shapes.message(whole, status)
-                out += [ev("response.output_text.done", item_id=mid, output_index=i, content_index=0, text=whole, logprobs=[]),
-                        ev("response.content_part.done", item_id=mid, output_index=i, content_index=0, part=shapes.part(whole)),
-                        ev("response.output_item.done", output_index=i, item=self.items[i])]  # fmt: skip
+                out += self._close_message(status)
+            for call in self.calls:
+                out += self._call(call)
             self.final = (status, shapes.response(status, self.items, piece.finish_reason, piece.usage))
         return out
+
+    def _text(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        self.text.append(text)
+        return [self.shapes.event("response.output_text.delta", item_id=self.shapes.message_id,
+                                  output_index=self.message_index, content_index=0, delta=text, logprobs=[])]  # fmt: skip
+
+    def _close_message(self, status: str) -> list[bytes]:
+        ev, shapes = self.shapes.event, self.shapes
+        whole, i, mid = "".join(self.text), self.message_index, shapes.message_id
+        self.items[i] = shapes.message(whole, status)
+        return [ev("response.output_text.done", item_id=mid, output_index=i, content_index=0, text=whole, logprobs=[]),
+                ev("response.content_part.done", item_id=mid, output_index=i, content_index=0, part=shapes.part(whole)),
+                ev("response.output_item.done", output_index=i, item=self.items[i])]  # fmt: skip
+
+    def _call(self, call: dict) -> list[bytes]:
+        """A call's ``function_call`` item, added, its arguments (whole: the parser gives whole calls), done."""
+        ev, item, index = self.shapes.event, self.shapes.function_call(call), len(self.items)
+        self.items.append(item)
+        fid, args = item["id"], item["arguments"]
+        return [ev("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}),
+                ev("response.function_call_arguments.delta", item_id=fid, output_index=index, delta=args),
+                ev("response.function_call_arguments.done", item_id=fid, output_index=index, arguments=args),
+                ev("response.output_item.done", output_index=index, item=item)]  # fmt: skip
