@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import re
+import ssl
 
 from nats import errors as nats_errors
 from nats.aio.client import Client
@@ -17,11 +18,40 @@ log = logging.getLogger("llmbus.bus")
 NATS_URL_ENV = "LLMBUS_NATS_URL"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 _USERINFO = re.compile(r"(?<=://)[^/@,\s]*@")
+# TLS to the bus, for every service alike (``llmbus up`` passes its environment on): the CA bundle
+# that signed the servers' certificates (else the system's), and this client's certificate and
+# key for servers that verify clients (nats-server ``tls { verify: true }``)
+TLS_CA_ENV = "LLMBUS_NATS_TLS_CA"
+TLS_CERT_ENV = "LLMBUS_NATS_TLS_CERT"
+TLS_KEY_ENV = "LLMBUS_NATS_TLS_KEY"
 
 
 def default_nats_url() -> str:
     """``$LLMBUS_NATS_URL``, else the local default."""
     return os.environ.get(NATS_URL_ENV, "").strip() or DEFAULT_NATS_URL
+
+
+def tls_context(url: str) -> ssl.SSLContext | None:
+    """The TLS settings ``$LLMBUS_NATS_TLS_*`` and ``url`` ask for (a ``tls://`` server, or any of
+    those variables set), or None: plain TCP unless the server requires TLS, which nats-py then
+    speaks with the system's CA bundle. Raises ``ConnectionError`` naming the variable whose file
+    cannot be used."""
+    ca, cert, key = (os.environ.get(name, "").strip() for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV))
+    if not (ca or cert or key or "tls://" in url):
+        return None
+    if key and not cert:
+        raise ConnectionError(f"{TLS_KEY_ENV} is set but {TLS_CERT_ENV}, the certificate it goes with, is not")
+    try:
+        context = ssl.create_default_context(cafile=ca or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConnectionError(f"cannot use {TLS_CA_ENV}={ca}: {exc}") from None
+    if cert:
+        try:
+            context.load_cert_chain(cert, key or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConnectionError(f"cannot use {TLS_CERT_ENV}={cert}" + (f" with {TLS_KEY_ENV}={key}" if key else "")
+                                  + f": {exc}") from None  # fmt: skip
+    return context
 
 
 def has_credentials(url: str) -> bool:
@@ -46,6 +76,16 @@ class _Client(Client):
     whole); whatever else raises drops that one message, logged once at WARNING and then at DEBUG."""
 
     _unreadable = 0
+    require_tls = False  # TLS was asked for: a server that does not require it is refused
+
+    async def _process_info(self, info, initial_connection=False):
+        # NOTE: here the server's INFO is read and nothing sent yet: nats-py would go on in plain
+        # TCP with a server that does not require TLS (a tls:// URL included), CONNECT and its
+        # credentials in the clear
+        if self.require_tls and initial_connection and not info.get("tls_required"):
+            raise nats_errors.Error("TLS was asked for, but this server does not require it: not connecting "
+                                    "in plain TCP")  # fmt: skip
+        return await super()._process_info(info, initial_connection)
 
     async def _request_new_style(self, subject, payload, timeout=1, headers=None):
         # NOTE: nats-py files the reply's future before it publishes and forgets it only once it
@@ -84,6 +124,7 @@ async def connect(
     """
     if not url:
         raise ValueError("a NATS URL is required, e.g. nats://127.0.0.1:4222")
+    tls = tls_context(url)
     errors: list[str] = []  # the last one only: the connection lives for days
 
     async def on_error(exc: Exception) -> None:
@@ -102,6 +143,7 @@ async def connect(
         log.info("nats %s: reconnected", name)
 
     nc = _Client()
+    nc.require_tls = tls is not None
     opening = nc.connect(
         servers=[u.strip() for u in url.split(",") if u.strip()],
         name=name,
@@ -114,6 +156,7 @@ async def connect(
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        **({"tls": tls} if tls is not None else {}),
     )
     try:
         await asyncio.wait_for(opening, first_connect_s)

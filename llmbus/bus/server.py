@@ -35,6 +35,11 @@ class NatsServerConfig:
     user: str = ""
     password: str = ""
     token: str = ""
+    # TLS: the server's certificate and key (PEM files; clients then must speak TLS), and the CA
+    # bundle whose certificates clients must present (verify: mutual TLS); "" each: none
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_verify_ca: str = ""
 
     def __post_init__(self) -> None:
         for name in ("user", "password", "token"):
@@ -44,6 +49,13 @@ class NatsServerConfig:
             raise ValueError("user and password go together")
         if self.token and self.user:
             raise ValueError("give a user and password, or a token, not both")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_verify_ca and not self.tls_cert:
+            raise ValueError("tls_verify_ca needs the server's own tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_verify_ca"):
+            if '"' in getattr(self, name) or "\n" in getattr(self, name):
+                raise ValueError(f"{name} is a path without quotes or line breaks (it goes into the config)")
         if not (self.port == -1 or 0 < self.port < 65536):
             raise ValueError(f"port must be -1 (free port) or 1-65535, got {self.port}")
         if not 0 < self.max_payload <= 64 * 1024 * 1024:
@@ -91,10 +103,18 @@ class EmbeddedNats:
             "}",
             f'authorization {{ user: "{c.user}", password: "{c.password}" }}' if c.user else "",
             f'authorization {{ token: "{c.token}" }}' if c.token else "",
+            self._tls_block(),
         ]
         path = self.data_dir / "nats-server.conf"
         path.write_text("\n".join(line for line in lines if line) + "\n")
         return path
+
+    def _tls_block(self) -> str:
+        c = self.config
+        if not c.tls_cert:
+            return ""
+        verify = f', ca_file: "{c.tls_verify_ca}", verify: true' if c.tls_verify_ca else ""
+        return f'tls {{ cert_file: "{c.tls_cert}", key_file: "{c.tls_key}"{verify} }}'
 
     def start(self) -> str:
         if self._proc is not None:
@@ -110,9 +130,9 @@ class EmbeddedNats:
         ports_file = self.data_dir / f"nats-server_{self._proc.pid}.ports"
         deadline = time.monotonic() + self.config.start_timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
+            if (code := self._proc.poll()) is not None:
                 self.stop()
-                raise RuntimeError(f"nats-server exited with {self._proc.returncode}; see {self.data_dir / 'nats-server.log'}")
+                raise RuntimeError(f"nats-server exited with {code}; see {self.data_dir / 'nats-server.log'}")
             if ports_file.exists():
                 try:
                     self.url = json.loads(ports_file.read_text())["nats"][0]
