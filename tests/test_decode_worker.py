@@ -487,8 +487,12 @@ def test_a_stopping_decode_worker_finishes_what_it_holds_and_takes_nothing_new(n
 
 
 def test_a_second_signal_ends_the_drain(nats_server, tmp_path):
-    """``ctx.hurry`` (a second SIGTERM) stops a drain at once: what the worker still holds ends with
-    an error event, so its client is not left waiting."""
+    """``ctx.hurry`` (a second SIGTERM) stops a drain at once: what the worker still holds is
+    handed on, a resume job in its lane's prefill queue holding the tokens its client has, so its
+    client is not left waiting, nor failed."""
+    from llmbus.bus.streams import ensure_prefill_consumer
+    from llmbus.bus.worker import PullWorker
+
     model = "decodehurries"
     engine, prompts, prefilled = _draining_bus(nats_server, tmp_path, model, ["hurry-a"], 0.5)
 
@@ -504,10 +508,16 @@ def test_a_second_signal_ends_the_drain(nats_server, tmp_path):
             while not worker.draining:
                 await asyncio.sleep(0.01)
             worker.ctx.hurry.set()
-        await asyncio.wait_for(done.wait(), 10)
+        lane = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], await ensure_prefill_consumer(js, "short", model),
+                                     max_deliver=5)  # fmt: skip
+        (msg,) = await lane.fetch(1, timeout=10.0)
+        await msg.ack()
+        await lane.close()
         await nc.close()
-        return events
+        return handoff, list(events), decode(GenerateRequest, msg.data), done.is_set()
 
-    events = with_kvpool(nats_server, engine, body)
-    assert events[-1].finish_reason == "error" and "shut down" in events[-1].error
-    assert sum(len(e.token_ids) for e in events) < 39
+    handoff, events, resumed, ended = with_kvpool(nats_server, engine, body)
+    assert not ended and sum(len(e.token_ids) for e in events) < 39
+    assert resumed.request_id == "hurry-a" and resumed.prompt_token_ids == prompts["hurry-a"]
+    assert resumed.resume_token_ids == handoff.output_token_ids + [t for e in events for t in e.token_ids]
+    assert resumed.resume_seq == events[-1].seq + 1

@@ -220,12 +220,20 @@ class Engine:
         cache_salt: str = "",
         prefill_only: bool = False,
         priority: int = 0,
+        output_token_ids: list[int] = (),
     ) -> None:
         """Queue a request; ``priority``: smaller runs first (admitted before, preempted after, the
-        waiting and running requests of a larger one)."""
+        waiting and running requests of a larger one). ``output_token_ids``: what it generated
+        before, elsewhere (a request resumed from a worker that stopped): computed again as context,
+        as a preempted sequence's are, and counted against ``max_tokens``; the next token is its
+        first output here."""
         if request_id in self._seqs or request_id in self._handoffs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids, len(output_token_ids))
+        self._check_vocabulary(output_token_ids, "output token")
+        if output_token_ids and len(output_token_ids) >= params.max_tokens:
+            raise ValueError(f"{len(output_token_ids)} tokens already generated leave none of max_tokens "
+                             f"{params.max_tokens}")  # fmt: skip
         self._check_params(params)
         seq = Sequence(
             request_id=request_id,
@@ -234,6 +242,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             priority=priority,
+            output_token_ids=list(output_token_ids),
         )
         self._seqs[request_id] = seq
         if prefill_only:

@@ -152,6 +152,11 @@ class GenerateRequest:
     lane: str = ""  # set by the router: "short" | "long"; "" before routing
     # W3C trace context of the gateway's span for the request (llmbus.tracing); "" when not traced
     traceparent: str = ""
+    # a request taken over from a worker that stopped before its end: the output tokens its client
+    # already has (the next worker computes them again as context and samples on from them), and
+    # the seq of the next TokenEvent
+    resume_token_ids: list[int] = field(default_factory=list)
+    resume_seq: int = 0
 
     def __post_init__(self) -> None:
         check_id("request_id", self.request_id)
@@ -168,6 +173,14 @@ class GenerateRequest:
         check_priority("priority", self.priority)
         if self.token_subject:
             check_token_subject(self.token_subject, self.request_id)
+        _check_tokens("resume_token_ids", self.resume_token_ids)
+        if not 0 <= self.resume_seq <= MAX_TOKEN_ID:
+            raise ValueError(f"resume_seq must be in [0, 2**31), got {self.resume_seq}")
+        if self.resume_token_ids and not self.resume_seq:
+            raise ValueError("resume_token_ids were sent in events: resume_seq, the next event's seq, must be >= 1")
+        if self.resume_token_ids and len(self.resume_token_ids) >= self.sampling.max_tokens:
+            raise ValueError(f"resume_token_ids holds {len(self.resume_token_ids)} tokens: the request's max_tokens "
+                             f"({self.sampling.max_tokens}) left none to generate")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds
 from llmbus.engine.engine import Engine, StepOutput
 from llmbus.metrics import labelled, scalar
-from llmbus.protocol import Abort, GenerateRequest, MetricFamily, ProtocolError, StoreReply, TokenEvent, decode
+from llmbus.protocol import Abort, GenerateRequest, MetricFamily, ProtocolError, StoreReply, TokenEvent, decode, encode
 from llmbus.protocol.messages import INVALID_REQUEST
 from llmbus.worker.engine_loop import EngineLoop
 
@@ -170,6 +171,27 @@ class EngineWorker(abc.ABC):
         await self.publish(req, TokenEvent(req.request_id, seq, finish_reason="abort", error=why,
                                            worker=self.ctx.instance_id, prompt_tokens=len(req.prompt_token_ids)))
         self.recent_aborts.add(req.request_id)
+
+    async def hand_on(self, req: GenerateRequest, output_token_ids: list[int], next_seq: int, subject: str,
+                      why: str) -> None:  # fmt: skip
+        """A request this worker stops holding before its end (``why``: its shutdown), whose client
+        already has ``output_token_ids`` in events up to ``next_seq``: queued again on ``subject``
+        as a resume job, which the next worker to take it continues from those tokens, at
+        ``next_seq`` (started again from its first token instead, a sampled request's text would
+        change course where this worker's ended). Where the bus will not take it, the client gets
+        a final error event instead."""
+        rid = req.request_id
+        try:
+            resumed = dataclasses.replace(req, resume_token_ids=list(output_token_ids), resume_seq=next_seq)
+            # NOTE: its own id: the bus drops a message whose id it saw in the last two minutes
+            await self.ctx.js.publish(subject, encode(resumed), headers={subjects.MSG_ID_HEADER: f"{rid}.resume.{next_seq}"})
+        except Exception as exc:
+            log.warning("could not hand %s on: %s", rid, exc)
+            await self.publish(req, TokenEvent.failure(rid, why, seq=next_seq, worker=self.ctx.instance_id,
+                                                        prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
+            return
+        log.info("handed %s on after %d tokens (%s)", rid, len(output_token_ids), why)
+        self.end_span(rid, **{"llmbus.finish_reason": "handed_on"})
 
     @property
     @abc.abstractmethod

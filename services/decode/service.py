@@ -52,6 +52,7 @@ class Active:
     request: GenerateRequest
     next_seq: int
     output_token_ids: list[int] = field(default_factory=list)
+    whole: bool = False  # prefilled here (a whole request), not handed off
 
 
 class DecodeWorker(EngineWorker):
@@ -172,9 +173,11 @@ class DecodeWorker(EngineWorker):
             await self.drain(pullers)
             publisher.cancel()
             await asyncio.gather(publisher, return_exceptions=True)
-            for rid, act in list(self.active.items()):  # tell clients instead of leaving them waiting
-                await self.publish(act.request, TokenEvent.failure(rid, "the decode worker shut down",
-                                                                    seq=act.next_seq, worker=self.ctx.instance_id))
+            for act in list(self.active.values()):  # continued elsewhere, from the tokens its client has
+                req = act.request
+                lane = req.lane or "short"
+                subject = (subjects.whole_lane_subject if act.whole else subjects.lane_subject)(lane, self.model, req.priority)
+                await self.hand_on(req, act.output_token_ids, act.next_seq, subject, "the decode worker shut down")
             self.active.clear()
         self.check_engine()
 
@@ -250,11 +253,12 @@ class DecodeWorker(EngineWorker):
             return
         self.trace(req, "llmbus.decode", **{"llmbus.whole": True})
         # NOTE: registered first: the engine may emit its first token before we resume
-        act = self.active[rid] = Active(req, 0)
+        act = self.active[rid] = Active(req, req.resume_seq, list(req.resume_token_ids), whole=True)
 
         def admit(e: Engine) -> None:
             if self.active.get(rid) is act:  # not aborted meanwhile (on_abort found nothing to stop)
-                e.add_request(rid, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt, priority=req.priority)
+                e.add_request(rid, req.prompt_token_ids, req.sampling.to_params(), req.cache_salt, priority=req.priority,
+                              output_token_ids=req.resume_token_ids)
 
         try:
             await self.loop.call(admit)

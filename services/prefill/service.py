@@ -59,7 +59,8 @@ class Job:
     msg: object
     request: GenerateRequest
     stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
-    next_seq: int = 0  # colocated mode: seq of the next TokenEvent
+    next_seq: int = 0  # seq of the next TokenEvent (from the request's resume_seq)
+    output_token_ids: list[int] = field(default_factory=list)  # colocated mode: what its client has
 
 
 def _prompt_tokens(msg) -> int:
@@ -166,7 +167,7 @@ class PrefillWorker(EngineWorker):
             await msg.ack()  # aborted before it reached us, or a redelivery of a job we hold
             return
         # NOTE: registered before the engine sees it: its first output can arrive before we resume
-        job = self.jobs[rid] = Job(msg, req)
+        job = self.jobs[rid] = Job(msg, req, next_seq=req.resume_seq, output_token_ids=list(req.resume_token_ids))
         self._jobs_changed.set()
         self.trace(req, "llmbus.prefill", **{"llmbus.lane": req.lane, "llmbus.colocated": self.colocated})
         job.stack.callback(self.end_span, rid)  # whatever ends the job ends its span
@@ -183,7 +184,7 @@ class PrefillWorker(EngineWorker):
                 if kv is not None:  # NOTE: same engine call as add_request: nothing evicts it in between
                     e.import_prefix(hashes[local : local + kv.shape[0]], kv, protect=hashes[:local])
                 e.add_request(rid, req.prompt_token_ids, params, req.cache_salt, prefill_only=not self.colocated,
-                              priority=req.priority)
+                              priority=req.priority, output_token_ids=req.resume_token_ids)
 
             await self.loop.call(admit)
         except Exception as exc:  # ValueError: the request's fault; anything else: ours, but it ends the job too
@@ -281,16 +282,17 @@ class PrefillWorker(EngineWorker):
     async def _finish(self, job: Job, out: StepOutput) -> None:
         req = job.request
         rid = req.request_id
+        first = job.next_seq  # 0, or a resumed request's next
         try:
             if out.finish_reason != "handoff":  # finished on its first token, aborted, or failed
                 if out.finish_reason != "abort":
-                    await self.publish(req, token_event(out, 0, self.ctx.instance_id, out.finish_reason))
+                    await self.publish(req, token_event(out, first, self.ctx.instance_id, out.finish_reason))
                 if not self._aborted(job):  # NOTE: term: a job the step failed on must not fail another worker too
                     await (job.msg.term() if out.finish_reason == "error" else job.msg.ack())
                 if out.finish_reason not in ("abort", "error"):
                     self.spawn_store(self._store_from_tier0(req))
                 return
-            await self.publish(req, token_event(out, 0, self.ctx.instance_id, None))
+            await self.publish(req, token_event(out, first, self.ctx.instance_id, None))
             if self._aborted(job):
                 return
             state, kv = await self.loop.call(lambda e: e.export_sequence(rid))
@@ -307,7 +309,7 @@ class PrefillWorker(EngineWorker):
                     # would end the client's stream (and so its abort) while decode runs on for nobody
                     log.debug("could not ack the handed-off job %s: %s", rid, exc)
         except DeadlinePassed as exc:
-            await self.end_with_abort(req, 1, str(exc))
+            await self.end_with_abort(req, first + 1, str(exc))
             with contextlib.suppress(Exception):
                 await job.msg.ack()
         except Exception as exc:
@@ -315,7 +317,8 @@ class PrefillWorker(EngineWorker):
                 log.debug("prefill of %s ended by its abort: %r", rid, exc)
                 return
             log.exception("prefill of %s failed", rid)
-            await self.publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=1, worker=self.ctx.instance_id,
+            await self.publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=first + 1,
+                                                        worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             with contextlib.suppress(Exception):
                 await job.msg.term()
@@ -339,6 +342,7 @@ class PrefillWorker(EngineWorker):
                 if out.finish_reason != "abort":
                     await self.publish(req, token_event(out, job.next_seq, self.ctx.instance_id, out.finish_reason))
                 job.next_seq += 1
+                job.output_token_ids += out.new_token_ids
                 if out.finish_reason is not None:
                     self.jobs.pop(req.request_id, None)
                     await self._let_go(job, term=out.finish_reason == "error")
@@ -471,11 +475,14 @@ class PrefillWorker(EngineWorker):
                 kv_shape=[n_blocks, num_layers, layer_bytes],
                 kv_format=self.engine.config.kv_format,
                 prefill_worker=self.ctx.instance_id,
-                next_seq=1,
+                next_seq=job.next_seq + 1,
                 num_cached_tokens=out.num_cached_tokens,
             )
+            # NOTE: a resumed request's handoff is not its first one's (the bus would drop it as a
+            # duplicate); a redelivered job's second handoff still is its first's
+            msg_id = f"{req.request_id}.resume.{req.resume_seq}" if req.resume_seq else req.request_id
             ack = await self.ctx.js.publish(subjects.handoff_subject(self.model, req.priority), encode(handoff),
-                                            headers={subjects.MSG_ID_HEADER: req.request_id})  # fmt: skip
+                                            headers={subjects.MSG_ID_HEADER: msg_id})  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.kv.release(lease.lease_id)
@@ -490,10 +497,20 @@ class PrefillWorker(EngineWorker):
             await self._stop(job)
 
     async def _release_all(self) -> None:
-        """On shutdown, give unfinished jobs back to the stream so another replica takes them."""
+        """On shutdown, give unfinished jobs back to the stream so another replica takes them: as
+        they came, or (colocated) one whose client has tokens from here as a resume job, continued
+        from them, in its lane's shared (or urgent) queue."""
         for job in list(self.jobs.values()):
-            with contextlib.suppress(Exception):
-                await job.msg.nak()  # another replica takes it
+            req = job.request
+            if self.colocated and job.next_seq > req.resume_seq:
+                lane = req.lane or job.msg.subject.split(".")[2]  # (a direct job's lane too: llmbus.prefill.<lane>...)
+                await self.hand_on(req, job.output_token_ids, job.next_seq, subjects.lane_subject(lane, self.model, req.priority),
+                                   "the prefill worker shut down")  # fmt: skip
+                with contextlib.suppress(Exception):
+                    await job.msg.ack()
+            else:
+                with contextlib.suppress(Exception):
+                    await job.msg.nak()  # another replica takes it
             await job.stack.aclose()
         self.jobs.clear()
 
