@@ -12,7 +12,6 @@ import asyncio
 import pytest
 
 from llmbus.bus import subjects
-from llmbus.engine.engine import FAILED_STEPS_LIMIT
 from llmbus.engine.llm import LLM
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.protocol import encode
@@ -21,6 +20,16 @@ from tests.test_engine import model_dir, prompts  # noqa: F401 - fixtures
 from tests.test_prefill_worker import _colocated_worker, _engine, _handing_off_bus, _submit, _token_events
 
 POISON = 2  # a token id no fixture prompt holds (they draw from 3 up)
+
+
+class _AnyError(str):
+    def __eq__(self, other) -> bool:
+        return "broke the forward pass" in other
+
+    __hash__ = str.__hash__
+
+
+ANY_ERROR = _AnyError()
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -135,33 +144,76 @@ def test_a_request_that_fails_mid_decode_keeps_its_tokens_and_frees_its_blocks(m
     assert_clean(engine)
 
 
-def test_an_engine_that_fails_on_everything_raises(model_dir, prompts):  # noqa: F811
+def test_an_engine_that_fails_on_everything_raises_and_ends_nobody(model_dir, prompts):  # noqa: F811
+    """A dead device: the engine's own one-token step fails too, so the step raises (the worker
+    exits, its jobs go to another replica) and no request is ended with an error."""
     engine = LLM(model_dir, dtype="float32", device="cpu").engine
-    forward = engine.runner._forward
 
     def broken(batch):
         raise RuntimeError("the device is gone")
 
     engine.runner._forward = broken
-    # alone, a request the step fails on could be the request's fault: it ends with "error" ...
-    for i in range(FAILED_STEPS_LIMIT - 1):
-        engine.add_request(f"alone-{i}", prompts[i], GREEDY)
-        (out,) = engine.step()
-        assert out.finish_reason == "error" and "the device is gone" in out.error
-    # ... but not once the steps in a row that ran nothing reach the limit
-    engine.add_request("last", prompts[0], GREEDY)
-    with pytest.raises(RuntimeError, match="the device is gone"):
-        engine.step()
-    engine.abort("last")
+    for rids in (["alone"], ["one", "two"]):
+        for rid in rids:
+            engine.add_request(rid, prompts[len(rid)], GREEDY)
+        with pytest.raises(RuntimeError, match="the device is gone"):
+            engine.step()
+        assert ("error",) not in engine.stats.finished.values
+        for rid in rids:
+            assert engine.abort(rid)  # still the engine's: nothing ended them
     assert_clean(engine)
-    # two requests that each fail alone: the engine is broken
-    engine.runner._forward = forward
-    run(engine, {"resets-the-count": prompts[0]})
-    engine.runner._forward = broken
-    engine.add_request("a", prompts[1], GREEDY)
-    engine.add_request("b", prompts[2], GREEDY)
-    with pytest.raises(RuntimeError, match="the device is gone"):
-        engine.step()
+
+
+def test_copies_of_one_bad_request_fail_alone_and_the_engine_goes_on(model_dir, prompts):  # noqa: F811
+    """Everything a step ran failed, but the engine's own step runs: the requests' fault, not the
+    engine's (n copies of one bad request, or one alone on a quiet worker)."""
+    engine = LLM(model_dir, dtype="float32", device="cpu").engine
+    poison_forward(engine)
+    bad = [POISON] + prompts[0]
+    assert run(engine, {"copy-0": bad, "copy-1": bad}) == {rid: ([], "error", ANY_ERROR) for rid in ("copy-0", "copy-1")}
+    for i in range(3):  # one after another on an idle engine: never counted against it
+        assert run(engine, {f"alone-{i}": bad})[f"alone-{i}"][1] == "error"
+    assert run(engine, {"fine": prompts[1]})["fine"][1] == "length"
+    assert_clean(engine)
+
+
+def test_a_failed_micro_batch_step_waits_for_the_others_before_it_is_run_again(model_dir, prompts):  # noqa: F811
+    """Split over threads, a step whose first micro-batch raises returns only once the others are
+    done: run again at once, they would write the cache beside the retry."""
+    import threading
+    import time
+
+    engine = LLM(model_dir, dtype="float32", device="cpu", num_threads=2, cpu_micro_batches=2).engine
+    forward, order = engine.runner._forward, []
+
+    def first_fails_once(batch):
+        if threading.current_thread() is threading.main_thread():
+            if not order:
+                order.append("raised")
+                raise RuntimeError("not this time")
+        elif "other done" not in order:
+            for _ in range(200):  # until the first has raised, then on for a while (still writing)
+                if order:
+                    break
+                time.sleep(0.01)
+            time.sleep(0.3)
+            order.append("other done")
+        return forward(batch)
+
+    engine.runner._forward = first_fails_once
+    execute = engine.runner.execute
+
+    def execute_noting(out):
+        try:
+            return execute(out)
+        except Exception:
+            order.append("step raised")
+            raise
+
+    engine.runner.execute = execute_noting
+    requests = {f"mb-{i}": p for i, p in enumerate(prompts)}
+    run(engine, requests)
+    assert order[:3] == ["raised", "other done", "step raised"], order
 
 
 def test_the_offline_api_reports_a_failed_request(model_dir, prompts):  # noqa: F811

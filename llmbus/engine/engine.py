@@ -21,7 +21,7 @@ from llmbus.engine.config import EngineConfig
 from llmbus.engine.runner import ModelRunner
 from llmbus.engine.sampling_params import SamplingParams
 from llmbus.guide.masks import GuideMasks, TokenIndex
-from llmbus.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmbus.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
 from llmbus.engine.stats import EngineStats
 from llmbus.kv.formats import parse_kv_format
@@ -29,8 +29,7 @@ from llmbus.kv.layout import DTYPE_BYTES, KVLayout
 
 log = logging.getLogger("llmbus.engine")
 
-# steps in a row that failed on every sequence they ran before the engine counts itself broken
-FAILED_STEPS_LIMIT = 3
+PROBE_ID = "llmbus-probe"  # the engine's own one-token step, run when a step failed on everything
 
 
 class OutOfBlocks(ValueError):
@@ -146,7 +145,6 @@ class Engine:
         self.num_preemptions = 0
         self.stats = EngineStats()
         self.isolate_failures = True  # a step that raises fails only the sequences it fails on alone
-        self._failed_steps = 0  # steps in a row that failed on every sequence they ran
         # a sequence preempted for blocks waits to resume (as of the last step or abort; other threads
         # read it): imports wait until it has its blocks back, or a stream of them could starve it
         self.resuming = False
@@ -385,26 +383,40 @@ class Engine:
         return results
 
     def _execute(self, out: SchedulerOutput) -> tuple[dict[str, tuple[int, TokenLogprob | None]], list]:
-        """Run the step; where it raises, run it again in halves, down to single sequences: the
-        tokens sampled, and ``(sequence, exception)`` for each sequence the step fails on alone. A
-        step that fails on every sequence it ran is the engine's fault, not a request's (a dead
-        device, kernels that cannot launch): when those are two or more, or the step is the
-        ``FAILED_STEPS_LIMIT``-th such step in a row, its first exception is raised.
+        """Run the step; where it raises, run it again in halves, down to single sequences (each
+        tried twice): the tokens sampled, and ``(sequence, exception)`` for each sequence the step
+        fails on alone. A step that fails on every sequence it ran may be the engine's fault, not
+        theirs (a dead device, kernels that cannot launch; or copies of one bad request): the
+        engine then runs a step of its own (``_healthy``), and where that fails too, raises the
+        first exception, ending nobody (their jobs go to another replica).
 
-        NOTE: a failed attempt leaves nothing behind that the retry does not redo: it writes the
-        same cache slots, scores prompt tokens not yet scored, and a guide's state follows the
-        sequence's output. The exact tail rows' bookkeeping is put back as it was. A seeded
-        sequence whose sampling ran in the failed attempt draws again, from where that left off."""
+        NOTE: a failed attempt leaves nothing behind that the retry does not redo: it computes the
+        same positions into the same cache slots (on CPU in float32 bit for bit; on a GPU a smaller
+        batch may take other kernels), scores prompt tokens not yet scored, a guide's state follows
+        the sequence's output, and seeded draws are stateless. The exact tail rows' bookkeeping is
+        put back as it was. Unseeded rows draw again from the shared generator."""
         sampled, failed = self._bisect(out)
-        if failed and len(failed) == len(out.scheduled):
-            self._failed_steps += 1
-            if len(failed) > 1 or self._failed_steps >= FAILED_STEPS_LIMIT:
-                raise failed[0][1]
-        else:
-            self._failed_steps = 0
+        if failed and len(failed) == len(out.scheduled) and not self._healthy():
+            raise failed[0][1]
         return sampled, failed
 
-    def _bisect(self, out: SchedulerOutput) -> tuple[dict[str, tuple[int, TokenLogprob | None]], list]:
+    def _healthy(self) -> bool:
+        """Whether the engine still runs a step: a one-token prompt of its own, computed and
+        sampled alone, then dropped. Assumed where no block is free for it."""
+        seq = Sequence(request_id=PROBE_ID, prompt_token_ids=[1 % self.vocab_size],
+                       params=SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
+        if not self.block_manager.allocate(seq, 1):
+            return True
+        try:
+            self.runner.execute(SchedulerOutput([ScheduledSeq(seq, 1, True)], [], 1))
+            return True
+        except Exception:  # noqa: BLE001 - broken, whatever it says
+            log.exception("the engine's own step failed too: the engine is broken")
+            return False
+        finally:
+            self.block_manager.free(seq)
+
+    def _bisect(self, out: SchedulerOutput, tries: int = 2) -> tuple[dict[str, tuple[int, TokenLogprob | None]], list]:
         tails = self.runner.tails
         held = tails.snapshot() if tails is not None else None
         try:
@@ -413,7 +425,7 @@ class Engine:
             if held is not None:
                 tails.restore(held)
             if len(out.scheduled) == 1:
-                return {}, [(out.scheduled[0].seq, exc)]
+                return self._bisect(out, tries - 1) if tries > 1 else ({}, [(out.scheduled[0].seq, exc)])
             half = len(out.scheduled) // 2
             sampled, failed = self._bisect(replace(out, scheduled=out.scheduled[:half]))
             more, failed_too = self._bisect(replace(out, scheduled=out.scheduled[half:]))
