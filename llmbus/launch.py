@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmbus.bus.connection import NATS_URL_ENV, has_credentials
+from llmbus.bus.connection import NATS_URL_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, has_credentials
 from llmbus.kv.formats import KV_FORMATS
 
 READY = "llmbus-ready"
@@ -208,6 +208,12 @@ def _stop(children: list[Child], timeout: float = 30.0) -> None:
                 c.proc.wait()
 
 
+def drop_tls_settings() -> list[str]:
+    """Take ``$LLMBUS_NATS_TLS_*`` out of the environment the services inherit (they would refuse
+    the embedded server, which speaks plain TCP on 127.0.0.1); the names that were set."""
+    return [name for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV) if os.environ.pop(name, None) is not None]
+
+
 def run(args: argparse.Namespace) -> int:
     from llmbus.bus.server import EmbeddedNats
 
@@ -225,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     nats = None
     if not args.nats_url:
+        if dropped := drop_tls_settings():
+            print(f"llmbus up: {', '.join(dropped)} apply to a NATS server given with --nats-url; the embedded one "
+                  "listens on 127.0.0.1 without TLS", file=sys.stderr)  # fmt: skip
         nats = EmbeddedNats(data_dir / "nats")
         nats.start()
         print(f"llmbus up: nats-server at {nats.url} (store {data_dir / 'nats'})", flush=True)

@@ -66,7 +66,7 @@ def _connect_error(url: str) -> str:
     return asyncio.run(attempt())
 
 
-def test_a_client_with_the_ca_and_its_certificate_uses_jetstream_over_tls(tls_server, pki, monkeypatch):
+def test_a_client_with_the_ca_and_its_certificate_uses_jetstream_over_tls(tls_server, pki, monkeypatch, caplog):
     _tls_env(monkeypatch, pki)
 
     async def body():
@@ -83,6 +83,22 @@ def test_a_client_with_the_ca_and_its_certificate_uses_jetstream_over_tls(tls_se
             await nc.close()
 
     assert asyncio.run(body()) == (True, 1, b"over tls")
+    # asyncio's warning at every TLS close ("eof_received() has no effect when using ssl") is not ours to show
+    assert not [r for r in caplog.records if "eof_received" in r.getMessage()]
+
+
+def test_llmbus_up_keeps_tls_settings_from_services_on_its_embedded_server(monkeypatch):
+    """The embedded server speaks plain TCP on 127.0.0.1: services told to ask for TLS would
+    refuse it and ``llmbus up`` would fail to start."""
+    import os
+
+    from llmbus.launch import drop_tls_settings
+
+    monkeypatch.setenv(TLS_CA_ENV, "/some/ca.pem")
+    monkeypatch.setenv(TLS_KEY_ENV, "/some/key.pem")
+    monkeypatch.delenv(TLS_CERT_ENV, raising=False)
+    assert drop_tls_settings() == [TLS_CA_ENV, TLS_KEY_ENV]
+    assert not {TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV} & set(os.environ) and drop_tls_settings() == []
 
 
 def test_without_the_right_settings_the_tls_server_is_not_reached(tls_server, pki, monkeypatch):

@@ -24,11 +24,20 @@ _USERINFO = re.compile(r"(?<=://)[^/@,\s]*@")
 TLS_CA_ENV = "LLMBUS_NATS_TLS_CA"
 TLS_CERT_ENV = "LLMBUS_NATS_TLS_CERT"
 TLS_KEY_ENV = "LLMBUS_NATS_TLS_KEY"
+_FOLLOW_ON = {"Connection lost", "nats: unexpected EOF"}  # what nats-py reports after the error that mattered
 
 
 def default_nats_url() -> str:
     """``$LLMBUS_NATS_URL``, else the local default."""
     return os.environ.get(NATS_URL_ENV, "").strip() or DEFAULT_NATS_URL
+
+
+class _QuietTlsClose(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" each time
+    a TLS connection to the bus closes (nats-py's protocol returns True there): nothing is wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
 def tls_context(url: str) -> ssl.SSLContext | None:
@@ -39,6 +48,8 @@ def tls_context(url: str) -> ssl.SSLContext | None:
     ca, cert, key = (os.environ.get(name, "").strip() for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV))
     if not (ca or cert or key or "tls://" in url):
         return None
+    if not any(isinstance(f, _QuietTlsClose) for f in logging.getLogger("asyncio").filters):
+        logging.getLogger("asyncio").addFilter(_QuietTlsClose())
     if key and not cert:
         raise ConnectionError(f"{TLS_KEY_ENV} is set but {TLS_CERT_ENV}, the certificate it goes with, is not")
     try:
@@ -83,8 +94,8 @@ class _Client(Client):
         # TCP with a server that does not require TLS (a tls:// URL included), CONNECT and its
         # credentials in the clear
         if self.require_tls and initial_connection and not info.get("tls_required"):
-            raise nats_errors.Error("TLS was asked for, but this server does not require it: not connecting "
-                                    "in plain TCP")  # fmt: skip
+            raise nats_errors.Error("TLS was asked for, but this server does not require it (a tls block without "
+                                    "allow_non_tls): not connecting in plain TCP")  # fmt: skip
         return await super()._process_info(info, initial_connection)
 
     async def _request_new_style(self, subject, payload, timeout=1, headers=None):
@@ -131,7 +142,8 @@ async def connect(
         msg = str(exc) or type(exc).__name__
         if not errors or errors[-1] != msg:  # NOTE: nats retries every 0.5 s; log each new error once
             log.warning("nats %s: %s", name, redact(msg))
-        errors[:] = [msg]
+        if msg not in _FOLLOW_ON or not errors:  # NOTE: after a TLS refusal, say why, not what followed
+            errors[:] = [msg]
 
     async def on_disconnect() -> None:
         if nc.is_closed or nc.is_draining:  # our own close or drain: nothing went wrong
