@@ -31,9 +31,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
-from llmbus.guide.regex import Regex, RegexError
+from llmbus.guide.regex import Regex, RegexError, meets
 
 MAX_INDENT = 40  # spaces after a line break (4 per level, 10 levels)
 MAX_TABS = 10
@@ -51,6 +52,7 @@ _STRUCTURAL = frozenset(b' \t\n\r{}[]:,"-+.eE0123456789tfn')
 _DIGITS = frozenset(b"0123456789")
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_NOT_PLAIN = re.compile(r'["\\\x00-\x1f]')  # what a JSON string's body holds only escaped
 
 # keywords that constrain values in ways this matcher does not enforce: refused, not ignored
 _REFUSED = ("patternProperties", "multipleOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
@@ -537,6 +539,15 @@ def _next_char(rx: Regex, nfa: frozenset, acc: int, cp: int | None, esc: int, ut
     return nfa if span is None or rx.can_take(nfa, *span) else None
 
 
+def _starts(cset, b: int) -> bool:
+    """Whether byte ``b`` can begin the UTF-8 of a character of ``cset``."""
+    step = _utf8_byte(0, b)
+    if step is None:
+        return False
+    acc, cp = _code_point(0, 0, 0, b) if b != _BACKSLASH else (0, b)
+    return meets(cset, cp, cp) if cp is not None else meets(cset, *_due_range(0, step[0], acc))
+
+
 def _done(rest: tuple) -> tuple:
     """The thread once the value on top of ``rest`` has ended: an enclosing object or array
     expects a separator next."""
@@ -839,6 +850,47 @@ class Grammar:
         """Whether ``data`` is a whole output this grammar allows."""
         return self.accepts(self.advance(self.initial, data))
 
+    def run(self, state: frozenset) -> tuple | None:
+        """Where ``state`` is one thread between characters of a pattern (a JSON string's without
+        length bounds left to check, or a regex guide's text), at a place in a counted run of one
+        set (``Regex.run``): (whether the text is a JSON string's, the set, characters the run may
+        still take, characters due before it may end, the state once it has ended); else None.
+        There a token's fate hangs on how many of its first characters are in the set (the run
+        cannot end before a character of the set, so it ends at the first other one), so masks
+        need no walk (``llmbus.guide.runs``)."""
+        key = (state, "run")
+        hit = self._memo.get(key, False)
+        if hit is False:
+            hit = self._run(state)
+            if len(self._memo) >= self.MAX_MEMO:
+                self._memo.clear()
+            self._memo[key] = hit
+        return hit
+
+    @staticmethod
+    def _run(state: frozenset) -> tuple | None:
+        if len(state) != 1:
+            return None
+        (thread,) = state
+        top, rest = (thread[-1], thread[:-1]) if thread else (None, ())
+        if top is not None and top[0] == "S" and top[6] is not None and not top[3] and not top[4]:
+            node, rx = top[1], top[1].pattern
+            if node.max_len is not None or top[2] < node.min_len:
+                return None  # NOTE: the length is then min_len, whatever the run takes
+        elif top is not None and top[0] == "X" and not top[3]:
+            rx = top[1]
+        else:
+            return None
+        run = rx.run(top[-1] if top[0] == "S" else top[2])
+        if run is None:
+            return None
+        cset, room, due, after = run
+        if top[0] == "S":
+            return True, cset, room, due, frozenset((rest + (("S", node, top[2], 0, 0, 0, after),),))
+        if rx.accepts(after) and rest and any(_feed(rest, b) and _starts(cset, b) for b in range(256)):
+            return None  # the text's suffix could begin with a character of the set
+        return False, cset, room, due, frozenset((rest + (("X", rx, after, 0, 0),),))
+
     @staticmethod
     def string_threads(state: frozenset) -> list[tuple[float, int, frozenset]] | None:
         """Where every thread is inside a string between characters, per thread: (characters it
@@ -873,6 +925,49 @@ def scan_string(piece: bytes) -> tuple[int, int, bytes | None] | None:
         esc, utf8, ended = step
         done += ended
     return need, done, None
+
+
+def scan_chars(piece: bytes, json_text: bool) -> tuple[str, list[int] | None, int, tuple[int, int] | None]:
+    """``piece`` read from between characters of a pattern's text: a JSON string's (escapes
+    decoded; a quote ends the reading) or, not ``json_text``, plain UTF-8 (a regex guide's). Returns
+    (the characters it completes, the byte offset after each (None: their UTF-8 ends), the bytes
+    read, the code points a character it leaves unfinished can still become (None: none)); the
+    reading stops at the first byte that cannot come."""
+    text = plain_text(piece) if json_text else _utf8(piece)
+    if text is not None:
+        return text, None, len(piece), None
+    esc = utf8 = acc = 0
+    chars, ends = [], []
+    for i, b in enumerate(piece):
+        if json_text:
+            if b == _QUOTE and not esc and not utf8:
+                return "".join(chars), ends, i, None
+            step = _string_byte(esc, utf8, b)
+        else:
+            step = _utf8_byte(utf8, b)
+            step = None if step is None else (0, *step)
+        if step is None:
+            return "".join(chars), ends, i, None
+        acc, cp = (0, b) if b == _BACKSLASH and not json_text else _code_point(esc, utf8, acc, b)
+        esc, utf8, _ = step
+        if cp is not None:
+            chars.append(chr(cp))
+            ends.append(i + 1)
+    return "".join(chars), ends, len(piece), _due_range(esc, utf8, acc)
+
+
+def plain_text(piece: bytes) -> str | None:
+    """The text of a piece that is whole characters of a JSON string's body, no quote, backslash
+    or control character; else None."""
+    text = _utf8(piece)
+    return None if text is None or _NOT_PLAIN.search(text) else text
+
+
+def _utf8(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def guide_spec(schema: dict | None = None, prefix: str = "", suffix: str = "", choice: list[str] | None = None,

@@ -10,7 +10,10 @@ drawn, there is no walk: each token was read once, from inside a string, when th
 only room; one that stays inside needs room for its characters; one that closes the string needs
 room, enough characters before the quote (minLength) and a tail that the state after the string
 takes, which is checked once per such state. So a bounded string, whose every length is a state
-of its own, costs a bisection and a short list per token, not a walk.
+of its own, costs a bisection and a short list per token, not a walk. A pattern's counted run of
+one set (``.{0,256}``, ``[a-z]{1,200}``), each place in which is a pattern state of its own, costs
+the same (``llmbus.guide.runs``): each token was read once against the set, and what may follow
+the run is checked once per run.
 
 Other masks are cached per (spec, state) and shared by every sequence with that guide. Each
 sequence's ``GuideRun`` advances its state by the tokens it has produced since the last step, so
@@ -25,18 +28,10 @@ from collections import OrderedDict
 
 import torch
 
-from llmbus.guide.grammar import Grammar, compile_guide, scan_string
+from llmbus.guide.grammar import Grammar, compile_guide, plain_text, scan_string
+from llmbus.guide.runs import Runs
 
 log = logging.getLogger(__name__)
-
-
-def _plain(piece: bytes) -> bool:
-    """A token that is whole characters of a JSON string's body, no quote, backslash or control."""
-    try:
-        text = piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return all(c >= " " and c not in '"\\' for c in text)
 
 
 class _Sorted:
@@ -59,8 +54,8 @@ class TokenIndex:
         # follows the quote
         plain, inside, self.closers = [], [], []
         for p, i in entries:
-            if _plain(p):
-                plain.append((len(p.decode("utf-8")), i))
+            if (text := plain_text(p)) is not None:
+                plain.append((len(text), i))
             elif (scan := scan_string(p)) is not None:
                 need, done, tail = scan
                 if tail is None:
@@ -75,6 +70,7 @@ class TokenIndex:
         self.inside_ids = [i for _, i in inside]
         self._closing: OrderedDict = OrderedDict()  # state after a string closes -> closers it takes
         self._nodes: dict[tuple[int, int], tuple] = {}  # (first token, depth) -> trie node (top levels)
+        self.runs = Runs(pieces)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "TokenIndex":
@@ -87,6 +83,10 @@ class TokenIndex:
         if threads is not None:
             plain, other = self.in_string(grammar, threads)
             return self.plain_ids[:plain] + other
+        place = grammar.run(state)
+        if place is not None:
+            table, stay, other = self.runs.allowed(grammar, place)
+            return table.ids[:stay] + other
         out: list[int] = []
         self._walk(grammar, state, 0, len(self.all.pieces), 0, out)
         return out
@@ -212,6 +212,13 @@ class GuideMasks:
         if threads is not None:  # inside a string: cheap enough to build every time, no cache entry
             plain, other = self.index.in_string(run.grammar, threads)
             return torch.cat([self._plain(device)[:plain], torch.tensor(other, dtype=torch.long).to(device)]), False
+        place = run.grammar.run(run.state)
+        if place is not None:  # in a counted run of one set: as cheap, no cache entry either
+            table, stay, other = self.index.runs.allowed(run.grammar, place)
+            if device not in table.tensors:
+                table.tensors[device] = torch.tensor(table.ids, dtype=torch.long).to(device)
+            ids = torch.cat([table.tensors[device][:stay], torch.tensor(other, dtype=torch.long).to(device)])
+            return ids, run.grammar.accepts(run.state) or not ids.numel()
         key = (run.spec, run.state)
         hit = self._masks.get(key)
         if hit is not None and hit[0].device == device:

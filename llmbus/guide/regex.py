@@ -185,7 +185,7 @@ def _single(cset) -> int | None:
     return ranges[0][0] if not negated and len(ranges) == 1 and ranges[0][0] == ranges[0][1] else None
 
 
-def _meets(cset, lo: int, hi: int) -> bool:
+def meets(cset, lo: int, hi: int) -> bool:
     """Whether a character set holds some code point in lo..hi."""
     negated, ranges = cset
     if not negated:
@@ -196,6 +196,12 @@ def _meets(cset, lo: int, hi: int) -> bool:
             break
         at = max(at, b + 1)
     return at <= hi
+
+
+def _overlap(a, b) -> bool:
+    """Whether two character sets share a code point."""
+    negated, ranges = a
+    return any(meets(b, lo, hi) for lo, hi in (_complement(ranges) if negated else ranges))
 
 
 def _union(*groups) -> list[tuple[int, int]]:
@@ -244,6 +250,8 @@ class Regex:
         self.sets: list = []  # state -> charset or None
         self.next: list[int] = []  # state -> next state on its set
         self.eps: list[list[int]] = []
+        # a counted run of one set (x{n,m}): each place in it -> (set, n, m, characters taken, its end)
+        self.places: dict[int, tuple] = {}
         start = self._state()
         end = self._build(tree, start)
         self.final = end
@@ -263,7 +271,7 @@ class Regex:
             for t in targets:
                 back[t].append(s)
         for s, cset in enumerate(self.sets):
-            if cset is not None and (_meets(cset, 0, 0xD7FF) or _meets(cset, 0xE000, 0x10FFFF)):
+            if cset is not None and (meets(cset, 0, 0xD7FF) or meets(cset, 0xE000, 0x10FFFF)):
                 back[self.next[s]].append(s)
         live, todo = set(), [self.final]
         while todo:
@@ -303,11 +311,14 @@ class Regex:
                 self.eps[self._build(option, entry)].append(end)
             return end
         _, inner, lo, hi = node
-        at = start
+        while inner[0] == "cat" and len(inner[1]) == 1:  # (?:x){n,m} is x{n,m}
+            inner = inner[1][0]
+        at, places = start, [start]
         for _ in range(lo):
             entry = self._state()
             self.eps[at].append(entry)
             at = self._build(inner, entry)
+            places.append(at)
         if hi is None:  # a loop: inner, back to its entry, or on
             entry = self._state()
             self.eps[at].append(entry)
@@ -321,7 +332,11 @@ class Regex:
             entry = self._state()
             self.eps[at].append(entry)
             at = self._build(inner, entry)
+            places.append(at)
             self.eps[at].append(end)
+        if inner[0] == "set":
+            for taken, place in enumerate(places):
+                self.places[place] = (inner[1], lo, hi, taken, end)
         return end
 
     def _close(self, states) -> frozenset:
@@ -348,10 +363,39 @@ class Regex:
         key = (states, lo, hi)
         hit = self._memo.get(key)
         if hit is None:
-            hit = any(self.sets[s] is not None and self.next[s] in self.live and _meets(self.sets[s], lo, hi)
+            hit = any(self.sets[s] is not None and self.next[s] in self.live and meets(self.sets[s], lo, hi)
                       for s in states)  # fmt: skip
             self._remember(key, hit)
         return hit
+
+    def run(self, states: frozenset) -> tuple | None:
+        """Where ``states`` step as a place in a counted run of one set does (``x{n,m}``, each place
+        otherwise a state set of its own): (the set, characters the run may still take,
+        characters due before it may end, the states once it has ended); None where they do not,
+        or where the states after the run could take a character of the set too (so where the run
+        ends within a text is not known from the text alone)."""
+        key = (states, "run")
+        hit = self._memo.get(key, False)
+        if hit is False:
+            hit = None
+            core = self._core(states)
+            for s in states:
+                place = self.places.get(s)
+                if place is None or self._core(self._close({s})) != core:
+                    continue
+                cset, lo, hi, taken, end = place
+                after = self._close({end})
+                if not any(self.sets[t] is not None and self.next[t] in self.live and _overlap(self.sets[t], cset)
+                           for t in after):  # fmt: skip
+                    hit = (cset, hi - taken, max(0, lo - taken), after)
+                    break
+            self._remember(key, hit)
+        return hit
+
+    def _core(self, states: frozenset) -> frozenset:
+        """What a step, ``can_take`` and ``accepts`` read of ``states``: those that take a
+        character into a live state, and the final one."""
+        return frozenset(s for s in states if s == self.final or (self.sets[s] is not None and self.next[s] in self.live))
 
     def _remember(self, key, value) -> None:
         if len(self._memo) > 1 << 16:
