@@ -1,6 +1,6 @@
 """Guided decoding's cost per token on the engine thread: ``GuideMasks.mask`` timed at every token
 of one output, for patterns with long counted repetitions and, for comparison, a plain bounded
-string. Each case starts from empty caches (one request's first visit to its states); the
+string. Each case starts from empty caches (a worker's first request with the guide); the
 output is the case's text cut greedily into the longest tokens of the vocabulary.
 
     python scripts/bench_guide_masks.py [--model bench-results/models/large-sp] [--repeat 3]
@@ -49,8 +49,10 @@ def greedy_tokens(index: TokenIndex, data: bytes) -> list[int]:
 
 
 def time_case(index: TokenIndex, spec: str, tokens: list[int]) -> list[float]:
-    """Seconds of ``mask`` at each token of the output, from empty caches (masks and the grammar's steps)."""
+    """Seconds of ``mask`` at each token of the output, from empty caches (masks, the grammar's
+    steps, the vocabulary's tables), as a worker's first request with ``spec`` meets them."""
     compile_guide.cache_clear()
+    index = TokenIndex(index.pieces)
     masks, run, cpu, took = GuideMasks(index), GuideRun(spec), torch.device("cpu"), []
     for n in range(len(tokens) + 1):
         masks.advance(run, tokens[:n], set())
@@ -69,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     index = TokenIndex.from_tokenizer(Tokenizer.from_dir(args.model))
     print(f"{args.model}: {sum(p is not None for p in index.pieces)} tokens")
-    print(f"{'case':28} {'tokens':>6} {'mean ms':>8} {'median':>8} {'max':>8}")
+    print(f"{'case':28} {'tokens':>6} {'mean ms':>8} {'median':>8} {'max':>8}  (per token; max: the first)")
     for name, spec, text in CASES:
         tokens = greedy_tokens(index, text.encode("utf-8"))
         runs = [time_case(index, spec, tokens) for _ in range(args.repeat)]
