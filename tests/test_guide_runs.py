@@ -10,6 +10,7 @@ import torch
 
 from llmbus.guide.grammar import compile_guide, guide_spec
 from llmbus.guide.masks import GuideMasks, GuideRun, TokenIndex
+from llmbus.guide.regex import Regex
 from llmbus.model.demo import make_demo_model
 from llmbus.model.tokenizer import Tokenizer
 
@@ -39,6 +40,9 @@ CASES = [  # (guide spec, an output it allows, whether counted runs are met alon
     (guide_spec(regex="[a-z]{0,5}", suffix="x!"), "abcx!", False),
     # the run is followed by more of its set: no run is described there
     (guide_spec({"type": "string", "pattern": "^.{0,6}x$"}), '"abx"', False),
+    # searched, not anchored at the end: once a letter is in anything may follow, one state
+    (guide_spec({"type": "string", "pattern": "^[a-z]{1,20}"}), '"ab\\n1 éx"', False),
+    (guide_spec({"type": "string", "pattern": "\\d{2,5}"}), '"x123456y"', False),
 ]  # fmt: skip
 
 
@@ -74,3 +78,18 @@ def test_masks_in_counted_runs_equal_the_walk_and_a_brute_force(vocabulary, case
         if i < len(data):
             state = grammar.step(state, data[i])
     assert (met > 0) == runs_met, met
+
+
+def test_a_pattern_that_has_matched_stops_changing_state():
+    """Where any text may follow (a pattern without ``$`` once it has matched), the states are one
+    set whatever came before, so its masks are cached once, not per place in a run."""
+    for pattern, texts in (("^[a-z]{1,200}", ["a", "ab", "abc1", "abc\n\u00e9"]), ("\\d{2,5}", ["x12", "12345", "x123456y"]),
+                           ("^x[\\s\\S]*$", ["x", "xy\n"])):  # fmt: skip
+        rx = Regex(pattern)
+        states = set()
+        for text in texts:
+            at = rx.initial
+            for c in text:
+                at = rx.step(at, ord(c))
+            states.add(at)
+        assert len(states) == 1 and rx.accepts(states.pop()), pattern

@@ -204,6 +204,11 @@ def _overlap(a, b) -> bool:
     return any(meets(b, lo, hi) for lo, hi in (_complement(ranges) if negated else ranges))
 
 
+def _everything(cset) -> bool:
+    negated, ranges = cset
+    return not ranges if negated else not _complement(ranges)
+
+
 def _union(*groups) -> list[tuple[int, int]]:
     spans = sorted(r for g in groups for r in g)
     out: list[tuple[int, int]] = []
@@ -230,7 +235,8 @@ class Regex:
     """An NFA: ``initial`` is a frozenset of states, ``step`` one code point, ``accepts``.
 
     Thompson's construction: each state has at most a character set to one next state, or
-    epsilon moves; sets of states are kept closed under epsilon moves.
+    epsilon moves; sets of states are kept closed under epsilon moves, and a set holding a state
+    from which any text matches is that state's closure alone (``anything``).
     """
 
     def __init__(self, pattern: str, whole: bool = False) -> None:
@@ -255,12 +261,16 @@ class Regex:
         start = self._state()
         end = self._build(tree, start)
         self.final = end
-        self._closures: dict[int, frozenset] = {}
-        self.initial = self._close({start})
         self._memo: dict = {}
         # NOTE: a move only into a state from which the end can still be reached: a branch that can
         # never match ("a[^\s\S]") must not let its first characters out
         self.live = self._live()
+        # NOTE: from a state that loops on every character with the end in reach (an unanchored
+        # pattern's trailing run) any text matches, so a set holding one steps as that state alone
+        # does: state sets keep only it, and a pattern that has matched stops changing state
+        self.anything = frozenset(s for s, cset in enumerate(self.sets) if cset is not None and _everything(cset)
+                                  and {s, self.final} <= self._close({self.next[s]}) and self.final in self._close({s}))
+        self.initial = self._settle(self._close({start}))
         if not self.initial & self.live:
             raise RegexError(f"pattern {pattern!r} matches no text")
 
@@ -348,13 +358,18 @@ class Regex:
                 todo.extend(self.eps[s])
         return frozenset(out)
 
+    def _settle(self, states: frozenset) -> frozenset:
+        """``states``, or where one of them matches any text (``anything``) that one's closure."""
+        anything = states & self.anything
+        return self._close({min(anything)}) if anything else states
+
     def step(self, states: frozenset, cp: int) -> frozenset | None:
         key = (states, cp)
         hit = self._memo.get(key, False)
         if hit is False:
             moved = {self.next[s] for s in states
                      if self.sets[s] is not None and self.next[s] in self.live and _member(self.sets[s], cp)}
-            hit = self._close(moved) if moved else None
+            hit = self._settle(self._close(moved)) if moved else None
             self._remember(key, hit)
         return hit
 
