@@ -74,7 +74,7 @@ def test_masks_in_counted_runs_equal_the_walk_and_a_brute_force(vocabulary, case
         run.state = state
         ids, may_end = masks.mask(run, torch.device("cpu"))
         assert sorted(ids.tolist()) == sorted(got) and may_end == (grammar.accepts(state) or not got)
-        met += grammar.run(state) is not None
+        met += grammar.in_run(state) is not None
         if i < len(data):
             state = grammar.step(state, data[i])
     assert (met > 0) == runs_met, met

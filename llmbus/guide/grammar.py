@@ -850,10 +850,10 @@ class Grammar:
         """Whether ``data`` is a whole output this grammar allows."""
         return self.accepts(self.advance(self.initial, data))
 
-    def run(self, state: frozenset) -> tuple | None:
+    def in_run(self, state: frozenset) -> tuple | None:
         """Where ``state`` is one thread between characters of a pattern (a JSON string's without
         length bounds left to check, or a regex guide's text), at a place in a counted run of one
-        set (``Regex.run``): (whether the text is a JSON string's, the set, characters the run may
+        set (``Regex.in_run``): (whether the text is a JSON string's, the set, characters the run may
         still take, characters due before it may end, the state once it has ended); else None.
         There a token's fate hangs on how many of its first characters are in the set (the run
         cannot end before a character of the set, so it ends at the first other one), so masks
@@ -861,27 +861,28 @@ class Grammar:
         key = (state, "run")
         hit = self._memo.get(key, False)
         if hit is False:
-            hit = self._run(state)
+            hit = self._in_run(state)
             if len(self._memo) >= self.MAX_MEMO:
                 self._memo.clear()
             self._memo[key] = hit
         return hit
 
     @staticmethod
-    def _run(state: frozenset) -> tuple | None:
+    def _in_run(state: frozenset) -> tuple | None:
         if len(state) != 1:
             return None
         (thread,) = state
         top, rest = (thread[-1], thread[:-1]) if thread else (None, ())
         if top is not None and top[0] == "S" and top[6] is not None and not top[3] and not top[4]:
-            node, rx = top[1], top[1].pattern
+            node, rx, nfa = top[1], top[1].pattern, top[6]
+            # NOTE: with no maxLength, past minLength the length stays min_len whatever the run takes
             if node.max_len is not None or top[2] < node.min_len:
-                return None  # NOTE: the length is then min_len, whatever the run takes
+                return None
         elif top is not None and top[0] == "X" and not top[3]:
-            rx = top[1]
+            rx, nfa = top[1], top[2]
         else:
             return None
-        run = rx.run(top[-1] if top[0] == "S" else top[2])
+        run = rx.in_run(nfa)
         if run is None:
             return None
         cset, room, due, after = run

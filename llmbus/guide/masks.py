@@ -83,7 +83,7 @@ class TokenIndex:
         if threads is not None:
             plain, other = self.in_string(grammar, threads)
             return self.plain_ids[:plain] + other
-        place = grammar.run(state)
+        place = grammar.in_run(state)
         if place is not None:
             table, stay, other = self.runs.allowed(grammar, place)
             return table.ids[:stay] + other
@@ -212,7 +212,7 @@ class GuideMasks:
         if threads is not None:  # inside a string: cheap enough to build every time, no cache entry
             plain, other = self.index.in_string(run.grammar, threads)
             return torch.cat([self._plain(device)[:plain], torch.tensor(other, dtype=torch.long).to(device)]), False
-        place = run.grammar.run(run.state)
+        place = run.grammar.in_run(run.state)
         if place is not None:  # in a counted run of one set: as cheap, no cache entry either
             table, stay, other = self.index.runs.allowed(run.grammar, place)
             if device not in table.tensors:

@@ -383,7 +383,7 @@ class Regex:
             self._remember(key, hit)
         return hit
 
-    def run(self, states: frozenset) -> tuple | None:
+    def in_run(self, states: frozenset) -> tuple | None:
         """Where ``states`` step as a place in a counted run of one set does (``x{n,m}``, each place
         otherwise a state set of its own): (the set, characters the run may still take,
         characters due before it may end, the states once it has ended); None where they do not,

@@ -2,7 +2,7 @@
 
 Each place in such a run is a pattern state of its own, so masks cached per state never hit and a
 walk per token would cost tens of milliseconds. But there a token's fate is simple
-(``Grammar.run``): the run takes characters of its set, at most ``room`` more, and can end once
+(``Grammar.in_run``): the run takes characters of its set, at most ``room`` more, and can end once
 ``due`` more are taken; the pattern after it cannot take a character of the set, so a token leaves
 the run at its first character outside the set (or its JSON string's closing quote), if at all.
 So a token whose first ``a`` characters are in the set is allowed
@@ -90,7 +90,7 @@ class Runs:
         self._leaving_ids = 0
 
     def allowed(self, grammar: Grammar, run: tuple) -> tuple[SetTable, int, list[int]]:
-        """At a place in a run (``Grammar.run``): the table of its set, how many of its ``ids`` are
+        """At a place in a run (``Grammar.in_run``): the table of its set, how many of its ``ids`` are
         allowed (a prefix), and the other tokens allowed."""
         json_text, cset, room, due, after = run
         table = self._table(json_text, cset)
