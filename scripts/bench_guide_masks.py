@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     index = TokenIndex.from_tokenizer(Tokenizer.from_dir(args.model))
     print(f"{args.model}: {sum(p is not None for p in index.pieces)} tokens")
-    print(f"{'case':28} {'tokens':>6} {'mean ms':>8} {'median':>8} {'max':>8}  (per token; max: the first)")
+    print(f"{'case':28} {'tokens':>6} {'mean ms':>8} {'median':>8} {'max':>8}  (per token, from empty caches)")
     for name, spec, text in CASES:
         tokens = greedy_tokens(index, text.encode("utf-8"))
         runs = [time_case(index, spec, tokens) for _ in range(args.repeat)]

@@ -49,8 +49,8 @@ CASES = [  # (guide spec, an output it allows, whether counted runs are met alon
 @pytest.fixture(scope="module")
 def sp_pieces(tmp_path_factory):
     """The demo SentencePiece vocabulary (byte pieces: tokens holding part of a character)."""
-    tok = Tokenizer.from_dir(make_demo_model(tmp_path_factory.mktemp("runs-sp") / "small", "small", tokenizer="sentencepiece"))
-    return TokenIndex.from_tokenizer(tok).pieces
+    model = make_demo_model(tmp_path_factory.mktemp("runs-sp") / "small", "small", tokenizer="sentencepiece")
+    return TokenIndex.from_tokenizer(Tokenizer.from_dir(model)).pieces
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))

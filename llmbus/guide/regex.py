@@ -410,7 +410,8 @@ class Regex:
     def _core(self, states: frozenset) -> frozenset:
         """What a step, ``can_take`` and ``accepts`` read of ``states``: those that take a
         character into a live state, and the final one."""
-        return frozenset(s for s in states if s == self.final or (self.sets[s] is not None and self.next[s] in self.live))
+        return frozenset(s for s in states
+                         if s == self.final or (self.sets[s] is not None and self.next[s] in self.live))
 
     def _remember(self, key, value) -> None:
         if len(self._memo) > 1 << 16:

@@ -75,7 +75,8 @@ class Leaving:
         stay in it, ``need`` <= room, are ``SetTable.ids``' and not listed again)."""
         out = self.ids[bisect.bisect_left(self.a, due) : bisect.bisect_right(self.a, room)]
         if room >= due:  # NOTE: need = a + 1 > room: a == room
-            out = out + self.partial_ids[bisect.bisect_left(self.partial_a, room) : bisect.bisect_right(self.partial_a, room)]
+            lo, hi = bisect.bisect_left(self.partial_a, room), bisect.bisect_right(self.partial_a, room)
+            out = out + self.partial_ids[lo:hi]
         return out
 
 
