@@ -7,16 +7,17 @@
 # llmbus reads the schema from `response_format` (completions accept it, as vLLM's do), llama-server
 # from its `json_schema` field.
 # Env: OUT (bench-results/guided), SIZES ("large"), GGUF_DIR (bench-results/models:
-#      <size>-sp.<f32|bf16>.gguf, from scripts/peers/convert_gguf.sh), SERVERS ("llmbus llamacpp").
+#      <size>-sp.<f32|bf16>.gguf, from scripts/peers/convert_gguf.sh), SERVERS ("llmbus llamacpp"),
+#      SCHEMA (the JSON Schema; default the 6-property object below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-bench-results/guided}")
-SCHEMA='{"type": "object", "properties": {
+SCHEMA=${SCHEMA:-'{"type": "object", "properties": {
   "title": {"type": "string", "maxLength": 40}, "year": {"type": "integer"},
   "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
   "rating": {"type": "number"}, "available": {"type": "boolean"},
   "summary": {"type": "string", "maxLength": 160}},
-  "required": ["title", "year", "tags", "rating", "available", "summary"], "additionalProperties": false}'
+  "required": ["title", "year", "tags", "rating", "available", "summary"], "additionalProperties": false}'}
 source scripts/bench_lib.sh
 runs() {  # port server guided-body
     local port=$1 server=$2 body=$3 np
