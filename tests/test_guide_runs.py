@@ -93,3 +93,23 @@ def test_a_pattern_that_has_matched_stops_changing_state():
                 at = rx.step(at, ord(c))
             states.add(at)
         assert len(states) == 1 and rx.accepts(states.pop()), pattern
+
+
+def test_a_warmed_index_builds_nothing_at_the_first_dot_run(sp_pieces):
+    """``Runs.warm`` (a worker's startup thread, ``Engine.prepare_guides``) reads the vocabulary and
+    builds ``.``'s tables for both kinds of text, so the first request with such a run builds none
+    on the engine thread."""
+    index = TokenIndex(sp_pieces)
+    index.runs.warm()
+    built = (dict(index.runs._scans), dict(index.runs._sets))
+    assert set(built[0]) == {True, False} and len(built[1]) == 2
+    masks = GuideMasks(index)
+    quote = sp_pieces.index(b'"')
+    for spec, output in ((guide_spec({"type": "string", "pattern": "^.{0,256}$"}), [quote]),
+                         (guide_spec(regex="^.{0,256}$"), [])):  # fmt: skip
+        run = GuideRun(spec)
+        masks.advance(run, output, set())
+        assert run.grammar.in_run(run.state) is not None  # a place in the run: masked from its tables
+        ids, _ = masks.mask(run, torch.device("cpu"))
+        assert ids.numel() > len(sp_pieces) // 2
+    assert (dict(index.runs._scans), dict(index.runs._sets)) == built

@@ -277,11 +277,14 @@ class Engine:
 
     def prepare_guides(self) -> None:
         """Build the sampler's guided-decoding index of the vocabulary (about a second for 150k
-        tokens). Workers call this at startup on a thread of its own, so the first guided request
-        does not stall every running one; otherwise that request builds it."""
+        tokens), with the tables of a ``.`` run (``TokenIndex.runs.warm``). Workers call this at
+        startup on a thread of its own, so the first guided request does not stall every running
+        one; otherwise that request builds it."""
         with self._guides_lock:
             if self.runner.sampler.guides is None and self.tokenizer is not None:
-                self.runner.sampler.guides = GuideMasks(TokenIndex.from_tokenizer(self.tokenizer))
+                index = TokenIndex.from_tokenizer(self.tokenizer)
+                index.runs.warm()
+                self.runner.sampler.guides = GuideMasks(index)
 
     def _check_vocabulary(self, token_ids: list[int], what: str = "token") -> None:
         bad = [t for t in token_ids if type(t) is not int or not 0 <= t < self.vocab_size]

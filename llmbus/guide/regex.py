@@ -28,7 +28,7 @@ _SPACE = ((9, 13), (32, 32), (160, 160), (0x1680, 0x1680), (0x2000, 0x200A), (0x
 _CLASSES = {"d": (False, _DIGIT), "D": (True, _DIGIT), "w": (False, _WORD), "W": (True, _WORD),
             "s": (False, _SPACE), "S": (True, _SPACE)}  # fmt: skip
 _CONTROL = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "0": 0}
-_ANY = (True, ((10, 10), (13, 13), (0x2028, 0x2029)))  # "." : not a line terminator
+ANY = (True, ((10, 10), (13, 13), (0x2028, 0x2029)))  # "." : not a line terminator
 _EVERYTHING = (True, ())
 
 
@@ -110,7 +110,7 @@ class _Parser:
         if c == "[":
             return ("set", self.char_class())
         if c == ".":
-            return ("set", _ANY)
+            return ("set", ANY)
         if c == "\\":
             return ("set", self.escape(in_class=False))
         if c in "*+?":
