@@ -182,6 +182,10 @@ class EngineWorker(abc.ABC):
         a final error event instead."""
         rid = req.request_id
         try:
+            # NOTE: its last events leave first: the worker that takes the job sends from next_seq on,
+            # and one of those arriving before them would be a gap to the gateway
+            await self.tokens.drain()
+            await self.ctx.nc.flush(timeout=5)
             resumed = dataclasses.replace(req, resume_token_ids=list(output_token_ids), resume_seq=next_seq)
             # NOTE: its own id: the bus drops a message whose id it saw in the last two minutes
             await self.ctx.js.publish(subject, encode(resumed), headers={subjects.MSG_ID_HEADER: f"{rid}.resume.{next_seq}"})
