@@ -195,3 +195,47 @@ def test_a_handed_off_request_is_handed_on_through_prefill_again(nats_server, tm
     by = [e.worker for e in evs]
     cut = by.index(p_id, 1)  # prefill's second first token
     assert by[0] == p_id and set(by[1:cut]) == {a_id} and set(by[cut + 1:]) == {c_id}, by
+
+
+def test_a_handoff_waiting_for_kvpool_room_at_shutdown_is_handed_on(nats_server, tmp_path):
+    """Handing off, a prefill worker whose handoff waits for room in a full kvpool when it stops
+    has sent its first token: the request goes back to its lane as a resume job from that token
+    (taken again from the start, another worker's first token would follow this one's)."""
+    import asyncio
+
+    from llmbus.bus import subjects
+    from llmbus.bus.streams import ensure_prefill_consumer
+    from llmbus.bus.worker import PullWorker
+    from llmbus.protocol import decode
+    from services.prefill.service import PrefillWorker
+    from tests.test_decode_worker import serving, with_kvpool
+    from tests.test_prefill_worker import _engine, _handing_off_bus, _submit, _token_events
+
+    model, rid = "handon-waiting", "handon-waiting-0"
+    engine = _engine(tmp_path, enable_prefix_caching=False)
+
+    async def body():
+        nc, js, client = await _handing_off_bus(nats_server, model)
+        stats = await client.stats()
+        filler = await client.allocate(stats.free_blocks, ttl_s=60, request_id="filler")  # kvpool full
+        events, _ = await _token_events(nc, lambda ev: False)
+        async with serving(nats_server, "prefill", model, lambda ctx: PrefillWorker(ctx, engine, model, drain_s=0)) as p:
+            await _submit(js, model, rid, list(range(5, 45)), 16)
+            while rid not in events:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # (its handoff asks kvpool for room, and waits)
+            assert rid in p.jobs
+        lane = await PullWorker.bind(js, subjects.PREFILL_STREAMS["short"], await ensure_prefill_consumer(js, "short", model),
+                                     max_deliver=5)  # fmt: skip
+        (msg,) = await lane.fetch(1, timeout=10.0)
+        await msg.ack()
+        await lane.close()
+        left = (await client.stats()).leased_blocks
+        await client.release(filler.lease_id)
+        await nc.close()
+        return events[rid], decode(GenerateRequest, msg.data), left, filler
+
+    evs, resumed, leased, filler = with_kvpool(nats_server, engine, body)
+    assert [(e.seq, e.finish_reason) for e in evs] == [(0, None)]  # its first token, and no failure
+    assert (resumed.request_id, resumed.resume_token_ids, resumed.resume_seq) == (rid, evs[0].token_ids, 1)
+    assert leased == len(filler.blocks)  # the waiting handoff holds no lease

@@ -113,11 +113,12 @@ class EngineWorker(abc.ABC):
     async def on_abort(self, rid: str) -> None:
         """Stop ``rid`` if this worker holds it."""
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` in the background, held until it is done."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def spawn_store(self, coro) -> bool:
         """Run a best-effort kvpool store in the background, unless ``MAX_STORES`` are in flight:

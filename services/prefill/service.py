@@ -49,6 +49,10 @@ _LEASE_RETRY_MAX_S = 1.0
 MAX_TAKEN = 256  # request ids one WorkerLoad lists as taken (more go in the next)
 
 
+class _Stopping(Exception):
+    """The worker stopped while a handoff waited for kvpool room: its request is handed on."""
+
+
 class DeadlinePassed(Exception):
     """The request's deadline passed while it waited: it ends with ``abort``, as a worker ends any
     request at its deadline."""
@@ -60,7 +64,8 @@ class Job:
     request: GenerateRequest
     stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     next_seq: int = 0  # seq of the next TokenEvent (from the request's resume_seq)
-    output_token_ids: list[int] = field(default_factory=list)  # colocated mode: what its client has
+    output_token_ids: list[int] = field(default_factory=list)  # what its client has
+    finishing: asyncio.Task | None = None  # handing off: its first token out, the handoff under way
 
 
 def _prompt_tokens(msg) -> int:
@@ -81,6 +86,7 @@ class PrefillWorker(EngineWorker):
         self.events: asyncio.Queue = asyncio.Queue()
         self.lanes = lanes
         self.lease_ttl_s = lease_ttl_s
+        self.releasing = False  # stopped, its jobs given back: a handoff waiting for room hands on instead
         self._max_ttl: float | None = None  # kvpool's --max-ttl, once asked
         self.jobs: dict[str, Job] = {}
         self._jobs_changed = asyncio.Event()
@@ -271,7 +277,7 @@ class PrefillWorker(EngineWorker):
             if self.colocated:
                 self.events.put_nowait((job, out))
                 continue
-            self.spawn(self._finish(job, out))
+            job.finishing = self.spawn(self._finish(job, out))
 
     def _aborted(self, job: Job) -> bool:
         """Whether ``on_abort`` took the job: it stopped the sequence, acked the message and closed
@@ -293,6 +299,7 @@ class PrefillWorker(EngineWorker):
                     self.spawn_store(self._store_from_tier0(req))
                 return
             await self.publish(req, token_event(out, first, self.ctx.instance_id, None))
+            job.next_seq, job.output_token_ids = first + 1, job.output_token_ids + out.new_token_ids
             if self._aborted(job):
                 return
             state, kv = await self.loop.call(lambda e: e.export_sequence(rid))
@@ -308,6 +315,10 @@ class PrefillWorker(EngineWorker):
                 except Exception as exc:  # NOTE: decode has the request now: no failure event, which
                     # would end the client's stream (and so its abort) while decode runs on for nobody
                     log.debug("could not ack the handed-off job %s: %s", rid, exc)
+        except _Stopping:
+            await self.hand_on(req, job.output_token_ids, job.next_seq, self._lane_subject(job), "the prefill worker shut down")
+            with contextlib.suppress(Exception):
+                await job.msg.ack()
         except DeadlinePassed as exc:
             await self.end_with_abort(req, first + 1, str(exc))
             with contextlib.suppress(Exception):
@@ -433,6 +444,8 @@ class PrefillWorker(EngineWorker):
         req = job.request
         wait = _LEASE_RETRY_S
         while True:
+            if self.releasing:  # NOTE: nothing of it published yet: another worker can take it on
+                raise _Stopping
             ttl = self.lease_ttl_s
             if req.deadline is not None:
                 ttl = min(max(ttl, req.deadline - time.time() + ttl), await self._max_lease_ttl())
@@ -475,7 +488,7 @@ class PrefillWorker(EngineWorker):
                 kv_shape=[n_blocks, num_layers, layer_bytes],
                 kv_format=self.engine.config.kv_format,
                 prefill_worker=self.ctx.instance_id,
-                next_seq=job.next_seq + 1,
+                next_seq=job.next_seq,  # (its first token out: first + 1)
                 num_cached_tokens=out.num_cached_tokens,
             )
             # NOTE: a resumed request's handoff is not its first one's (the bus would drop it as a
@@ -496,15 +509,25 @@ class PrefillWorker(EngineWorker):
         if job is not None:
             await self._stop(job)
 
+    def _lane_subject(self, job: Job) -> str:
+        """Where a job goes when handed on: its lane's shared (or urgent) queue, also for one that
+        came by name (``llmbus.prefill.<lane>.<model>.at.<instance>``)."""
+        req = job.request
+        return subjects.lane_subject(req.lane or job.msg.subject.split(".")[2], self.model, req.priority)
+
     async def _release_all(self) -> None:
         """On shutdown, give unfinished jobs back to the stream so another replica takes them: as
-        they came, or (colocated) one whose client has tokens from here as a resume job, continued
-        from them, in its lane's shared (or urgent) queue."""
+        they came, or one whose client has tokens from here as a resume job, continued from them,
+        in its lane's shared (or urgent) queue (colocated; handing off, one whose handoff waits
+        for kvpool room gives up waiting for it, ``_lease``)."""
+        self.releasing = True
+        finishing = [job.finishing for job in self.jobs.values() if job.finishing is not None]
+        if finishing:  # (a handoff under way ends in a moment; one waiting for room, within a retry)
+            await asyncio.wait(finishing, timeout=10.0)
         for job in list(self.jobs.values()):
             req = job.request
             if self.colocated and job.next_seq > req.resume_seq:
-                lane = req.lane or job.msg.subject.split(".")[2]  # (a direct job's lane too: llmbus.prefill.<lane>...)
-                await self.hand_on(req, job.output_token_ids, job.next_seq, subjects.lane_subject(lane, self.model, req.priority),
+                await self.hand_on(req, job.output_token_ids, job.next_seq, self._lane_subject(job),
                                    "the prefill worker shut down")  # fmt: skip
                 with contextlib.suppress(Exception):
                     await job.msg.ack()
