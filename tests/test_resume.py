@@ -100,6 +100,8 @@ def test_a_colocated_worker_that_stops_hands_its_request_on(nats_server, tmp_pat
             while len(events.get(rid, ())) < 4:
                 await asyncio.sleep(0.01)
             a_id = a.ctx.instance_id
+        (handed_on,) = [f for f in a.metric_families() if f.name == "llmbus_worker_requests_handed_on_total"]
+        assert [(s.labels, s.value) for s in handed_on.samples] == [([model], 1.0)]
         async with serving(nats_server, "prefill", model, lambda ctx: PrefillWorker(ctx, make(), model, colocated=True)):
             await asyncio.wait_for(done.wait(), 60)
         await nc.close()

@@ -55,6 +55,7 @@ class EngineWorker(abc.ABC):
         # not fill the budget once per puller
         self._pulled = [0, 0]  # jobs pulled (by any pull loop) whose takes have not started, their cost
         self._takes_running = 0  # takes in flight, of every pull loop
+        self.handed_on = 0  # requests queued again as resume jobs when this worker stopped (hand_on)
         ctx.add_metrics(self.metric_families)
 
     def trace(self, req: GenerateRequest, name: str, **attributes) -> None:
@@ -86,7 +87,10 @@ class EngineWorker(abc.ABC):
              engine.num_free_blocks),
             ("llmbus_engine_kv_blocks", "KV blocks in the engine's cache.", engine.runner.num_blocks),
         ]
-        families = [scalar(*g) for g in gauges] + engine.stats.families()
+        families = [scalar(*g) for g in gauges] + engine.stats.families() + [scalar(
+            "llmbus_worker_requests_handed_on_total",
+            "Requests this worker stopped holding before their end (its shutdown) and queued again as resume "
+            "jobs, continued by another worker from the tokens their clients had.", self.handed_on, "counter")]
         return [labelled(f, model=self.model) for f in families]
 
     def start_engine(self, on_outputs: Callable[[list[StepOutput]], None]) -> None:
@@ -195,6 +199,7 @@ class EngineWorker(abc.ABC):
             await self.publish(req, TokenEvent.failure(rid, why, seq=next_seq, worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
             return
+        self.handed_on += 1
         log.info("handed %s on after %d tokens (%s)", rid, len(output_token_ids), why)
         self.end_span(rid, **{"llmbus.finish_reason": "handed_on"})
 
