@@ -168,3 +168,25 @@ def test_gateway_does_not_import_torch():
     code = "import sys, services.gateway.__main__; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_handed_on_request_waits_for_its_next_worker_not_its_last():
+    """A worker that stops hands the request on and repeats its last seq from no worker: the
+    stream then asks whether the model's workers are busy, not whether the stopped one lives."""
+
+    async def go():
+        gone = {"worker-a"}
+
+        async def busy(last_worker: str) -> bool:
+            return last_worker not in gone  # (the registry: worker-a left, others are busy)
+
+        s = TokenStream("r1", 0.05, busy=busy)
+        for seq in (0, 1):
+            s.push(encode(TokenEvent("r1", seq, [seq], worker="worker-a")))
+        s.push(encode(TokenEvent("r1", 1, [], worker="")))  # the hand-on notice
+        got = [(await s.next()).seq for _ in range(2)]
+        asyncio.get_running_loop().call_later(0.3, s.push, encode(TokenEvent("r1", 2, [2], worker="worker-b")))
+        got.append((await s.next()).seq)  # several silence timeouts later
+        return got, s.last_worker
+
+    assert _run(go()) == ([0, 1, 2], "worker-b")

@@ -61,9 +61,18 @@ def test_a_resume_that_does_not_add_up_is_refused(fields, message):
 
 # --- through workers on a real bus -----------------------------------------------------------
 
+def _sent(evs) -> list:
+    """The events workers sent with their tokens: without the hand-on notice, the stopped worker's
+    repeat of its last seq from no worker (so the gateway does not wait on it), one per hand-on."""
+    notices = [e for e in evs if not e.worker]
+    assert len(notices) == 1 and not notices[0].token_ids
+    return [e for e in evs if e.worker]
+
+
 def _contiguous_handover(evs, first_worker: str, total: int) -> int:
     """Where the second worker took over: the client's events are seq 0..total-1 without a gap or
     a repeat (none restarted from the first token), the first worker's then the second's."""
+    evs = _sent(evs)
     assert [e.seq for e in evs] == list(range(len(evs)))
     assert sum(len(e.token_ids) for e in evs) == total and evs[-1].finish_reason == "length"
     cut = next(i for i, e in enumerate(evs) if e.worker != first_worker)
@@ -109,6 +118,7 @@ def test_a_colocated_worker_that_stops_hands_its_request_on(nats_server, tmp_pat
 
     evs, a_id = asyncio.run(body())
     cut = _contiguous_handover(evs, a_id, total)
+    evs = _sent(evs)
     assert [t for e in evs for t in e.token_ids] == expected  # greedy: as if nothing had happened
     assert evs[-1].completion_tokens == total and evs[-1].prompt_tokens == len(prompt)
     assert cut < total
@@ -153,7 +163,7 @@ def test_a_decode_worker_that_stops_hands_its_whole_request_on(nats_server, tmp_
 
     evs, a_id = asyncio.run(body())
     _contiguous_handover(evs, a_id, total)
-    assert [t for e in evs for t in e.token_ids] == expected
+    assert [t for e in _sent(evs) for t in e.token_ids] == expected
 
 
 def test_a_handed_off_request_is_handed_on_through_prefill_again(nats_server, tmp_path):
@@ -192,6 +202,7 @@ def test_a_handed_off_request_is_handed_on_through_prefill_again(nats_server, tm
         return events[rid], workers
 
     evs, (p_id, a_id, c_id) = with_kvpool(nats_server, first, body)
+    evs = _sent(evs)
     assert [e.seq for e in evs] == list(range(len(evs))) and evs[-1].finish_reason == "length"
     assert [t for e in evs for t in e.token_ids] == expected
     by = [e.worker for e in evs]
@@ -238,6 +249,56 @@ def test_a_handoff_waiting_for_kvpool_room_at_shutdown_is_handed_on(nats_server,
         return events[rid], decode(GenerateRequest, msg.data), left, filler
 
     evs, resumed, leased, filler = with_kvpool(nats_server, engine, body)
-    assert [(e.seq, e.finish_reason) for e in evs] == [(0, None)]  # its first token, and no failure
+    assert [(e.seq, e.finish_reason) for e in _sent(evs)] == [(0, None)]  # its first token, and no failure
     assert (resumed.request_id, resumed.resume_token_ids, resumed.resume_seq) == (rid, evs[0].token_ids, 1)
     assert leased == len(filler.blocks)  # the waiting handoff holds no lease
+
+
+def test_a_request_handed_on_twice_at_the_same_seq_is_not_lost(nats_server, tmp_path):
+    """The worker that takes a resume job may stop before its next token: it hands the request on
+    at the same seq, a job of its own (the bus would drop a second one under the first's id)."""
+    import asyncio
+
+    from llmbus.bus import subjects
+    from llmbus.bus.connection import connect
+    from llmbus.bus.streams import ensure_streams
+    from llmbus.model.demo import make_demo_model
+    from llmbus.protocol import encode
+    from services.decode.service import DecodeWorker
+    from tests.test_decode_worker import _engine, serving, slow_steps
+    from tests.test_prefill_worker import _token_events
+
+    model, rid, total = "handon-twice", "handon-twice-0", 16
+    model_dir = make_demo_model(tmp_path / "m", "small")
+    prompt = list(range(5, 25))
+    expected = _tokens(_engine(model_dir), "ref", prompt, SamplingParams(max_tokens=total, temperature=0.0, ignore_eos=True))
+    first, second = _engine(model_dir), _engine(model_dir)
+    slow_steps(first, 0.05)
+    slow_steps(second, 1.0)  # stopped before its first step ends
+    req = GenerateRequest(rid, model, prompt, token_subject=subjects.tokens(rid), lane="short",
+                          sampling=SamplingSpec(max_tokens=total, temperature=0.0, ignore_eos=True))
+
+    async def body():
+        nc = await connect(nats_server)
+        js = nc.jetstream()
+        await ensure_streams(js)
+        events, done = await _token_events(nc, lambda ev: ev.request_id == rid and ev.finish_reason is not None)
+        async with serving(nats_server, "decode", model, lambda ctx: DecodeWorker(ctx, first, model, drain_s=0)):
+            await js.publish(subjects.whole_subject("short", model), encode(req), headers={subjects.MSG_ID_HEADER: rid})
+            while len(events.get(rid, ())) < 4:
+                await asyncio.sleep(0.01)
+        async with serving(nats_server, "decode", model, lambda ctx: DecodeWorker(ctx, second, model, drain_s=0)) as b:
+            while rid not in b.active:
+                await asyncio.sleep(0.01)
+            assert b.handed_on == 0
+        assert b.handed_on == 1
+        async with serving(nats_server, "decode", model, lambda ctx: DecodeWorker(ctx, _engine(model_dir), model)):
+            await asyncio.wait_for(done.wait(), 60)
+        await nc.close()
+        return events[rid]
+
+    evs = asyncio.run(body())
+    sent = [e for e in evs if e.worker]  # (the hand-on notices repeat a seq, from no worker)
+    assert [e.seq for e in sent] == list(range(len(sent))) and sent[-1].finish_reason == "length"
+    assert [t for e in sent for t in e.token_ids] == expected
+    assert len(evs) - len(sent) == 2  # one notice per hand-on

@@ -124,6 +124,12 @@ class EngineWorker(abc.ABC):
         task.add_done_callback(self._tasks.discard)
         return task
 
+    async def settle(self, timeout: float = 5.0) -> None:
+        """At stop: let background work end (a best-effort kvpool store holds a lease until it
+        does), for ``timeout`` seconds at most."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+
     def spawn_store(self, coro) -> bool:
         """Run a best-effort kvpool store in the background, unless ``MAX_STORES`` are in flight:
         each holds a copy of its blocks while kvpool answers (up to four 5 s calls), so a slow kvpool
@@ -186,14 +192,23 @@ class EngineWorker(abc.ABC):
         change course where this worker's ended). Where the bus will not take it, the client gets
         a final error event instead."""
         rid = req.request_id
+        if rid in self.recent_aborts:  # aborted meanwhile: nobody waits for it
+            return
         try:
             # NOTE: its last events leave first: the worker that takes the job sends from next_seq on,
             # and one of those arriving before them would be a gap to the gateway
             await self.tokens.drain()
             await self.ctx.nc.flush(timeout=5)
             resumed = dataclasses.replace(req, resume_token_ids=list(output_token_ids), resume_seq=next_seq)
-            # NOTE: its own id: the bus drops a message whose id it saw in the last two minutes
-            await self.ctx.js.publish(subject, encode(resumed), headers={subjects.MSG_ID_HEADER: f"{rid}.resume.{next_seq}"})
+            # NOTE: an id of its own, this worker's too: the bus drops a message whose id it saw in
+            # the last two minutes, and a worker that takes it may stop before its next token
+            msg_id = f"{rid}.resume.{next_seq}.{self.ctx.instance_id}"
+            if (await self.ctx.js.publish(subject, encode(resumed), headers={subjects.MSG_ID_HEADER: msg_id})).duplicate:
+                raise RuntimeError(f"the bus already had a resume job {msg_id}")
+            # the gateway forgets this worker as the request's holder (a repeat of its last seq, from
+            # no worker): its silence till the next worker's token is queueing, not a dead worker
+            if next_seq:
+                await self.publish(req, TokenEvent(rid, next_seq - 1, prompt_tokens=len(req.prompt_token_ids)))
         except Exception as exc:
             log.warning("could not hand %s on: %s", rid, exc)
             await self.publish(req, TokenEvent.failure(rid, why, seq=next_seq, worker=self.ctx.instance_id,

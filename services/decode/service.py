@@ -179,6 +179,7 @@ class DecodeWorker(EngineWorker):
                 subject = (subjects.whole_lane_subject if act.whole else subjects.lane_subject)(lane, self.model, req.priority)
                 await self.hand_on(req, act.output_token_ids, act.next_seq, subject, "the decode worker shut down")
             self.active.clear()
+            await self.settle()
         self.check_engine()
 
     async def _take(self, msg) -> None:

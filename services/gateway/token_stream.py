@@ -82,6 +82,8 @@ class TokenStream:
                 raise StreamFailure(f"token event for {event.request_id!r} on {self.request_id!r}'s subject",
                                     "bad_event")
             if event.seq < self._next_seq:
+                if not event.worker:  # a worker that stopped handed the request on: no holder for now
+                    self.last_worker = ""
                 continue
             if event.seq > self._next_seq:
                 raise StreamFailure(f"token events {self._next_seq}..{event.seq - 1} were lost", "gap")

@@ -116,8 +116,12 @@ class PrefillWorker(EngineWorker):
 
     @property
     def pending_tokens(self) -> int:
-        """Prompt tokens of jobs still waiting for their first token."""
-        return sum(len(job.request.prompt_token_ids) for job in self.jobs.values() if job.next_seq == 0)
+        """Tokens to compute of the jobs still held before their first token here, and, handing off,
+        of every job held (one whose handoff waits for kvpool room holds its KV until there is
+        room: prefill stops pulling instead of computing more with nowhere to go). A resumed job's
+        tokens so far count: they are computed again."""
+        return sum(len(job.request.prompt_token_ids) + len(job.request.resume_token_ids) for job in self.jobs.values()
+                   if not self.colocated or job.next_seq == job.request.resume_seq)  # fmt: skip
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
@@ -160,6 +164,7 @@ class PrefillWorker(EngineWorker):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._release_all()
+            await self.settle()
         self.check_engine()
 
     async def _take(self, worker: PullWorker, msg) -> None:
@@ -276,6 +281,8 @@ class PrefillWorker(EngineWorker):
                 continue
             if self.colocated:
                 self.events.put_nowait((job, out))
+                continue
+            if self.releasing:  # NOTE: its token is not sent: the job goes back whole (_release_all)
                 continue
             job.finishing = self.spawn(self._finish(job, out))
 
@@ -523,9 +530,12 @@ class PrefillWorker(EngineWorker):
         self.releasing = True
         finishing = [job.finishing for job in self.jobs.values() if job.finishing is not None]
         if finishing:  # (a handoff under way ends in a moment; one waiting for room, within a retry)
-            await asyncio.wait(finishing, timeout=10.0)
+            await asyncio.wait(finishing, timeout=5.0)
         for job in list(self.jobs.values()):
             req = job.request
+            if job.finishing is not None and not job.finishing.done():
+                log.warning("stopping while the handoff of %s is still under way", req.request_id)
+                continue  # (its own: neither nak'ed nor handed on beside it)
             if self.colocated and job.next_seq > req.resume_seq:
                 await self.hand_on(req, job.output_token_ids, job.next_seq, self._lane_subject(job),
                                    "the prefill worker shut down")  # fmt: skip
