@@ -302,3 +302,21 @@ def test_a_request_handed_on_twice_at_the_same_seq_is_not_lost(nats_server, tmp_
     assert [e.seq for e in sent] == list(range(len(sent))) and sent[-1].finish_reason == "length"
     assert [t for e in sent for t in e.token_ids] == expected
     assert len(evs) - len(sent) == 2  # one notice per hand-on
+
+
+def test_jobs_waiting_to_hand_off_and_resumed_jobs_count_in_the_prompt_budget():
+    """Handing off, a job whose first token is out but whose handoff waits for kvpool room still
+    holds its KV: its tokens count against the budget, or a worker facing a full kvpool pulls on.
+    A resumed job's tokens so far count too: they are computed again."""
+    from types import SimpleNamespace
+
+    from services.prefill.service import Job, PrefillWorker
+
+    waiting = Job(None, GenerateRequest("w", "m", [1] * 40), next_seq=1, output_token_ids=[7])
+    resumed = Job(None, GenerateRequest("r", "m", [1] * 30, resume_token_ids=[5] * 10, resume_seq=10,
+                                        sampling=SamplingSpec(max_tokens=20)), next_seq=10)  # fmt: skip
+    decoding = Job(None, GenerateRequest("d", "m", [1] * 50), next_seq=3)
+    budget = PrefillWorker.pending_tokens.fget
+    assert budget(SimpleNamespace(colocated=False, jobs={"w": waiting, "r": resumed})) == 40 + 40
+    # colocated: a job counts until its first token here (then it is decoding)
+    assert budget(SimpleNamespace(colocated=True, jobs={"r": resumed, "d": decoding})) == 40
