@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmbus.bus.connection import NATS_URL_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, has_credentials
+from llmbus.bus.connection import NATS_URL_ENV, TLS_ENVS, has_credentials
 from llmbus.kv.formats import KV_FORMATS
 
 READY = "llmbus-ready"
@@ -211,7 +211,7 @@ def _stop(children: list[Child], timeout: float = 30.0) -> None:
 def drop_tls_settings() -> list[str]:
     """Take ``$LLMBUS_NATS_TLS_*`` out of the environment the services inherit (they would refuse
     the embedded server, which speaks plain TCP on 127.0.0.1); the names that were set."""
-    return [name for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV) if os.environ.pop(name, None) is not None]
+    return [name for name in TLS_ENVS if os.environ.pop(name, None) is not None]
 
 
 def run(args: argparse.Namespace) -> int:

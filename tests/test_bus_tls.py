@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmbus.bus.connection import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, connect
+from llmbus.bus.connection import TLS_CA_ENV, TLS_CERT_ENV, TLS_ENVS, TLS_KEY_ENV, connect
 from llmbus.bus.server import EmbeddedNats, NatsServerConfig
 from llmbus.bus.service import READY_PREFIX
 
@@ -98,11 +98,11 @@ def test_llmbus_up_keeps_tls_settings_from_services_on_its_embedded_server(monke
     monkeypatch.setenv(TLS_KEY_ENV, "/some/key.pem")
     monkeypatch.delenv(TLS_CERT_ENV, raising=False)
     assert drop_tls_settings() == [TLS_CA_ENV, TLS_KEY_ENV]
-    assert not {TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV} & set(os.environ) and drop_tls_settings() == []
+    assert not set(TLS_ENVS) & set(os.environ) and drop_tls_settings() == []
 
 
 def test_without_the_right_settings_the_tls_server_is_not_reached(tls_server, pki, monkeypatch):
-    for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV):
+    for name in TLS_ENVS:
         monkeypatch.delenv(name, raising=False)
     assert "CERTIFICATE_VERIFY_FAILED" in _connect_error(tls_server)  # the system's CAs do not know ours
     _tls_env(monkeypatch, pki, cert=False)

@@ -24,6 +24,7 @@ _USERINFO = re.compile(r"(?<=://)[^/@,\s]*@")
 TLS_CA_ENV = "LLMBUS_NATS_TLS_CA"
 TLS_CERT_ENV = "LLMBUS_NATS_TLS_CERT"
 TLS_KEY_ENV = "LLMBUS_NATS_TLS_KEY"
+TLS_ENVS = (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
 _FOLLOW_ON = {"Connection lost", "nats: unexpected EOF"}  # what nats-py reports after the error that mattered
 
 
@@ -45,7 +46,7 @@ def tls_context(url: str) -> ssl.SSLContext | None:
     those variables set), or None: plain TCP unless the server requires TLS, which nats-py then
     speaks with the system's CA bundle. Raises ``ConnectionError`` naming the variable whose file
     cannot be used."""
-    ca, cert, key = (os.environ.get(name, "").strip() for name in (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV))
+    ca, cert, key = (os.environ.get(name, "").strip() for name in TLS_ENVS)
     if not (ca or cert or key or "tls://" in url):
         return None
     if not any(isinstance(f, _QuietTlsClose) for f in logging.getLogger("asyncio").filters):

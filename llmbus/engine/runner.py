@@ -77,8 +77,8 @@ class TailRows:
         return deque(self._free), {rid: list(pair) for rid, pair in self._held.items()}, dict(self.received)
 
     def restore(self, snapshot: tuple) -> None:
-        free, held, received = snapshot
-        self._free, self._held, self.received = deque(free), {rid: list(pair) for rid, pair in held.items()}, dict(received)
+        """Put back a ``snapshot``, which is then this object's own (each is restored at most once)."""
+        self._free, self._held, self.received = snapshot
 
     def current(self, request_id: str) -> int | None:
         """The row holding ``request_id``'s filling block, or None (it holds no rows)."""

@@ -323,9 +323,7 @@ class PrefillWorker(EngineWorker):
                     # would end the client's stream (and so its abort) while decode runs on for nobody
                     log.debug("could not ack the handed-off job %s: %s", rid, exc)
         except _Stopping:
-            await self.hand_on(req, job.output_token_ids, job.next_seq, self._lane_subject(job), "the prefill worker shut down")
-            with contextlib.suppress(Exception):
-                await job.msg.ack()
+            await self._hand_on(job)
         except DeadlinePassed as exc:
             await self.end_with_abort(req, first + 1, str(exc))
             with contextlib.suppress(Exception):
@@ -516,11 +514,15 @@ class PrefillWorker(EngineWorker):
         if job is not None:
             await self._stop(job)
 
-    def _lane_subject(self, job: Job) -> str:
-        """Where a job goes when handed on: its lane's shared (or urgent) queue, also for one that
-        came by name (``llmbus.prefill.<lane>.<model>.at.<instance>``)."""
+    async def _hand_on(self, job: Job) -> None:
+        """Hand a job whose client has tokens from here on (``EngineWorker.hand_on``) to its lane's
+        shared (or urgent) queue, also one that came by name
+        (``llmbus.prefill.<lane>.<model>.at.<instance>``), and ack it."""
         req = job.request
-        return subjects.lane_subject(req.lane or job.msg.subject.split(".")[2], self.model, req.priority)
+        subject = subjects.lane_subject(req.lane or job.msg.subject.split(".")[2], self.model, req.priority)
+        await self.hand_on(req, job.output_token_ids, job.next_seq, subject, "the prefill worker shut down")
+        with contextlib.suppress(Exception):
+            await job.msg.ack()
 
     async def _release_all(self) -> None:
         """On shutdown, give unfinished jobs back to the stream so another replica takes them: as
@@ -537,10 +539,7 @@ class PrefillWorker(EngineWorker):
                 log.warning("stopping while the handoff of %s is still under way", req.request_id)
                 continue  # (its own: neither nak'ed nor handed on beside it)
             if self.colocated and job.next_seq > req.resume_seq:
-                await self.hand_on(req, job.output_token_ids, job.next_seq, self._lane_subject(job),
-                                   "the prefill worker shut down")  # fmt: skip
-                with contextlib.suppress(Exception):
-                    await job.msg.ack()
+                await self._hand_on(job)
             else:
                 with contextlib.suppress(Exception):
                     await job.msg.nak()  # another replica takes it
