@@ -25,7 +25,8 @@ TLS_CA_ENV = "LLMBUS_NATS_TLS_CA"
 TLS_CERT_ENV = "LLMBUS_NATS_TLS_CERT"
 TLS_KEY_ENV = "LLMBUS_NATS_TLS_KEY"
 TLS_ENVS = (TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV)
-_FOLLOW_ON = {"Connection lost", "nats: unexpected EOF"}  # what nats-py reports after the error that mattered
+# what nats-py reports after the error that mattered (a TLS refusal): the connection closing
+_FOLLOW_ON = (ConnectionResetError, BrokenPipeError, nats_errors.UnexpectedEOF)
 
 
 def default_nats_url() -> str:
@@ -143,7 +144,7 @@ async def connect(
         msg = str(exc) or type(exc).__name__
         if not errors or errors[-1] != msg:  # NOTE: nats retries every 0.5 s; log each new error once
             log.warning("nats %s: %s", name, redact(msg))
-        if msg not in _FOLLOW_ON or not errors:  # NOTE: after a TLS refusal, say why, not what followed
+        if not isinstance(exc, _FOLLOW_ON) or not errors:  # NOTE: after a TLS refusal, say why, not what followed
             errors[:] = [msg]
 
     async def on_disconnect() -> None:
