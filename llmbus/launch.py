@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="workers draft up to K tokens per decode by n-gram lookup and check them in the same step "
+                        "(0: off; the workers' --speculative-ngram and --speculative-max-batch via --worker-arg)")
     p.add_argument("--kvpool-blocks", type=int, default=4096, help="blocks in kvpool's shared-memory CPU tier")
     p.add_argument("--kvpool-arg", action="append", default=[],
                    help="extra kvpool option, e.g. --kvpool-arg=--ssd-bytes=1000000000 (see python -m services.kvpool -h)")
@@ -136,6 +139,8 @@ def _plan(args, nats_url: str, models, data_dir: Path | None = None) -> list[Chi
         engine += ["--dtype", args.dtype]
     if args.device:
         engine += ["--device", args.device]
+    if args.speculative_tokens:
+        engine += ["--speculative-tokens", str(args.speculative_tokens)]
     engine += args.worker_arg
     names = ",".join(n for n, _ in models)
     plan = [

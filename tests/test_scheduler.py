@@ -56,7 +56,7 @@ class PagedEcho:
                 script = self.script.get(seq.request_id)
                 tok = script[len(seq.output_token_ids)] if script else next_token(ids)
                 lp = TokenLogprob(tok, -0.5, [(tok, -0.5)]) if seq.params.logprobs is not None else None
-                sampled[seq.request_id] = (tok, lp)
+                sampled[seq.request_id] = [(tok, lp)]
         return sampled
 
 

@@ -53,10 +53,10 @@ def poison_sampling(engine, request_id: str, after: int) -> None:
         def __getattr__(self, name):
             return getattr(sampler, name)
 
-        def __call__(self, logits, seqs):
+        def __call__(self, logits, seqs, ahead=None):
             if any(s.request_id == request_id and len(s.output_token_ids) >= after for s in seqs):
                 raise ValueError(f"sampling {request_id} failed")
-            return sampler(logits, seqs)
+            return sampler(logits, seqs, ahead)
 
     engine.runner.sampler = Failing()
 

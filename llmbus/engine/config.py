@@ -31,6 +31,11 @@ class EngineConfig:
     # dummy steps at start so first requests do not wait for kernels to compile (Engine.warmup);
     # None: on CUDA
     warmup: bool | None = None
+    # speculative decoding by n-gram lookup (llmbus.engine.speculative): up to this many tokens
+    # drafted from earlier text per decode, all checked in the same step; 0: off
+    speculative_tokens: int = 0
+    speculative_ngram: tuple[int, int] = (2, 4)  # (shortest, longest) suffix looked up
+    speculative_max_batch: int = 4  # no drafts in a step with more running sequences than this
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -55,6 +60,13 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens must be between 0 and 16, got {self.speculative_tokens}")
+        lo, hi = self.speculative_ngram
+        if not 1 <= lo <= hi <= 16:
+            raise ValueError(f"speculative_ngram must be MIN:MAX with 1 <= MIN <= MAX <= 16, got {lo}:{hi}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +97,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: skip the dummy steps at start that compile the kernels before the first request")
     parser.add_argument("--no-packed-weights", action="store_true",
                         help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
+    parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                        help="speculative decoding: draft up to K tokens per decode by looking up the text's last "
+                             "n-gram earlier in it, and check them in the same step (0: off; not with int4 KV)")
+    parser.add_argument("--speculative-ngram", type=_ngram, default=(2, 4), metavar="MIN:MAX",
+                        help="n-gram lengths the drafts are looked up by, longest first (default 2:4)")
+    parser.add_argument("--speculative-max-batch", type=int, default=4, metavar="N",
+                        help="draft only in steps of at most N running sequences (larger batches are "
+                             "compute-bound: checking drafts would cost more than it saves)")
+
+
+def _ngram(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        return (int(lo), int(hi)) if sep else (int(lo), int(lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX (two integers), got {text!r}") from None
 
 
 # the command-line option of each EngineConfig field whose name differs from it, for error messages
@@ -127,4 +155,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         pack_cpu_weights=not args.no_packed_weights,
         cuda_graphs=args.cuda_graphs,
         warmup=args.warmup,
+        speculative_tokens=args.speculative_tokens,
+        speculative_ngram=args.speculative_ngram,
+        speculative_max_batch=args.speculative_max_batch,
     )

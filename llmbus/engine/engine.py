@@ -19,7 +19,9 @@ from llmbus.engine.attention import TorchAttentionBackend
 from llmbus.engine.block_manager import BlockManager
 from llmbus.engine.config import EngineConfig
 from llmbus.engine.runner import ModelRunner
+from llmbus.engine.sampler import needs_penalty
 from llmbus.engine.sampling_params import SamplingParams
+from llmbus.engine.speculative import NgramProposer
 from llmbus.guide.masks import GuideMasks, TokenIndex
 from llmbus.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from llmbus.engine.sequence import Sequence, TokenLogprob
@@ -138,6 +140,15 @@ class Engine:
                                   max_model_len=self.max_model_len)
         if self.runner.tails is not None:
             self.block_manager.on_free = self.runner.tails.release
+        self.proposer: NgramProposer | None = None
+        if config.speculative_tokens:
+            if self.kv_format.rewrites_slots:
+                self.proposer = NgramProposer(config.speculative_tokens, *config.speculative_ngram)
+                self.scheduler.drafter = self._draft
+                self.scheduler.draft_max_batch = config.speculative_max_batch
+            else:
+                log.warning("speculative decoding needs a KV format whose slots can be written again (model, "
+                            "int8), not %s: decoding without drafts", config.kv_format)
         self._seqs: dict[str, Sequence] = {}
         self._guides_lock = threading.Lock()
         self._prefill_only: set[str] = set()
@@ -349,6 +360,15 @@ class Engine:
 
     # --- stepping -----------------------------------------------------------------------------
 
+    def _draft(self, seq: Sequence, limit: int) -> list[int]:
+        """``seq``'s speculative draft (the scheduler's ``drafter``): none for a prefill handing
+        off after its first token, nor where the sampler would need the draft as output
+        (penalties, a guide)."""
+        p = seq.params
+        if seq.request_id in self._prefill_only or p.guide or needs_penalty(p):
+            return []
+        return self.proposer.propose(seq, limit)
+
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
         out = self.scheduler.schedule()
@@ -363,26 +383,35 @@ class Engine:
             stats.ended(results[-1].finish_reason)
         if not out.scheduled:
             return results
-        chunks = [s.num_new_tokens for s in out.scheduled]
+        chunks = [(s.num_new_tokens, len(s.draft)) for s in out.scheduled]
         sampled, failed = self._execute(out) if self.isolate_failures else (self.runner.execute(out), [])
         if failed:
             out = self._fail(out, failed, results)
+        before = {rid: (len(seq.output_token_ids), len(seq.output_logprobs))
+                  for rid in sampled if (seq := self._seqs.get(rid)) is not None}  # fmt: skip
         self.scheduler.update(out, sampled)
-        for request_id, (token, lp) in sampled.items():
+        generated = accepted = 0
+        drafted = {e.seq.request_id for e in out.scheduled if e.draft}
+        for request_id, (n_out, n_lp) in before.items():
             seq = self._seqs[request_id]
             reason = seq.finish_reason
             if request_id in self._prefill_only and reason is None:
                 self._handoffs[request_id] = self._export(seq)
                 self.scheduler.abort(request_id)
                 reason = "handoff"
-            results.append(self._output(seq, [token], [lp] if lp is not None else None, reason))
-            if len(seq.output_token_ids) == 1:
+            tokens = seq.output_token_ids[n_out:]
+            logprobs = seq.output_logprobs[n_lp:] if seq.params.logprobs is not None else None
+            results.append(self._output(seq, tokens, logprobs, reason))
+            generated += len(tokens)
+            if request_id in drafted:
+                accepted += len(tokens) - 1
+            if n_out == 0:
                 stats.first_token(seq.num_prompt_tokens, seq.num_cached_tokens)
             if reason is not None:
                 self._seqs.pop(request_id, None)
                 self._prefill_only.discard(request_id)
                 stats.ended(reason)
-        stats.step(time.perf_counter() - start, chunks, len(out.preempted), len(sampled))
+        stats.step(time.perf_counter() - start, chunks, len(out.preempted), generated, accepted)
         return results
 
     def _execute(self, out: SchedulerOutput) -> tuple[dict[str, tuple[int, TokenLogprob | None]], list]:
@@ -451,7 +480,7 @@ class Engine:
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs, reason: str | None) -> StepOutput:
-        first = len(seq.output_token_ids) == 1 and len(tokens) == 1
+        first = len(seq.output_token_ids) == len(tokens) == 1
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,

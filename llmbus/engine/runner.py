@@ -35,6 +35,9 @@ class _Batch:
     meta: AttentionMetadata
     sample_rows: list[int]  # rows of the batch whose hidden state is sampled
     sample_seqs: list[Sequence]
+    # per sampled row, how many outputs ahead of its sequence's it draws (0 but for the rows
+    # after a draft's first, llmbus.engine.speculative)
+    sample_ahead: list[int] = field(default_factory=list)
     # rows whose logits score the next prompt token (params.prompt_logprobs): (row, seq, token)
     prompt_rows: list[tuple[int, Sequence, int]] = field(default_factory=list)
 
@@ -145,8 +148,11 @@ class ModelRunner:
         self._threads = torch.get_num_threads()  # intra-op threads for one-batch steps
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Run every scheduled chunk; return the sampled token of each entry with ``sample=True``."""
+    def execute(self, out: SchedulerOutput) -> dict[str, list[tuple[int, TokenLogprob | None]]]:
+        """Run every scheduled chunk; return the tokens of each entry with ``sample=True``: the one
+        sampled, or for an entry with a draft, the draft's tokens its rows confirmed (each the
+        token sampled at the row before) and then the first sampled token that differs from the
+        draft, or the one sampled after all of it."""
         if self.graphs is not None and self._graphable(out.scheduled):
             # NOTE: metadata built on the host, copied into the recording's buffers
             batches = [self._prepare(out.scheduled, torch.device("cpu"))]
@@ -158,7 +164,17 @@ class ModelRunner:
         for batch, (_, prompt) in zip(batches, hidden):
             if prompt is not None:
                 self._score_prompt(prompt, batch.prompt_rows)
-        return self._sample([h for h, _ in hidden if h is not None], [s for b in batches for s in b.sample_seqs])
+        seqs = [s for b in batches for s in b.sample_seqs]
+        ahead = [a for b in batches for a in b.sample_ahead]
+        rows = self._sample([h for h, _ in hidden if h is not None], seqs, ahead)
+        sampled: dict[str, list[tuple[int, TokenLogprob | None]]] = {}
+        drafts = {e.seq.request_id: e.draft for e in out.scheduled if e.draft}
+        for seq, row in zip(seqs, rows):
+            got = sampled.setdefault(seq.request_id, [])
+            draft = drafts.get(seq.request_id, ())
+            if not got or len(got) <= len(draft) and got[-1][0] == draft[len(got) - 1]:
+                got.append(row)  # NOTE: rows after the first differing token are dropped
+        return sampled
 
     def _score_prompt(self, hidden: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> None:
         """Append each prompt row's entry to its sequence's ``prompt_logprobs``, a few hundred rows
@@ -173,16 +189,17 @@ class ModelRunner:
                 seq.prompt_logprobs.append(entry)
 
     def _graphable(self, entries: list[ScheduledSeq]) -> bool:
-        """Whether a step runs recorded: decodes only, within the recorded sizes and lengths."""
-        return (bool(entries) and all(e.num_new_tokens == 1 for e in entries)
-                and self.graphs.fits(len(entries), max(len(e.seq.block_table) for e in entries)))
+        """Whether a step runs recorded: decode rows only, within the recorded sizes and lengths."""
+        return (bool(entries) and all(e.decodes for e in entries)
+                and self.graphs.fits(sum(e.num_new_tokens for e in entries), max(len(e.seq.block_table) for e in entries)))
 
-    def _sample(self, rows: list[torch.Tensor], seqs: list[Sequence]) -> dict[str, tuple[int, TokenLogprob | None]]:
+    def _sample(self, rows: list[torch.Tensor], seqs: list[Sequence], ahead: list[int]) -> list[tuple[int, TokenLogprob | None]]:
+        """Each sampled row's token and logprob entry."""
         if not seqs:
-            return {}
+            return []
         logits = self.model.compute_logits(torch.cat(rows) if len(rows) > 1 else rows[0])
-        result = self.sampler(logits, seqs)
-        return {seq.request_id: (tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)}
+        result = self.sampler(logits, seqs, ahead if any(ahead) else None)
+        return list(zip(result.token_ids, result.logprobs))
 
     def _set_threads(self, n: int) -> None:
         if self.micro_batches > 1 and torch.get_num_threads() != n:
@@ -200,7 +217,7 @@ class ModelRunner:
             i = loads.index(min(loads))
             groups[i].append(e)
             loads[i] += _cost(e)
-        return [sorted(g, key=lambda e: e.num_new_tokens != 1) for g in groups]
+        return [sorted(g, key=lambda e: not e.decodes) for g in groups]
 
     def _forward_all(self, batches: list[_Batch]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Each batch's sampled and prompt rows: one batch on the intra-op threads, micro-batches one
@@ -244,12 +261,25 @@ class ModelRunner:
         spans: list[tuple[list[int], int, int]] = []  # (block table, num computed, num new)
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        sample_ahead: list[int] = []
         prompt_rows: list[tuple[int, Sequence, int]] = []
         tail_rows: list[tuple[int, int]] | None = [] if self.tails is not None else None
         rows = 0
         for entry in entries:
             seq, n = entry.seq, entry.num_new_tokens
             start = seq.num_computed_tokens
+            if entry.draft:  # a decode row for its last token and one for each drafted token
+                if tail_rows is not None:
+                    raise ValueError(f"{seq.request_id}: drafts need a KV format that rewrites slots, not tail rows")
+                input_ids.append(_token_at(seq, start))
+                input_ids.extend(entry.draft)
+                for j in range(n):
+                    spans.append((seq.block_table, start + j, 1))
+                    sample_rows.append(rows + j)
+                    sample_seqs.append(seq)
+                    sample_ahead.append(j)
+                rows += n
+                continue
             if seq.params.prompt_logprobs is not None:
                 # position p's logits score prompt token p + 1; each once (not again after a preemption)
                 first, end = max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)
@@ -265,10 +295,11 @@ class ModelRunner:
             if entry.sample:
                 sample_rows.append(rows - 1)
                 sample_seqs.append(seq)
+                sample_ahead.append(0)
         device = device or self.device
         meta, positions = build_attention_metadata(spans, self.layout.block_size, device, tail_rows)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        return _Batch(ids, positions, meta, sample_rows, sample_seqs, prompt_rows)
+        return _Batch(ids, positions, meta, sample_rows, sample_seqs, sample_ahead, prompt_rows)
 
     def _tail_rows(self, seq: Sequence, start: int, n: int) -> tuple[int, int]:
         """``seq``'s tail rows for this step; newly taken ones start from what its filling block

@@ -57,7 +57,7 @@ def step_seed(seed: int, step: int) -> int:
     return _splitmix64((_splitmix64(seed & _MASK64) + step) & _MASK64)
 
 
-def _needs_penalty(p: SamplingParams) -> bool:
+def needs_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -215,16 +215,26 @@ class Sampler:
             self._generators[device] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> SamplerOutput:
+        """``ahead``: per row, how many outputs past its sequence's the row draws (a speculative
+        draft's rows: row ``j`` after a draft's first draws output ``len(output_token_ids) + j``,
+        keyed so for a seeded request); None: none. Rows ahead take no penalty and no guide,
+        which would need the draft's tokens as output."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs) or logits.shape[1] == 0:
             raise ValueError(f"logits must be [len(seqs)={len(seqs)}, vocab > 0], got {list(logits.shape)}")
+        if ahead is not None:
+            if len(ahead) != len(seqs):
+                raise ValueError(f"ahead has {len(ahead)} entries for {len(seqs)} rows")
+            bad = [s.request_id for s, a in zip(seqs, ahead) if a and (s.params.guide or needs_penalty(s.params))]
+            if bad:
+                raise ValueError(f"rows ahead of their sequence cannot be penalised or guided: {bad}")
         if not logits.is_floating_point():
             raise ValueError(f"logits must be a floating-point tensor, got {logits.dtype}")
         raw = logits.float()
         if not seqs:
             return SamplerOutput([], [])
         x = raw
-        pen = [i for i, s in enumerate(seqs) if _needs_penalty(s.params)]
+        pen = [i for i, s in enumerate(seqs) if needs_penalty(s.params)]
         if len(pen) == len(seqs):  # every row: one copy, the penalised one
             x = apply_penalties(raw, seqs, self._prompt_cache)
         elif pen:
@@ -247,11 +257,12 @@ class Sampler:
             tokens, token_list = greedy, greedy.tolist()
         else:
             if len(rand) == len(seqs):
-                tokens = self._draw(x, seqs)
+                tokens = self._draw(x, seqs, ahead)
             else:
                 tokens = x.argmax(dim=-1)  # NOTE: all-greedy batches stop here: one argmax
                 if rand:
-                    tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand])
+                    tokens[rand] = self._draw(x[rand], [seqs[i] for i in rand],
+                                              None if ahead is None else [ahead[i] for i in rand])
             # A row with no finite maximum (all -inf, +inf or NaN) has no valid token.
             # NOTE: the tokens and the bad rows (as -1) in one read back to the host (on CUDA each
             # read waits for the GPU); logprobs and random rows' fallbacks add their own
@@ -266,12 +277,13 @@ class Sampler:
         (torch's argmax is a scalar loop there); None where that does not serve."""
         return cpu_native.greedy(x) if self._native and x.device.type == "cpu" else None
 
-    def _draw(self, x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> torch.Tensor:
         """One token per row, by the exponential race: argmax(p / q), q ~ Exp(1) i.i.d."""
         params = [s.params for s in seqs]
+        steps = [len(s.output_token_ids) + (ahead[i] if ahead else 0) for i, s in enumerate(seqs)]
         if self._native and x.device.type == "cpu":  # warp and draw in C where it is built
             tokens = cpu_native.sample(x, [p.temperature for p in params], [p.top_k for p in params],
-                                       [p.top_p for p in params], [p.min_p for p in params], self._keys(seqs))  # fmt: skip
+                                       [p.top_p for p in params], [p.min_p for p in params], self._keys(seqs, steps))  # fmt: skip
             if tokens is not None:
                 return self._or_best(tokens, tokens < 0, x)
         warped = warp_logits(x, params)
@@ -285,9 +297,8 @@ class Sampler:
         if free and seeded:
             q[free] = _exponential((len(free), probs.shape[1]), probs.device, self._generator(probs.device))
         for i in seeded:  # NOTE: per-row loop only for seeded rows: each needs its own generator
-            s = seqs[i]
             gen = torch.Generator(device=probs.device)
-            gen.manual_seed(step_seed(s.params.seed, len(s.output_token_ids)))
+            gen.manual_seed(step_seed(seqs[i].params.seed, steps[i]))
             q[i] = _exponential((probs.shape[1],), probs.device, gen)
         # NOTE: clamping q keeps 0/q at 0, so a zero-probability token can never win the race.
         tokens = (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
@@ -301,9 +312,10 @@ class Sampler:
             tokens = torch.where(dead, x.argmax(dim=-1), tokens)
         return tokens
 
-    def _keys(self, seqs: list[Sequence]) -> list[int]:
+    def _keys(self, seqs: list[Sequence], steps: list[int]) -> list[int]:
         """A 64-bit key per row for ``cpu_native.sample``: a seeded row's from its seed and
-        step (``step_seed``), the others' drawn from the Sampler's own generator."""
+        step (``step_seed``; ``steps``: the output each row draws), the others' drawn from the
+        Sampler's own generator."""
         free = [i for i, s in enumerate(seqs) if s.params.seed is None]
         keys = [0] * len(seqs)
         if free:
@@ -313,7 +325,7 @@ class Sampler:
                 keys[i] = k
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
-                keys[i] = step_seed(s.params.seed, len(s.output_token_ids))
+                keys[i] = step_seed(s.params.seed, steps[i])
         return keys
 
     @staticmethod

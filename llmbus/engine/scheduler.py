@@ -14,6 +14,7 @@ finished with ``"length"``, reported in ``SchedulerOutput.rejected`` and returne
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmbus.engine.block_manager import BlockManager
@@ -54,11 +55,19 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # computes positions [seq.num_computed_tokens, +num_new_tokens)
     sample: bool  # True when this chunk reaches the last known token -> sample a new token
+    # a decode's speculative tokens (llmbus.engine.speculative): guesses of the tokens after its
+    # last, computed after it in this step (num_new_tokens == 1 + len(draft)), each as a decode row
+    draft: tuple[int, ...] = ()
+
+    @property
+    def decodes(self) -> bool:
+        """Whether every token of the entry is computed as a one-token decode row."""
+        return self.num_new_tokens == 1 or bool(self.draft)
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq]  # every entry with num_new_tokens == 1 first, then longer chunks
+    scheduled: list[ScheduledSeq]  # decodes first (one token, or one and a draft), then longer chunks
     preempted: list[Sequence]
     num_batched_tokens: int
     # Sequences that can never run (prompt longer than max_model_len, or more blocks than the whole
@@ -73,6 +82,10 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # admission order
         self._by_id: dict[str, Sequence] = {}
+        # speculative decoding: a decode's draft of at most the given number of tokens (set by the
+        # engine; [] where it has none), asked in steps of at most ``draft_max_batch`` running
+        self.drafter: Callable[[Sequence, int], list[int]] | None = None
+        self.draft_max_batch = 0
 
     @property
     def num_running(self) -> int:
@@ -136,6 +149,7 @@ class Scheduler:
 
         # Running sequences: decodes first, then unfinished prefills, by priority and age within each.
         order = sorted(self._running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.priority, s.arrival))
+        drafting = self.drafter is not None and len(self._running) <= self.draft_max_batch
         for seq in order:
             if budget == 0:
                 break
@@ -143,6 +157,10 @@ class Scheduler:
                 continue  # preempted earlier in this step
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
+                continue
+            if drafting and n == 1 and (entry := self._drafted(seq, budget)) is not None:
+                scheduled[seq.request_id] = entry
+                budget -= entry.num_new_tokens
                 continue
             while not self.block_manager.allocate(seq, n):
                 if not preempt_for(seq):
@@ -195,13 +213,27 @@ class Scheduler:
             if inflight is not None:
                 inflight.update(bm.pending_hashes(seq))
 
-        entries = sorted(scheduled.values(), key=lambda e: e.num_new_tokens != 1)
+        entries = sorted(scheduled.values(), key=lambda e: not e.decodes)
         return SchedulerOutput(
             scheduled=entries,
             preempted=preempted,
             num_batched_tokens=sum(e.num_new_tokens for e in entries),
             rejected=rejected,
         )
+
+    def _drafted(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """A decode with a draft, its blocks allocated; None where it has none, or where the
+        draft's blocks are not free (it then runs as a plain decode: a draft preempts nobody).
+        The draft leaves room for the token the step samples after it, within ``max_tokens``,
+        the context and the budget; a sequence's first output token is never drafted."""
+        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids),
+                   self.config.max_model_len - seq.num_tokens) - 1  # fmt: skip
+        if room < 1 or not seq.output_token_ids:
+            return None
+        draft = self.drafter(seq, room)[:room]
+        if not draft or not self.block_manager.allocate(seq, 1 + len(draft)):
+            return None
+        return ScheduledSeq(seq=seq, num_new_tokens=1 + len(draft), sample=True, draft=tuple(draft))
 
     def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens to compute now: the budget-limited chunk, or 0 when the rest cannot be split."""
@@ -277,25 +309,39 @@ class Scheduler:
     # --- after the step -----------------------------------------------------------------------
 
     def update(
-        self, output: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]
+        self, output: SchedulerOutput, sampled: dict[str, list[tuple[int, TokenLogprob | None]]]
     ) -> list[Sequence]:
-        """Apply a computed step; return the sequences that finished (including ``output.rejected``)."""
+        """Apply a computed step; return the sequences that finished (including ``output.rejected``).
+        ``sampled``: the tokens of each entry that samples, in order: one, or for an entry with a
+        draft the draft's tokens the step confirmed, then the one it sampled after them."""
         finished: list[Sequence] = list(output.rejected)
         for entry in output.scheduled:
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule() and update()
-            seq.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.commit(seq)
+            if not entry.draft:
+                seq.num_computed_tokens += entry.num_new_tokens
+                self.block_manager.commit(seq)
             if not entry.sample:
                 continue
-            if seq.request_id not in sampled:
+            tokens = sampled.get(seq.request_id)
+            if not tokens:
                 raise ValueError(f"no sampled token for {seq.request_id!r}, which was scheduled to sample")
-            token, logprob = sampled[seq.request_id]
-            seq.output_token_ids.append(token)
-            if logprob is not None:
-                seq.output_logprobs.append(logprob)
-            reason = self._stop_reason(seq, token)
+            if len(tokens) > 1 + len(entry.draft):
+                raise ValueError(f"{len(tokens)} sampled tokens for {seq.request_id!r}, which was scheduled "
+                                 f"to sample one after a draft of {len(entry.draft)}")  # fmt: skip
+            reason = None
+            for token, logprob in tokens:
+                seq.output_token_ids.append(token)
+                if logprob is not None:
+                    seq.output_logprobs.append(logprob)
+                if entry.draft:  # NOTE: the input before this token is now computed, as confirmed
+                    seq.num_computed_tokens += 1
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            if entry.draft:
+                self.block_manager.commit(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -35,20 +35,32 @@ class EngineStats:
         self.preemptions = Metric("llmbus_engine_preemptions_total",
                                   "Sequences preempted for KV blocks (their tokens are recomputed later).",
                                   "counter", m)  # fmt: skip
+        self.draft_tokens = Metric(
+            "llmbus_engine_spec_draft_tokens_total",
+            "Speculative tokens drafted by n-gram lookup and checked in a decode step.", "counter", m)
+        self.accepted_tokens = Metric(
+            "llmbus_engine_spec_accepted_tokens_total",
+            "Of those, tokens the step confirmed (each the token it sampled there): the tokens speculation saved "
+            "a step for.", "counter", m)
         self.finished = Metric(
             "llmbus_engine_requests_finished_total",
             "Requests that left the engine, by reason: stop, length, abort, handoff (a prefill passed to decode), "
             "or error (a step failed on the request alone).",
             "counter", ("reason",))
 
-    def step(self, seconds: float, chunks: list[int], preempted: int, sampled: int) -> None:
-        """One step that computed ``chunks`` (tokens per scheduled sequence) and sampled ``sampled``
-        tokens."""
-        prefill = sum(n for n in chunks if n > 1)
+    def step(self, seconds: float, chunks: list[tuple[int, int]], preempted: int, sampled: int,
+             accepted: int = 0) -> None:
+        """One step that computed ``chunks`` (per scheduled sequence: its tokens, and how many of
+        them were a draft) and yielded ``sampled`` tokens, ``accepted`` of them drafted ones."""
+        prefill = sum(n for n, drafted in chunks if n > 1 and not drafted)
+        drafted = sum(d for _, d in chunks)
         self.generation_tokens.add(sampled)
         self.step_seconds.observe(seconds, "prefill" if prefill else "decode")
-        self.step_tokens.observe(sum(chunks))
+        self.step_tokens.observe(sum(n for n, _ in chunks))
         self.step_sequences.observe(len(chunks))
+        if drafted:
+            self.draft_tokens.add(drafted)
+            self.accepted_tokens.add(accepted)
         if prefill:
             self.prefill_tokens.add(prefill)
         if preempted:
@@ -64,5 +76,6 @@ class EngineStats:
 
     def families(self) -> list[MetricFamily]:
         parts = (self.step_seconds, self.step_tokens, self.step_sequences, self.prefill_tokens,
-                 self.generation_tokens, self.prompt_tokens, self.cached_tokens, self.preemptions, self.finished)
+                 self.generation_tokens, self.prompt_tokens, self.cached_tokens, self.preemptions,
+                 self.draft_tokens, self.accepted_tokens, self.finished)
         return [p.family() for p in parts]

@@ -98,6 +98,14 @@ class KVFormat:
         return self.name in ("int4", "int4r")
 
     @property
+    def rewrites_slots(self) -> bool:
+        """Each token's slot is encoded from that token alone (model dtype, INT8), so a slot written
+        ahead and then given up (a speculative token the step rejected) is simply written again
+        later. INT4's keys are sealed per block and its tail rows switch as blocks fill: neither
+        can be taken back."""
+        return not self.int4_codes
+
+    @property
     def keeps_tails(self) -> bool:
         """The format may keep exact tail rows of filling blocks (INT4's two formats)."""
         return self.int4_codes

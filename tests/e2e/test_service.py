@@ -539,19 +539,23 @@ def test_killed_decode_worker_ends_the_stream_with_an_error(stack):
     assert "exited unexpectedly" in stack.log()
 
 
-def test_colocated_stack_gives_the_same_text(model_dir, tmp_path, reference):
-    """`llmbus up --colocated`: prefill workers decode too (no handoff, no decode workers)."""
-    s = Stack(MODEL, model_dir, tmp_path / "colocated", "--colocated", "--token-timeout", "10")
+def test_colocated_stack_with_drafts_gives_the_same_text(model_dir, tmp_path, reference):
+    """`llmbus up --colocated`: prefill workers decode too (no handoff, no decode workers); with
+    `--speculative-tokens`, steps that confirm several drafted tokens stream the same text."""
+    s = Stack(MODEL, model_dir, tmp_path / "colocated", "--colocated", "--token-timeout", "10",
+              "--speculative-tokens", "4", "--worker-arg=--speculative-ngram=1:3")  # fmt: skip
     try:
         assert not [i for i in s.instances() if i.role == "decode"]
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
-        prompt = "The quick brown fox jumps over the lazy dog"
-        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+        prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"  # the demo model goes on counting: drafts to confirm
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
         chunks = list(stream)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
-        assert text == reference.generate([prompt], greedy(16))[0].text
-        assert chunks[-1].usage.completion_tokens == 16
+        assert text == reference.generate([prompt], greedy(48))[0].text
+        assert chunks[-1].usage.completion_tokens == 48
+        metrics = parse(httpx.get(s.base_url.removesuffix("/v1") + "/metrics", timeout=30).text)
+        assert total(metrics, "llmbus_engine_spec_accepted_tokens_total", model=MODEL) > 0
         state = s.wait_idle()
         assert state["kvpool_leased_blocks"] == 0 and all(v == (0, 0) for v in state["workers"].values())
     finally:

@@ -1,0 +1,78 @@
+"""Speculative decoding's drafts by n-gram lookup ("prompt lookup decoding"): no draft model.
+
+A decode's text so far often repeats itself: code edited in place, a document quoted or
+summarised, a list continued, a loop a small model falls into. So the tokens that followed the
+last earlier occurrence of the text's final n-gram are a cheap guess at what comes next. The
+engine appends such a draft to the decode's one query token and computes all of them in the same
+step, as one-token decode rows sharing the sequence's block table (row ``j`` attends to the
+context up to its own position: the keys and values of every row are written before any row's
+attention reads them). Each row's logits are sampled as a plain decode's would be (a seeded
+request's draw at output ``i`` keyed by ``(seed, i)``), and the step keeps the sampled tokens up
+to and including the first that differs from the draft. So the output is distributed exactly
+as without drafts (and a greedy or seeded request's tokens are the same, up to the float rounding
+of a different batch), while a step may yield up to ``1 + len(draft)`` tokens. The slots of
+rejected rows lie past the sequence's computed length and are written again by later steps.
+
+The lookup keeps, per sequence, a map from each n-gram (``min_n <= n <= max_n``) to the position
+after its latest occurrence, updated with the tokens each step appends: a draft costs a few dict
+lookups, not a scan of the context.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from llmbus.engine.sequence import Sequence
+
+
+class _Index:
+    __slots__ = ("upto", "maps")
+
+    def __init__(self, sizes: range) -> None:
+        self.upto = 0  # tokens [0, upto) are indexed: each n-gram ending before them maps to where it ended
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+
+
+class NgramProposer:
+    """Drafts of up to ``num_tokens`` tokens, looked up by the sequence's last ``max_n`` down to
+    ``min_n`` tokens (the longest suffix that occurred before wins; its latest occurrence)."""
+
+    def __init__(self, num_tokens: int, min_n: int = 2, max_n: int = 4) -> None:
+        if num_tokens < 1 or not 1 <= min_n <= max_n:
+            raise ValueError(f"need num_tokens >= 1 and 1 <= min_n <= max_n, got {num_tokens}, {min_n}, {max_n}")
+        self.num_tokens = num_tokens
+        self.sizes = range(max_n, min_n - 1, -1)
+        self._indexes: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, limit: int | None = None) -> list[int]:
+        """The draft for ``seq``'s next tokens (at most ``limit``, and ``num_tokens``); [] when its
+        last n-gram has not occurred before."""
+        limit = self.num_tokens if limit is None else min(limit, self.num_tokens)
+        if limit < 1:
+            return []
+        tokens = seq.all_token_ids
+        index = self._index(seq, tokens)
+        end = len(tokens)
+        for n in self.sizes:
+            if n > end:
+                continue
+            start = index.maps[n].get(tuple(tokens[end - n :]))
+            if start is None:
+                continue
+            draft: list[int] = []
+            while len(draft) < limit:  # NOTE: past the end the draft continues from itself (a repeat)
+                i = start + len(draft)
+                draft.append(tokens[i] if i < end else draft[i - end])
+            return draft
+        return []
+
+    def _index(self, seq: Sequence, tokens: list[int]) -> _Index:
+        index = self._indexes.get(seq)
+        if index is None:
+            index = self._indexes[seq] = _Index(self.sizes)
+        for i in range(max(1, index.upto), len(tokens)):  # the n-grams that end just before token i
+            for n, found in index.maps.items():
+                if n <= i:
+                    found[tuple(tokens[i - n : i])] = i
+        index.upto = len(tokens)
+        return index
