@@ -74,7 +74,7 @@ def _decoding(max_tokens: int = 50, max_model_len: int = 256, budget: int = 64, 
     bm = BlockManager(num_blocks, 4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_model_len), bm)
     sched.drafter = lambda seq, limit: [7] * limit
-    sched.draft_max_batch = 4
+    sched.draft_max_rows = 64
     seq = Sequence("s", [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens))
     sched.add(seq)
     while not seq.output_token_ids:  # the prompt, in chunks of the budget
@@ -110,10 +110,41 @@ def test_update_keeps_the_confirmed_tokens_and_computes_their_inputs():
         sched.update(out, {"s": [(7, None)] * (len(out.scheduled[0].draft) + 2)})
 
 
-def test_no_drafts_above_the_batch_limit():
-    sched, _, _ = _decoding()
-    sched.draft_max_batch = 0
-    assert sched.schedule().scheduled[0].draft == ()
+def test_drafts_share_the_rows_left_in_a_step():
+    sched, bm, _ = _decoding()
+    sched.draft_max_rows = 5
+    assert len(sched.schedule().scheduled[0].draft) == 4  # one decode: its row and four drafted
+    for rid in "abc":
+        other = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=50))
+        sched.add(other)
+        while not other.output_token_ids:
+            out = sched.schedule()
+            sched.update(out, {e.seq.request_id: [(9, None)] for e in out.scheduled if e.sample})
+    sched.draft_max_rows = 9  # four decodes: one drafted token each
+    assert [len(e.draft) for e in sched.schedule().scheduled] == [1, 1, 1, 1]
+    sched.draft_max_rows = 7  # fewer rows left than decodes: none
+    assert [len(e.draft) for e in sched.schedule().scheduled] == [0, 0, 0, 0]
+
+
+def test_drafts_follow_how_the_last_ones_fared():
+    p = NgramProposer(6, min_n=1, max_n=1)
+    seq = _seq([3] * 10)
+    assert len(p.propose(seq)) == 6
+    p.checked(seq, 6, 2)  # confirmed in part: one more than confirmed next
+    assert len(p.propose(seq)) == 3
+    p.checked(seq, 3, 3)  # whole: two more
+    assert len(p.propose(seq)) == 5
+    misses = []
+    for _ in range(5):  # rejected from the first token, again and again: drafts held back longer
+        p.checked(seq, 1, 0)
+        steps = 0
+        while not p.propose(seq):
+            steps += 1
+        misses.append(steps)
+    assert misses == [0, 1, 3, 7, 15]
+    assert len(p.propose(seq)) == 1
+    p.checked(seq, 1, 1)
+    assert len(p.propose(seq)) == 3
 
 
 # --- the sampler -----------------------------------------------------------------------------
@@ -144,7 +175,7 @@ def vars_of(params: SamplingParams) -> dict:
 
 def _llm(model_dir, k: int = 4, **kw) -> LLM:  # noqa: F811
     return LLM(model_dir, dtype="float32", device="cpu", speculative_tokens=k, speculative_ngram=(1, 3),
-               **{"speculative_max_batch": 8, **kw})
+               **{"speculative_max_rows": 64, **kw})
 
 
 def _repetitive(n: int, seed: int = 0) -> list[list[int]]:

@@ -35,7 +35,9 @@ class EngineConfig:
     # drafted from earlier text per decode, all checked in the same step; 0: off
     speculative_tokens: int = 0
     speculative_ngram: tuple[int, int] = (2, 4)  # (shortest, longest) suffix looked up
-    speculative_max_batch: int = 4  # no drafts in a step with more running sequences than this
+    # drafts only while a step's decode rows (one a sequence, one a drafted token) stay within
+    # this many; None: 8 on CPU, where more rows make a step compute-bound, 32 on CUDA
+    speculative_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -65,8 +67,8 @@ class EngineConfig:
         lo, hi = self.speculative_ngram
         if not 1 <= lo <= hi <= 16:
             raise ValueError(f"speculative_ngram must be MIN:MAX with 1 <= MIN <= MAX <= 16, got {lo}:{hi}")
-        if self.speculative_max_batch < 1:
-            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if self.speculative_max_rows is not None and self.speculative_max_rows < 2:
+            raise ValueError(f"speculative_max_rows must be >= 2, got {self.speculative_max_rows}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -102,9 +104,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "n-gram earlier in it, and check them in the same step (0: off; not with int4 KV)")
     parser.add_argument("--speculative-ngram", type=_ngram, default=(2, 4), metavar="MIN:MAX",
                         help="n-gram lengths the drafts are looked up by, longest first (default 2:4)")
-    parser.add_argument("--speculative-max-batch", type=int, default=4, metavar="N",
-                        help="draft only in steps of at most N running sequences (larger batches are "
-                             "compute-bound: checking drafts would cost more than it saves)")
+    parser.add_argument("--speculative-max-rows", type=int, default=None, metavar="N",
+                        help="draft only while a step's decode rows (one per sequence, one per drafted token) "
+                             "stay within N: past that a step is compute-bound and checking drafts costs more "
+                             "than it saves (default: 8 on CPU, 32 on CUDA)")
 
 
 def _ngram(text: str) -> tuple[int, int]:
@@ -157,5 +160,5 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         warmup=args.warmup,
         speculative_tokens=args.speculative_tokens,
         speculative_ngram=args.speculative_ngram,
-        speculative_max_batch=args.speculative_max_batch,
+        speculative_max_rows=args.speculative_max_rows,
     )

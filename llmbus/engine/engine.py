@@ -145,7 +145,8 @@ class Engine:
             if self.kv_format.rewrites_slots:
                 self.proposer = NgramProposer(config.speculative_tokens, *config.speculative_ngram)
                 self.scheduler.drafter = self._draft
-                self.scheduler.draft_max_batch = config.speculative_max_batch
+                rows = config.speculative_max_rows
+                self.scheduler.draft_max_rows = rows or (32 if self.device.type == "cuda" else 8)
             else:
                 log.warning("speculative decoding needs a KV format whose slots can be written again (model, "
                             "int8), not %s: decoding without drafts", config.kv_format)
@@ -391,7 +392,7 @@ class Engine:
                   for rid in sampled if (seq := self._seqs.get(rid)) is not None}  # fmt: skip
         self.scheduler.update(out, sampled)
         generated = accepted = 0
-        drafted = {e.seq.request_id for e in out.scheduled if e.draft}
+        drafted = {e.seq.request_id: e.draft for e in out.scheduled if e.draft}
         for request_id, (n_out, n_lp) in before.items():
             seq = self._seqs[request_id]
             reason = seq.finish_reason
@@ -405,6 +406,7 @@ class Engine:
             generated += len(tokens)
             if request_id in drafted:
                 accepted += len(tokens) - 1
+                self.proposer.checked(seq, len(drafted[request_id]), len(tokens) - 1)
             if n_out == 0:
                 stats.first_token(seq.num_prompt_tokens, seq.num_cached_tokens)
             if reason is not None:

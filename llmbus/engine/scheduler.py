@@ -83,9 +83,9 @@ class Scheduler:
         self._running: list[Sequence] = []  # admission order
         self._by_id: dict[str, Sequence] = {}
         # speculative decoding: a decode's draft of at most the given number of tokens (set by the
-        # engine; [] where it has none), asked in steps of at most ``draft_max_batch`` running
+        # engine; [] where it has none), within ``draft_max_rows`` decode rows a step
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
-        self.draft_max_batch = 0
+        self.draft_max_rows = 0
 
     @property
     def num_running(self) -> int:
@@ -149,7 +149,10 @@ class Scheduler:
 
         # Running sequences: decodes first, then unfinished prefills, by priority and age within each.
         order = sorted(self._running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.priority, s.arrival))
-        drafting = self.drafter is not None and len(self._running) <= self.draft_max_batch
+        per_draft = 0  # the drafted tokens each decode may add: the rows left over, shared alike
+        if self.drafter is not None:
+            decodes = sum(1 for s in self._running if s.num_tokens - s.num_computed_tokens == 1)
+            per_draft = (self.draft_max_rows - decodes) // max(1, decodes)
         for seq in order:
             if budget == 0:
                 break
@@ -158,7 +161,7 @@ class Scheduler:
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 continue
-            if drafting and n == 1 and (entry := self._drafted(seq, budget)) is not None:
+            if per_draft > 0 and n == 1 and (entry := self._drafted(seq, min(budget, 1 + per_draft))) is not None:
                 scheduled[seq.request_id] = entry
                 budget -= entry.num_new_tokens
                 continue
@@ -221,12 +224,13 @@ class Scheduler:
             rejected=rejected,
         )
 
-    def _drafted(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+    def _drafted(self, seq: Sequence, rows: int) -> ScheduledSeq | None:
         """A decode with a draft, its blocks allocated; None where it has none, or where the
         draft's blocks are not free (it then runs as a plain decode: a draft preempts nobody).
         The draft leaves room for the token the step samples after it, within ``max_tokens``,
-        the context and the budget; a sequence's first output token is never drafted."""
-        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids),
+        the context and ``rows`` (the decode's own included); a sequence's first output token
+        is never drafted."""
+        room = min(rows, seq.params.max_tokens - len(seq.output_token_ids),
                    self.config.max_model_len - seq.num_tokens) - 1  # fmt: skip
         if room < 1 or not seq.output_token_ids:
             return None

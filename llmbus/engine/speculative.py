@@ -16,6 +16,13 @@ rejected rows lie past the sequence's computed length and are written again by l
 The lookup keeps, per sequence, a map from each n-gram (``min_n <= n <= max_n``) to the position
 after its latest occurrence, updated with the tokens each step appends: a draft costs a few dict
 lookups, not a scan of the context.
+
+A rejected draft token still cost a row of the step, so each sequence's drafts follow how its
+last ones fared (``checked``): a draft confirmed whole lets the next one grow by two tokens (up
+to ``num_tokens``), one confirmed in part caps the next at one more than it confirmed, and one
+rejected from its first token cuts the next to a single token; after ``m`` such misses in a row
+the sequence drafts nothing for ``2^(m-1) - 1`` steps (at most 15), so text the lookup cannot
+predict costs a few wasted rows, not one every step.
 """
 
 from __future__ import annotations
@@ -25,12 +32,18 @@ import weakref
 from llmbus.engine.sequence import Sequence
 
 
-class _Index:
-    __slots__ = ("upto", "maps")
+MAX_SKIP = 15  # steps without drafts after repeated misses, at most
 
-    def __init__(self, sizes: range) -> None:
+
+class _Index:
+    __slots__ = ("upto", "maps", "cap", "misses", "skip")
+
+    def __init__(self, sizes: range, cap: int) -> None:
         self.upto = 0  # tokens [0, upto) are indexed: each n-gram ending before them maps to where it ended
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.cap = cap  # the next draft's length, at most
+        self.misses = 0  # drafts in a row rejected from their first token
+        self.skip = 0  # steps left without drafts
 
 
 class NgramProposer:
@@ -47,11 +60,14 @@ class NgramProposer:
     def propose(self, seq: Sequence, limit: int | None = None) -> list[int]:
         """The draft for ``seq``'s next tokens (at most ``limit``, and ``num_tokens``); [] when its
         last n-gram has not occurred before."""
-        limit = self.num_tokens if limit is None else min(limit, self.num_tokens)
-        if limit < 1:
-            return []
         tokens = seq.all_token_ids
         index = self._index(seq, tokens)
+        if index.skip:
+            index.skip -= 1
+            return []
+        limit = index.cap if limit is None else min(limit, index.cap)
+        if limit < 1:
+            return []
         end = len(tokens)
         for n in self.sizes:
             if n > end:
@@ -66,10 +82,24 @@ class NgramProposer:
             return draft
         return []
 
+    def checked(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A step confirmed ``accepted`` of the ``drafted`` tokens of ``seq``'s draft: size (or
+        hold back) its next ones by it."""
+        index = self._indexes.get(seq)
+        if index is None or drafted < 1:
+            return
+        if accepted >= drafted:
+            index.cap, index.misses = min(self.num_tokens, index.cap + 2), 0
+        elif accepted:
+            index.cap, index.misses = accepted + 1, 0
+        else:
+            index.cap, index.misses = 1, index.misses + 1
+            index.skip = min(MAX_SKIP, 2 ** (index.misses - 1) - 1)
+
     def _index(self, seq: Sequence, tokens: list[int]) -> _Index:
         index = self._indexes.get(seq)
         if index is None:
-            index = self._indexes[seq] = _Index(self.sizes)
+            index = self._indexes[seq] = _Index(self.sizes, self.num_tokens)
         for i in range(max(1, index.upto), len(tokens)):  # the n-grams that end just before token i
             for n, found in index.maps.items():
                 if n <= i:
