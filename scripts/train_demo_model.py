@@ -28,35 +28,17 @@ import math
 import shutil
 import sys
 import platform
-import sysconfig
 import time
-import zlib
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmbus.bench.corpus import corpus_files, is_held_out, stdlib_root  # noqa: E402, F401 - the split, also the tests'
 from llmbus.model.config import token_ids  # noqa: E402
 
-HELD_OUT_EVERY = 20  # a file is held out when crc32(its path under the stdlib) % 20 == 0
 _COPIED = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json")
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path | None = None) -> list[Path]:
-    """The standard library's ``.py`` files, sorted, without its test suites and codec tables."""
-    root = Path(root or stdlib_root())
-    skip = {"test", "tests", "idle_test", "site-packages", "lib2to3", "encodings"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts[:-1]))
-
-
-def is_held_out(path: Path, root: Path | None = None) -> bool:
-    rel = path.relative_to(root or stdlib_root()).as_posix()
-    return zlib.crc32(rel.encode()) % HELD_OUT_EVERY == 0
 
 
 def corpus_tokens(tokenizer_json: Path, held_out: bool, max_tokens: int, eos_id: int) -> torch.Tensor:

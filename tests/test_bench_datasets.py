@@ -31,7 +31,7 @@ def test_range_ratio_bounds(tok):
     assert all(14 <= it.prompt_len <= 46 for it in items)
 
 
-@pytest.mark.parametrize("name", ["random", "shared-prefix", "mixed", "multi-turn"])
+@pytest.mark.parametrize("name", ["random", "shared-prefix", "mixed", "multi-turn", "code"])
 def test_deterministic_from_seed(tok, name):
     kw = dict(name=name, num_prompts=8, input_len=16, output_len=4, groups=2, prompts_per_group=3, system_len=24,
               question_len=8, long_input_len=64, long_share=0.25, conversations=2, turns=3)
@@ -40,6 +40,20 @@ def test_deterministic_from_seed(tok, name):
     c = build_dataset(DatasetConfig(seed=6, **kw), tok)
     assert [it.prompt_token_ids for it in a] == [it.prompt_token_ids for it in b]
     assert [it.prompt_token_ids for it in a] != [it.prompt_token_ids for it in c]
+
+
+def test_code_prompts_are_held_out_standard_library_source(tok):
+    from llmbus.bench.corpus import corpus_files, is_held_out
+
+    items = build_dataset(DatasetConfig(name="code", num_prompts=10, input_len=60, output_len=7, seed=3), tok)
+    held = [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files() if is_held_out(p)]
+    trained = [p.read_text(encoding="utf-8", errors="replace") for p in corpus_files()[:200] if not is_held_out(p)]
+    for it in items:
+        assert it.kind == "code" and it.output_len == 7
+        assert tok.encode(it.prompt) == it.prompt_token_ids
+        assert 45 <= it.prompt_len <= 61  # cut at a line's end within the last quarter, or at the length
+        assert any(it.prompt in text for text in held)
+        assert not any(it.prompt in text for text in trained)
 
 
 def test_shared_prefix_groups_share_the_system_prompt(tok):

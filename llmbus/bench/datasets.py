@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from llmbus.bench.tokens import BenchTokenizer
 
-DATASETS = ("random", "shared-prefix", "mixed", "multi-turn")
+DATASETS = ("random", "shared-prefix", "mixed", "multi-turn", "code")
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,39 @@ def build_multi_turn(cfg: DatasetConfig, tok: BenchTokenizer) -> list[BenchItem]
     return items
 
 
+def build_code(cfg: DatasetConfig, tok: BenchTokenizer) -> list[BenchItem]:
+    """num_prompts, input_len, output_len, range_ratio: real text to continue, each prompt about
+    input_len tokens of a Python standard library file held out from the demo model's training
+    (``llmbus.bench.corpus``), from the start of a line (its first line, or a random one: a file
+    is drawn, then a line, from the seed), cut at a line's end where one falls within the last
+    quarter of the length. Output as random's."""
+    from llmbus.bench.corpus import corpus_files, is_held_out
+
+    files = [p for p in corpus_files() if is_held_out(p)]
+    if not files:
+        raise ValueError("the code dataset reads Python's standard library source, and found none here")
+    rng = random.Random(cfg.seed)
+    items = []
+    while len(items) < cfg.num_prompts:
+        n_in, n_out = _lengths(rng, cfg.input_len, cfg.range_ratio), _lengths(rng, cfg.output_len, cfg.range_ratio)
+        try:
+            lines = rng.choice(files).read_text(encoding="utf-8").splitlines(keepends=True)
+        except (UnicodeDecodeError, OSError):
+            continue
+        start = 0 if rng.random() < 0.5 else rng.randrange(len(lines) or 1)
+        ids = tok.encode("".join(lines[start:]))
+        if len(ids) < n_in:
+            continue  # too short a file (or its end): draw another
+        text = tok.decode(ids[:n_in])
+        cut = text.rfind("\n", 0, len(text))
+        if cut > len(text) * 3 // 4:
+            text = text[: cut + 1]
+        items.append(_item(tok, text, n_out, kind="code"))
+    return items
+
+
 _BUILDERS = {"random": build_random, "shared-prefix": build_shared_prefix, "mixed": build_mixed,
-             "multi-turn": build_multi_turn}
+             "multi-turn": build_multi_turn, "code": build_code}
 
 
 def build_dataset(cfg: DatasetConfig, tok: BenchTokenizer) -> list[BenchItem]:
