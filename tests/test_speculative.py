@@ -56,6 +56,16 @@ def test_a_draft_past_the_end_of_the_text_repeats_the_loop():
     assert p.propose(_seq([1, 2, 3, 4, 5, 6, 4, 5])) == [6, 4, 5, 6, 4, 5, 6]
 
 
+def test_a_long_context_is_indexed_over_several_calls(monkeypatch):
+    from llmbus.engine import speculative
+
+    monkeypatch.setattr(speculative, "INDEX_PER_CALL", 4)
+    p = NgramProposer(2, min_n=2, max_n=2)
+    seq = _seq([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2])  # 11 tokens: indexed by the third call
+    assert p.propose(seq) == [] and p.propose(seq) == []
+    assert p.propose(seq) == [3, 4]
+
+
 def test_the_proposer_validates_its_sizes():
     with pytest.raises(ValueError):
         NgramProposer(0)

@@ -15,7 +15,7 @@ rejected rows lie past the sequence's computed length and are written again by l
 
 The lookup keeps, per sequence, a map from each n-gram (``min_n <= n <= max_n``) to the position
 after its latest occurrence, updated with the tokens each step appends: a draft costs a few dict
-lookups, not a scan of the context.
+lookups, not a scan of the context (a long prompt is indexed a few thousand tokens a step).
 
 A rejected draft token still cost a row of the step, so each sequence's drafts follow how its
 last ones fared (``checked``): a draft confirmed whole lets the next one grow by two tokens (up
@@ -33,6 +33,9 @@ from llmbus.engine.sequence import Sequence
 
 
 MAX_SKIP = 15  # steps without drafts after repeated misses, at most
+# tokens indexed a call, at most (a few ms): a long prompt is indexed over several steps, without
+# drafts meanwhile, instead of stalling one step for all its batch (32k tokens: ~30 ms at once)
+INDEX_PER_CALL = 4096
 
 
 class _Index:
@@ -60,25 +63,26 @@ class NgramProposer:
     def propose(self, seq: Sequence, limit: int | None = None) -> list[int]:
         """The draft for ``seq``'s next tokens (at most ``limit``, and ``num_tokens``); [] when its
         last n-gram has not occurred before."""
-        tokens = seq.all_token_ids
+        tokens = _Tokens(seq)
         index = self._index(seq, tokens)
+        if index.upto < tokens.end:  # a long context still being indexed
+            return []
         if index.skip:
             index.skip -= 1
             return []
         limit = index.cap if limit is None else min(limit, index.cap)
         if limit < 1:
             return []
-        end = len(tokens)
+        end = tokens.end
         for n in self.sizes:
             if n > end:
                 continue
-            start = index.maps[n].get(tuple(tokens[end - n :]))
+            start = index.maps[n].get(tokens.window(end - n, end))
             if start is None:
                 continue
-            draft: list[int] = []
+            draft = list(tokens.window(start, min(end, start + limit)))
             while len(draft) < limit:  # NOTE: past the end the draft continues from itself (a repeat)
-                i = start + len(draft)
-                draft.append(tokens[i] if i < end else draft[i - end])
+                draft.append(draft[start + len(draft) - end])
             return draft
         return []
 
@@ -96,13 +100,34 @@ class NgramProposer:
             index.cap, index.misses = 1, index.misses + 1
             index.skip = min(MAX_SKIP, 2 ** (index.misses - 1) - 1)
 
-    def _index(self, seq: Sequence, tokens: list[int]) -> _Index:
+    def _index(self, seq: Sequence, tokens: "_Tokens") -> _Index:
+        """``seq``'s index, extended by up to ``INDEX_PER_CALL`` of the tokens it lacks."""
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = _Index(self.sizes, self.num_tokens)
-        for i in range(max(1, index.upto), len(tokens)):  # the n-grams that end just before token i
+        upto = min(tokens.end, max(1, index.upto) + INDEX_PER_CALL)
+        for i in range(max(1, index.upto), upto):  # the n-grams that end just before token i
             for n, found in index.maps.items():
                 if n <= i:
-                    found[tuple(tokens[i - n : i])] = i
-        index.upto = len(tokens)
+                    found[tokens.window(i - n, i)] = i
+        index.upto = max(index.upto, upto)
         return index
+
+
+class _Tokens:
+    """A sequence's prompt and output read as one, without joining them (a long context's copy
+    each step would cost more than the lookup)."""
+
+    __slots__ = ("prompt", "output", "end")
+
+    def __init__(self, seq: Sequence) -> None:
+        self.prompt, self.output = seq.prompt_token_ids, seq.output_token_ids
+        self.end = len(self.prompt) + len(self.output)
+
+    def window(self, a: int, b: int) -> tuple[int, ...]:
+        p = len(self.prompt)
+        if b <= p:
+            return tuple(self.prompt[a:b])
+        if a >= p:
+            return tuple(self.output[a - p : b - p])
+        return tuple(self.prompt[a:]) + tuple(self.output[: b - p])
