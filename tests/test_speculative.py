@@ -281,3 +281,21 @@ def test_drafted_rows_run_on_the_triton_kernels_and_the_recorded_path(tmp_path, 
                               speculative_ngram=(1, 2))  # fmt: skip
     assert spec == plain
     assert _drafted(llm)[1] > 0 and max(runs) > 2  # recorded steps with more rows than sequences
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-ngram", "4:2"], "--speculative-ngram must be MIN:MAX with 1 <= MIN <= MAX <= 16, got 4:2"),
+    (["--speculative-tokens", "-1"], "--speculative-tokens must be between 0 and 16, got -1"),
+    (["--speculative-max-rows", "1"], "--speculative-max-rows must be >= 2, got 1"),
+])
+def test_bad_options_name_the_option(argv, message):
+    import argparse
+
+    from llmbus.engine.config import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(ValueError) as err:
+        engine_config_from_args(parser.parse_args(argv))
+    assert str(err.value) == message
+    assert engine_config_from_args(parser.parse_args(["--speculative-ngram", "3"])).speculative_ngram == (3, 3)
