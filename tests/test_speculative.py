@@ -83,8 +83,8 @@ def test_the_proposer_validates_its_sizes():
 def _decoding(max_tokens: int = 50, max_model_len: int = 256, budget: int = 64, num_blocks: int = 64):
     bm = BlockManager(num_blocks, 4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_model_len), bm)
-    sched.drafter = lambda seq, limit: [7] * limit
-    sched.draft_max_rows = 64
+    sched.drafter = lambda seq, shared, most: [7] * shared
+    sched.draft_max_rows, sched.draft_row_group = 64, 65
     seq = Sequence("s", [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens))
     sched.add(seq)
     while not seq.output_token_ids:  # the prompt, in chunks of the budget
@@ -120,20 +120,28 @@ def test_update_keeps_the_confirmed_tokens_and_computes_their_inputs():
         sched.update(out, {"s": [(7, None)] * (len(out.scheduled[0].draft) + 2)})
 
 
-def test_drafts_share_the_rows_left_in_a_step():
+def test_drafts_fill_the_last_group_of_rows_then_go_to_trusted_sequences():
     sched, bm, _ = _decoding()
-    sched.draft_max_rows = 5
-    assert len(sched.schedule().scheduled[0].draft) == 4  # one decode: its row and four drafted
-    for rid in "abc":
+    sched.draft_row_group = 5
+    assert len(sched.schedule().scheduled[0].draft) == 4  # one decode: its row and four drafted fill the group
+    for rid in "abcdef":
         other = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=50))
         sched.add(other)
         while not other.output_token_ids:
             out = sched.schedule()
             sched.update(out, {e.seq.request_id: [(9, None)] for e in out.scheduled if e.sample})
-    sched.draft_max_rows = 9  # four decodes: one drafted token each
-    assert [len(e.draft) for e in sched.schedule().scheduled] == [1, 1, 1, 1]
-    sched.draft_max_rows = 7  # fewer rows left than decodes: none
-    assert [len(e.draft) for e in sched.schedule().scheduled] == [0, 0, 0, 0]
+    drafts = lambda: {e.seq.request_id: len(e.draft) for e in sched.schedule().scheduled}  # noqa: E731
+    sched.draft_row_group = 8  # seven decodes: one row left in the group
+    assert drafts() == dict(s=1, a=0, b=0, c=0, d=0, e=0, f=0)
+    sched.draft_row_group = 11  # four left: one each while they last
+    assert drafts() == dict(s=1, a=1, b=1, c=1, d=0, e=0, f=0)
+    sched.draft_row_group = 7  # the group is full: none
+    assert set(drafts().values()) == {0}
+    # past the group, rows go to the sequences the drafter trusts ("a", "c"), in order, within
+    # draft_max_rows (7 decodes + 10 drafted)
+    sched.drafter = lambda seq, share, most: [7] * (most if seq.request_id in "ac" else share)
+    sched.draft_max_rows = 17
+    assert drafts() == dict(s=0, a=10, b=0, c=0, d=0, e=0, f=0)
 
 
 def test_drafts_follow_how_the_last_ones_fared():
@@ -144,6 +152,10 @@ def test_drafts_follow_how_the_last_ones_fared():
     assert len(p.propose(seq)) == 3
     p.checked(seq, 3, 3)  # whole: two more
     assert len(p.propose(seq)) == 5
+    assert len(p.propose(seq, 1, 4)) == 4  # whole: past its share
+    p.checked(seq, 4, 2)
+    assert len(p.propose(seq, 1, 4)) == 1  # in part: its share
+    p.checked(seq, 1, 1)
     misses = []
     for _ in range(5):  # rejected from the first token, again and again: drafts held back longer
         p.checked(seq, 1, 0)
@@ -299,3 +311,15 @@ def test_bad_options_name_the_option(argv, message):
         engine_config_from_args(parser.parse_args(argv))
     assert str(err.value) == message
     assert engine_config_from_args(parser.parse_args(["--speculative-ngram", "3"])).speculative_ngram == (3, 3)
+
+
+def test_only_a_trusted_sequence_drafts_past_its_share_of_rows():
+    p = NgramProposer(4, min_n=1, max_n=1)
+    seq = _seq([3] * 10)
+    assert len(p.propose(seq, 0, 4)) == 4  # a new sequence is trusted with more than its share
+    p.checked(seq, 4, 1)  # one token of two tried: no longer
+    assert [len(p.propose(seq, 0, 4)) for _ in range(20)] == [0] * 20
+    assert len(p.propose(seq, 1, 4)) == 1  # its share, where the step has rows to share
+    for _ in range(3):
+        p.checked(seq, 1, 1)
+    assert len(p.propose(seq, 0, 4)) == 4  # trusted again (and its cap grew)

@@ -82,10 +82,14 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # admission order
         self._by_id: dict[str, Sequence] = {}
-        # speculative decoding: a decode's draft of at most the given number of tokens (set by the
-        # engine; [] where it has none), within ``draft_max_rows`` decode rows a step
-        self.drafter: Callable[[Sequence, int], list[int]] | None = None
+        # speculative decoding (set by the engine): ``drafter(seq, share, most)`` is a decode's
+        # draft ([] where it has none) of at most ``share`` tokens, or ``most`` for a sequence
+        # whose drafts the drafter trusts. A step's decode rows (one a decode, one a drafted
+        # token) stay within ``draft_max_rows``; the shares are the rows that fill the step's
+        # last group of ``draft_row_group`` rows (a group costs about as much as its first row)
+        self.drafter: Callable[[Sequence, int, int], list[int]] | None = None
         self.draft_max_rows = 0
+        self.draft_row_group = 1
 
     @property
     def num_running(self) -> int:
@@ -149,10 +153,12 @@ class Scheduler:
 
         # Running sequences: decodes first, then unfinished prefills, by priority and age within each.
         order = sorted(self._running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.priority, s.arrival))
-        per_draft = 0  # the drafted tokens each decode may add: the rows left over, shared alike
+        spare = cheap = share = 0  # rows this step's drafts may still take; of them, those that fill its last group
         if self.drafter is not None:
             decodes = sum(1 for s in self._running if s.num_tokens - s.num_computed_tokens == 1)
-            per_draft = (self.draft_max_rows - decodes) // max(1, decodes)
+            spare = self.draft_max_rows - decodes
+            cheap = min(spare, -decodes % self.draft_row_group)
+            share = max(1, cheap // max(1, decodes))  # each decode's, while they last
         for seq in order:
             if budget == 0:
                 break
@@ -161,9 +167,11 @@ class Scheduler:
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 continue
-            if per_draft > 0 and n == 1 and (entry := self._drafted(seq, min(budget, 1 + per_draft))) is not None:
+            if spare > 0 and n == 1 and (entry := self._drafted(seq, budget, min(share, cheap), spare)) is not None:
                 scheduled[seq.request_id] = entry
                 budget -= entry.num_new_tokens
+                spare -= len(entry.draft)
+                cheap -= min(cheap, len(entry.draft))
                 continue
             while not self.block_manager.allocate(seq, n):
                 if not preempt_for(seq):
@@ -224,17 +232,18 @@ class Scheduler:
             rejected=rejected,
         )
 
-    def _drafted(self, seq: Sequence, rows: int) -> ScheduledSeq | None:
+    def _drafted(self, seq: Sequence, budget: int, share: int, most: int) -> ScheduledSeq | None:
         """A decode with a draft, its blocks allocated; None where it has none, or where the
         draft's blocks are not free (it then runs as a plain decode: a draft preempts nobody).
         The draft leaves room for the token the step samples after it, within ``max_tokens``,
-        the context and ``rows`` (the decode's own included); a sequence's first output token
-        is never drafted."""
-        room = min(rows, seq.params.max_tokens - len(seq.output_token_ids),
+        the context and the budget, and takes at most ``share`` rows, or ``most`` where the
+        drafter trusts the sequence's drafts; a sequence's first output token is never drafted."""
+        room = min(budget, seq.params.max_tokens - len(seq.output_token_ids),
                    self.config.max_model_len - seq.num_tokens) - 1  # fmt: skip
+        room = min(room, most)
         if room < 1 or not seq.output_token_ids:
             return None
-        draft = self.drafter(seq, room)[:room]
+        draft = self.drafter(seq, min(room, share), room)[:room]
         if not draft or not self.block_manager.allocate(seq, 1 + len(draft)):
             return None
         return ScheduledSeq(seq=seq, num_new_tokens=1 + len(draft), sample=True, draft=tuple(draft))

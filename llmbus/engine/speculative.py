@@ -22,7 +22,12 @@ last ones fared (``checked``): a draft confirmed whole lets the next one grow by
 to ``num_tokens``), one confirmed in part caps the next at one more than it confirmed, and one
 rejected from its first token cuts the next to a single token; after ``m`` such misses in a row
 the sequence drafts nothing for ``2^(m-1) - 1`` steps (at most 15), so text the lookup cannot
-predict costs a few wasted rows, not one every step.
+predict costs a few wasted rows, not one every step. Past a few rows a step is compute-bound and a
+row pays only for a token likely confirmed: a sequence takes more than an even share of the
+step's rows (``propose``'s ``most`` instead of its ``limit``) only while a moving average of how
+often its drafted tokens were confirmed stays at ``TRUSTED`` or more (a new sequence starts
+there). An untrusted one drafts again only where its step has rows to share: one lone row past a
+full group would cost the step as much as the whole group.
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ MAX_SKIP = 15  # steps without drafts after repeated misses, at most
 # tokens indexed a call, at most (a few ms): a long prompt is indexed over several steps, without
 # drafts meanwhile, instead of stalling one step for all its batch (32k tokens: ~30 ms at once)
 INDEX_PER_CALL = 4096
+TRUSTED = 0.85  # a sequence whose drafted tokens are confirmed this often may take more than its share of rows
+RATE_WEIGHT = 0.3  # of the last draft in that moving average
 
 
 class _Index:
-    __slots__ = ("upto", "maps", "cap", "misses", "skip")
+    __slots__ = ("upto", "maps", "cap", "misses", "skip", "rate")
 
     def __init__(self, sizes: range, cap: int) -> None:
         self.upto = 0  # tokens [0, upto) are indexed: each n-gram ending before them maps to where it ended
@@ -47,6 +54,7 @@ class _Index:
         self.cap = cap  # the next draft's length, at most
         self.misses = 0  # drafts in a row rejected from their first token
         self.skip = 0  # steps left without drafts
+        self.rate = TRUSTED  # how often a drafted token is confirmed (moving average; a new sequence is trusted)
 
 
 class NgramProposer:
@@ -60,9 +68,9 @@ class NgramProposer:
         self.sizes = range(max_n, min_n - 1, -1)
         self._indexes: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
 
-    def propose(self, seq: Sequence, limit: int | None = None) -> list[int]:
-        """The draft for ``seq``'s next tokens (at most ``limit``, and ``num_tokens``); [] when its
-        last n-gram has not occurred before."""
+    def propose(self, seq: Sequence, limit: int | None = None, most: int | None = None) -> list[int]:
+        """The draft for ``seq``'s next tokens (at most ``limit``, or ``most`` while its drafts are
+        trusted; and its cap); [] when its last n-gram has not occurred before."""
         tokens = _Tokens(seq)
         index = self._index(seq, tokens)
         if index.upto < tokens.end:  # a long context still being indexed
@@ -70,6 +78,8 @@ class NgramProposer:
         if index.skip:
             index.skip -= 1
             return []
+        if most is not None and index.rate >= TRUSTED:
+            limit = most
         limit = index.cap if limit is None else min(limit, index.cap)
         if limit < 1:
             return []
@@ -92,6 +102,9 @@ class NgramProposer:
         index = self._indexes.get(seq)
         if index is None or drafted < 1:
             return
+        # a drafted token's chance, as the tokens tried: those confirmed, and the first rejected
+        tried = accepted + (accepted < drafted)
+        index.rate += RATE_WEIGHT * (accepted / tried - index.rate)
         if accepted >= drafted:
             index.cap, index.misses = min(self.num_tokens, index.cap + 2), 0
         elif accepted:
