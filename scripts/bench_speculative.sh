@@ -9,7 +9,8 @@
 # method ngram, prompt_lookup 2..4, K tokens).
 # Env: OUT (bench-results/speculative), MODEL_DIR (bench-results/models/large-trained), GGUF (its
 #      bf16 GGUF, made by scripts/peers/convert_gguf.sh if missing), SERVERS ("llmbus llamacpp vllm"),
-#      K (4), N_LLAMA (3), IN (512), OUT_LEN (256), TEMPS ("0 0.8"), CONC ("1 4 16").
+#      K (4), N_LLAMA (3), IN (512), OUT_LEN (256), TEMPS ("0 0.8"), CONC ("1 4 16"), SPEC ("off on"),
+#      TAG (a suffix for the report names, e.g. when rerun with LLMBUS_CPU_AMX=0 set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-bench-results/speculative}")
@@ -30,8 +31,8 @@ runs() {  # port server
     done
 }
 for server in ${SERVERS:-llmbus llamacpp vllm}; do
-    for spec in off on; do
-        name=$server-spec-$spec
+    for spec in ${SPEC:-off on}; do
+        name=$server-spec-$spec${TAG:-}
         case $server in
         llmbus)
             extra=(); [ $spec = on ] && extra=(--speculative-tokens "$K")

@@ -224,3 +224,34 @@ def test_float32_sums_stay_accurate_over_long_rows():
     got = cpu_native.linear(x, cpu_native.to_blocked(w), None).double()
     want = F.linear(x.double(), w.double())
     assert ((got - want).abs().max() / want.abs().max()).item() < 1.5e-6
+
+
+@pytest.mark.parametrize("rows", [cpu_linear.AMX_MIN_ROWS - 1, cpu_linear.AMX_MIN_ROWS, 300])
+def test_prefill_sized_bf16_products_go_to_amx_where_there_is_one(rows, monkeypatch):
+    """From AMX_MIN_ROWS rows on, a blocked bf16 weight's product is oneDNN's (AMX) over the weight
+    unblocked: F.linear's result exactly; fewer rows stay on the blocked kernel."""
+    if not cpu_linear.amx_bf16():
+        pytest.skip("no AMX-BF16 here (or oneDNN without bf16)")
+    w = torch.randn(96, 256, dtype=torch.bfloat16) * 0.05
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    packed = cpu_linear.pack(w)
+    assert packed.blocked is not None
+    calls = []
+    kernel = cpu_native.linear
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or kernel(*a))
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    y = cpu_linear.linear(x, w, bias, packed)
+    assert bool(calls) == (rows < cpu_linear.AMX_MIN_ROWS)
+    torch.testing.assert_close(y, F.linear(x, w, bias), atol=0.02, rtol=0.02)
+    if rows >= cpu_linear.AMX_MIN_ROWS:
+        assert torch.equal(y, F.linear(x, w, bias))
+
+
+def test_llmbus_cpu_amx_0_keeps_the_blocked_kernel(monkeypatch):
+    monkeypatch.setenv("LLMBUS_CPU_AMX", "0")
+    cpu_linear.amx_bf16.cache_clear()
+    try:
+        assert not cpu_linear.amx_bf16()
+    finally:
+        monkeypatch.delenv("LLMBUS_CPU_AMX")
+        cpu_linear.amx_bf16.cache_clear()
