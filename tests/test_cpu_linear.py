@@ -226,28 +226,41 @@ def test_float32_sums_stay_accurate_over_long_rows():
     assert ((got - want).abs().max() / want.abs().max()).item() < 1.5e-6
 
 
-@pytest.mark.parametrize("rows", [cpu_linear.AMX_MIN_ROWS - 1, cpu_linear.AMX_MIN_ROWS, 300])
-def test_prefill_sized_bf16_products_go_to_amx_where_there_is_one(rows, monkeypatch):
-    """From AMX_MIN_ROWS rows on, a blocked bf16 weight's product is oneDNN's (AMX) over the weight
-    unblocked: F.linear's result exactly; fewer rows stay on the blocked kernel."""
-    if not cpu_linear.amx_bf16():
-        pytest.skip("no AMX-BF16 here (or oneDNN without bf16)")
-    w = torch.randn(96, 256, dtype=torch.bfloat16) * 0.05
-    bias = torch.randn(96, dtype=torch.bfloat16)
-    packed = cpu_linear.pack(w)
-    assert packed.blocked is not None
+AMX = pytest.mark.skipif(not cpu_native.has_amx_bf16(), reason="no AMX-BF16 here (or not granted)")
+
+
+@AMX
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 130])
+@pytest.mark.parametrize("n,k", [(32, 64), (48, 96), (1280, 768)])
+def test_amx_linear_matches_the_fp64_product(rows, n, k):
+    """The tiles over the blocked weight as it is: odd block counts (a pair's second block
+    missing), rows not a multiple of 16 (padded), strided rows, a bias."""
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k + 8, generator=g).to(torch.bfloat16)[:, 4 : 4 + k]  # strided rows
+    y = cpu_native.linear_amx(x, cpu_native.to_blocked(w), bias)
+    want = (x.double() @ w.double().T + bias.double()).to(torch.bfloat16)
+    torch.testing.assert_close(y, want, atol=1e-2, rtol=1e-2)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+
+
+@AMX
+def test_blocked_bf16_products_take_the_tiles_and_fall_back_where_they_cannot(monkeypatch):
     calls = []
-    kernel = cpu_native.linear
-    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or kernel(*a))
-    x = torch.randn(rows, 256, dtype=torch.bfloat16)
-    y = cpu_linear.linear(x, w, bias, packed)
-    assert bool(calls) == (rows < cpu_linear.AMX_MIN_ROWS)
-    torch.testing.assert_close(y, F.linear(x, w, bias), atol=0.02, rtol=0.02)
-    if rows >= cpu_linear.AMX_MIN_ROWS:
-        assert torch.equal(y, F.linear(x, w, bias))
+    amx = cpu_native.linear_amx
+    monkeypatch.setattr(cpu_native, "linear_amx", lambda *a: calls.append(1) or amx(*a))
+    for k, tiles in [(64, True), (48, False)]:  # the tiles take inputs 32 at a time
+        w = (torch.randn(32, k) * 0.05).to(torch.bfloat16)
+        x = torch.randn(5, k).to(torch.bfloat16)
+        y = cpu_linear.linear(x, w, None, cpu_linear.pack(w))
+        torch.testing.assert_close(y, F.linear(x, w), atol=1e-2, rtol=1e-2)
+        assert cpu_native.linear_amx(x, cpu_native.to_blocked(w), None) is not None if tiles else \
+            cpu_native.linear_amx(x, cpu_native.to_blocked(w), None) is None
+    assert calls
 
 
-def test_llmbus_cpu_amx_0_keeps_the_blocked_kernel(monkeypatch):
+def test_llmbus_cpu_amx_0_keeps_the_avx512_kernel(monkeypatch):
     monkeypatch.setenv("LLMBUS_CPU_AMX", "0")
     cpu_linear.amx_bf16.cache_clear()
     try:

@@ -34,8 +34,10 @@ log = logging.getLogger("llmbus.engine")
 # speculative decoding: a step's rows cost by groups (the projections' row blocks): a group's
 # later rows cost little beside its first, so drafts fill the last group the decodes started
 # (2-vCPU machine, large demo model, 500-token contexts: a step of 8 rows 13.3 ms, of 9 16.9, of
-# 16 23.4, of 17 27.0). On a GPU a group is far wider (unmeasured: 64 assumed)
+# 16 23.4, of 17 27.0; bf16 on AMX's 16-row tiles, 16 rows 14.0 ms, 17 15.6). On a GPU a group is
+# far wider (unmeasured: 64 assumed)
 DRAFT_ROW_GROUP_CPU = 8
+DRAFT_ROW_GROUP_AMX = 16
 DRAFT_ROW_GROUP_CUDA = 64
 PROBE_ID = "llmbus-probe"  # the engine's own one-token step, run when a step failed on everything
 
@@ -151,7 +153,7 @@ class Engine:
             if self.kv_format.rewrites_slots:
                 self.proposer = NgramProposer(config.speculative_tokens, *config.speculative_ngram)
                 self.scheduler.drafter = self._draft
-                group = DRAFT_ROW_GROUP_CUDA if self.device.type == "cuda" else DRAFT_ROW_GROUP_CPU
+                group = DRAFT_ROW_GROUP_CUDA if self.device.type == "cuda" else self._cpu_row_group()
                 self.scheduler.draft_max_rows = config.speculative_max_rows or 4 * group
                 self.scheduler.draft_row_group = group
             else:
@@ -365,6 +367,13 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    def _cpu_row_group(self) -> int:
+        """Decode rows a CPU step pays for together: AMX's tiles take 16 (bf16, blocked weights)."""
+        from llmbus.model.cpu_linear import amx_bf16
+
+        bf16 = next(self.model.parameters()).dtype == torch.bfloat16
+        return DRAFT_ROW_GROUP_AMX if bf16 and self.config.pack_cpu_weights and amx_bf16() else DRAFT_ROW_GROUP_CPU
 
     # --- stepping -----------------------------------------------------------------------------
 

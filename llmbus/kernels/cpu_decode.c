@@ -1210,6 +1210,108 @@ int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const ui
 #endif
 }
 
+/* ---- bf16 linear on AMX tiles over the same blocked weight --------------------------------------
+   The blocked layout [N/16][K/2][16][2] is already AMX's B operand: 16 consecutive input pairs of a
+   block (32 inputs) are 16 rows of 64 bytes, each the 16 outputs' two values side by side, one
+   tile loaded with a 64-byte stride, no copy. A tile of 16 rows of x by 32 inputs is the A operand
+   (rows x_stride apart), and TDPBF16PS adds A.B into 16 x 16 fp32 sums. Each thread takes a run of
+   pairs of blocks; for a pair it walks all rows of x 16 at a time (the pair's weights, 64 KiB at
+   K = 1,024, stay in L2 while x streams), two accumulator tiles sharing each A tile. Rows past a
+   multiple of 16 go through a zero-padded copy. Sums are fp32 (in the tiles' order); each output
+   is rounded to bf16 once, with the bias. K must be a multiple of 32. Linux grants a process the
+   tiles on request (arch_prctl ARCH_REQ_XCOMP_PERM), once, in have_amx_bf16. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX_BF16 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+int have_amx_bf16(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+/* the 16 x 16 fp32 sums of tile c (in buf), plus bias, as bf16 into `rows` rows of y */
+static inline void amx_store(const float *buf, const uint16_t *bias, uint16_t *y, int64_t y_stride, int64_t rows) {
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
+                          : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++)
+        _mm256_storeu_si256((__m256i *)(y + r * y_stride),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(buf + r * 16), b)));
+}
+
+int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    if (!have_amx_bf16() || k_len % 32 || n_len % LIN_N || m_len < 1) return -1;
+    const int64_t blocks = n_len / LIN_N, pairs = (blocks + 1) / 2, ksteps = k_len / 32;
+    const int64_t full = m_len / 16 * 16, rest = m_len - full;
+    uint16_t *pad = NULL; /* the last rows, zero-padded to 16 */
+    if (rest) {
+        pad = calloc((size_t)(16 * k_len), sizeof(uint16_t));
+        if (!pad) return 3;
+        for (int64_t r = 0; r < rest; r++) memcpy(pad + r * k_len, x + (full + r) * x_stride, (size_t)k_len * 2);
+    }
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C0 C1 A B0 B1 */
+        _tile_loadconfig(&cfg);
+        float buf[2][256];
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        for (int64_t p = pairs * t / nt; p < pairs * (t + 1) / nt; p++) {
+            const int64_t g = 2 * p, two = g + 1 < blocks;
+            const uint16_t *w0 = w + g * LIN_N * k_len, *w1 = w0 + LIN_N * k_len;
+            for (int64_t m0 = 0; m0 < m_len; m0 += 16) {
+                const uint16_t *xm = m0 < full ? x + m0 * x_stride : pad;
+                const int64_t xs = (m0 < full ? x_stride : k_len) * 2;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t kb = 0; kb < ksteps; kb++) {
+                    _tile_loadd(2, xm + kb * 32, xs);
+                    _tile_loadd(3, w0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    if (two) {
+                        _tile_loadd(4, w1 + kb * 512, 64);
+                        _tile_dpbf16ps(1, 2, 4);
+                    }
+                }
+                _tile_stored(0, buf[0], 64);
+                const int64_t rows = m0 < full ? 16 : rest;
+                amx_store(buf[0], bias ? bias + g * LIN_N : NULL, y + m0 * n_len + g * LIN_N, n_len, rows);
+                if (two) {
+                    _tile_stored(1, buf[1], 64);
+                    amx_store(buf[1], bias ? bias + (g + 1) * LIN_N : NULL, y + m0 * n_len + (g + 1) * LIN_N, n_len, rows);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+    return 0;
+}
+#else
+#define HAVE_AMX_BF16 0
+int have_amx_bf16(void) { return 0; }
+int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                    int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)m_len; (void)n_len; (void)k_len; (void)threads;
+    return -1;
+}
+#endif
+
 /* x [M, K] float32 rows x_stride apart, w blocked [N/16][K][16], bias [N] or NULL, y [M, N]
    contiguous; N a multiple of 16. Returns -1 where the CPU has neither AVX-512 nor AVX2 with FMA. */
 int linear_f32(const float *x, int64_t x_stride, const float *w, const float *bias, float *y, int64_t m_len,
@@ -1294,6 +1396,17 @@ DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
 DEFINE_DECODE_LAYER_QUANTIZED(bf16, uint16_t)
 DEFINE_DECODE_LAYER_QUANTIZED(f32, float)
 
+/* The decode layers' bf16 products go on AMX's tiles where the process may use them (as
+   llmbus/model/cpu_linear.py's do; amx_off: LLMBUS_CPU_AMX=0, set by set_amx). */
+static int amx_off = 0;
+void set_amx(int on) { amx_off = !on; }
+static int linear_bf16_best(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
+    if (!amx_off && linear_amx_bf16(x, x_stride, w, bias, y, m_len, n_len, k_len, threads) == 0) return 0;
+    return linear_bf16(x, x_stride, w, bias, y, m_len, n_len, k_len, threads);
+}
+#define linear_bf16 linear_bf16_best
+
 /* SFX names the element type's kernels (bf16: uint16_t, f32: float); HAVE: whether its linear
    kernel exists on this CPU. */
 #define DEFINE_DECODE_LAYERS(SFX, T, HAVE)                                                              \
@@ -1361,6 +1474,7 @@ DEFINE_DECODE_LAYER_QUANTIZED(f32, float)
 
 DEFINE_DECODE_LAYERS(bf16, uint16_t, HAVE_LINEAR_BF16)
 DEFINE_DECODE_LAYERS(f32, float, HAVE_LINEAR_F32)
+#undef linear_bf16
 
 /* ---- The sampler's warp and draw (float32 logits) -------------------------------------------
    Per row, llmbus/engine/sampler.py's warp_logits then its race: temperature, top-k, top-p, min-p

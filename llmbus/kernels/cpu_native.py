@@ -154,6 +154,11 @@ def _load() -> ctypes.CDLL | None:
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.have_bf16_dot.argtypes = []
         lib.linear_bf16.argtypes = lib.linear_f32.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.linear_amx_bf16.argtypes = lib.linear_bf16.argtypes
+        lib.linear_amx_bf16.restype = lib.have_amx_bf16.restype = ctypes.c_int
+        lib.have_amx_bf16.argtypes = []
+        lib.set_amx.argtypes, lib.set_amx.restype = [ctypes.c_int], None
+        lib.set_amx(int(os.environ.get("LLMBUS_CPU_AMX", "1") != "0"))
         lib.linear_f32.restype = lib.have_linear_f32.restype = lib.have_linear_bf16.restype = ctypes.c_int
         lib.have_linear_f32.argtypes = lib.have_linear_bf16.argtypes = []
         for sfx in ("bf16", "f32"):
@@ -558,6 +563,32 @@ def has_linear_bf16() -> bool:
     """Whether the library loaded and this CPU has what its bf16 linear kernel is written with
     (the bf16 dot instruction, or AVX2 with FMA widening the weights)."""
     return _load() is not None and bool(_lib.have_linear_bf16())
+
+
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether ``linear_amx`` runs here: built for a CPU with AMX-BF16 (``-march=native``), on
+    Linux, which granted this process the tiles."""
+    return _load() is not None and bool(_lib.have_amx_bf16())
+
+
+def linear_amx(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``linear`` for a bf16 blocked weight on AMX's tiles (the layout is their operand as it is);
+    None where it does not apply (no AMX here, other rows or dtypes, inputs not a multiple of 32)."""
+    if (blocked.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not _fusable(x) or not has_amx_bf16()
+            or x.shape[1] % 32 or x.shape[1] != 2 * blocked.shape[1] or bias is not None and bias.dtype != x.dtype):
+        return None
+    n = blocked.shape[0] * LINEAR_BLOCK
+    if bias is not None:
+        if bias.numel() != n:
+            raise ValueError(f"bias has {bias.numel()} values, the weight {n} outputs")
+        bias = bias.contiguous()
+    y = torch.empty((x.shape[0], n), dtype=x.dtype)
+    rc = _lib.linear_amx_bf16(x.data_ptr(), x.stride(0), blocked.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), x.shape[0], n, x.shape[1], torch.get_num_threads())  # fmt: skip
+    if rc == 3:
+        raise MemoryError("linear_amx: out of memory for the padded rows")
+    return y if rc == 0 else None
 
 
 def has_linear(dtype: torch.dtype) -> bool:

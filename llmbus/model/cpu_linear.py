@@ -19,12 +19,13 @@ scripts/bench_cpu_linear.py: bf16, one row, one thread 13.9 -> 7.8 ms; 32 rows 3
 model's 0.34 -> 0.18 ms, 1,024 rows on par). ``LLMBUS_CPU_GEMM=onednn`` keeps oneDNN's layout
 (for comparison).
 
-Prefill-sized products of blocked bf16 weights on a CPU with AMX go to oneDNN instead, whose bf16
-GEMM runs on AMX's tiles, over the weight unblocked for the call (a copy of one weight at a time,
-0.3-1 ms; nothing kept): on a 2-vCPU Xeon with AMX, the large demo model's projections at 512
-rows 4.4 -> 0.8 ms (qkv), 13.9 -> 2.5 (gate_up), 7.0 -> 1.3 (down), copy included; from 64 rows
-on it is the faster one (``AMX_MIN_ROWS``; ``LLMBUS_CPU_AMX=0``: never, for comparison). Sums are
-fp32 either way, in another order.
+On a CPU with AMX-BF16 (built with ``-march=native`` there, on Linux), blocked bf16 weights go
+through AMX's tiles instead (``cpu_native.linear_amx``: the blocked layout is the tiles' weight
+operand as it is, no copy), at every row count: on a 2-vCPU Xeon with AMX, the large demo model's
+projections at 1 row as fast or faster (qkv 0.045 -> 0.028 ms), at 16 rows 3-6x, at 512 rows
+8-10x (qkv 4.4 -> 0.39 ms, gate_up 13.9 -> 1.4, down 7.0 -> 0.86; oneDNN's AMX GEMM over the
+weight unblocked for the call: 0.83, 2.5, 1.3). ``LLMBUS_CPU_AMX=0``: the AVX-512 kernel, for
+comparison. Sums are fp32 either way, in another order.
 """
 
 from __future__ import annotations
@@ -40,22 +41,12 @@ from llmbus.kernels import cpu_native
 
 # rows the packed layout is tuned for: the measured speed barely depends on it (1, 32 or 2,048)
 BATCH_HINT = 32
-AMX_MIN_ROWS = 64  # rows from which a blocked bf16 product goes to oneDNN's AMX GEMM, where there is one
 
 
 @functools.cache
 def amx_bf16() -> bool:
-    """Whether oneDNN's bf16 GEMMs run on AMX here: the CPU has AMX-BF16, the kernel lets this
-    process use its tiles, and oneDNN does bf16."""
-    if os.environ.get("LLMBUS_CPU_AMX", "1") == "0" or not _onednn_supported(torch.bfloat16, torch.device("cpu")):
-        return False
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    init = getattr(torch._C._cpu, "_init_amx", None)  # asks the kernel for the tiles (Linux's arch_prctl)
-    return "amx_bf16" in flags and "amx_tile" in flags and (init is None or bool(init()))
+    """Whether blocked bf16 products run on AMX's tiles here (``LLMBUS_CPU_AMX=0``: never)."""
+    return os.environ.get("LLMBUS_CPU_AMX", "1") != "0" and cpu_native.has_amx_bf16()
 
 
 @dataclass(frozen=True)
@@ -115,8 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     if packed.onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] >= AMX_MIN_ROWS and packed.blocked.dtype == torch.bfloat16 and amx_bf16():
-        y = F.linear(rows, cpu_native.from_blocked(packed.blocked), bias)
-    elif (y := cpu_native.linear(rows, packed.blocked, bias)) is None:  # rows the kernel does not take
+    y = cpu_native.linear_amx(rows, packed.blocked, bias) if amx_bf16() else None
+    if y is None and (y := cpu_native.linear(rows, packed.blocked, bias)) is None:  # rows the kernels do not take
         y = F.linear(rows, cpu_native.from_blocked(packed.blocked), bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
