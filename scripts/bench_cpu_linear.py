@@ -1,4 +1,5 @@
-"""All of a model's projections, one decode step's worth: oneDNN's packed GEMM against our blocked kernel.
+"""All of a model's projections, one decode step's worth: oneDNN's packed GEMM against our blocked kernel
+(and, for bf16 on a CPU with AMX, the blocked weight on AMX's tiles: ``cpu_native.linear_amx``).
 
 Where oneDNN has no packed layout for the dtype (bf16 on a CPU without its bf16 support) the
 baseline is ``F.linear`` over the plain weights, which is what a model runs there unpacked.
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
             elif kind == "plain":
                 F.linear(x, p)
+            elif kind == "amx":
+                cpu_native.linear_amx(x, b, None)
             else:
                 cpu_native.linear(x, b, None)
         return time.perf_counter() - t
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.reps}")
     for rows in (int(r) for r in args.rows.split(",")):
         times: dict[str, list[float]] = {base: [], "blocked": []}
+        if dtype == torch.bfloat16 and cpu_native.has_amx_bf16():
+            times["amx"] = []
         for _ in range(args.reps):
             for kind in times:
                 times[kind].append(step(kind, rows))
@@ -89,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         name = {"onednn": "oneDNN", "plain": "F.linear (plain)"}[base]
         print(f"rows {rows:5d}: {name} {1e3 * med[base]:7.2f} ms ({total / med[base] / 1e9:5.1f} GB/s), "
               f"blocked {1e3 * med['blocked']:7.2f} ms ({total / med['blocked'] / 1e9:5.1f} GB/s), "
-              f"{med['blocked'] / med[base]:.2f}x", flush=True)
+              f"{med['blocked'] / med[base]:.2f}x" + (f", AMX tiles {1e3 * med['amx']:7.2f} ms "
+                                                      f"({total / med['amx'] / 1e9:5.1f} GB/s)" if "amx" in med else ""),
+              flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
