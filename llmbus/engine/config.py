@@ -35,8 +35,9 @@ class EngineConfig:
     # drafted from earlier text per decode, all checked in the same step; 0: off
     speculative_tokens: int = 0
     speculative_ngram: tuple[int, int] = (2, 4)  # (shortest, longest) suffix looked up
-    # a step's decode rows (one a sequence, one a drafted token) stay within this many; None: 32 on
-    # CPU, 256 on CUDA (past the rows that fill the step's last group, only trusted drafts go)
+    # a step's decode rows (one a sequence, one a drafted token) stay within this many; None: four
+    # row groups, 32 on CPU, 64 with AMX, 256 on CUDA (past the rows that fill the step's last
+    # group, only trusted drafts go)
     speculative_max_rows: int | None = None
 
     def __post_init__(self) -> None:
@@ -106,9 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="n-gram lengths the drafts are looked up by, longest first (default 2:4)")
     parser.add_argument("--speculative-max-rows", type=int, default=None, metavar="N",
                         help="a step's decode rows (one per sequence, one per drafted token) stay within N; the "
-                             "rows that fill the step's last group of 8 (CPU; 64 on CUDA), which cost little, are "
+                             "rows that fill the step's last group of 8 (16 with AMX, 64 on CUDA), which cost little, are "
                              "shared among the decodes, the rest go to sequences whose drafts are mostly "
-                             "confirmed (default: 32 on CPU, 256 on CUDA)")
+                             "confirmed (default: four groups, 32 on CPU, 64 with AMX, 256 on CUDA)")
 
 
 def _ngram(text: str) -> tuple[int, int]:
