@@ -230,11 +230,12 @@ AMX = pytest.mark.skipif(not cpu_native.has_amx_bf16(), reason="no AMX-BF16 here
 
 
 @AMX
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 130])
-@pytest.mark.parametrize("n,k", [(32, 64), (48, 96), (1280, 768)])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 130, 531])
+@pytest.mark.parametrize("n,k", [(32, 64), (48, 96), (1280, 768), (96, 2048)])
 def test_amx_linear_matches_the_fp64_product(rows, n, k):
     """The tiles over the blocked weight as it is: odd block counts (a pair's second block
-    missing), rows not a multiple of 16 (padded), strided rows, a bias."""
+    missing), rows not a multiple of 16 (padded), strided rows, a bias; rows past one pass's
+    block of rows (256 at K = 768, 96 at 2,048) and weights past one run of pairs."""
     g = torch.Generator().manual_seed(rows * 7 + n)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)

@@ -5,6 +5,8 @@ single-token and empty sequences. Decodes run both ways: through the fused C ker
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -164,19 +166,37 @@ def test_bad_inputs_raise_clear_errors():
 
 
 
-@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (3, 64, 16), (4, 128, 32), (8, 64, 32)])
-def test_bf16_prefill_kernel_matches_reference(group, head_dim, block_size):
+@pytest.fixture(params=[pytest.param(True, id="tiles"), pytest.param(False, id="avx512")])
+def tiles(request):
+    """The C prefill kernel on AMX's tiles (where the CPU has them), then with them off."""
+    if request.param and not cpu_native.has_amx_bf16():
+        pytest.skip("no AMX-BF16 here (or not granted)")
+    cpu_native.set_amx(request.param)
+    yield request.param
+    cpu_native.set_amx(os.environ.get("LLMBUS_CPU_AMX", "1") != "0")
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (3, 64, 16), (4, 128, 32), (8, 64, 32),
+                                                       (3, 96, 32), (5, 32, 16)])
+def test_bf16_prefill_kernel_matches_reference(group, head_dim, block_size, tiles):
     """The C prefill kernel (bf16): whole prompts, chunks after a cached prefix, a single-token
-    chunk, a long prompt over many blocks; against the reference computed in fp32."""
+    chunk, a long prompt over many blocks; against the reference computed in fp32. Slots no
+    sequence's context covers hold NaN (a reused block's stale bytes may be anything)."""
     if not cpu_native.prefill_supports(torch.bfloat16, 2 * group, 2, head_dim, block_size):
         pytest.skip("no C prefill kernel here (needs the bf16 dot instruction)")
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype="bfloat16")
-    ctx, qlens = [5, 40, 23, 1, 64, 1031, 2], [5, 13, 23, 1, 30, 1031, 1]
+    ctx, qlens = [5, 40, 23, 1, 64, 1031, 2, 47], [5, 13, 23, 1, 30, 1031, 1, 47]
     cache, q, k, v, meta = _step(lay, ctx, qlens, 0, torch.bfloat16, group, 2 * group)
     scale = head_dim**-0.5
     want = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), cache.float(), meta, scale)
+    stale = torch.ones(cache.shape[1] * block_size, dtype=torch.bool)  # slots past every context
+    for table, n in zip(meta.block_tables.tolist(), ctx):
+        for i in range(n):
+            stale[table[i // block_size] * block_size + i % block_size] = False
+    cache.view(2, -1, *cache.shape[3:])[:, stale] = float("nan")
     backend = cpu.CpuAttentionBackend(native=True)
     got = backend.forward(q, k, v, cache, meta, scale)
+    assert not got.isnan().any()
     plan = meta.backend_plans["cpu"]
     assert plan.native_prefills is not None and not plan.prefills
     # bf16 output and weights rounded to bf16 for the second product: ~2^-8 of the values

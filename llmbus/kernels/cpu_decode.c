@@ -763,6 +763,14 @@ DEFINE_SILU_MUL(silu_mul_f32, float, f32_load, f32_store, f32_load)
    (chunk, KV head, tile of query tokens): the tile's G*TQ query rows (<= PF_ROWS) score 16 keys
    at a time with one bf16 dot instruction per pair of dims (keys transposed into pairs), skip key
    groups wholly in their future, and fold each group into a running softmax and an fp32 output. */
+/* AMX's tiles take whole prefill steps where the process may use them (below, after the tiles'
+   setup; amx_off: LLMBUS_CPU_AMX=0, set by set_amx). */
+static int amx_off = 0;
+void set_amx(int on) { amx_off = !on; }
+static int prefill_attn_amx(const uint16_t *kc, const uint16_t *vc, const uint16_t *q, int64_t q_stride, uint16_t *out,
+                            const int32_t *tables, int64_t table_stride, const int32_t *row, const int32_t *len,
+                            const int32_t *ctx, int64_t n_chunks, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                            float scale, int threads);
 #if HAVE_DPBF16
 #define PF_ROWS 64
 
@@ -886,6 +894,9 @@ int prefill_attn_bf16(const uint16_t *cache, const uint16_t *q, int64_t q_stride
         tiles += (len[c] + tq - 1) / tq;
     }
     const uint16_t *kc = cache, *vc = cache + num_blocks * bs * hkv * d;
+    if (!amx_off && prefill_attn_amx(kc, vc, q, q_stride, out, tables, table_stride, row, len, ctx, n_chunks, hq, hkv,
+                                     d, bs, scale, threads) == 0)
+        return 0;
     /* NOTE: later tiles see more keys; dynamic scheduling evens the threads out */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t task = 0; task < tiles * hkv; task++) {
@@ -1256,6 +1267,12 @@ int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
     if (!have_amx_bf16() || k_len % 32 || n_len % LIN_N || m_len < 1) return -1;
     const int64_t blocks = n_len / LIN_N, pairs = (blocks + 1) / 2, ksteps = k_len / 32;
     const int64_t full = m_len / 16 * 16, rest = m_len - full;
+    /* rows a pass over the weights takes: ~384 KiB of x, which stays in L2 while the weights stream
+       (all rows at once re-read x from memory for every pair of blocks: at 2,048 rows of K = 768,
+       half the speed of 512), over ~512 KiB of weights at a time, a tile of rows after another
+       (their outputs then written a run of columns at a time, not one column block down all rows) */
+    const int64_t m_block = (384 * 1024 / (2 * k_len)) / 16 * 16 > 16 ? (384 * 1024 / (2 * k_len)) / 16 * 16 : 16;
+    const int64_t p_block = 512 * 1024 / (4 * LIN_N * k_len) > 1 ? 512 * 1024 / (4 * LIN_N * k_len) : 1;
     uint16_t *pad = NULL; /* the last rows, zero-padded to 16 */
     if (rest) {
         pad = calloc((size_t)(16 * k_len), sizeof(uint16_t));
@@ -1271,10 +1288,14 @@ int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
         _tile_loadconfig(&cfg);
         float buf[2][256];
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        for (int64_t p = pairs * t / nt; p < pairs * (t + 1) / nt; p++) {
+        const int64_t p_lo = pairs * t / nt, p_hi = pairs * (t + 1) / nt;
+        for (int64_t mb = 0; mb < m_len; mb += m_block)
+        for (int64_t pb = p_lo; pb < p_hi; pb += p_block)
+        for (int64_t m0 = mb; m0 < m_len && m0 < mb + m_block; m0 += 16)
+        for (int64_t p = pb; p < p_hi && p < pb + p_block; p++) {
             const int64_t g = 2 * p, two = g + 1 < blocks;
             const uint16_t *w0 = w + g * LIN_N * k_len, *w1 = w0 + LIN_N * k_len;
-            for (int64_t m0 = 0; m0 < m_len; m0 += 16) {
+            {
                 const uint16_t *xm = m0 < full ? x + m0 * x_stride : pad;
                 const int64_t xs = (m0 < full ? x_stride : k_len) * 2;
                 _tile_zero(0);
@@ -1308,6 +1329,203 @@ int have_amx_bf16(void) { return 0; }
 int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                     int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
     (void)x; (void)x_stride; (void)w; (void)bias; (void)y; (void)m_len; (void)n_len; (void)k_len; (void)threads;
+    return -1;
+}
+#endif
+
+/* ---- Prefill attention on AMX tiles ------------------------------------------------------------
+   The same chunks as prefill_attn_bf16, in the transposed orientation: a task is (chunk, KV head,
+   16 query rows, the "lanes"), and the scores of 32 keys are S^T = K . Q^T: the keys are the A
+   operand straight from the cache (16 rows of a block, a row stride apart), the lanes' queries the
+   B operand, packed into pairs once per task. Each score row is then 16 lanes, so the running
+   softmax is vertical: maxima, sums and rescaling are lane-wise vector ops, with no horizontal
+   reduction per row (the AVX-512 kernel's cost). The outputs accumulate as O^T += V^T . P^T: the
+   values transposed once per chunk and KV head in a first pass (keys past the context zeroed), the
+   weights rounded to bf16 and packed into pairs of keys, O^T's 16 x 16 tiles added into an fp32
+   accumulator after each step's rescale. Numerics as the AVX-512 kernel's: bf16 products summed
+   in fp32, weights rounded to bf16 for the second product, their sum kept in fp32. */
+#if HAVE_AMX_BF16 && HAVE_DPBF16
+#define AK 32 /* keys per step */
+
+/* chunk's values for one KV head, transposed: vt[step][dim][32 keys] (keys past ctx zero) */
+static void amx_pack_vt(const uint16_t *vc, const int32_t *table, int64_t ctx, int64_t kvh, int64_t tok, int64_t d,
+                        int64_t bs, int64_t step, uint16_t *vt) {
+    uint16_t *dst = vt + step * d * AK;
+    for (int64_t kk = 0; kk < AK; kk++) {
+        const int64_t k = step * AK + kk;
+        if (k >= ctx) {
+            for (int64_t i = 0; i < d; i++) dst[i * AK + kk] = 0;
+            continue;
+        }
+        const uint16_t *src = vc + ((int64_t)table[k / bs] * bs + k % bs) * tok + kvh * d;
+        for (int64_t i = 0; i < d; i++) dst[i * AK + kk] = src[i];
+    }
+}
+
+/* O^T tiles for dims [16 * db, 16 * (db + nb)) (nb 2 or 4) from the packed weights in tile 1 */
+#define AMX_PV_BLOCK(T, B)                                                  \
+    do {                                                                     \
+        _tile_loadd(0, vs + (db + (B)) * 16 * AK, AK * 2);                   \
+        _tile_zero(T);                                                       \
+        _tile_dpbf16ps(T, 0, 1);                                             \
+        _tile_stored(T, ob[B], 64);                                          \
+    } while (0)
+
+static void amx_prefill_task(const uint16_t *kc, const uint16_t *vt, const uint16_t *q, int64_t q_stride, uint16_t *out,
+                             const int32_t *table, int64_t row0, int64_t prefix, int64_t r0, int64_t total,
+                             int64_t kvh, int64_t g, int64_t hq, int64_t tok, int64_t d, int64_t bs, float scale) {
+    uint32_t qt[MAX_D / 2][16] __attribute__((aligned(64)));
+    float sb[AK][16] __attribute__((aligned(64)));
+    uint32_t pb[AK / 2][16] __attribute__((aligned(64)));
+    float ob[4][16][16] __attribute__((aligned(64)));
+    float acc[MAX_D][16] __attribute__((aligned(64)));
+    int32_t pos[16] __attribute__((aligned(64)));
+    __mmask16 keep[AK];
+    const int64_t lanes = total - r0 < 16 ? total - r0 : 16, half = d / 2;
+    for (int64_t lane = 0; lane < 16; lane++) {
+        /* lanes past the rows: zero queries at the last row's position (finite, never written) */
+        const int64_t r = r0 + (lane < lanes ? lane : lanes - 1), t = r / g, j = r % g;
+        const uint32_t *src = (const uint32_t *)(q + (row0 + t) * q_stride + (kvh * g + j) * d);
+        pos[lane] = (int32_t)(prefix + t);
+        for (int64_t p = 0; p < half; p++) qt[p][lane] = lane < lanes ? src[p] : 0u;
+    }
+    memset(acc, 0, (size_t)d * sizeof acc[0]);
+    const __m512i posv = _mm512_load_si512((const void *)pos);
+    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
+    const int64_t kend = (int64_t)pos[15] + 1, first = pos[0]; /* lanes ascend by position */
+    for (int64_t k0 = 0; k0 < kend; k0 += AK) {
+        const int64_t nk = kend - k0 < AK ? kend - k0 : AK, two = nk > 16;
+        const uint16_t *ka = kc + ((int64_t)table[k0 / bs] * bs + k0 % bs) * tok + kvh * d;
+        const uint16_t *kb = two ? kc + ((int64_t)table[(k0 + 16) / bs] * bs + (k0 + 16) % bs) * tok + kvh * d : ka;
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t dc = 0; dc < d / 32; dc++) {
+            _tile_loadd(1, qt[dc * 16], 64);
+            _tile_loadd(0, ka + dc * 32, tok * 2);
+            _tile_dpbf16ps(2, 0, 1);
+            if (two) {
+                _tile_loadd(0, kb + dc * 32, tok * 2);
+                _tile_dpbf16ps(3, 0, 1);
+            }
+        }
+        _tile_stored(2, sb[0], 64);
+        _tile_stored(3, sb[16], 64);
+        const int diag = k0 + nk - 1 > first; /* some key here lies in some lane's future */
+        __m512 mx = m;
+        for (int64_t i = 0; i < nk; i++) {
+            keep[i] = diag ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + i)), _MM_CMPINT_NLT)
+                           : (__mmask16)0xffff;
+            const __m512 s = _mm512_mask_blend_ps(keep[i], _mm512_set1_ps(-INFINITY),
+                                                  _mm512_mul_ps(_mm512_load_ps(sb[i]), sc));
+            _mm512_store_ps(sb[i], s);
+            mx = _mm512_max_ps(mx, s);
+        }
+        /* every lane sees key 0 in the first step, so mx is finite from there on */
+        const __m512 corr = exp_nonpos16(_mm512_sub_ps(m, mx));
+        m = mx;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < AK; i += 2) {
+            __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+            if (i < nk) p0 = _mm512_maskz_mov_ps(keep[i], exp_nonpos16(_mm512_sub_ps(_mm512_load_ps(sb[i]), mx)));
+            if (i + 1 < nk)
+                p1 = _mm512_maskz_mov_ps(keep[i + 1], exp_nonpos16(_mm512_sub_ps(_mm512_load_ps(sb[i + 1]), mx)));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            _mm512_store_si512((void *)pb[i / 2], _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+        }
+        l = _mm512_fmadd_ps(l, corr, sum);
+        _tile_loadd(1, pb, 64);
+        const uint16_t *vs = vt + k0 / AK * d * AK;
+        for (int64_t db = 0; db < d / 16; db += 4) {
+            const int64_t nb = d / 16 - db < 4 ? d / 16 - db : 4;
+            AMX_PV_BLOCK(4, 0);
+            AMX_PV_BLOCK(5, 1);
+            if (nb > 2) {
+                AMX_PV_BLOCK(6, 2);
+                AMX_PV_BLOCK(7, 3);
+            }
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t i = 0; i < 16; i++) {
+                    float *a = acc[(db + b) * 16 + i];
+                    _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), corr, _mm512_load_ps(ob[b][i])));
+                }
+        }
+    }
+    float inv[16] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    for (int64_t lane = 0; lane < lanes; lane++) {
+        const int64_t r = r0 + lane, t = r / g, j = r % g;
+        uint16_t *o = out + ((row0 + t) * hq + kvh * g + j) * d;
+        for (int64_t i = 0; i < d; i++) o[i] = bf16_store(acc[i][lane] * inv[lane]);
+    }
+}
+
+static int prefill_attn_amx(const uint16_t *kc, const uint16_t *vc, const uint16_t *q, int64_t q_stride, uint16_t *out,
+                            const int32_t *tables, int64_t table_stride, const int32_t *row, const int32_t *len,
+                            const int32_t *ctx, int64_t n_chunks, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                            float scale, int threads) {
+    if (!have_amx_bf16()) return -1;
+    const int64_t g = hq / hkv, tok = hkv * d;
+    int64_t *voff = malloc((size_t)(n_chunks + 1) * sizeof *voff), *toff = malloc((size_t)(n_chunks + 1) * sizeof *toff);
+    if (!voff || !toff) {
+        free(voff);
+        free(toff);
+        return 3;
+    }
+    voff[0] = toff[0] = 0;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        voff[c + 1] = voff[c] + (ctx[c] + AK - 1) / AK * AK * d * hkv; /* values, transposed, per KV head */
+        toff[c + 1] = toff[c] + (len[c] * g + 15) / 16 * hkv;        /* tasks: 16 query rows of a KV head */
+    }
+    uint16_t *vt = malloc((size_t)(voff[n_chunks] ? voff[n_chunks] : 1) * sizeof *vt);
+    if (!vt) {
+        free(voff);
+        free(toff);
+        return 3;
+    }
+    const int64_t tasks = toff[n_chunks];
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        for (int64_t c = 0; c < n_chunks; c++) {
+            const int64_t steps = (ctx[c] + AK - 1) / AK;
+            if (!len[c]) continue;
+            _Pragma("omp for schedule(static) nowait")
+            for (int64_t it = 0; it < steps * hkv; it++)
+                amx_pack_vt(vc, tables + c * table_stride, ctx[c], it / steps, tok, d, bs, it % steps,
+                            vt + voff[c] + it / steps * steps * AK * d);
+        }
+        _Pragma("omp barrier")
+        amx_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        /* NOTE: later query rows see more keys; dynamic scheduling evens the threads out */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t c = 0;
+            while (task >= toff[c + 1]) c++;
+            const int64_t per_head = (toff[c + 1] - toff[c]) / hkv, i = task - toff[c];
+            const int64_t kvh = i / per_head, steps = (ctx[c] + AK - 1) / AK;
+            amx_prefill_task(kc, vt + voff[c] + kvh * steps * AK * d, q, q_stride, out, tables + c * table_stride,
+                             row[c], ctx[c] - len[c], i % per_head * 16, len[c] * g, kvh, g, hq, tok, d, bs, scale);
+        }
+        _tile_release();
+    }
+    free(vt);
+    free(voff);
+    free(toff);
+    return 0;
+}
+#else
+static int prefill_attn_amx(const uint16_t *kc, const uint16_t *vc, const uint16_t *q, int64_t q_stride, uint16_t *out,
+                            const int32_t *tables, int64_t table_stride, const int32_t *row, const int32_t *len,
+                            const int32_t *ctx, int64_t n_chunks, int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                            float scale, int threads) {
+    (void)kc; (void)vc; (void)q; (void)q_stride; (void)out; (void)tables; (void)table_stride; (void)row; (void)len;
+    (void)ctx; (void)n_chunks; (void)hq; (void)hkv; (void)d; (void)bs; (void)scale; (void)threads;
     return -1;
 }
 #endif
@@ -1397,9 +1615,7 @@ DEFINE_DECODE_LAYER_QUANTIZED(bf16, uint16_t)
 DEFINE_DECODE_LAYER_QUANTIZED(f32, float)
 
 /* The decode layers' bf16 products go on AMX's tiles where the process may use them (as
-   llmbus/model/cpu_linear.py's do; amx_off: LLMBUS_CPU_AMX=0, set by set_amx). */
-static int amx_off = 0;
-void set_amx(int on) { amx_off = !on; }
+   llmbus/model/cpu_linear.py's do). */
 static int linear_bf16_best(const uint16_t *x, int64_t x_stride, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                             int64_t m_len, int64_t n_len, int64_t k_len, int threads) {
     if (!amx_off && linear_amx_bf16(x, x_stride, w, bias, y, m_len, n_len, k_len, threads) == 0) return 0;

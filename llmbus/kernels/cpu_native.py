@@ -572,6 +572,13 @@ def has_amx_bf16() -> bool:
     return _load() is not None and bool(_lib.have_amx_bf16())
 
 
+def set_amx(on: bool) -> None:
+    """Whether the C kernels may put work on AMX's tiles (the one-call decode's products, prefill
+    attention); at load, unless ``LLMBUS_CPU_AMX=0``. For comparisons: benchmarks and tests."""
+    if _load() is not None:
+        _lib.set_amx(int(on))
+
+
 def linear_amx(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``linear`` for a bf16 blocked weight on AMX's tiles (the layout is their operand as it is);
     None where it does not apply (no AMX here, other rows or dtypes, inputs not a multiple of 32)."""
