@@ -43,6 +43,10 @@ log = logging.getLogger("llmbus.kernels")
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math"]  # fmt: skip
+if platform.machine() in ("x86_64", "AMD64"):
+    # NOTE: gcc vectorizes the element-wise loops (RMSNorm, SwiGLU, rotary) 256 bits wide unless
+    # told: 512 made them 25-35% faster on an AVX-512 Xeon (ignored on CPUs without AVX-512)
+    FLAGS.insert(2, "-mprefer-vector-width=512")
 # kernel limits (MAX_G, MAX_D, MAX_BS in the source): larger shapes use the torch path
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
 STALE_BUILD_S = 7 * 24 * 3600  # builds of other source versions older than this are removed
