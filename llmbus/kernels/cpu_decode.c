@@ -1271,7 +1271,7 @@ int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
        (all rows at once re-read x from memory for every pair of blocks: at 2,048 rows of K = 768,
        half the speed of 512), over ~512 KiB of weights at a time, a tile of rows after another
        (their outputs then written a run of columns at a time, not one column block down all rows) */
-    const int64_t m_block = (384 * 1024 / (2 * k_len)) / 16 * 16 > 16 ? (384 * 1024 / (2 * k_len)) / 16 * 16 : 16;
+    const int64_t m_block = (384 * 1024 / (2 * k_len)) / 32 * 32 > 32 ? (384 * 1024 / (2 * k_len)) / 32 * 32 : 32;
     const int64_t p_block = 512 * 1024 / (4 * LIN_N * k_len) > 1 ? 512 * 1024 / (4 * LIN_N * k_len) : 1;
     uint16_t *pad = NULL; /* the last rows, zero-padded to 16 */
     if (rest) {
@@ -1284,40 +1284,66 @@ int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
         amx_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
-        for (int t = 0; t < 5; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C0 C1 A B0 B1 */
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* C00 C01 C10 C11 A0 A1 B0 B1 */
         _tile_loadconfig(&cfg);
-        float buf[2][256];
+        float buf[256];
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t p_lo = pairs * t / nt, p_hi = pairs * (t + 1) / nt;
+#define AMX_OUT(T, M0, G)                                                                                  \
+    do {                                                                                                   \
+        _tile_stored(T, buf, 64);                                                                          \
+        amx_store(buf, bias ? bias + (G) * LIN_N : NULL, y + (M0) * n_len + (G) * LIN_N, n_len,            \
+                  (M0) < full ? 16 : rest);                                                                \
+    } while (0)
         for (int64_t mb = 0; mb < m_len; mb += m_block)
         for (int64_t pb = p_lo; pb < p_hi; pb += p_block)
-        for (int64_t m0 = mb; m0 < m_len && m0 < mb + m_block; m0 += 16)
+        for (int64_t m0 = mb; m0 < m_len && m0 < mb + m_block; m0 += 32)
         for (int64_t p = pb; p < p_hi && p < pb + p_block; p++) {
             const int64_t g = 2 * p, two = g + 1 < blocks;
             const uint16_t *w0 = w + g * LIN_N * k_len, *w1 = w0 + LIN_N * k_len;
-            {
-                const uint16_t *xm = m0 < full ? x + m0 * x_stride : pad;
-                const int64_t xs = (m0 < full ? x_stride : k_len) * 2;
+            if (two && m0 + 32 <= full) {
+                /* two tiles of rows by the pair's two blocks: four sums, each A and B tile loaded
+                   once for two products (one row tile by two blocks loaded three tiles for two) */
+                const uint16_t *x0 = x + m0 * x_stride, *x1 = x0 + 16 * x_stride;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < ksteps; kb++) {
+                    _tile_loadd(4, x0 + kb * 32, x_stride * 2);
+                    _tile_loadd(6, w0 + kb * 512, 64);
+                    _tile_loadd(7, w1 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(5, x1 + kb * 32, x_stride * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                AMX_OUT(0, m0, g);
+                AMX_OUT(1, m0, g + 1);
+                AMX_OUT(2, m0 + 16, g);
+                AMX_OUT(3, m0 + 16, g + 1);
+                continue;
+            }
+            for (int64_t mm = m0; mm < m0 + 32 && mm < m_len; mm += 16) { /* the last rows, a lone block */
+                const uint16_t *xm = mm < full ? x + mm * x_stride : pad;
+                const int64_t xs = (mm < full ? x_stride : k_len) * 2;
                 _tile_zero(0);
                 _tile_zero(1);
                 for (int64_t kb = 0; kb < ksteps; kb++) {
-                    _tile_loadd(2, xm + kb * 32, xs);
-                    _tile_loadd(3, w0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 2, 3);
+                    _tile_loadd(4, xm + kb * 32, xs);
+                    _tile_loadd(6, w0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
                     if (two) {
-                        _tile_loadd(4, w1 + kb * 512, 64);
-                        _tile_dpbf16ps(1, 2, 4);
+                        _tile_loadd(7, w1 + kb * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
                     }
                 }
-                _tile_stored(0, buf[0], 64);
-                const int64_t rows = m0 < full ? 16 : rest;
-                amx_store(buf[0], bias ? bias + g * LIN_N : NULL, y + m0 * n_len + g * LIN_N, n_len, rows);
-                if (two) {
-                    _tile_stored(1, buf[1], 64);
-                    amx_store(buf[1], bias ? bias + (g + 1) * LIN_N : NULL, y + m0 * n_len + (g + 1) * LIN_N, n_len, rows);
-                }
+                AMX_OUT(0, mm, g);
+                if (two) AMX_OUT(1, mm, g + 1);
             }
         }
+#undef AMX_OUT
         _tile_release();
     }
     free(pad);
