@@ -192,6 +192,36 @@ def test_logprobs_match_transformers(model_dir, prompts, hf_outputs):
         assert top_ids == ref[i].topk(3).indices.tolist()
 
 
+def test_prompt_tokens_left_counts_neither_computed_cached_nor_running_tokens(model_dir, prompts):
+    """What a prefill worker's pull budget reads (from its event loop's thread): a prompt's tokens
+    not yet computed, less the chunk of the step now running, less prefix-cache hits once
+    scheduled; None for a request the engine does not hold."""
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_batched_tokens=32)
+    engine = llm.engine
+    seen = []
+    execute = engine.runner.execute
+
+    def watched(out):
+        seen.append(engine.prompt_tokens_left("a"))
+        return execute(out)
+
+    engine.runner.execute = watched
+    p = prompts[4]  # 71 tokens: chunks of 32, 32, 7
+    engine.add_request("a", p, GREEDY)
+    assert engine.prompt_tokens_left("a") == 71 and engine.prompt_tokens_left("b") is None
+    engine.step()
+    assert seen == [71 - 32] and engine.prompt_tokens_left("a") == 71 - 32
+    engine.step()
+    engine.step()
+    assert seen == [39, 7, 0] and engine.prompt_tokens_left("a") == 1  # decoding: its last token next
+    engine.abort("a")
+    assert engine.prompt_tokens_left("a") is None
+    seen.clear()
+    engine.add_request("a", p, GREEDY)  # again: 64 tokens in the prefix cache
+    engine.step()
+    assert seen == [0] and engine.prompt_tokens_left("a") == 1
+
+
 def test_abort_frees_blocks_at_once(model_dir, prompts):
     llm = LLM(model_dir, dtype="float32", device="cpu")
     engine = llm.engine

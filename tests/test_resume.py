@@ -317,6 +317,11 @@ def test_jobs_waiting_to_hand_off_and_resumed_jobs_count_in_the_prompt_budget():
                                         sampling=SamplingSpec(max_tokens=20)), next_seq=10)  # fmt: skip
     decoding = Job(None, GenerateRequest("d", "m", [1] * 50), next_seq=3)
     budget = PrefillWorker.pending_tokens.fget
-    assert budget(SimpleNamespace(colocated=False, jobs={"w": waiting, "r": resumed})) == 40 + 40
+    outside = SimpleNamespace(prompt_tokens_left=lambda rid: None)  # not admitted yet: counted whole
+    assert budget(SimpleNamespace(colocated=False, engine=outside, jobs={"w": waiting, "r": resumed})) == 40 + 40
     # colocated: a job counts until its first token here (then it is decoding)
-    assert budget(SimpleNamespace(colocated=True, jobs={"r": resumed, "d": decoding})) == 40
+    assert budget(SimpleNamespace(colocated=True, engine=outside, jobs={"r": resumed, "d": decoding})) == 40
+    # admitted: what the engine has yet to compute of it (Engine.prompt_tokens_left)
+    inside = SimpleNamespace(prompt_tokens_left=lambda rid: 12)
+    assert budget(SimpleNamespace(colocated=True, engine=inside, jobs={"r": resumed, "d": decoding})) == 12
+    assert budget(SimpleNamespace(colocated=False, engine=inside, jobs={"w": waiting, "r": resumed})) == 40 + 12

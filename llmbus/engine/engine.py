@@ -160,6 +160,9 @@ class Engine:
                 log.warning("speculative decoding needs a KV format whose slots can be written again (model, "
                             "int8), not %s: decoding without drafts", config.kv_format)
         self._seqs: dict[str, Sequence] = {}
+        # request id -> the tokens the step now running computes for it (replaced whole, never
+        # changed in place: other threads read it, through prompt_tokens_left)
+        self._in_step: dict[str, int] = {}
         self._guides_lock = threading.Lock()
         self._prefill_only: set[str] = set()
         self._handoffs: dict[str, tuple[dict, torch.Tensor]] = {}
@@ -386,6 +389,16 @@ class Engine:
             return []
         return self.proposer.propose(seq, share, most)
 
+    def prompt_tokens_left(self, request_id: str) -> int | None:
+        """Tokens of the request's context the engine has yet to compute before it samples next:
+        neither computed (prefix-cache hits count as computed once it is scheduled) nor in the
+        step running now; None for a request it does not hold. Safe to call from any thread: a
+        snapshot, which may count the running step's tokens as it ends, never drop them early."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return max(0, seq.num_tokens - seq.num_computed_tokens - self._in_step.get(request_id, 0))
+
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
         out = self.scheduler.schedule()
@@ -401,7 +414,11 @@ class Engine:
         if not out.scheduled:
             return results
         chunks = [(s.num_new_tokens, len(s.draft)) for s in out.scheduled]
-        sampled, failed = self._execute(out) if self.isolate_failures else (self.runner.execute(out), [])
+        self._in_step = {s.seq.request_id: s.num_new_tokens for s in out.scheduled}
+        try:
+            sampled, failed = self._execute(out) if self.isolate_failures else (self.runner.execute(out), [])
+        finally:
+            self._in_step = {}  # NOTE: before update() counts them computed: a reader may count them twice, never not at all
         if failed:
             out = self._fail(out, failed, results)
         before = {rid: (len(seq.output_token_ids), len(seq.output_logprobs))

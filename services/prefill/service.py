@@ -116,12 +116,23 @@ class PrefillWorker(EngineWorker):
 
     @property
     def pending_tokens(self) -> int:
-        """Tokens to compute of the jobs still held before their first token here, and, handing off,
-        of every job held (one whose handoff waits for kvpool room holds its KV until there is
-        room: prefill stops pulling instead of computing more with nowhere to go). A resumed job's
-        tokens so far count: they are computed again."""
-        return sum(len(job.request.prompt_token_ids) + len(job.request.resume_token_ids) for job in self.jobs.values()
-                   if not self.colocated or job.next_seq == job.request.resume_seq)  # fmt: skip
+        """Prompt tokens the jobs held have yet to compute before their first token here: neither
+        computed, nor found cached, nor in the engine's running step (``Engine.prompt_tokens_left``),
+        so the worker pulls the next step's jobs while a step runs instead of after it (a burst
+        of 16 prompts reached the engine in steps of four, then one, then four). A resumed job's
+        tokens so far count: they are computed again. Handing off, every job held counts whole
+        after its first token too: one whose handoff waits for kvpool room holds its KV until
+        there is room, and prefill stops pulling instead of computing more with nowhere to go."""
+        total = 0
+        for rid, job in self.jobs.items():
+            whole = len(job.request.prompt_token_ids) + len(job.request.resume_token_ids)
+            if job.next_seq != job.request.resume_seq:  # its first token is out
+                total += 0 if self.colocated else whole
+            elif (left := self.engine.prompt_tokens_left(rid)) is None:  # not in the engine yet
+                total += whole
+            else:
+                total += left
+        return total
 
     async def run(self) -> None:
         limits = self.ctx.options.limits
