@@ -539,13 +539,16 @@ def test_killed_decode_worker_ends_the_stream_with_an_error(stack):
     assert "exited unexpectedly" in stack.log()
 
 
-def test_colocated_stack_with_drafts_gives_the_same_text(model_dir, tmp_path, reference):
-    """`llmbus up --colocated`: prefill workers decode too (no handoff, no decode workers); with
-    `--speculative-tokens`, steps that confirm several drafted tokens stream the same text."""
-    s = Stack(MODEL, model_dir, tmp_path / "colocated", "--colocated", "--token-timeout", "10",
+@pytest.mark.parametrize("layout", ["colocated", "handoff"])
+def test_stack_with_drafts_gives_the_same_text(model_dir, tmp_path, reference, layout):
+    """With `--speculative-tokens`, steps that confirm several drafted tokens stream the same
+    text: `llmbus up --colocated` (prefill workers decode too: no handoff, no decode workers), and
+    as it comes with every prompt handed off (the decode worker drafts from the imported context)."""
+    args = ["--colocated"] if layout == "colocated" else ["--router-arg=--whole-threshold=0"]
+    s = Stack(MODEL, model_dir, tmp_path / layout, *args, "--token-timeout", "10",
               "--speculative-tokens", "4", "--worker-arg=--speculative-ngram=1:3")  # fmt: skip
     try:
-        assert not [i for i in s.instances() if i.role == "decode"]
+        assert bool([i for i in s.instances() if i.role == "decode"]) == (layout == "handoff")
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
         prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"  # the demo model goes on counting: drafts to confirm
         stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stream=True,
@@ -555,7 +558,10 @@ def test_colocated_stack_with_drafts_gives_the_same_text(model_dir, tmp_path, re
         assert text == reference.generate([prompt], greedy(48))[0].text
         assert chunks[-1].usage.completion_tokens == 48
         metrics = parse(httpx.get(s.base_url.removesuffix("/v1") + "/metrics", timeout=30).text)
-        assert total(metrics, "llmbus_engine_spec_accepted_tokens_total", model=MODEL) > 0
+        drafter = "prefill" if layout == "colocated" else "decode"
+        assert total(metrics, "llmbus_engine_spec_accepted_tokens_total", model=MODEL, role=drafter) > 0
+        if layout == "handoff":  # the prompt was prefilled there, then handed off
+            assert total(metrics, "llmbus_engine_step_tokens_count", model=MODEL, role="prefill") > 0
         state = s.wait_idle()
         assert state["kvpool_leased_blocks"] == 0 and all(v == (0, 0) for v in state["workers"].values())
     finally:
