@@ -1361,15 +1361,17 @@ int linear_amx_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, cons
 
 /* ---- Prefill attention on AMX tiles ------------------------------------------------------------
    The same chunks as prefill_attn_bf16, in the transposed orientation: a task is (chunk, KV head,
-   16 query rows, the "lanes"), and the scores of 32 keys are S^T = K . Q^T: the keys are the A
-   operand straight from the cache (16 rows of a block, a row stride apart), the lanes' queries the
-   B operand, packed into pairs once per task. Each score row is then 16 lanes, so the running
-   softmax is vertical: maxima, sums and rescaling are lane-wise vector ops, with no horizontal
-   reduction per row (the AVX-512 kernel's cost). The outputs accumulate as O^T += V^T . P^T: the
-   values transposed once per chunk and KV head in a first pass (keys past the context zeroed), the
-   weights rounded to bf16 and packed into pairs of keys, O^T's 16 x 16 tiles added into an fp32
-   accumulator after each step's rescale. Numerics as the AVX-512 kernel's: bf16 products summed
-   in fp32, weights rounded to bf16 for the second product, their sum kept in fp32. */
+   up to 32 query rows in two halves of 16 "lanes"), and the scores of 32 keys are S^T = K . Q^T:
+   the keys are the A operand straight from the cache (16 rows of a block, a row stride apart),
+   each half's queries a B operand, packed into pairs once per task. Each score row is then 16
+   lanes, so the running softmax is vertical: maxima, sums and rescaling are lane-wise vector ops,
+   with no horizontal reduction per row (the AVX-512 kernel's cost). The outputs accumulate as
+   O^T += V^T . P^T: the values transposed once per chunk and KV head in a first pass (keys past
+   the context zeroed), the weights rounded to bf16 and packed into pairs of keys, O^T's 16 x 16
+   tiles added into an fp32 accumulator after each step's rescale. Numerics as the AVX-512
+   kernel's: bf16 products summed in fp32, weights rounded to bf16 for the second product, their
+   sum kept in fp32. (Per 2,048-token layer: the softmax ~40% of the time, the tiles and the
+   accumulators the rest.) */
 #if HAVE_AMX_BF16 && HAVE_DPBF16
 #define AK 32 /* keys per step */
 
@@ -1388,103 +1390,140 @@ static void amx_pack_vt(const uint16_t *vc, const int32_t *table, int64_t ctx, i
     }
 }
 
-/* O^T tiles for dims [16 * db, 16 * (db + nb)) (nb 2 or 4) from the packed weights in tile 1 */
-#define AMX_PV_BLOCK(T, B)                                                  \
-    do {                                                                     \
-        _tile_loadd(0, vs + (db + (B)) * 16 * AK, AK * 2);                   \
-        _tile_zero(T);                                                       \
-        _tile_dpbf16ps(T, 0, 1);                                             \
-        _tile_stored(T, ob[B], 64);                                          \
-    } while (0)
+/* One half's (16 lanes') running softmax over a step's scores (sb: AK keys' rows of 16 lanes):
+   scale, causal mask where some key lies in some lane's future, the new maxima, the weights
+   packed into pairs of keys (pb, the second product's B operand) and added into the sums l.
+   Returns the factor the half's outputs so far are rescaled by. */
+static inline __m512 amx_softmax_step(float (*sb)[16], uint32_t (*pb)[16], __m512i posv, int64_t k0, int64_t nk,
+                                      int diag, __m512 sc, __m512 *m, __m512 *l) {
+    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __mmask16 keep[AK];
+    __m512 mx = *m;
+    for (int64_t i = 0; i < nk; i++) {
+        keep[i] = diag ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + i)), _MM_CMPINT_NLT)
+                       : (__mmask16)0xffff;
+        const __m512 s = _mm512_mask_blend_ps(keep[i], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_load_ps(sb[i]), sc));
+        _mm512_store_ps(sb[i], s);
+        mx = _mm512_max_ps(mx, s);
+    }
+    /* every lane sees key 0 in the first step, so mx is finite from there on */
+    const __m512 corr = exp_nonpos16(_mm512_sub_ps(*m, mx));
+    *m = mx;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < AK; i += 2) {
+        __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
+        if (i < nk) p0 = _mm512_maskz_mov_ps(keep[i], exp_nonpos16(_mm512_sub_ps(_mm512_load_ps(sb[i]), mx)));
+        if (i + 1 < nk) p1 = _mm512_maskz_mov_ps(keep[i + 1], exp_nonpos16(_mm512_sub_ps(_mm512_load_ps(sb[i + 1]), mx)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_store_si512((void *)pb[i / 2], _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    *l = _mm512_fmadd_ps(*l, corr, sum);
+    return corr;
+}
 
+/* acc (16 dims' rows of 16 lanes) = acc * corr + the step's products (ob) */
+static inline void amx_accumulate(float (*acc)[16], const float (*ob)[16], __m512 corr) {
+    for (int64_t i = 0; i < 16; i++)
+        _mm512_store_ps(acc[i], _mm512_fmadd_ps(_mm512_load_ps(acc[i]), corr, _mm512_load_ps(ob[i])));
+}
+
+/* A task: up to 32 query rows (two halves of 16 lanes) of one chunk and KV head. Each tile of
+   keys and of transposed values is loaded once for both halves (tiles: 0 and 7 keys or values,
+   1 and 2 the halves' queries or weights, 3-6 their sums); one half's softmax runs while the
+   other's products are under way. */
 static void amx_prefill_task(const uint16_t *kc, const uint16_t *vt, const uint16_t *q, int64_t q_stride, uint16_t *out,
                              const int32_t *table, int64_t row0, int64_t prefix, int64_t r0, int64_t total,
                              int64_t kvh, int64_t g, int64_t hq, int64_t tok, int64_t d, int64_t bs, float scale) {
-    uint32_t qt[MAX_D / 2][16] __attribute__((aligned(64)));
-    float sb[AK][16] __attribute__((aligned(64)));
-    uint32_t pb[AK / 2][16] __attribute__((aligned(64)));
+    uint32_t qt[2][MAX_D / 2][16] __attribute__((aligned(64)));
+    float sb[2][AK][16] __attribute__((aligned(64)));
+    uint32_t pb[2][AK / 2][16] __attribute__((aligned(64)));
     float ob[4][16][16] __attribute__((aligned(64)));
-    float acc[MAX_D][16] __attribute__((aligned(64)));
-    int32_t pos[16] __attribute__((aligned(64)));
-    __mmask16 keep[AK];
-    const int64_t lanes = total - r0 < 16 ? total - r0 : 16, half = d / 2;
-    for (int64_t lane = 0; lane < 16; lane++) {
-        /* lanes past the rows: zero queries at the last row's position (finite, never written) */
-        const int64_t r = r0 + (lane < lanes ? lane : lanes - 1), t = r / g, j = r % g;
-        const uint32_t *src = (const uint32_t *)(q + (row0 + t) * q_stride + (kvh * g + j) * d);
-        pos[lane] = (int32_t)(prefix + t);
-        for (int64_t p = 0; p < half; p++) qt[p][lane] = lane < lanes ? src[p] : 0u;
-    }
-    memset(acc, 0, (size_t)d * sizeof acc[0]);
-    const __m512i posv = _mm512_load_si512((const void *)pos);
-    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    float acc[2][MAX_D][16] __attribute__((aligned(64)));
+    int32_t pos[2][16] __attribute__((aligned(64)));
+    const int64_t lanes = total - r0 < 32 ? total - r0 : 32, halves = lanes > 16 ? 2 : 1, half = d / 2;
+    for (int64_t h = 0; h < halves; h++)
+        for (int64_t lane = 0; lane < 16; lane++) {
+            /* lanes past the rows: zero queries at the last row's position (finite, never written) */
+            const int64_t at = 16 * h + lane, r = r0 + (at < lanes ? at : lanes - 1), t = r / g, j = r % g;
+            const uint32_t *src = (const uint32_t *)(q + (row0 + t) * q_stride + (kvh * g + j) * d);
+            pos[h][lane] = (int32_t)(prefix + t);
+            for (int64_t p = 0; p < half; p++) qt[h][p][lane] = at < lanes ? src[p] : 0u;
+        }
+    memset(acc, 0, (size_t)halves * sizeof acc[0]);
+    const __m512i pos0 = _mm512_load_si512((const void *)pos[0]), pos1 = _mm512_load_si512((const void *)pos[halves - 1]);
     const __m512 sc = _mm512_set1_ps(scale);
-    __m512 m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();
-    const int64_t kend = (int64_t)pos[15] + 1, first = pos[0]; /* lanes ascend by position */
+    __m512 m[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t kend = (int64_t)pos[halves - 1][15] + 1; /* lanes ascend by position */
     for (int64_t k0 = 0; k0 < kend; k0 += AK) {
         const int64_t nk = kend - k0 < AK ? kend - k0 : AK, two = nk > 16;
         const uint16_t *ka = kc + ((int64_t)table[k0 / bs] * bs + k0 % bs) * tok + kvh * d;
         const uint16_t *kb = two ? kc + ((int64_t)table[(k0 + 16) / bs] * bs + (k0 + 16) % bs) * tok + kvh * d : ka;
-        _tile_zero(2);
         _tile_zero(3);
+        _tile_zero(4);
+        if (halves == 2) {
+            _tile_zero(5);
+            _tile_zero(6);
+        }
         for (int64_t dc = 0; dc < d / 32; dc++) {
-            _tile_loadd(1, qt[dc * 16], 64);
             _tile_loadd(0, ka + dc * 32, tok * 2);
-            _tile_dpbf16ps(2, 0, 1);
+            _tile_loadd(1, qt[0][dc * 16], 64);
+            _tile_dpbf16ps(3, 0, 1);
             if (two) {
-                _tile_loadd(0, kb + dc * 32, tok * 2);
-                _tile_dpbf16ps(3, 0, 1);
+                _tile_loadd(7, kb + dc * 32, tok * 2);
+                _tile_dpbf16ps(4, 7, 1);
+            }
+            if (halves == 2) {
+                _tile_loadd(2, qt[1][dc * 16], 64);
+                _tile_dpbf16ps(5, 0, 2);
+                if (two) _tile_dpbf16ps(6, 7, 2);
             }
         }
-        _tile_stored(2, sb[0], 64);
-        _tile_stored(3, sb[16], 64);
-        const int diag = k0 + nk - 1 > first; /* some key here lies in some lane's future */
-        __m512 mx = m;
-        for (int64_t i = 0; i < nk; i++) {
-            keep[i] = diag ? _mm512_cmp_epi32_mask(posv, _mm512_set1_epi32((int32_t)(k0 + i)), _MM_CMPINT_NLT)
-                           : (__mmask16)0xffff;
-            const __m512 s = _mm512_mask_blend_ps(keep[i], _mm512_set1_ps(-INFINITY),
-                                                  _mm512_mul_ps(_mm512_load_ps(sb[i]), sc));
-            _mm512_store_ps(sb[i], s);
-            mx = _mm512_max_ps(mx, s);
+        _tile_stored(3, sb[0][0], 64);
+        _tile_stored(4, sb[0][16], 64);
+        const __m512 corr0 = amx_softmax_step(sb[0], pb[0], pos0, k0, nk, k0 + nk - 1 > pos[0][0], sc, &m[0], &l[0]);
+        __m512 corr1 = corr0;
+        if (halves == 2) {
+            _tile_stored(5, sb[1][0], 64);
+            _tile_stored(6, sb[1][16], 64);
+            corr1 = amx_softmax_step(sb[1], pb[1], pos1, k0, nk, k0 + nk - 1 > pos[1][0], sc, &m[1], &l[1]);
         }
-        /* every lane sees key 0 in the first step, so mx is finite from there on */
-        const __m512 corr = exp_nonpos16(_mm512_sub_ps(m, mx));
-        m = mx;
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t i = 0; i < AK; i += 2) {
-            __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();
-            if (i < nk) p0 = _mm512_maskz_mov_ps(keep[i], exp_nonpos16(_mm512_sub_ps(_mm512_load_ps(sb[i]), mx)));
-            if (i + 1 < nk)
-                p1 = _mm512_maskz_mov_ps(keep[i + 1], exp_nonpos16(_mm512_sub_ps(_mm512_load_ps(sb[i + 1]), mx)));
-            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-            _mm512_store_si512((void *)pb[i / 2], _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
-        }
-        l = _mm512_fmadd_ps(l, corr, sum);
-        _tile_loadd(1, pb, 64);
+        _tile_loadd(1, pb[0], 64);
+        if (halves == 2) _tile_loadd(2, pb[1], 64);
         const uint16_t *vs = vt + k0 / AK * d * AK;
-        for (int64_t db = 0; db < d / 16; db += 4) {
-            const int64_t nb = d / 16 - db < 4 ? d / 16 - db : 4;
-            AMX_PV_BLOCK(4, 0);
-            AMX_PV_BLOCK(5, 1);
-            if (nb > 2) {
-                AMX_PV_BLOCK(6, 2);
-                AMX_PV_BLOCK(7, 3);
+        for (int64_t db = 0; db < d / 16; db += 2) { /* d a multiple of 32: blocks of 16 dims in pairs */
+            _tile_loadd(0, vs + db * 16 * AK, AK * 2);
+            _tile_loadd(7, vs + (db + 1) * 16 * AK, AK * 2);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_dpbf16ps(3, 0, 1);
+            _tile_dpbf16ps(4, 7, 1);
+            if (halves == 2) {
+                _tile_zero(5);
+                _tile_zero(6);
+                _tile_dpbf16ps(5, 0, 2);
+                _tile_dpbf16ps(6, 7, 2);
             }
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t i = 0; i < 16; i++) {
-                    float *a = acc[(db + b) * 16 + i];
-                    _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), corr, _mm512_load_ps(ob[b][i])));
-                }
+            _tile_stored(3, ob[0], 64);
+            _tile_stored(4, ob[1], 64);
+            amx_accumulate(acc[0] + db * 16, (const float (*)[16])ob[0], corr0);
+            amx_accumulate(acc[0] + (db + 1) * 16, (const float (*)[16])ob[1], corr0);
+            if (halves == 2) {
+                _tile_stored(5, ob[2], 64);
+                _tile_stored(6, ob[3], 64);
+                amx_accumulate(acc[1] + db * 16, (const float (*)[16])ob[2], corr1);
+                amx_accumulate(acc[1] + (db + 1) * 16, (const float (*)[16])ob[3], corr1);
+            }
         }
     }
-    float inv[16] __attribute__((aligned(64)));
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-    for (int64_t lane = 0; lane < lanes; lane++) {
-        const int64_t r = r0 + lane, t = r / g, j = r % g;
-        uint16_t *o = out + ((row0 + t) * hq + kvh * g + j) * d;
-        for (int64_t i = 0; i < d; i++) o[i] = bf16_store(acc[i][lane] * inv[lane]);
+    for (int64_t h = 0; h < halves; h++) {
+        float inv[16] __attribute__((aligned(64)));
+        _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l[h]));
+        for (int64_t lane = 0; lane < 16 && 16 * h + lane < lanes; lane++) {
+            const int64_t r = r0 + 16 * h + lane, t = r / g, j = r % g;
+            uint16_t *o = out + ((row0 + t) * hq + kvh * g + j) * d;
+            for (int64_t i = 0; i < d; i++) o[i] = bf16_store(acc[h][i][lane] * inv[lane]);
+        }
     }
 }
 
@@ -1503,7 +1542,7 @@ static int prefill_attn_amx(const uint16_t *kc, const uint16_t *vc, const uint16
     voff[0] = toff[0] = 0;
     for (int64_t c = 0; c < n_chunks; c++) {
         voff[c + 1] = voff[c] + (ctx[c] + AK - 1) / AK * AK * d * hkv; /* values, transposed, per KV head */
-        toff[c + 1] = toff[c] + (len[c] * g + 15) / 16 * hkv;        /* tasks: 16 query rows of a KV head */
+        toff[c + 1] = toff[c] + (len[c] * g + 31) / 32 * hkv;        /* tasks: 32 query rows of a KV head */
     }
     uint16_t *vt = malloc((size_t)(voff[n_chunks] ? voff[n_chunks] : 1) * sizeof *vt);
     if (!vt) {
@@ -1536,7 +1575,7 @@ static int prefill_attn_amx(const uint16_t *kc, const uint16_t *vc, const uint16
             const int64_t per_head = (toff[c + 1] - toff[c]) / hkv, i = task - toff[c];
             const int64_t kvh = i / per_head, steps = (ctx[c] + AK - 1) / AK;
             amx_prefill_task(kc, vt + voff[c] + kvh * steps * AK * d, q, q_stride, out, tables + c * table_stride,
-                             row[c], ctx[c] - len[c], i % per_head * 16, len[c] * g, kvh, g, hq, tok, d, bs, scale);
+                             row[c], ctx[c] - len[c], i % per_head * 32, len[c] * g, kvh, g, hq, tok, d, bs, scale);
         }
         _tile_release();
     }
