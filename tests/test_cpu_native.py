@@ -128,7 +128,8 @@ def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
 
 @needs_kernel
 @pytest.mark.parametrize("d,bs,hkv,rows", [(256, 64, 1, 2), (96, 1, 3, 0), (16, 4, 2, 3)])
-def test_int4_write_matches_the_reference_on_random_calls(d, bs, hkv, rows):
+@pytest.mark.parametrize("size", ["step", "prefill"])  # prefill: calls large enough to split over the threads
+def test_int4_write_matches_the_reference_on_random_calls(d, bs, hkv, rows, size):
     """Random calls, byte for byte: duplicate slots (the last write wins), tokens sealing blocks
     at random, tail slots of -1, no tail rows at all, head dims not a power of two."""
     from llmbus.kernels import kv_cache
@@ -136,15 +137,16 @@ def test_int4_write_matches_the_reference_on_random_calls(d, bs, hkv, rows):
     from llmbus.kv.layout import KVLayout
 
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype="bfloat16")
-    caches = [kv_cache.allocate_cache(KVFormat("int4"), lay, 5, "cpu", tail_rows=rows) for _ in range(2)]
+    blocks = 5 if size == "step" else 1200 // bs + 5
+    caches = [kv_cache.allocate_cache(KVFormat("int4"), lay, blocks, "cpu", tail_rows=rows) for _ in range(2)]
     g = torch.Generator().manual_seed(d + bs + hkv)
-    for _ in range(25):
-        t = int(torch.randint(1, 2 * bs + 3, (1,), generator=g))
-        slots = torch.randint(0, 5 * bs, (t,), generator=g)
+    for _ in range(25 if size == "step" else 3):
+        t = int(torch.randint(1, 2 * bs + 3, (1,), generator=g)) if size == "step" else 1200
+        slots = torch.randint(0, blocks * bs, (t,), generator=g)
         slots[::3] = slots[0]  # duplicates
         k, v = (torch.randn(t, hkv, d, generator=g).bfloat16() * 3 for _ in range(2))
         tails = None
-        if rows:
+        if rows and size == "step":  # (random tail slots shared across a prefill's blocks: no call makes them)
             tails = torch.randint(0, rows, (t,), generator=g) * bs + slots % bs
             tails[torch.rand(t, generator=g) < 0.3] = -1
         assert cpu_native.write_int4(k, v, caches[0], slots, tails)
@@ -350,28 +352,34 @@ def test_int4_write_gives_the_references_bytes(fmt, dtype, d, bs, hkv):
 @needs_kernel
 @pytest.mark.parametrize("scale_dtype", ["float16", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int8_write_gives_the_references_bytes(dtype, scale_dtype):
+@pytest.mark.parametrize("tokens", [40, 600])  # 600: a prefill's write, split over the threads
+def test_int8_write_gives_the_references_bytes(dtype, scale_dtype, tokens):
     """The C INT8 write against reference.write_kv_cache, byte for byte: rows of very different
-    ranges, an all-zero row, exact ties, a scale that overflows fp16."""
+    ranges, an all-zero row, exact ties, a scale that overflows fp16, a row holding a NaN."""
     from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
 
     lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=str(dtype).removeprefix("torch."))
-    caches = [kv_cache.allocate_cache(KVFormat("int8", scale_dtype), lay, 6, "cpu") for _ in range(2)]
+    blocks = tokens // 16 + 6
+    caches = [kv_cache.allocate_cache(KVFormat("int8", scale_dtype), lay, blocks, "cpu") for _ in range(2)]
     g = torch.Generator().manual_seed(5)
-    k = torch.randn(40, 2, 64, generator=g) * torch.logspace(-3, 2, 40)[:, None, None]
-    v = torch.randn(40, 2, 64, generator=g)
+    k = torch.randn(tokens, 2, 64, generator=g) * torch.logspace(-3, 2, tokens)[:, None, None]
+    v = torch.randn(tokens, 2, 64, generator=g)
     k[3] = 0.0
     v[4] = torch.round(v[4] * 2) / 2
     k[5, 1, 7] = 1e7 if dtype == torch.float32 else 3e38
+    v[6, 0, 9] = float("nan")
     k, v = k.to(dtype), v.to(dtype)
-    slots = torch.randperm(96, generator=g)[:40]
+    slots = torch.randperm(blocks * 16, generator=g)[:tokens]
     assert cpu_native.write_int8(k, v, caches[0], slots)
     reference.write_kv_cache(k, v, caches[1], slots)
-    assert torch.equal(caches[0].data, caches[1].data) and torch.equal(caches[0].scale, caches[1].scale)
+    assert torch.equal(caches[0].data, caches[1].data)
+    nan = caches[1].scale.isnan()
+    assert nan.sum() == 1 and torch.equal(caches[0].scale.isnan(), nan)  # the NaN row's scale, as torch's amax
+    assert torch.equal(caches[0].scale[~nan], caches[1].scale[~nan])
     with pytest.raises(ValueError, match="slots must lie in"):
-        cpu_native.write_int8(k[:1], v[:1], caches[0], torch.tensor([96]))
+        cpu_native.write_int8(k[:1], v[:1], caches[0], torch.tensor([blocks * 16]))
 
 
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------

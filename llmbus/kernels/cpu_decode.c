@@ -597,17 +597,23 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
            token before i in the same block (-1: none) */                                              \
         int32_t *head = calloc((size_t)num_blocks, sizeof(int32_t));                                    \
         int32_t *nxt = malloc((size_t)(t_count > 0 ? t_count : 1) * sizeof(int32_t));                   \
-        float *blk = malloc((size_t)(bs * hkv * d) * sizeof(float));                                    \
+        const int64_t blk_n = bs * hkv * d; /* a sealed block's keys, widened: one per thread */       \
+        float *blk = malloc((size_t)(omp_get_max_threads() * blk_n) * sizeof(float));                   \
         if (!head || !nxt || !blk || t_count > INT32_MAX - 1) {                                         \
             free(head);                                                                                 \
             free(nxt);                                                                                  \
             free(blk);                                                                                  \
             return 3;                                                                                   \
         }                                                                                               \
-        for (int64_t i = 0; i < t_count; i++)                                                           \
-            for (int64_t h = 0; h < hkv; h++) {                                                         \
-                for (int64_t c = 0; c < d; c++) x[c] = LOADQ(value[(i * hkv + h) * d + c]);             \
-                int4_quantize_row(x, d, gv, vdata + slots[i] * row + h * half,                          \
+        /* NOTE: a prefill's values split over the threads by slot (a slot given twice is written by \
+           one thread in order: the last write wins), its sealed blocks by block (a step of 4,096  \
+           tokens spent ~10 ms a layer here on one thread) */                                          \
+        _Pragma("omp parallel if (t_count * hkv * d >= 32768)")                                        \
+        for (int64_t i = 0, nt = omp_get_num_threads(), tid = omp_get_thread_num(); i < t_count; i++)  \
+            for (int64_t h = 0; h < hkv && slots[i] % nt == tid; h++) {                                 \
+                float xv[MAX_D];                                                                        \
+                for (int64_t c = 0; c < d; c++) xv[c] = LOADQ(value[(i * hkv + h) * d + c]);           \
+                int4_quantize_row(xv, d, gv, vdata + slots[i] * row + h * half,                         \
                                   v_meta + (slots[i] * hkv + h) * (d / gv) * 2);                        \
             }                                                                                           \
         for (int64_t i = 0; i < t_count; i++)                                                           \
@@ -625,14 +631,31 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                                   k_meta + (b * hkv + h) * key_slots + slots[i] % bs * 2 * (d / gk));   \
             }                                                                                           \
         }                                                                                               \
+        int64_t n_sealed = 0; /* the sealed blocks, each once (in nxt's place: its links are read below) */ \
+        int64_t *sealed = malloc((size_t)(t_count > 0 ? t_count : 1) * sizeof(int64_t));               \
+        if (!sealed) {                                                                                  \
+            free(head);                                                                                 \
+            free(nxt);                                                                                  \
+            free(blk);                                                                                  \
+            return 3;                                                                                   \
+        }                                                                                               \
         for (int64_t i = 0; i < t_count && !per_token; i++) {                                           \
             const int64_t b = slots[i] / bs;                                                            \
-            if (head[b] <= 0) continue; /* not sealed, or done */                                       \
+            if (head[b] <= 0) continue; /* not sealed, or listed */                                     \
+            sealed[n_sealed++] = b;                                                                     \
+            head[b] = -head[b];                                                                         \
+        }                                                                                               \
+        _Pragma("omp parallel if (n_sealed * bs * hkv * d >= 32768)")                                  \
+        {                                                                                               \
+        float *blk_t = blk + omp_get_thread_num() * blk_n;                                              \
+        _Pragma("omp for schedule(static)")                                                            \
+        for (int64_t si = 0; si < n_sealed; si++) {                                                     \
+            const int64_t b = sealed[si];                                                               \
+            float *blk = blk_t;                                                                         \
             int64_t last_at[MAX_BS]; /* the last write of each slot in this call, -1: none */           \
             for (int64_t o = 0; o < bs; o++) last_at[o] = -1;                                           \
-            for (int64_t j = head[b] - 1; j >= 0; j = nxt[j])                                           \
+            for (int64_t j = -head[b] - 1; j >= 0; j = nxt[j])                                          \
                 if (last_at[slots[j] % bs] < 0) last_at[slots[j] % bs] = j;                             \
-            head[b] = -head[b];                                                                         \
             /* the token sealing it is the last write of its last slot */                               \
             const int64_t base = tail_slots ? tail_slots[last_at[bs - 1]] - (bs - 1) : -1;              \
             for (int64_t o = 0; o < bs; o++)                                                            \
@@ -657,6 +680,8 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
                 }                                                                                       \
             int4_quantize_key_block(blk, bs, hkv, d, data + b * bs * row, k_meta + b * hkv * key_slots, key_slots); \
         }                                                                                               \
+        }                                                                                               \
+        free(sealed);                                                                                   \
         if (tail_slots)                                                                                 \
             for (int64_t i = 0; i < t_count; i++) {                                                     \
                 if (head[slots[i] / bs] || tail_slots[i] < 0) continue;                                 \
@@ -671,27 +696,43 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
 
 /* The int8 write of T tokens (quant_reference.int8_quantize per token and head): key, value
    [T, hkv, d] of type QT into data int8 [2, N, bs, hkv, d] and scales [2, N, bs, hkv] of type ST.
-   Returns 1 for a slot outside the cache (nothing written). */
+   Returns 1 for a slot outside the cache, 2 for d past MAX_D (nothing written). */
 #define DEFINE_WRITE_INT8(NAME, QT, LOADQ, ST, STORES, LOADS)                                            \
     int NAME(const QT *key, const QT *value, int64_t t_count, const int64_t *slots, int8_t *data, ST *scales, \
              int64_t num_blocks, int64_t bs, int64_t hkv, int64_t d) {                                  \
+        if (d > MAX_D) return 2;                                                                        \
         for (int64_t i = 0; i < t_count; i++)                                                           \
             if (slots[i] < 0 || slots[i] >= num_blocks * bs) return 1;                                  \
-        for (int64_t kv = 0; kv < 2; kv++)                                                              \
+        /* NOTE: a prefill's rows split over the threads by slot (a step of 4,096 tokens spent ~8 ms a \
+           layer here on one thread), so a slot given twice is written by one thread in order (the   \
+           last write wins, as before); loops written to vectorize: a NaN flag beside the maximum,   \
+           the division hoisted out of its zero-scale case */                                         \
+        _Pragma("omp parallel if (t_count * hkv * d >= 32768)")                                        \
+        for (int64_t kv = 0, nt = omp_get_num_threads(), tid = omp_get_thread_num(); kv < 2; kv++)     \
             for (int64_t i = 0; i < t_count; i++)                                                       \
-                for (int64_t h = 0; h < hkv; h++) {                                                     \
+                for (int64_t h = 0; h < hkv && slots[i] % nt == tid; h++) {                             \
                     const QT *x = (kv ? value : key) + (i * hkv + h) * d;                               \
-                    float absmax = 0.0f;                                                                \
+                    float xf[MAX_D], absmax = 0.0f;                                                     \
+                    int nan = 0;                                                                        \
+                    _Pragma("omp simd reduction(max : absmax) reduction(| : nan)")                     \
                     for (int64_t c = 0; c < d; c++) {                                                   \
-                        const float a = fabsf(LOADQ(x[c]));                                             \
-                        absmax = max_nan(absmax, a);                                                    \
+                        const float a = fabsf(xf[c] = LOADQ(x[c]));                                     \
+                        nan |= a != a;                                                                  \
+                        absmax = a > absmax ? a : absmax;                                               \
                     }                                                                                   \
                     const int64_t at = kv * num_blocks * bs * hkv + slots[i] * hkv + h;                 \
-                    scales[at] = STORES(absmax / 127.0f);                                               \
+                    scales[at] = STORES((nan ? NAN : absmax) / 127.0f); /* torch's amax: a NaN wins */  \
                     const float sc = LOADS(scales[at]);                                                 \
                     int8_t *q = data + at * d;                                                          \
-                    for (int64_t c = 0; c < d; c++)                                                     \
-                        q[c] = (int8_t)clampf(floorf(safe_div(LOADQ(x[c]), sc) + 0.5f), -127.0f, 127.0f); \
+                    if (!(sc > 0.0f)) { /* safe_div: 0, so every code 0 */                              \
+                        memset(q, 0, (size_t)d);                                                        \
+                        continue;                                                                       \
+                    }                                                                                   \
+                    _Pragma("omp simd")                                                                 \
+                    for (int64_t c = 0; c < d; c++) {                                                   \
+                        const float r = floorf(xf[c] / sc + 0.5f);                                      \
+                        q[c] = (int8_t)(r != r ? 0.0f : (r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r))); \
+                    }                                                                                   \
                 }                                                                                       \
         return 0;                                                                                       \
     }

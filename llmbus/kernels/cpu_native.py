@@ -286,7 +286,7 @@ def write_int8(key: torch.Tensor, value: torch.Tensor, cache, slot_mapping: torc
                               lay.head_dim)  # fmt: skip
     if rc == 1:
         raise ValueError(_bad_slot(slots, cache.num_blocks * lay.block_size))
-    return True
+    return rc == 0  # 2: a head dim past the kernel's buffers (the reference writes it)
 
 
 def int8_tensors_fit(cache) -> bool:
