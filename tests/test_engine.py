@@ -435,12 +435,13 @@ def test_warmup_runs_each_kind_of_step_and_leaves_nothing_behind(model_dir, prom
     or indexed block, no tail row, and the next requests' tokens are what a cold engine gives."""
     from llmbus.engine import runner as runner_module
 
-    kinds = []
+    kinds, tokens = [], []
     execute = runner_module.ModelRunner.execute
 
     def recording(self, out):
         decodes = sum(e.num_new_tokens == 1 for e in out.scheduled)
         kinds.append(("decodes" if decodes else "") + ("+prompt" if decodes < len(out.scheduled) else ""))
+        tokens.append(sum(e.num_new_tokens for e in out.scheduled))
         return execute(self, out)
 
     runner_module.ModelRunner.execute = recording
@@ -452,6 +453,8 @@ def test_warmup_runs_each_kind_of_step_and_leaves_nothing_behind(model_dir, prom
     finally:
         runner_module.ModelRunner.execute = execute
     assert kinds[:3] == ["+prompt", "decodes+prompt", "decodes+prompt"] and "decodes" in kinds[3:]
+    # last, a prompt of a whole step's budget (here the model's length: 511 of 512 positions), alone
+    assert kinds[n - 1] == "+prompt" and tokens[n - 1] == warm.engine.max_model_len - 1 == 511
     engine = warm.engine
     assert engine.leak_check() == {"requests": 0, "handoffs": 0, "free_blocks": 32, "total_blocks": 32, "tail_rows": 0}
     assert engine.block_manager.num_cached_blocks == 0 and engine.block_manager.enable_prefix_caching

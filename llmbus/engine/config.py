@@ -28,8 +28,8 @@ class EngineConfig:
     # decode-only steps replay recorded CUDA graphs (llmbus.engine.graphs); None: wherever that
     # applies (CUDA, the Triton backend, no dynamic rope), False: never, True: warn where it cannot
     cuda_graphs: bool | None = None
-    # dummy steps at start so first requests do not wait for kernels to compile (Engine.warmup);
-    # None: on CUDA
+    # dummy steps at start so first requests do not wait for kernels to compile, nor for a full
+    # step's fresh memory (Engine.warmup); None: on CUDA (the services' workers: everywhere)
     warmup: bool | None = None
     # speculative decoding by n-gram lookup (llmbus.engine.speculative): up to this many tokens
     # drafted from earlier text per decode, all checked in the same step; 0: off
@@ -97,7 +97,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     graphs.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False,
                         help="CUDA: run every decode step eagerly")
     parser.add_argument("--no-warmup", dest="warmup", action="store_const", const=False, default=None,
-                        help="CUDA: skip the dummy steps at start that compile the kernels before the first request")
+                        help="skip the dummy steps at start that compile the kernels (CUDA) and allocate a full step's "
+                             "memory before the first request")
     parser.add_argument("--no-packed-weights", action="store_true",
                         help="CPU: keep plain weights instead of packed ones (slower; for comparison)")
     parser.add_argument("--speculative-tokens", type=int, default=0, metavar="K",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import threading
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,8 @@ def worker_main(role: str, body: Callable[..., Awaitable[None]], argv: list[str]
         if args.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
         config = engine_config_from_args(args)
+        if config.warmup is None:  # NOTE: on CPU too: the first burst must not pay a full step's page faults
+            config = dataclasses.replace(config, warmup=True)
         if adjust is not None:
             config = adjust(config, args)
         options = ServiceOptions(role=role, nats_url=args.nats_url, instance_id=args.instance_id, models=(name,))
