@@ -212,6 +212,28 @@ def test_a_waiting_copy_runs_when_the_prefill_it_waits_for_goes_away(end):
     assert_no_leaks(bm)
 
 
+def test_a_prompt_nearly_all_cached_rides_along_ahead_of_a_long_one():
+    """A waiting prompt with a few tokens left to compute (the prefix cache holds the rest) takes
+    them out of turn, up to a 16th of the budget, inside it: its first token comes in this step,
+    not after the long prompt ahead of it is computed whole. Its tokens are still exact."""
+    sched, bm, model = make(max_num_batched_tokens=64)  # 4 tokens may ride along
+    shared = list(range(300, 316))
+    sched.add(seq("warm", shared, max_tokens=1))
+    run_to_end(sched, model)  # its 3 full blocks before the last token stay cached
+    long, cached = seq("long", range(500, 600), max_tokens=2), seq("cached", shared, max_tokens=3)
+    too_many = seq("too-many", shared[:12] + [7, 8, 9, 10, 11, 12], max_tokens=2)  # 6 tokens left: waits
+    for s in (long, too_many, cached):
+        sched.add(s)
+    out, _ = step(sched, model)
+    assert plan(out) == [("long", 60, False), ("cached", 4, True)]
+    assert cached.num_cached_tokens == 12 and too_many.status is SequenceStatus.WAITING
+    run_to_end(sched, model)
+    assert cached.output_token_ids == reference_output(shared, 3)
+    assert long.output_token_ids == reference_output(list(range(500, 600)), 2)
+    assert too_many.output_token_ids == reference_output(too_many.prompt_token_ids, 2)
+    assert_no_leaks(bm)
+
+
 def test_a_waiting_copy_keeps_its_batch_slot():
     """A copy waiting for a prefill holds its place against max_num_seqs: a later, unrelated
     request does not take the last slot and leave the copy waiting for a whole sequence to end."""
