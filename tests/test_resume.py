@@ -325,3 +325,7 @@ def test_jobs_waiting_to_hand_off_and_resumed_jobs_count_in_the_prompt_budget():
     inside = SimpleNamespace(prompt_tokens_left=lambda rid: 12)
     assert budget(SimpleNamespace(colocated=True, engine=inside, jobs={"r": resumed, "d": decoding})) == 12
     assert budget(SimpleNamespace(colocated=False, engine=inside, jobs={"w": waiting, "r": resumed})) == 40 + 12
+    # a prefix found cached when the job was taken counts out, before the engine schedules it too
+    resumed.cached_tokens = 32
+    assert budget(SimpleNamespace(colocated=True, engine=outside, jobs={"r": resumed})) == 40 - 32
+    assert budget(SimpleNamespace(colocated=True, engine=inside, jobs={"r": resumed})) == 40 - 32

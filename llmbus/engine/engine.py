@@ -647,7 +647,9 @@ class Engine:
         return self.prefix_hashes(prompt_token_ids[: max(0, len(prompt_token_ids) - 1)], cache_salt)
 
     def local_prefix_blocks(self, hashes: list[bytes]) -> int:
-        """Blocks of the chain ``hashes`` this engine's tier-0 cache holds, from the start."""
+        """Blocks of the chain ``hashes`` this engine's tier-0 cache holds, from the start. Safe to
+        call from any thread (membership tests of the hash index, each atomic): a snapshot, which a
+        step running meanwhile may make stale."""
         return self.block_manager.cached_prefix_blocks(hashes)
 
     def import_prefix(self, hashes: list[bytes], kv: torch.Tensor, protect: list[bytes] = ()) -> int:

@@ -257,7 +257,7 @@ class EngineWorker(abc.ABC):
         frees first, wherever the rest of the stream's backlog began.
 
         NOTE: a pull's takes start together, once it ends: each waits for the engine thread between
-        two steps (prefix lookup, admission), and started one by one as they came (a network round
+        two steps (admission), and started one by one as they came (a network round
         trip apart), the first would start a step alone and the burst split across steps. Taken one
         after another, a burst of N jobs needed N steps to reach the batch."""
         taking: set[asyncio.Task] = set()

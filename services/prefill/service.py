@@ -66,6 +66,7 @@ class Job:
     next_seq: int = 0  # seq of the next TokenEvent (from the request's resume_seq)
     output_token_ids: list[int] = field(default_factory=list)  # what its client has
     finishing: asyncio.Task | None = None  # handing off: its first token out, the handoff under way
+    cached_tokens: int = 0  # of its prompt, found in tier 0 or kvpool when taken (not computed here)
 
 
 def _prompt_tokens(msg) -> int:
@@ -117,9 +118,11 @@ class PrefillWorker(EngineWorker):
     @property
     def pending_tokens(self) -> int:
         """Prompt tokens the jobs held have yet to compute before their first token here: neither
-        computed, nor found cached, nor in the engine's running step (``Engine.prompt_tokens_left``),
-        so the worker pulls the next step's jobs while a step runs instead of after it (a burst
-        of 16 prompts reached the engine in steps of four, then one, then four). A resumed job's
+        computed, nor found cached, nor in the engine's running step (``Engine.prompt_tokens_left``,
+        and the prefix the job's lookup found before the engine schedules it), so the worker pulls
+        the next step's jobs while a step runs instead of after it (a burst of 16 prompts reached
+        the engine in steps of four, then one, then four), and pulls on past prompts it finds
+        cached (they cost a step next to nothing: the scheduler lets them ride along). A resumed job's
         tokens so far count: they are computed again. Handing off, every job held counts whole
         after its first token too: one whose handoff waits for kvpool room holds its KV until
         there is room, and prefill stops pulling instead of computing more with nowhere to go."""
@@ -129,9 +132,9 @@ class PrefillWorker(EngineWorker):
             if job.next_seq != job.request.resume_seq:  # its first token is out
                 total += 0 if self.colocated else whole
             elif (left := self.engine.prompt_tokens_left(rid)) is None:  # not in the engine yet
-                total += whole
-            else:
-                total += left
+                total += whole - job.cached_tokens
+            else:  # (the engine counts cached tokens once it schedules the job: until then, ours)
+                total += min(left, whole - job.cached_tokens)
         return total
 
     async def run(self) -> None:
@@ -197,6 +200,7 @@ class PrefillWorker(EngineWorker):
         try:
             params = req.sampling.to_params()
             hashes, local, kv = await self._cached_prefix(req)
+            job.cached_tokens = (local + (0 if kv is None else kv.shape[0])) * self.engine.layout.block_size
 
             def admit(e: Engine) -> None:
                 # NOTE: an abort that came while the prefix was looked up found nothing to stop in
@@ -222,7 +226,11 @@ class PrefillWorker(EngineWorker):
         if not self.engine.config.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return [], 0, None
         hashes = self.engine.reusable_prefix_hashes(req.prompt_token_ids, req.cache_salt)
-        local = await self.loop.call(lambda e: e.local_prefix_blocks(hashes))
+        # NOTE: read here, not between two steps on the engine thread: membership tests of the hash
+        # index, each atomic, at worst a step stale (as the admission after the kvpool fetch always
+        # was). Asked there, a job pulled while a step ran waited for its end to look, and for the
+        # next step's end to be admitted.
+        local = self.engine.local_prefix_blocks(hashes)
         if local >= len(hashes):
             return hashes, local, None
         try:
