@@ -234,6 +234,19 @@ def test_a_prompt_nearly_all_cached_rides_along_ahead_of_a_long_one():
     assert_no_leaks(bm)
 
 
+def test_a_rider_keeps_the_chunk_cap():
+    """--long-prefill-threshold caps every prompt's chunk: one that would ride along in a larger
+    chunk waits its turn."""
+    sched, bm, model = make(max_num_batched_tokens=64, long_prefill_token_threshold=2)
+    small = seq("small", [5, 6, 7], max_tokens=1)  # 3 tokens: more than one capped chunk
+    sched.add(seq("long", range(500, 600), max_tokens=1))
+    sched.add(small)
+    assert plan(step(sched, model)[0]) == [("long", 2, False), ("small", 2, False)]  # FCFS, capped
+    run_to_end(sched, model)
+    assert small.output_token_ids == reference_output([5, 6, 7], 1)
+    assert_no_leaks(bm)
+
+
 def test_a_waiting_copy_keeps_its_batch_slot():
     """A copy waiting for a prefill holds its place against max_num_seqs: a later, unrelated
     request does not take the last slot and leave the copy waiting for a whole sequence to end."""

@@ -212,7 +212,7 @@ class Scheduler:
             seq = self._waiting[j]
             cached, first_uncached = bm.prefix_lookup(seq)
             remaining = seq.num_tokens - cached
-            if remaining > extra or self._never_fits(seq):
+            if self._chunk(remaining, extra) != remaining or self._never_fits(seq):  # (in one chunk, as capped)
                 j += 1
                 continue
             if first_uncached is not None:
