@@ -224,10 +224,7 @@ class Scheduler:
                     continue
             if not bm.allocate(seq, remaining):
                 break
-            del self._waiting[j]
-            seq.status = SequenceStatus.RUNNING
-            self._running.append(seq)
-            riders[seq.request_id] = self._entry(seq, remaining)
+            riders[seq.request_id] = self._admit(j, remaining)
             budget -= remaining
             extra -= remaining
             if inflight is not None:
@@ -257,10 +254,7 @@ class Scheduler:
                 if self._running or not self._release_waiting(seq, preempted):
                     break  # strict FCFS: the head waits for blocks
                 continue
-            del self._waiting[i]
-            seq.status = SequenceStatus.RUNNING
-            self._running.append(seq)
-            scheduled[seq.request_id] = self._entry(seq, n)
+            scheduled[seq.request_id] = self._admit(i, n)
             budget -= n
             if inflight is not None:
                 inflight.update(bm.pending_hashes(seq))
@@ -308,6 +302,14 @@ class Scheduler:
         bm = self.block_manager
         too_long = seq.num_prompt_tokens > self.config.max_model_len
         return too_long or bm.blocks_for(seq.num_tokens) > bm.num_blocks
+
+    def _admit(self, at: int, n: int) -> ScheduledSeq:
+        """Move waiting sequence ``at`` (its blocks allocated) to running, computing ``n`` tokens."""
+        seq = self._waiting[at]
+        del self._waiting[at]
+        seq.status = SequenceStatus.RUNNING
+        self._running.append(seq)
+        return self._entry(seq, n)
 
     @staticmethod
     def _entry(seq: Sequence, n: int) -> ScheduledSeq:
