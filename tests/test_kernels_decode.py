@@ -194,24 +194,24 @@ def test_decode_warp_tiles(name, group, head_dim, splits, tile, num_warps):
     assert not shared["WARP_TILES"] and shared["GP"] == max(16, rows)
 
 
-@pytest.mark.parametrize("group,head_dim,bs,splits", [(1, 64, 16, 1), (4, 128, 16, 3), (6, 64, 32, 2), (8, 128, 32, 2),
-                                                   (16, 64, 16, 2)])
+@pytest.mark.parametrize("group,head_dim,bs,splits", [(1, 64, 16, 1), (2, 128, 16, 2), (4, 128, 16, 3), (6, 64, 32, 2),
+                                                   (8, 128, 32, 2), (16, 64, 16, 2)])
 @pytest.mark.parametrize("tile,num_warps", [(64, 2), (64, 4), (32, 2)])
 def test_decode_int4_blocks_loop(group, head_dim, bs, splits, tile, num_warps):
     """INT4's loop with a softmax per block slot (decode_tiles.int4_blocks_warp_loop): each block's
     per-channel key ranges scaling its own copy of the queries, one or two value groups a token
     (head_dim 64, 128), 16- and 32-token blocks, tiles of one slot a warp, two, and one for two
     warps, the slots' states merged at the end and the partial block after them; GQA ratios
-    (query rows the dots' columns, padded to a power of two), split-K, empty and one-token
-    sequences."""
-    from llmbus.kernels.paged_decode import decode_launch
+    (query rows the dots' columns, padded to a power of two, at least INT4_MIN_ROWS: one row went
+    wrong natively on the H200), split-K, empty and one-token sequences."""
+    from llmbus.kernels.paged_decode import INT4_MIN_ROWS, decode_launch
 
     cache = _check("int4", "bfloat16", hkv=2, group=group, head_dim=head_dim, bs=bs, lens=[150, 2 * bs, 0, 1, 33],
                    splits=splits, seed=group + tile, tile=tile, num_warps=num_warps, warp_tiles=True)
     q = torch.zeros(1, 2 * group, head_dim, dtype=torch.bfloat16, device=DEV)
     one = torch.ones(1, dtype=torch.int32, device=DEV)
     meta = decode_launch(q, cache, one[:, None], one, tile=tile, num_warps=num_warps, warp_tiles=True).meta
-    assert meta["WARP_TILES"] and meta["GP"] == 1 << (group - 1).bit_length()
+    assert meta["WARP_TILES"] and meta["GP"] == max(INT4_MIN_ROWS, 1 << (group - 1).bit_length())
 
 
 def test_decode_int4_blocks_loop_only_for_one_or_two_value_groups(monkeypatch):

@@ -33,20 +33,15 @@ ASM = os.environ.get("LLMBUS_TRITON_ASM", "1") != "0"
 # cannot hold 1024 + code), fp32 off CUDA included (what the CPU tests force; in fp32 INT4R's bias
 # costs ~1e-4 of a value's scale, which fp32 tolerances see). None: fp16 dots only.
 BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED_VALUES", ""))
-# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. model and int4: the best
-# of scripts/bench_gpu.py --sweep on an H200 (Triton 3.6, batch 64 x 8192 tokens, 8 KV heads of 128
-# channels, 16-token blocks; 2026-11-30, docs/benchmarks.md); int4's cap (for the lane loop only, see
-# register_cap) doubled the warps an SM holds (8 -> 16).
-# int8 and int4r: not yet measured on a GPU as they are (2026-12-01): their per-warp loops
-# (WARP_TILES) at 64-token tiles and two warps, 32 tokens a warp, the launches of the highest
-# static bound (scripts/kernel_cost.py under Triton 3.6). int4r capped at 128 registers (127
-# used, nothing spilled): an SM holds 16 warps, 487 loop instructions a tile, 195% of the H200's
-# peak (its shared loop's best: 140%); int8 at 168 (at 128 it spilled inside its loop): 12 warps,
-# 710 instructions, 240% (its shared loop, at 128, 4, 3, 128: 183%, measured 66-72%).
-# int4 (2026-12-02, not yet measured): its loop with a softmax per block (WARP_TILES:
-# decode_tiles.int4_blocks_warp_loop) at 64-token tiles and two warps, two blocks a warp, uncapped
-# (252 registers, 8 warps an SM): 1045 instructions a tile, 102% (its lane loop at its measured
-# best, 64, 4, 3, 128: 76%, measured 29%).
+# (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. Measured on an H200
+# (Triton 3.6; 2026-12-04, docs/benchmarks.md): at 256 sequences x 32,768 tokens over head-major
+# caches (backends.head_major), bf16 95% of peak bandwidth, int8 90%, int4r 89%, int4 48%. No
+# other launch of the sweep (scripts/bench_gpu.py --sweep, token-major) beat these by more than 8%.
+# model: 64-token tiles, 4 warps. int8 and int4r: their per-warp loops (WARP_TILES) at 64-token
+# tiles and two warps, 32 tokens a warp; int8 capped at 168 registers (at 128 it spills in its
+# loop: 19% slower), int4r at 128 (127 used: 16 warps an SM). int4: its loop with a softmax per
+# block slot (decode_tiles.int4_blocks_warp_loop), uncapped (252 registers, 8 warps an SM; capped
+# at 192 it was 16% slower).
 CUDA_LAUNCH = {"model": (64, 4, 3, 0), "int8": (64, 2, 3, 168), "int4": (64, 2, 3, 0), "int4r": (64, 2, 3, 128)}
 # The shared loops' launches, where the per-warp loops are off (WARP_TILES): INT8's best measured
 # (72% of peak, 2026-11-30), INT4R's default before the per-warp loops, INT4's lane loop's best
@@ -60,21 +55,24 @@ STAGE_BUDGET = 160 * 1024
 # interleaves heads within a token's row (``[.., BS, H, D]``), so one head's slice is a short run
 # (64 bytes for INT4 at head_dim 128) and its neighbours' slices fill the rest of the same DRAM
 # page and L2 lines at about the same time, where sequences first spread the reads of one moment
-# over B blocks' pages. Untested on a GPU as of 2026-11-30; bench_gpu's sweep measures both orders.
+# over B blocks' pages. On the H200 (2026-12-04) heads first was 1-5% faster; bench_gpu's sweep
+# measures both orders.
 # LLMBUS_TRITON_HEADS_FIRST=0 launches sequences first by default.
 HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
 # NOTE: INT4R and INT8 decode run their per-warp loops (decode_tiles.int4_tokens_warp_loop,
 # int8_words_warp_loop: each warp its own softmax over its share of a tile, tokens down the dots'
 # rows) where a warp's share is at least 16 tokens: no cross-warp reduction or weights through
 # shared memory in the loop, and a group of 4 query heads pads its dots' columns to 8, not its rows
-# to 16 (scripts/kernel_cost.py under the H200's Triton 3.6, CUDA_LAUNCH's figures). Untested on a
-# GPU as of 2026-12-01; bench_gpu's sweep times the shared loops beside them.
+# to 16 (scripts/kernel_cost.py under the H200's Triton 3.6). On the H200 (2026-12-04), against the
+# shared loops' best launches: INT8 3-7% faster, INT4R 19% at 64 x 8,192 and even at 256 x 32,768;
+# bench_gpu's sweep times the shared loops beside them.
 # INT4's full blocks (head_dim 64 or 128: one or two value groups) take a loop with a softmax per
 # block slot of the tile (decode_tiles.int4_blocks_warp_loop): its per-channel key ranges scale a
 # copy of the queries a block, not the codes.
 # LLMBUS_TRITON_WARP_TILES=0 turns them off: decode then runs the shared loops (int4_tokens_loop,
 # int8_words_loop, int4_lanes_loop) at their own launches (SHARED_LAUNCH).
 WARP_TILES = os.environ.get("LLMBUS_TRITON_WARP_TILES", "1") != "0"
+INT4_MIN_ROWS = 4  # the query rows INT4's block loop pads a KV head's group to (paged_decode_attention)
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the first goes to 2**31 - 1)
 
 
@@ -557,7 +555,10 @@ def decode_launch(
     meta["NW"] = num_warps or 4  # Triton's default
     meta["WARP_TILES"] = has_warp_loop(cache, meta) and (WARP_TILES if warp_tiles is None else warp_tiles)
     if meta["WARP_TILES"]:  # its query rows are the dots' columns, of which a mma takes 8, not 16
-        meta["GP"] = triton.next_power_of_2(grp)
+        # NOTE: INT4's block loop at one query row a KV head (no GQA) gave wrong scores on the H200
+        # (Triton 3.6, max error 3.3; 2026-12-04), right under the interpreter: padded to 4 rows,
+        # checked there at groups of 1, 2, 4 and 8 (scripts/bench_gpu.py)
+        meta["GP"] = max(INT4_MIN_ROWS if cache.fmt.name == "int4" else 1, triton.next_power_of_2(grp))
     meta["HEADS_FIRST"] = grid_order(b, heads_first)
     if query.is_cuda and (regs := register_cap(cache, max_registers, warp_tiles)):
         meta["maxnreg"] = regs
