@@ -151,6 +151,24 @@ def test_cpu_backend_decodes_quantized_caches_as_the_reference(fmt, dtype):
     assert torch.equal(ours.read_blocks(ca, [3, 5, 6, 1]), ref.read_blocks(cb, [3, 5, 6, 1]))
 
 
+def test_caches_are_head_major_on_cuda_token_major_elsewhere_unless_forced(monkeypatch):
+    """The engine's caches are head-major on CUDA (decode read INT4R's 1.7x as fast so on the H200)
+    and token-major elsewhere (the CPU fast paths need them); LLMBUS_KV_HEAD_MAJOR forces either."""
+    from llmbus.kernels import backends
+
+    monkeypatch.setattr(backends, "HEAD_MAJOR", None)
+    assert backends.head_major("cuda") and backends.head_major(torch.device("cuda", 1))
+    assert not backends.head_major("cpu")
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    caches = TorchPagedAttentionBackend("int8").allocate_cache(lay, 4, "cpu")
+    assert len(caches) == 2 and all(c.data.is_contiguous() for c in caches)
+    for forced in (False, True):
+        monkeypatch.setattr(backends, "HEAD_MAJOR", forced)
+        assert backends.head_major("cuda") is forced and backends.head_major("cpu") is forced
+    cache = TorchPagedAttentionBackend("int8").allocate_cache(lay, 4, "cpu")[0]
+    assert not cache.data.is_contiguous() and cache.data.stride(3) > cache.data.stride(2)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_cpu_backend_over_head_major_caches(fmt, monkeypatch):
     """Head-major caches (llmbus.kernels.backends.HEAD_MAJOR) on the CPU backend: the reference's results

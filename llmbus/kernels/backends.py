@@ -18,11 +18,19 @@ from llmbus.kernels.cpu import NativeDecodes
 from llmbus.kv.formats import KVFormat, parse_kv_format
 from llmbus.kv.layout import KVLayout
 
-# NOTE: LLMBUS_KV_HEAD_MAJOR=1 stores the engine's paged caches head-major (kv_cache.allocate_cache:
-# the same tensors and bytes, one head's rows of a block contiguous), for measuring decode on a GPU
-# (scripts/bench_gpu.py times the kernel over both). The CPU fast paths need token-major caches: on
-# CPU it falls back to the torch references (and, for decode, C attention over a dequantized copy).
-HEAD_MAJOR = os.environ.get("LLMBUS_KV_HEAD_MAJOR", "0") == "1"
+# NOTE: on CUDA the engine's paged caches are stored head-major (kv_cache.allocate_cache: the same
+# tensors and bytes, one head's rows of a block contiguous). On the H200 (2026-12-04, batch 256 x
+# 32,768, scripts/bench_gpu.py) decode read INT4R's 88% of peak bandwidth head-major against 51%
+# token-major, INT4's 48% against 43%, INT8's 88% against 82%, bf16's 93-94% either way: a program
+# reads one long run a block instead of 64-256-byte slices. LLMBUS_KV_HEAD_MAJOR=1 or 0 forces
+# either; the CPU fast paths need token-major caches (head-major there falls back to the torch
+# references and, for decode, C attention over a dequantized copy).
+HEAD_MAJOR = {"0": False, "1": True}.get(os.environ.get("LLMBUS_KV_HEAD_MAJOR", ""))
+
+
+def head_major(device) -> bool:
+    """Whether the engine stores its paged caches head-major on ``device`` (``HEAD_MAJOR``)."""
+    return torch.device(device).type == "cuda" if HEAD_MAJOR is None else HEAD_MAJOR
 
 
 class _PagedBackend:
@@ -34,7 +42,8 @@ class _PagedBackend:
     def allocate_cache(self, layout: KVLayout, num_blocks: int, device,
                        tail_rows: int = 0) -> list[kv_cache.PagedKVCache]:
         """One cache per layer; ``tail_rows``: exact tail rows, for formats that keep them."""
-        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device, tail_rows, head_major=HEAD_MAJOR)
+        return [kv_cache.allocate_cache(self.kv_format, layout, num_blocks, device, tail_rows,
+                                         head_major=head_major(device))
                 for _ in range(layout.num_layers)]
 
     @staticmethod
