@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmbus.kernels import reference as ref  # noqa: E402
-from llmbus.kernels import paged_decode  # noqa: E402
+from llmbus.kernels import backends, paged_decode  # noqa: E402
 from llmbus.kernels.kv_cache import allocate_cache  # noqa: E402
 from llmbus.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from llmbus.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
@@ -42,6 +42,9 @@ FORMATS = ("model", "int8", "int4", "int4r")
 # GPU fp32 division is not correctly rounded, so a tie may land one quantization step away
 WRITE_TOL = {"model": 0.0, "int8": 0.1, "int4": 0.6, "int4r": 0.6}
 HQ, HKV, D, BS = 32, 8, 128, 16
+# --compile-only: every launch runs once, untimed, so that several processes (one per format, in
+# parallel: scripts/gpu_check.sh) fill Triton's cache on disk before the one that times
+COMPILE_ONLY = False
 
 
 def peak_for(name: str) -> float | None:
@@ -129,16 +132,16 @@ def _measure(rows: list[dict], kernel: str, fmt: str, tol: float, fn) -> None:
         rows.append(dict(kernel=kernel, fmt=fmt, max_err=float("inf"), tol=tol, error=f"{type(exc).__name__}: {exc}"[:300]))
 
 
-def check_kernels(sweep: bool = True) -> list[dict]:
+def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> list[dict]:
     """Every kernel against its reference on this GPU: decode at its default launch, INT8's and
-    INT4R's per-warp loops at GQA groups of 1 and 8 too, and (``sweep``: the launches the sweep
+    INT4R's per-warp loops at GQA groups of 1, 2 and 8 too, and (``sweep``: the launches the sweep
     times) under every SWEEP launch, the shared loops, and long splits with the codes unbiased.
     Without ``sweep`` it compiles about half the variants (``make bench-gpu``'s time limit)."""
     gen = torch.Generator().manual_seed(0)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     lens = [1, 17, 300, 1029]
     rows = []
-    for fmt in FORMATS:
+    for fmt in formats:
         mine, theirs, tables, sl, slots, k, v = _filled(fmt, lay, lens, gen)
         ids, full = _blocks_of(tables, sl, BS)
         _measure(rows, "write_kv", fmt, WRITE_TOL[fmt], lambda: _write_err(k, v, mine, theirs, slots, ids, full))
@@ -159,8 +162,8 @@ def check_kernels(sweep: bool = True) -> list[dict]:
                         + (f" {launch['tile']}/{launch['num_warps']}" if "tile" in launch else ""))
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
-        if fmt in SHARED_SWEEP:  # the per-warp loops' query rows are the dots' columns: groups of 1 and 8
-            for g in (1, 8):
+        if fmt in SHARED_SWEEP:  # the per-warp loops' query rows are the dots' columns: groups of 1, 2 and 8
+            for g in (1, 2, 8):
                 qg = torch.randn(len(lens), HKV * g, D, device="cuda").bfloat16()
                 want_g = ref.paged_decode_attention_cache(qg, theirs, tables, sl, D**-0.5).float()
                 _measure(rows, f"paged_decode split-K group {g}", fmt, 4e-2, lambda qg=qg, want_g=want_g: (
@@ -188,7 +191,7 @@ def check_kernels(sweep: bool = True) -> list[dict]:
         want_x = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5, chunk=chunk).float()
         _measure(rows, "paged_prefill exact chunk", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, theirs, tables, sl, qsl, D**-0.5, chunk=chunk).float() - want_x).abs().max())
-    for fmt, sizes in BLOCK_SWEEP.items() if sweep else ():  # written by the kernel, decoded at the default launch
+    for fmt, sizes in [(f, n) for f, n in BLOCK_SWEEP.items() if f in formats] if sweep else ():  # written by the kernel, decoded at the default launch
         for bs in sizes:
             lay_b = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=bs, dtype="bfloat16")
             mine, theirs, tables, sl, slots, k, v = _filled(fmt, lay_b, lens, gen)
@@ -204,7 +207,7 @@ def check_kernels(sweep: bool = True) -> list[dict]:
     # split's length; flat softmax (zero queries: every token weighs alike) and random queries, the
     # exact conversion beside them
     n = 32768 + 5
-    for fmt in ("int8", "int4r", "int4"):
+    for fmt in [f for f in ("int8", "int4r", "int4") if f in formats]:
         _, long_cache, tables, sl, _, _, _ = _filled(fmt, lay, [n], gen)
         for qname, q in (("flat", torch.zeros(1, HQ, D, device="cuda").bfloat16()),
                          ("random", torch.randn(1, HQ, D, device="cuda").bfloat16())):
@@ -242,7 +245,10 @@ def _write_err(k, v, mine, theirs, slots, ids, full) -> torch.Tensor:
     return (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
 
 
-def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool = False):
+def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool | None = None):
+    """A cache of random codes, stored as the engine stores it on CUDA (``backends.head_major``)
+    unless ``head_major`` says."""
+    head_major = backends.head_major("cuda") if head_major is None else head_major
     cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda", head_major=head_major)
     for t, _ in cache.parts():  # random bytes: bandwidth does not depend on the values
         # NOTE: filled through its storage, which a head-major cache's permuted view cannot be viewed as bytes of
@@ -266,8 +272,13 @@ def _time_decode(cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]
     """Median kernel time in ms (inf if the launch fails: reported, not raised) and the splits it ran with."""
     from triton.testing import do_bench
 
+    def once(fn, **_):
+        fn()
+        torch.cuda.synchronize()
+        return 1.0
+
     try:
-        return _do_time(do_bench, cache, perm, b, c, launch)
+        return _do_time(once if COMPILE_ONLY else do_bench, cache, perm, b, c, launch)
     except Exception as exc:  # noqa: BLE001
         print(f"  ERROR {cache.fmt.name} {launch}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         return float("inf"), 0
@@ -283,13 +294,14 @@ def _do_time(do_bench, cache, perm, b: int, c: int, launch: dict) -> tuple[float
     return do_bench(fn, warmup=10, rep=40, return_mode="median"), splits
 
 
-def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tuple[list[dict], dict]:
+def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192,
+                 formats: tuple[str, ...] = FORMATS) -> tuple[list[dict], dict]:
     """Every SWEEP launch of every format at one shape: rows, and the best launch per format."""
     gen = torch.Generator().manual_seed(2)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     nblocks = batch * context // BS + 1
     rows, best = [], {}
-    for fmt, launches in SWEEP.items():
+    for fmt, launches in ((f, ls) for f, ls in SWEEP.items() if f in formats):
         cache = _random_cache(fmt, lay, nblocks)
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         # NOTE: the default launch once more with the plain-Triton code conversions (unless
@@ -327,14 +339,17 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192) -> tu
                 best[fmt] = ({k: v for k, v in launch.items() if k != "num_splits"}, gbps)
         del cache
         torch.cuda.empty_cache()
-        # NOTE: the default launch once more over a head-major cache (one head's rows of a block
-        # contiguous, kv_cache.allocate_cache): does a program's run of bytes (64 B a token for
-        # INT4, 128 B for INT8, 256 B for bf16 when token-major) cost bandwidth? Not a launch
-        # option, so never the best launch.
-        cache = _random_cache(fmt, lay, nblocks, head_major=True)
+        # NOTE: the default launch once more over the other storage than the engine's
+        # (backends.head_major; head-major: one head's rows of a block contiguous,
+        # kv_cache.allocate_cache): does a program's run of bytes (64 B a token for INT4, 128 B for
+        # INT8, 256 B for bf16 when token-major) cost bandwidth? Not a launch option, so never the
+        # best launch.
+        other = not backends.head_major("cuda")
+        cache = _random_cache(fmt, lay, nblocks, head_major=other)
         launch = dict(zip(("tile", "num_warps", "num_stages", "max_registers"), launches[0]))
         extra = dict(heads_first=order, asm=default_asm)
-        _time_default(rows, cache, perm, batch, context, launch, peak, "head-major cache", **extra, head_major=True)
+        _time_default(rows, cache, perm, batch, context, launch, peak, f"{'head' if other else 'token'}-major cache",
+                      **extra, head_major=other)
         del cache
         torch.cuda.empty_cache()
         for bs in BLOCK_SWEEP.get(fmt, ()):  # the default launch over blocks of another size
@@ -361,11 +376,21 @@ def _time_default(rows: list[dict], cache, perm, batch: int, context: int, launc
           f"{ms:8.3f} ms {gbps:6.0f} GB/s", flush=True)
 
 
-def bench_decode(batches, contexts, peak: float | None, launches: dict | None = None) -> list[dict]:
+def every_best(fmt: str) -> list[dict]:
+    """Every launch ``sweep_launch`` may choose as ``fmt``'s best: what --compile-only compiles the
+    table's shapes under."""
+    order, plain = paged_decode.HEADS_FIRST, paged_decode.WARP_TILES
+    return [dict(tile=t, num_warps=w, num_stages=st, max_registers=r, heads_first=order, warp_tiles=wt)
+            for launches, wt in ((SWEEP[fmt], plain), (SHARED_SWEEP.get(fmt, ()), not plain))
+            for t, w, st, r in launches]
+
+
+def bench_decode(batches, contexts, peak: float | None, launches: dict | None = None,
+                 formats: tuple[str, ...] = FORMATS) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
     rows = []
-    for fmt in FORMATS:
+    for fmt in formats:
         per_token = read_bytes_per_token(fmt, lay)
         launch = (launches or {}).get(fmt, {})
         max_tokens = max(b * c for b in batches for c in contexts)
@@ -374,10 +399,13 @@ def bench_decode(batches, contexts, peak: float | None, launches: dict | None = 
         perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
         for b in batches:
             for c in contexts:
+                if COMPILE_ONLY and launches:  # the table's launch is not known yet: each it may be
+                    for each in every_best(fmt):
+                        _time_decode(cache, perm, b, c, each)
                 ms, splits = _time_decode(cache, perm, b, c, launch)
                 gbps = b * c * per_token / (ms * 1e-3) / 1e9
                 row = dict(fmt=fmt, batch=b, context=c, ms=ms, gbps=gbps, pct_peak=(100 * gbps / peak) if peak else None,
-                           launch=launch or "default", splits=splits)
+                           launch=launch or "default", splits=splits, head_major=backends.head_major("cuda"))
                 rows.append(row)
                 print(f"  {fmt:<6} batch={b:<4} ctx={c:<6} splits={splits:<2} {ms:8.3f} ms {gbps:8.0f} GB/s", flush=True)
         del cache
@@ -413,7 +441,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep quantized launches first; the table uses the best")
     ap.add_argument("--sweep-at", action="append", metavar="BATCH,CONTEXT", type=_shape,
                     help="sweep at this shape (repeatable; --sweep alone: 64,8192); the table uses the first's best")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma-separated KV formats to check and time (default {','.join(FORMATS)})")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="run every launch once, untimed: fills Triton's cache for a timed run (in parallel, one format each)")
     args = ap.parse_args(argv)
+    formats = tuple(f for f in args.formats.split(",") if f)
+    if unknown := [f for f in formats if f not in FORMATS]:
+        ap.error(f"unknown KV format(s) {unknown}; choose from {', '.join(FORMATS)}")
+    global COMPILE_ONLY
+    COMPILE_ONLY = args.compile_only
     if not torch.cuda.is_available():
         print("bench_gpu: error: needs a CUDA device", file=sys.stderr)
         return 2
@@ -431,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         part.write_text(json.dumps(result, indent=1))
         os.replace(part, args.out)
 
-    result["checks"] = checks = check_kernels(sweep=bool(args.sweep or args.sweep_at))
+    result["checks"] = checks = check_kernels(sweep=bool(args.sweep or args.sweep_at), formats=formats)
     save()
     print(f"checks took {time.time() - t0:.1f} s", flush=True)
     batches = [1, 16, 256] if args.quick else [1, 8, 32, 64, 128, 256]
@@ -439,13 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     best = None
     shapes = (args.sweep_at or [(64, 8192)]) if args.sweep or args.sweep_at else []
     for i, (b, c) in enumerate(shapes):
-        rows_at, best_at = sweep_launch(peak, b, c)
+        rows_at, best_at = sweep_launch(peak, b, c, formats)
         result["sweep"] += rows_at
         best = result["best_launch"] = best if i else best_at
         save()
     if best:
         print(f"best launches: {best}")
-    result["decode"] = rows = bench_decode(batches, contexts, peak, best)
+    result["decode"] = rows = bench_decode(batches, contexts, peak, best, formats)
     save()
     print(markdown(rows, peak))
     print(f"total {time.time() - t0:.1f} s; wrote {args.out}")

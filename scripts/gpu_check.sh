@@ -8,17 +8,20 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-# PARTS picks the checks, run in this order of importance: the kernel table (every kernel against
+# PARTS picks the checks, run in this order of importance: warm-up (the kernel table's launches
+# compiled once, untimed, by one process per KV format in parallel: Triton compiles a kernel on one
+# core, and the table compiles ~100 variants, which alone took most of a part's limit before), the
+# kernel table (every kernel against
 # its reference, then decode bandwidth: issue 4's goal), the static cost of the decode loops as this
 # machine's Triton compiles them (scripts/kernel_cost.py, beside the measured bandwidth), the kernel
 # tests, the engine's decode throughput, the graph tests. Their own timeouts add up to more than one device call, so all of
 # them share DEADLINE seconds (default 540, inside a 600-second call): each gets what is left, and
 # one that would start with less than its minimum left (30 s; the engine 90 s: it first generates
 # the model) is skipped. $OUT/timing.txt says what each took and how it ended (124: timed out).
-PARTS="${PARTS:-kernels cost tests engine graphs}"
+PARTS="${PARTS:-warm kernels cost tests engine graphs}"
 DEADLINE="${DEADLINE:-540}"
 # each part's own limit (seconds) and the kernel table's options
-KERNELS_S="${KERNELS_S:-240}" TESTS_S="${TESTS_S:-200}" ENGINE_S="${ENGINE_S:-240}" GRAPHS_S="${GRAPHS_S:-150}"
+WARM_S="${WARM_S:-200}" KERNELS_S="${KERNELS_S:-240}" TESTS_S="${TESTS_S:-200}" ENGINE_S="${ENGINE_S:-240}" GRAPHS_S="${GRAPHS_S:-150}"
 KERNEL_ARGS="${KERNEL_ARGS:---quick --sweep --sweep-at 64,8192 --sweep-at 256,32768}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$SECONDS
@@ -33,6 +36,17 @@ budget() {
 took() { echo "$1: $((SECONDS - $2))s (limit $3s, exit $4)" >> "$OUT/timing.txt"; }
 : > "$OUT/timing.txt"
 if [ "${TRAINED_EVAL:-0}" != 1 ]; then
+    if part warm && part kernels && lim=$(budget "$WARM_S" warm); then
+        s=$SECONDS
+        for fmt in ${WARM_FORMATS:-model int8 int4 int4r}; do
+            # shellcheck disable=SC2086
+            timeout "$lim" python3 scripts/bench_gpu.py $KERNEL_ARGS --compile-only --formats "$fmt" \
+                --out "$OUT/warm-$fmt.json" > "$OUT/warm-$fmt.log" 2>&1 &
+        done
+        wait
+        grep -h -E "^FAIL|ERROR|Error" "$OUT"/warm-*.log | head -20
+        took warm $s "$lim" "$(cat "$OUT"/warm-*.log | grep -c -E "^FAIL|ERROR") failures"
+    fi
     if part kernels && lim=$(budget "$KERNELS_S" kernels); then
         s=$SECONDS
         # shellcheck disable=SC2086
@@ -50,14 +64,18 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
     fi
     if part tests && lim=$(budget "$TESTS_S" tests); then
         s=$SECONDS
-        timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf tests/test_kernels_decode.py \
+        # in parallel where pytest-xdist is installed (the H200's image has it): compiling dominates
+        # and verbose (-q would cancel -v), so a run cut by its limit still names each test's outcome
+        jobs=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TESTS_JOBS:-8} -v" || echo -q)
+        # shellcheck disable=SC2086
+        timeout "$lim" python3 -m pytest -p no:cacheprovider -rf $jobs tests/test_kernels_decode.py \
             tests/test_kernels_prefill.py tests/test_kernels_write_kv.py tests/test_kernels_backends.py tests/test_kernels_fused.py \
             > "$OUT/kernel-tests.log" 2>&1
         rc=$?
-        grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/kernel-tests.log" | tail -40 | tee "$OUT/kernel-tests.txt"
+        grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) |passed|failed" "$OUT/kernel-tests.log" | tail -40 | tee "$OUT/kernel-tests.txt"
         took tests $s "$lim" $rc
         # failures: the same tests with the plain-Triton conversions, to tell the inline PTX apart
-        failed=$(grep -E "^FAILED " "$OUT/kernel-tests.log" | awk '{print $2}' | head -40)
+        failed=$(grep -E "^FAILED |\] FAILED " "$OUT/kernel-tests.log" | grep -oE "tests/[^ ]+" | sort -u | head -40)
         if [ -n "$failed" ] && lim=$(budget 90 tests-no-asm); then
             s=$SECONDS
             LLMBUS_TRITON_ASM=0 timeout "$lim" python3 -m pytest -q -p no:cacheprovider -rf $failed 2>&1 | tail -20 \
