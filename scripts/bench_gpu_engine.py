@@ -19,7 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len: int, device: str,
-            graphs: bool) -> dict:
+            graphs: bool, repeats: int = 3) -> dict:
+    """Decode tokens/s of ``batch`` greedy requests, ``repeats`` times over (the median reported: one
+    run of 64 steps is ~0.1 s, which one hiccup moves by tens of percent); each run's prefill is
+    not timed."""
     import torch
 
     from llmbus.engine.llm import LLM
@@ -35,35 +38,40 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
     llm.generate(prompts[: min(batch, 4)], warm)
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     engine = llm.engine
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", p, params)
-    # prefill first (not timed), then time pure decode steps
-    tokens: dict[str, list[int]] = {f"b{i}": [] for i in range(batch)}
-
-    def step() -> int:
-        outs = engine.step()
-        for o in outs:
-            tokens[o.request_id].extend(o.new_token_ids)
-        return sum(len(o.new_token_ids) for o in outs)
-
-    while any(len(s.output_token_ids) == 0 for s in engine._seqs.values()):
-        step()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    steps = 0
-    decoded = 0
-    while engine.has_unfinished():
-        decoded += step()
-        steps += 1
-    sync()
-    dt = time.perf_counter() - t0
+    runs, first = [], None
+    for rep in range(repeats):
+        tokens: dict[str, list[int]] = {f"r{rep}b{i}": [] for i in range(batch)}
+
+        def step() -> int:
+            outs = engine.step()
+            for o in outs:
+                tokens[o.request_id].extend(o.new_token_ids)
+            return sum(len(o.new_token_ids) for o in outs)
+
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{rep}b{i}", p, params)
+        # prefill first (not timed), then time pure decode steps
+        while any(len(s.output_token_ids) == 0 for s in engine._seqs.values()):
+            step()
+        sync()
+        t0 = time.perf_counter()
+        steps = decoded = 0
+        while engine.has_unfinished():
+            decoded += step()
+            steps += 1
+        sync()
+        runs.append((time.perf_counter() - t0, decoded, steps))
+        first = first or [tokens[f"r{rep}b{i}"] for i in range(batch)]
+    dt, decoded, steps = sorted(runs, key=lambda r: r[1] / r[0])[len(runs) // 2]  # the median run
     # NOTE: a recording that failed leaves the engine on the dynamic path (logged): say so per row
     recorded = engine.runner.graphs is not None and bool(engine.runner.graphs._graphs)
     return {"kv_format": kv_format, "batch": batch, "graphs": graphs, "recorded": recorded,
             "prompt_len": prompt_len, "decode_tokens": decoded,
             "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1),
-            "tokens": [tokens[f"b{i}"] for i in range(batch)]}
+            "tok_per_s_runs": [round(n / t, 1) for t, n, _ in runs],
+            "spread": (max(n / t for t, n, _ in runs) / min(n / t for t, n, _ in runs)) if runs else None,
+            "tokens": first}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -84,6 +92,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (the median reported)")
     ap.add_argument("--graphs", default="both", choices=("off", "on", "both"),
                     help="decode steps eagerly, replayed as CUDA graphs, or each in turn")
     args = ap.parse_args()
@@ -102,7 +111,7 @@ def main() -> int:
         for b in (int(x) for x in args.batches.split(",")):
             for graphs in modes:
                 try:
-                    r = measure(model_dir, fmt, b, args.prompt_len, args.out_len, args.device, graphs)
+                    r = measure(model_dir, fmt, b, args.prompt_len, args.out_len, args.device, graphs, args.repeats)
                 except Exception as exc:  # report and go on: one failure must not hide the rest
                     r = {"kv_format": fmt, "batch": b, "graphs": graphs, "error": f"{type(exc).__name__}: {exc}"}
                 eager = next((x for x in rows if x["kv_format"] == fmt and x["batch"] == b and not x["graphs"]
@@ -113,16 +122,18 @@ def main() -> int:
                 print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
                 save(args.out, name, rows)  # NOTE: after every row, so a timeout keeps what was measured
     print(f"\n{name} — large demo model, bf16 weights, prompt {args.prompt_len}, "
-          f"{args.out_len} decode steps\n")
-    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step | tokens as eager |\n|---|---:|---|---:|---:|---|")
+          f"{args.out_len} decode steps, median of {args.repeats} runs\n")
+    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step | max/min of the runs | tokens as eager |\n"
+          "|---|---:|---|---:|---:|---:|---|")
     for r in rows:
         mode = "off" if not r["graphs"] else "on" if r.get("recorded", True) else "on, NOT recorded"
         if "error" in r:
-            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | | |")
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | | | |")
         else:
             same = r.get("vs_eager")
             same = f"{same['identical']:.0%} (prefix {same['mean_common_prefix']:.1f})" if same else ""
-            print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} | {same} |")
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} "
+                  f"| {r['spread']:.2f} | {same} |")
     return 0
 
 

@@ -185,6 +185,9 @@ def test_the_gpu_benchmark_compares_replayed_tokens_with_eager_ones(model_dir):
     eager = bench.measure(str(model_dir), "int8", 2, 8, 4, "cpu", False)
     replayed = bench.measure(str(model_dir), "int8", 2, 8, 4, "cpu", True)
     assert [len(t) for t in eager["tokens"]] == [4, 4]
+    # each row is timed three times over, the same requests anew (a run is ~0.1 s on a GPU); the
+    # median run is reported, each run's rate beside it
+    assert len(eager["tok_per_s_runs"]) == 3 and eager["spread"] >= 1.0 and eager["decode_tokens"] == 2 * 3
     assert bench.agreement(replayed["tokens"], eager["tokens"])["identical"] == 1.0
     # the option is ignored on CPU: the benchmark says no step was replayed, not that graphs ran
     assert replayed["graphs"] and not replayed["recorded"] and not eager["recorded"]
