@@ -74,7 +74,10 @@ SWEEP = {
     # (decode_tiles.int4_blocks_warp_loop). Bounds under Triton 3.6 (kernel_cost.py): 102% (default:
     # 64-token tiles, 2 warps, uncapped: 252 registers, 8 warps an SM), 86% (64, 4), 98% (64, 2, cap
     # 192), 101% (128, 4); its lane loop's rows (below) 76%, measured 29% (2026-11-30)
-    "int4": [(64, 2, 3, 0), (64, 4, 3, 0), (64, 2, 3, 192), (128, 4, 3, 0)],
+    # Measured 2026-12-04 (token-major, 256 x 32,768): 2,086 GB/s at the default, 1,448 at (64, 4),
+    # 1,743 capped at 192, 1,589 at (128, 4). At 8 warps an SM the default hides memory latency
+    # with few warps: 4 stages (three tiles of codes in flight, 24 KB a program) may pay.
+    "int4": [(64, 2, 3, 0), (64, 2, 4, 0), (64, 4, 3, 0), (64, 2, 3, 192), (128, 4, 3, 0)],
     "model": [(64, 4, 3, 0)],
 }
 

@@ -51,8 +51,9 @@ SHARED_LAUNCH = {"int8": (128, 4, 3, 128), "int4r": (128, 4, 3, 128), "int4": (6
 # launch that would take more gets fewer stages (``pipeline_stages``).
 STAGE_BUDGET = 160 * 1024
 # NOTE: the grid's first dimension varies fastest, so programs launched together (and running together)
-# are its neighbours there. With the KV heads first, those read the same blocks' rows: the cache
-# interleaves heads within a token's row (``[.., BS, H, D]``), so one head's slice is a short run
+# are its neighbours there. With the KV heads first, those read the same blocks' rows: a token-major
+# cache interleaves heads within a token's row (``[.., BS, H, D]``; on CUDA caches are head-major
+# since 2026-12-04, backends.head_major, which leaves a block's heads apart), so one head's slice is a short run
 # (64 bytes for INT4 at head_dim 128) and its neighbours' slices fill the rest of the same DRAM
 # page and L2 lines at about the same time, where sequences first spread the reads of one moment
 # over B blocks' pages. On the H200 (2026-12-04) heads first was 1-5% faster; bench_gpu's sweep
