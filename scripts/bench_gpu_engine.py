@@ -21,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len: int, device: str,
             graphs: bool, repeats: int = 3) -> dict:
     """Decode tokens/s of ``batch`` greedy requests, ``repeats`` times over (the median reported: one
-    run of 64 steps is ~0.1 s, which one hiccup moves by tens of percent); each run's prefill is
-    not timed."""
+    run of 64 steps is ~0.1 s, which one hiccup moves by tens of percent), and the time of each
+    run's prefill apart (``prefill_ms``, median: the batch's prompts to their first tokens, each run
+    on prompts of its own, so no prefix is cached)."""
     import torch
 
     from llmbus.engine.llm import LLM
@@ -33,14 +34,16 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
               cuda_graphs=graphs)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.vocab_size
-    prompts = [torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    prompts_of = [[torch.randint(10, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+                  for _ in range(repeats + 1)]  # the last for the warm-up
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate(prompts[: min(batch, 4)], warm)
+    llm.generate(prompts_of[-1][: min(batch, 4)], warm)
     params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
     engine = llm.engine
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    runs, first = [], None
+    runs, prefills, first = [], [], None
     for rep in range(repeats):
+        prompts = prompts_of[rep]
         tokens: dict[str, list[int]] = {f"r{rep}b{i}": [] for i in range(batch)}
 
         def step() -> int:
@@ -51,10 +54,13 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
 
         for i, p in enumerate(prompts):
             engine.add_request(f"r{rep}b{i}", p, params)
-        # prefill first (not timed), then time pure decode steps
+        # prefill first (timed apart), then time pure decode steps
+        sync()
+        t0 = time.perf_counter()
         while any(len(s.output_token_ids) == 0 for s in engine._seqs.values()):
             step()
         sync()
+        prefills.append(1000 * (time.perf_counter() - t0))
         t0 = time.perf_counter()
         steps = decoded = 0
         while engine.has_unfinished():
@@ -70,6 +76,7 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
             "prompt_len": prompt_len, "decode_tokens": decoded,
             "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1),
             "tok_per_s_runs": [round(n / t, 1) for t, n, _ in runs],
+            "prefill_ms": sorted(prefills)[len(prefills) // 2], "prefill_ms_runs": [round(t, 2) for t in prefills],
             "spread": (max(n / t for t, n, _ in runs) / min(n / t for t, n, _ in runs)) if runs else None,
             "tokens": first}
 
@@ -123,17 +130,17 @@ def main() -> int:
                 save(args.out, name, rows)  # NOTE: after every row, so a timeout keeps what was measured
     print(f"\n{name} — large demo model, bf16 weights, prompt {args.prompt_len}, "
           f"{args.out_len} decode steps, median of {args.repeats} runs\n")
-    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step | max/min of the runs | tokens as eager |\n"
-          "|---|---:|---|---:|---:|---:|---|")
+    print("| KV format | batch | CUDA graphs | decode tok/s | ms/step | max/min of the runs | prefill ms | tokens as eager |\n"
+          "|---|---:|---|---:|---:|---:|---:|---|")
     for r in rows:
         mode = "off" if not r["graphs"] else "on" if r.get("recorded", True) else "on, NOT recorded"
         if "error" in r:
-            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | | | |")
+            print(f"| {r['kv_format']} | {r['batch']} | {mode} | error: {r['error'][:60]} | | | | |")
         else:
             same = r.get("vs_eager")
             same = f"{same['identical']:.0%} (prefix {same['mean_common_prefix']:.1f})" if same else ""
             print(f"| {r['kv_format']} | {r['batch']} | {mode} | {r['tok_per_s']:.0f} | {r['ms_per_step']:.2f} "
-                  f"| {r['spread']:.2f} | {same} |")
+                  f"| {r['spread']:.2f} | {r['prefill_ms']:.1f} | {same} |")
     return 0
 
 

@@ -185,9 +185,11 @@ def test_the_gpu_benchmark_compares_replayed_tokens_with_eager_ones(model_dir):
     eager = bench.measure(str(model_dir), "int8", 2, 8, 4, "cpu", False)
     replayed = bench.measure(str(model_dir), "int8", 2, 8, 4, "cpu", True)
     assert [len(t) for t in eager["tokens"]] == [4, 4]
-    # each row is timed three times over, the same requests anew (a run is ~0.1 s on a GPU); the
-    # median run is reported, each run's rate beside it
+    # each row is timed three times over, on prompts of its own each time (a run is ~0.1 s on a
+    # GPU): the median run is reported, each run's rate beside it, and each run's prefill apart
     assert len(eager["tok_per_s_runs"]) == 3 and eager["spread"] >= 1.0 and eager["decode_tokens"] == 2 * 3
+    assert len(eager["prefill_ms_runs"]) == 3 and round(eager["prefill_ms"], 2) in eager["prefill_ms_runs"]
+    assert min(eager["prefill_ms_runs"]) > 0
     assert bench.agreement(replayed["tokens"], eager["tokens"])["identical"] == 1.0
     # the option is ignored on CPU: the benchmark says no step was replayed, not that graphs ran
     assert replayed["graphs"] and not replayed["recorded"] and not eager["recorded"]
