@@ -42,6 +42,10 @@ FORMATS = ("model", "int8", "int4", "int4r")
 # GPU fp32 division is not correctly rounded, so a tie may land one quantization step away
 WRITE_TOL = {"model": 0.0, "int8": 0.1, "int4": 0.6, "int4r": 0.6}
 HQ, HKV, D, BS = 32, 8, 128, 16
+# where it runs, and the checks' sequence and chunk lengths and long split: a test runs the script's
+# checks on CPU under the Triton interpreter at small sizes (tests/test_bench_gpu_sweep.py)
+DEVICE = "cuda"
+LENS, QLENS, LONG = [1, 17, 300, 1029], [1, 17, 100, 333], 32768 + 5
 # --compile-only: every launch runs once, untimed, so that several processes (one per format, in
 # parallel: scripts/gpu_check.sh) fill Triton's cache on disk before the one that times
 COMPILE_ONLY = False
@@ -109,7 +113,7 @@ def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
     (``mine``), the same cache written by the reference (``theirs``), the block tables, the lengths,
     the slots, and the keys and values written."""
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 1
-    cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
+    cache = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE)
     perm = torch.randperm(nblocks, generator=gen).tolist()
     width = max(lay.num_blocks_for(n) for n in lens)
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
@@ -119,12 +123,12 @@ def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
         tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         slots += lay.slot_mapping(blocks, 0, n)
     t = len(slots)
-    k = (torch.randn(t, HKV, D, device="cuda") + 0.5).bfloat16()
-    v = torch.randn(t, HKV, D, device="cuda").bfloat16()
-    slots = torch.tensor(slots, device="cuda")
-    theirs = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda")
+    k = (torch.randn(t, HKV, D, device=DEVICE) + 0.5).bfloat16()
+    v = torch.randn(t, HKV, D, device=DEVICE).bfloat16()
+    slots = torch.tensor(slots, device=DEVICE)
+    theirs = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE)
     ref.write_kv_cache(k, v, theirs, slots)
-    return cache, theirs, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"), slots, k, v
+    return cache, theirs, tables.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), slots, k, v
 
 
 def _measure(rows: list[dict], kernel: str, fmt: str, tol: float, fn) -> None:
@@ -142,13 +146,13 @@ def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> lis
     Without ``sweep`` it compiles about half the variants (``make bench-gpu``'s time limit)."""
     gen = torch.Generator().manual_seed(0)
     lay = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16")
-    lens = [1, 17, 300, 1029]
+    lens = LENS
     rows = []
     for fmt in formats:
         mine, theirs, tables, sl, slots, k, v = _filled(fmt, lay, lens, gen)
         ids, full = _blocks_of(tables, sl, BS)
         _measure(rows, "write_kv", fmt, WRITE_TOL[fmt], lambda: _write_err(k, v, mine, theirs, slots, ids, full))
-        q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
+        q = torch.randn(len(lens), HQ, D, device=DEVICE).bfloat16()
         want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
         launches = [(None, {})] + [(1, dict(tile=t, num_warps=w, num_stages=st, max_registers=r))
                                    for t, w, st, r in (SWEEP[fmt][1:] if sweep else ())]
@@ -165,29 +169,35 @@ def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> lis
                         + (f" {launch['tile']}/{launch['num_warps']}" if "tile" in launch else ""))
             _measure(rows, name, fmt, 4e-2, lambda: (paged_decode_attention(
                 q, theirs, tables, sl, D**-0.5, num_splits=splits, **launch).float() - want).abs().max())
-        if fmt in SHARED_SWEEP:  # the per-warp loops' query rows are the dots' columns: groups of 1, 2 and 8
+        # the per-warp loops' query rows are the dots' columns: groups of 1, 2 and 8 (bf16 too)
+        if fmt in SHARED_SWEEP or fmt == "model":
             for g in (1, 2, 8):
-                qg = torch.randn(len(lens), HKV * g, D, device="cuda").bfloat16()
+                qg = torch.randn(len(lens), HKV * g, D, device=DEVICE).bfloat16()
                 want_g = ref.paged_decode_attention_cache(qg, theirs, tables, sl, D**-0.5).float()
                 _measure(rows, f"paged_decode split-K group {g}", fmt, 4e-2, lambda qg=qg, want_g=want_g: (
                     paged_decode_attention(qg, theirs, tables, sl, D**-0.5).float() - want_g).abs().max())
         # the same blocks stored head-major (kv_cache.allocate_cache): written by the kernel (as
         # the token-major cache, mine, was), and decoded
-        head_major, hm_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, "cuda", head_major=True)
+        head_major, hm_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, DEVICE, head_major=True)
                                  for _ in range(2))
         ref.write_kv_cache(k, v, hm_theirs, slots)
         _measure(rows, "write_kv head-major", fmt, WRITE_TOL[fmt],
                  lambda: _write_err(k, v, head_major, theirs, slots, ids, full))
         _measure(rows, "paged_decode head-major", fmt, 4e-2, lambda: (paged_decode_attention(
             q, hm_theirs, tables, sl, D**-0.5).float() - want).abs().max())
-        qlens = [1, 17, 100, 333]
-        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-        qp = torch.randn(int(qsl[-1]), HQ, D, device="cuda").bfloat16()
+        qlens = QLENS
+        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        qp = torch.randn(int(qsl[-1]), HQ, D, device=DEVICE).bfloat16()
         want_p = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5).float()
         _measure(rows, "paged_prefill", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
         _measure(rows, "paged_prefill head-major", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, hm_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
+        # one query head a KV head (no GQA): INT4's decode went wrong natively there (2026-12-04)
+        qp1 = torch.randn(int(qsl[-1]), HKV, D, device=DEVICE).bfloat16()
+        want_p1 = ref.paged_prefill_attention_cache(qp1, theirs, tables, sl, qsl, D**-0.5).float()
+        _measure(rows, "paged_prefill group 1", fmt, 4e-2, lambda: (paged_prefill_attention(
+            qp1, theirs, tables, sl, qsl, D**-0.5).float() - want_p1).abs().max())
         # the chunks' own keys and values as computed (the engine's call): each sequence's last rows
         ends = torch.tensor(lens).cumsum(0).tolist()
         chunk = tuple(torch.cat([x[e - ql : e] for e, ql in zip(ends, qlens)]) for x in (k, v))
@@ -201,7 +211,7 @@ def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> lis
             ids, full = _blocks_of(tables, sl, bs)
             _measure(rows, f"write_kv {bs}-token blocks", fmt, WRITE_TOL[fmt],
                      lambda: _write_err(k, v, mine, theirs, slots, ids, full))
-            q = torch.randn(len(lens), HQ, D, device="cuda").bfloat16()
+            q = torch.randn(len(lens), HQ, D, device=DEVICE).bfloat16()
             want = ref.paged_decode_attention_cache(q, theirs, tables, sl, D**-0.5).float()
             _measure(rows, f"paged_decode split-K {bs}-token blocks", fmt, 4e-2, lambda: (paged_decode_attention(
                 q, mine, tables, sl, D**-0.5).float() - want).abs().max())
@@ -209,11 +219,11 @@ def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> lis
     # cores truncate what they add, so a bias carried over many tiles would grow the error with the
     # split's length; flat softmax (zero queries: every token weighs alike) and random queries, the
     # exact conversion beside them
-    n = 32768 + 5
+    n = LONG
     for fmt in [f for f in ("int8", "int4r", "int4") if f in formats]:
         _, long_cache, tables, sl, _, _, _ = _filled(fmt, lay, [n], gen)
-        for qname, q in (("flat", torch.zeros(1, HQ, D, device="cuda").bfloat16()),
-                         ("random", torch.randn(1, HQ, D, device="cuda").bfloat16())):
+        for qname, q in (("flat", torch.zeros(1, HQ, D, device=DEVICE).bfloat16()),
+                         ("random", torch.randn(1, HQ, D, device=DEVICE).bfloat16())):
             want = ref.paged_decode_attention_cache(q, long_cache, tables, sl, D**-0.5).float()
             for bias in (paged_decode.BIASED_VALUES, False) if sweep else (paged_decode.BIASED_VALUES,):
                 def long_err(q=q, want=want, bias=bias):
@@ -236,8 +246,8 @@ def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> lis
 def _blocks_of(tables: torch.Tensor, sl: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ids of the blocks that sequences of ``sl`` tokens use in ``tables``, and which are full."""
     nb = tables.shape[1]
-    used = (torch.arange(nb, device="cuda") * bs < sl[:, None]).reshape(-1)
-    full = ((torch.arange(nb, device="cuda") + 1) * bs <= sl[:, None]).reshape(-1)[used]
+    used = (torch.arange(nb, device=DEVICE) * bs < sl[:, None]).reshape(-1)
+    full = ((torch.arange(nb, device=DEVICE) + 1) * bs <= sl[:, None]).reshape(-1)[used]
     return tables.reshape(-1)[used], full
 
 
@@ -251,8 +261,8 @@ def _write_err(k, v, mine, theirs, slots, ids, full) -> torch.Tensor:
 def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool | None = None):
     """A cache of random codes, stored as the engine stores it on CUDA (``backends.head_major``)
     unless ``head_major`` says."""
-    head_major = backends.head_major("cuda") if head_major is None else head_major
-    cache = allocate_cache(KVFormat(fmt), lay, nblocks, "cuda", head_major=head_major)
+    head_major = backends.head_major(DEVICE) if head_major is None else head_major
+    cache = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE, head_major=head_major)
     for t, _ in cache.parts():  # random bytes: bandwidth does not depend on the values
         # NOTE: filled through its storage, which a head-major cache's permuted view cannot be viewed as bytes of
         flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
@@ -264,7 +274,7 @@ def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool | None
         cache.k_meta.view(torch.float16).fill_(0.01)
         cache.v_meta.fill_(0.01)
     elif cache.k_meta is not None:
-        cache.k_meta[..., -2:] = torch.tensor([-1.0, 1.0], dtype=torch.float16, device="cuda").view(torch.int16)
+        cache.k_meta[..., -2:] = torch.tensor([-1.0, 1.0], dtype=torch.float16, device=DEVICE).view(torch.int16)
         cache.v_meta.fill_(0.01)
     if cache.scale is not None:
         cache.scale.fill_(0.01)
@@ -277,7 +287,8 @@ def _time_decode(cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]
 
     def once(fn, **_):
         fn()
-        torch.cuda.synchronize()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         return 1.0
 
     try:
@@ -290,8 +301,8 @@ def _time_decode(cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]
 def _do_time(do_bench, cache, perm, b: int, c: int, launch: dict) -> tuple[float, int]:
     bs = cache.layout.block_size
     tables = perm[: b * (c // bs)].view(b, c // bs)
-    sl = torch.full((b,), c, dtype=torch.int32, device="cuda")
-    q = torch.randn(b, HQ, D, device="cuda").bfloat16()
+    sl = torch.full((b,), c, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(b, HQ, D, device=DEVICE).bfloat16()
     fn = lambda: paged_decode_attention(q, cache, tables, sl, D**-0.5, max_seq_len=c, **launch)  # noqa: E731
     splits = paged_decode.decode_launch(q, cache, tables, sl, max_seq_len=c, **launch).splits
     return do_bench(fn, warmup=10, rep=40, return_mode="median"), splits
@@ -306,7 +317,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192,
     rows, best = [], {}
     for fmt, launches in ((f, ls) for f, ls in SWEEP.items() if f in formats):
         cache = _random_cache(fmt, lay, nblocks)
-        perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
+        perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).to(DEVICE)
         # NOTE: the default launch once more with the plain-Triton code conversions (unless
         # LLMBUS_TRITON_ASM=0 asked for them throughout), once with the grid sequence-first, and
         # once in one split (at the sweep's shapes, what choose_splits picked before it counted
@@ -347,7 +358,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192,
         # kv_cache.allocate_cache): does a program's run of bytes (64 B a token for INT4, 128 B for
         # INT8, 256 B for bf16 when token-major) cost bandwidth? Not a launch option, so never the
         # best launch.
-        other = not backends.head_major("cuda")
+        other = not backends.head_major(DEVICE)
         cache = _random_cache(fmt, lay, nblocks, head_major=other)
         launch = dict(zip(("tile", "num_warps", "num_stages", "max_registers"), launches[0]))
         extra = dict(heads_first=order, asm=default_asm)
@@ -359,7 +370,7 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192,
             lay_b = KVLayout(num_layers=1, num_kv_heads=HKV, head_dim=D, block_size=bs, dtype="bfloat16")
             nblocks_b = batch * context // bs + 1
             cache = _random_cache(fmt, lay_b, nblocks_b)
-            perm_b = torch.randperm(nblocks_b - 1, generator=gen).to(torch.int32).cuda()
+            perm_b = torch.randperm(nblocks_b - 1, generator=gen).to(torch.int32).to(DEVICE)
             _time_default(rows, cache, perm_b, batch, context, launch, peak, f"{bs}-token blocks", **extra, block_size=bs)
             del cache
             torch.cuda.empty_cache()
@@ -399,7 +410,7 @@ def bench_decode(batches, contexts, peak: float | None, launches: dict | None = 
         max_tokens = max(b * c for b in batches for c in contexts)
         nblocks = max_tokens // BS + 1
         cache = _random_cache(fmt, lay, nblocks)
-        perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).cuda()
+        perm = torch.randperm(nblocks - 1, generator=gen).to(torch.int32).to(DEVICE)
         for b in batches:
             for c in contexts:
                 if COMPILE_ONLY and launches:  # the table's launch is not known yet: each it may be
@@ -408,7 +419,7 @@ def bench_decode(batches, contexts, peak: float | None, launches: dict | None = 
                 ms, splits = _time_decode(cache, perm, b, c, launch)
                 gbps = b * c * per_token / (ms * 1e-3) / 1e9
                 row = dict(fmt=fmt, batch=b, context=c, ms=ms, gbps=gbps, pct_peak=(100 * gbps / peak) if peak else None,
-                           launch=launch or "default", splits=splits, head_major=backends.head_major("cuda"))
+                           launch=launch or "default", splits=splits, head_major=backends.head_major(DEVICE))
                 rows.append(row)
                 print(f"  {fmt:<6} batch={b:<4} ctx={c:<6} splits={splits:<2} {ms:8.3f} ms {gbps:8.0f} GB/s", flush=True)
         del cache
