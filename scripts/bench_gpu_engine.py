@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--graphs", default="both", choices=("off", "on", "both"),
                     help="decode steps eagerly, replayed as CUDA graphs, or each in turn")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     model_dir = args.model
     if not model_dir:
         from llmbus.model.demo import make_demo_model

@@ -36,7 +36,7 @@ BIASED_VALUES = {"0": False, "1": True}.get(os.environ.get("LLMBUS_TRITON_BIASED
 # (tile, num_warps, num_stages, max registers per thread, 0: no cap) on CUDA. Measured on an H200
 # (Triton 3.6; 2026-12-04, docs/benchmarks.md): at 256 sequences x 32,768 tokens over head-major
 # caches (backends.head_major), bf16 95% of peak bandwidth, int8 90%, int4r 89%, int4 48%. No
-# other launch of the sweep (scripts/bench_gpu.py --sweep, token-major) beat these by more than 8%.
+# other launch of the sweep (scripts/bench_gpu.py --sweep, token-major) beat these by more than 9%.
 # model: 64-token tiles, 4 warps. int8 and int4r: their per-warp loops (WARP_TILES) at 64-token
 # tiles and two warps, 32 tokens a warp; int8 capped at 168 registers (at 128 it spills in its
 # loop: 19% slower), int4r at 128 (127 used: 16 warps an SM). int4: its loop with a softmax per
@@ -56,8 +56,8 @@ STAGE_BUDGET = 160 * 1024
 # since 2026-12-04, backends.head_major, which leaves a block's heads apart), so one head's slice is a short run
 # (64 bytes for INT4 at head_dim 128) and its neighbours' slices fill the rest of the same DRAM
 # page and L2 lines at about the same time, where sequences first spread the reads of one moment
-# over B blocks' pages. On the H200 (2026-12-04) heads first was 1-5% faster; bench_gpu's sweep
-# measures both orders.
+# over B blocks' pages. On the H200 (2026-12-04, token-major) heads first was 1-5% faster (INT4R
+# 17% at 64 x 8,192); bench_gpu's sweep measures both orders.
 # LLMBUS_TRITON_HEADS_FIRST=0 launches sequences first by default.
 HEADS_FIRST = os.environ.get("LLMBUS_TRITON_HEADS_FIRST", "1") != "0"
 # NOTE: INT4R and INT8 decode run their per-warp loops (decode_tiles.int4_tokens_warp_loop,
