@@ -96,7 +96,8 @@ def cuda_cache(fmt: str, layout, tail_rows: int = 0, head_major: bool = False):
 def variants():
     """(name, thunk) per kernel configuration: every KV format at head_dim 128 (the real models'),
     INT4 and INT4R also at 64 (their lane loops' narrowest: class dots of 16 channels) and 16 (the
-    generic-tile path), with and without tail rows; INT8, INT4 and INT4R over head-major caches;
+    generic-tile path), with and without tail rows; every format over head-major caches (the engine's
+    on CUDA);
     split-K on and off; INT8's, INT4R's and INT4's shared loops (their per-warp or per-block loops
     are the default) and those loops at other GQA groups."""
     from llmbus.kernels.paged_decode import paged_decode_attention
@@ -111,12 +112,14 @@ def variants():
              ("int4", 64, False), ("int4", 16, False), ("int4", 16, True),
              # int4r: its token loop at 128 (tail rows) and 64 (class dots of 16), the generic tile at 16
              ("int4r", 128, True), ("int4r", 64, False), ("int4r", 16, True)]
-    # head-major caches (kv_cache.allocate_cache): other strides, so other specializations
-    cases += [("int8", 128, "head-major"), ("int4", 128, "head-major"), ("int4r", 128, "head-major")]
+    # head-major caches (kv_cache.allocate_cache; the engine's on CUDA, with tail rows for INT4 and
+    # INT4R): other strides, so other specializations
+    cases += [("model", 128, "head-major"), ("int8", 128, "head-major"), ("int4", 128, "head-major"),
+              ("int4", 128, "head-major tails"), ("int4r", 128, "head-major tails")]
     for fmt, d, tails in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
-        head_major = tails == "head-major"
-        tails = tails is True
+        head_major = str(tails).startswith("head-major")
+        tails = tails is True or tails == "head-major tails"
         cache = cuda_cache(fmt, lay, tail_rows=4 if tails else 0, head_major=head_major)
         kv = cuda(torch.randn(5, 2, d).to(torch.bfloat16))
         slots = cuda(torch.arange(5))
