@@ -69,6 +69,19 @@ def test_triton_and_torch_backends_agree_over_steps(fmt, head_dim, tails):
 
 
 @pytest.mark.parametrize("fmt,head_dim,tails", [("model", 32, False), ("int8", 64, False), ("int4", 64, True),
+                                                ("int4r", 64, True)])
+def test_triton_backend_over_head_major_caches_as_on_cuda(fmt, head_dim, tails, monkeypatch):
+    """The engine's caches on CUDA are head-major (backends.head_major): the Triton backend writes,
+    prefills and decodes over them as the reference does, through the same three steps."""
+    from llmbus.kernels import backends
+
+    monkeypatch.setattr(backends, "HEAD_MAJOR", True)
+    tri, tor = TritonAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
+    ca, cb = _agree_over_steps(tri, tor, atol=1e-3 if fmt.startswith("int4") else 2e-5, tails=tails, head_dim=head_dim)
+    assert not ca.data.is_contiguous() and ca.data.stride(3) > ca.data.stride(2)  # a block's heads apart
+
+
+@pytest.mark.parametrize("fmt,head_dim,tails", [("model", 32, False), ("int8", 64, False), ("int4", 64, True),
                                                 ("int4", 32, False), ("int4r", 64, True)])
 def test_triton_backend_takes_q_k_v_as_views_of_the_qkv_projection(fmt, head_dim, tails):
     """The model hands attention q, k and v as strided views of one qkv row per token (no copies);
