@@ -45,12 +45,15 @@ def test_every_kernel_compiles_for_sm90():
     lines = proc.stdout.splitlines()
     assert lines[-1] == "all compiled for sm_90"
     ok = [line for line in lines if line.startswith("ok ")]
-    assert len(ok) == 70 and sum("reduce_splits_kernel" in line for line in ok) == 25
+    assert len(ok) == 78 and sum("reduce_splits_kernel" in line for line in ok) == 27
     assert any(line.startswith("ok      decode int4r D=128 tails splits=2") for line in ok)  # the per-warp loop
     for fmt in ("int8 D=128", "int4r D=128 tails", "int4 D=128"):  # the shared loops; the per-warp ones at 1, 2, 8 rows
         assert sum(line.startswith((f"ok      decode {fmt} shared tiles", f"ok      decode {fmt} group="))
                    for line in ok) == 4
     assert any(line.startswith("ok      decode int4 D=128 head-major splits=1") for line in ok)
+    for fmt in ("model D=128", "int4 D=128 tails", "int4r D=128 tails"):  # the engine's caches on CUDA
+        assert sum(line.startswith(f"ok      {kind} {fmt} head-major") for line in ok for kind in ("write", "decode",
+                                                                                            "prefill")) == 4
     assert sum(line.startswith(("ok      rms_norm", "ok      rotary", "ok      silu_mul")) for line in ok) == 6
     assert any(line.startswith("ok      decode int4 D=128 tails splits=2") for line in ok)
     assert any(line.startswith("ok      decode int4 D=64 splits=2") for line in ok)  # the lane loop's narrowest
