@@ -358,8 +358,9 @@ SATURATING_PER_SM = 2
 # writes partials that the reduction reads back, and below this that traffic is no longer small.
 MIN_SPLIT_TILES = 4
 # NOTE: LLMBUS_TRITON_WAVE_SPLITS=0 keeps decode's split count at the fill (split_count), as before
-# 2026-12-01: the wave rule rests on SATURATING_PER_SM, untested on a GPU as of then (bench_gpu's
-# sweep times the default launch in one split beside it)
+# 2026-12-01: the wave rule rests on SATURATING_PER_SM. On the H200 (2026-12-04) the default launches
+# took one split at the sweep's shapes (64 x 8,192, 256 x 32,768) either way, so the rule is still
+# unmeasured where it differs (bench_gpu's sweep times the default launch in one split beside it)
 WAVE_SPLITS = os.environ.get("LLMBUS_TRITON_WAVE_SPLITS", "1") != "0"
 
 
