@@ -114,8 +114,8 @@ def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
     the slots, and the keys and values written. Both caches are stored as the engine stores them
     on ``DEVICE`` (``backends.head_major``)."""
     nblocks = sum(lay.num_blocks_for(n) for n in lens) + 1
-    major = backends.head_major(DEVICE)
-    cache = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE, head_major=major)
+    head_major = backends.head_major(DEVICE)
+    cache = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE, head_major=head_major)
     perm = torch.randperm(nblocks, generator=gen).tolist()
     width = max(lay.num_blocks_for(n) for n in lens)
     tables = torch.zeros(len(lens), width, dtype=torch.int32)
@@ -128,7 +128,7 @@ def _filled(fmt: str, lay: KVLayout, lens: list[int], gen: torch.Generator):
     k = (torch.randn(t, HKV, D, device=DEVICE) + 0.5).bfloat16()
     v = torch.randn(t, HKV, D, device=DEVICE).bfloat16()
     slots = torch.tensor(slots, device=DEVICE)
-    theirs = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE, head_major=major)
+    theirs = allocate_cache(KVFormat(fmt), lay, nblocks, DEVICE, head_major=head_major)
     ref.write_kv_cache(k, v, theirs, slots)
     return cache, theirs, tables.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), slots, k, v
 
@@ -181,22 +181,22 @@ def check_kernels(sweep: bool = True, formats: tuple[str, ...] = FORMATS) -> lis
         # the same blocks stored the other way (kv_cache.allocate_cache; head-major on CUDA, where
         # the checks above ran over token-major ones, and the other way round): written by the kernel
         # (as mine was), and decoded
-        major = "token-major" if backends.head_major(DEVICE) else "head-major"
-        head_major, hm_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, DEVICE,
-                                                head_major=major == "head-major") for _ in range(2))
-        ref.write_kv_cache(k, v, hm_theirs, slots)
-        _measure(rows, f"write_kv {major}", fmt, WRITE_TOL[fmt],
-                 lambda: _write_err(k, v, head_major, theirs, slots, ids, full))
-        _measure(rows, f"paged_decode {major}", fmt, 4e-2, lambda: (paged_decode_attention(
-            q, hm_theirs, tables, sl, D**-0.5).float() - want).abs().max())
+        other, other_name = _other_storage()
+        other_mine, other_theirs = (allocate_cache(KVFormat(fmt), lay, mine.num_blocks, DEVICE, head_major=other)
+                                    for _ in range(2))
+        ref.write_kv_cache(k, v, other_theirs, slots)
+        _measure(rows, f"write_kv {other_name}", fmt, WRITE_TOL[fmt],
+                 lambda: _write_err(k, v, other_mine, theirs, slots, ids, full))
+        _measure(rows, f"paged_decode {other_name}", fmt, 4e-2, lambda: (paged_decode_attention(
+            q, other_theirs, tables, sl, D**-0.5).float() - want).abs().max())
         qlens = QLENS
         qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
         qp = torch.randn(int(qsl[-1]), HQ, D, device=DEVICE).bfloat16()
         want_p = ref.paged_prefill_attention_cache(qp, theirs, tables, sl, qsl, D**-0.5).float()
         _measure(rows, "paged_prefill", fmt, 4e-2, lambda: (paged_prefill_attention(
             qp, theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
-        _measure(rows, f"paged_prefill {major}", fmt, 4e-2, lambda: (paged_prefill_attention(
-            qp, hm_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
+        _measure(rows, f"paged_prefill {other_name}", fmt, 4e-2, lambda: (paged_prefill_attention(
+            qp, other_theirs, tables, sl, qsl, D**-0.5).float() - want_p).abs().max())
         # one query head a KV head (no GQA): INT4's decode went wrong natively there (2026-12-04)
         qp1 = torch.randn(int(qsl[-1]), HKV, D, device=DEVICE).bfloat16()
         want_p1 = ref.paged_prefill_attention_cache(qp1, theirs, tables, sl, qsl, D**-0.5).float()
@@ -260,6 +260,13 @@ def _write_err(k, v, mine, theirs, slots, ids, full) -> torch.Tensor:
     difference of the blocks ``ids`` dequantized."""
     write_kv(k, v, mine, slots)
     return (ref.dequantize_blocks(mine, ids, full) - ref.dequantize_blocks(theirs, ids, full)).abs().max()
+
+
+def _other_storage() -> tuple[bool, str]:
+    """The storage the engine does not use on ``DEVICE`` (``backends.head_major``), checked and timed
+    beside its own: whether head-major, and its name."""
+    other = not backends.head_major(DEVICE)
+    return other, "head-major" if other else "token-major"
 
 
 def _random_cache(fmt: str, lay: KVLayout, nblocks: int, head_major: bool | None = None):
@@ -362,12 +369,11 @@ def sweep_launch(peak: float | None, batch: int = 64, context: int = 8192,
         # kv_cache.allocate_cache): does a program's run of bytes (64 B a token for INT4, 128 B for
         # INT8, 256 B for bf16 when token-major) cost bandwidth? Not a launch option, so never the
         # best launch.
-        other = not backends.head_major(DEVICE)
+        other, other_name = _other_storage()
         cache = _random_cache(fmt, lay, nblocks, head_major=other)
         launch = dict(zip(("tile", "num_warps", "num_stages", "max_registers"), launches[0]))
         extra = dict(heads_first=order, asm=default_asm)
-        _time_default(rows, cache, perm, batch, context, launch, peak, f"{'head' if other else 'token'}-major cache",
-                      **extra, head_major=other)
+        _time_default(rows, cache, perm, batch, context, launch, peak, f"{other_name} cache", **extra, head_major=other)
         del cache
         torch.cuda.empty_cache()
         for bs in BLOCK_SWEEP.get(fmt, ()):  # the default launch over blocks of another size
@@ -398,11 +404,10 @@ def every_best(fmt: str) -> list[dict]:
     """Every launch ``sweep_launch`` may choose as ``fmt``'s best: what --compile-only compiles the
     table's shapes under."""
     order, plain = paged_decode.HEADS_FIRST, paged_decode.WARP_TILES
-    t, w, st, r = SWEEP[fmt][0]  # the default launch, also timed in the other grid order
-    return [dict(tile=t, num_warps=w, num_stages=st, max_registers=r, heads_first=order, warp_tiles=wt)
-            for launches, wt in ((SWEEP[fmt], plain), (SHARED_SWEEP.get(fmt, ()), not plain))
-            for t, w, st, r in launches] + [dict(tile=t, num_warps=w, num_stages=st, max_registers=r,
-                                                 heads_first=not order, warp_tiles=plain)]
+    keys = ("tile", "num_warps", "num_stages", "max_registers")
+    runs = [(lc, order, plain) for lc in SWEEP[fmt]] + [(lc, order, not plain) for lc in SHARED_SWEEP.get(fmt, ())]
+    runs.append((SWEEP[fmt][0], not order, plain))  # the default launch, also timed in the other grid order
+    return [dict(zip(keys, lc), heads_first=first, warp_tiles=wt) for lc, first, wt in runs]
 
 
 def bench_decode(batches, contexts, peak: float | None, launches: dict | None = None,

@@ -77,7 +77,7 @@ def measure(model_dir: str, kv_format: str, batch: int, prompt_len: int, out_len
             "seconds": dt, "tok_per_s": decoded / dt, "ms_per_step": 1000 * dt / max(steps, 1),
             "tok_per_s_runs": [round(n / t, 1) for t, n, _ in runs],
             "prefill_ms": sorted(prefills)[len(prefills) // 2], "prefill_ms_runs": [round(t, 2) for t in prefills],
-            "spread": (max(n / t for t, n, _ in runs) / min(n / t for t, n, _ in runs)) if runs else None,
+            "spread": max(n / t for t, n, _ in runs) / min(n / t for t, n, _ in runs),
             "tokens": first}
 
 

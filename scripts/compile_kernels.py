@@ -108,18 +108,18 @@ def variants():
     def cuda(t):
         return t.as_subclass(CudaLike)
 
-    cases = [("model", 128, False), ("int8", 128, False), ("int4", 128, False), ("int4", 128, True),
-             ("int4", 64, False), ("int4", 16, False), ("int4", 16, True),
+    # (format, head_dim, tail rows, head-major)
+    cases = [("model", 128, False, False), ("int8", 128, False, False), ("int4", 128, False, False),
+             ("int4", 128, True, False), ("int4", 64, False, False), ("int4", 16, False, False),
+             ("int4", 16, True, False),
              # int4r: its token loop at 128 (tail rows) and 64 (class dots of 16), the generic tile at 16
-             ("int4r", 128, True), ("int4r", 64, False), ("int4r", 16, True)]
+             ("int4r", 128, True, False), ("int4r", 64, False, False), ("int4r", 16, True, False)]
     # head-major caches (kv_cache.allocate_cache; the engine's on CUDA, with tail rows for INT4 and
     # INT4R): other strides, so other specializations
-    cases += [("model", 128, "head-major"), ("int8", 128, "head-major"), ("int4", 128, "head-major"),
-              ("int4", 128, "head-major tails"), ("int4r", 128, "head-major tails")]
-    for fmt, d, tails in cases:
+    cases += [("model", 128, False, True), ("int8", 128, False, True), ("int4", 128, False, True),
+              ("int4", 128, True, True), ("int4r", 128, True, True)]
+    for fmt, d, tails, head_major in cases:
         lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=d, block_size=16, dtype="bfloat16")
-        head_major = str(tails).startswith("head-major")
-        tails = tails is True or tails == "head-major tails"
         cache = cuda_cache(fmt, lay, tail_rows=4 if tails else 0, head_major=head_major)
         kv = cuda(torch.randn(5, 2, d).to(torch.bfloat16))
         slots = cuda(torch.arange(5))

@@ -40,8 +40,8 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
         s=$SECONDS
         # NOTE: the processes hold their formats' caches at once: ~71 GB at 256 x 32,768 (bf16 34,
         # INT8 17, INT4 10, INT4R 9); on an 80 GB GPU name fewer in WARM_FORMATS
-        pids=() codes=()
-        for fmt in ${WARM_FORMATS:-model int8 int4 int4r}; do
+        pids=() codes=() formats="${WARM_FORMATS:-model int8 int4 int4r}"
+        for fmt in $formats; do
             # shellcheck disable=SC2086
             timeout "$lim" python3 scripts/bench_gpu.py $KERNEL_ARGS --compile-only --formats "$fmt" \
                 --out "$OUT/warm-$fmt.json" > "$OUT/warm-$fmt.log" 2>&1 &
@@ -51,7 +51,7 @@ if [ "${TRAINED_EVAL:-0}" != 1 ]; then
         # check failed; other: a crash, its traceback in warm-FORMAT.log)
         for pid in "${pids[@]}"; do wait "$pid"; codes+=("$?"); done
         grep -h -E "^FAIL|ERROR|Error" "$OUT"/warm-*.log | head -20
-        took warm $s "$lim" "${WARM_FORMATS:-model int8 int4 int4r}: ${codes[*]}"
+        took warm $s "$lim" "$formats: ${codes[*]}"
     fi
     if part kernels && lim=$(budget "$KERNELS_S" kernels); then
         s=$SECONDS
