@@ -382,6 +382,66 @@ def test_int8_write_gives_the_references_bytes(dtype, scale_dtype, tokens):
         cpu_native.write_int8(k[:1], v[:1], caches[0], torch.tensor([blocks * 16]))
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4", "int4r"])
+@pytest.mark.parametrize("tokens", [40, 600])  # 600: a prefill's write, split over the threads
+def test_int4_write_of_non_finite_and_constant_rows_gives_the_references_bytes(fmt, tokens):
+    """The vectorized INT4 write keeps the reference's edge cases, byte for byte: a NaN in a value
+    group and in a sealed block's key channel (a NaN wins the range, so its codes are all 0), an
+    infinity, constant and all-zero rows and blocks (scale 0), a key block whose channels span
+    ranges from 1e-3 to 1e3, and tokens left in a filling block (keys per token)."""
+    from llmbus.kernels import kv_cache
+    from llmbus.kv.formats import KVFormat
+    from llmbus.kv.layout import KVLayout
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+    blocks = tokens // 16 + 4
+    caches = [kv_cache.allocate_cache(KVFormat(fmt), lay, blocks, "cpu", tail_rows=2) for _ in range(2)]
+    g = torch.Generator().manual_seed(tokens)
+    k = torch.randn(tokens, 2, 64, generator=g) * torch.logspace(-3, 3, 64)
+    v = torch.randn(tokens, 2, 64, generator=g)
+    k[16:32, 1] = 2.5  # a constant block of one head
+    k[32:48] = 0.0  # an all-zero block
+    k[3, 0, 5] = float("nan")  # in the first block: its head 0's ranges are NaN
+    k[36, 1, 60] = float("inf")
+    v[4, 0, 9] = float("nan")
+    v[5, 1] = 0.0
+    v[6, 0, 33] = float("-inf")
+    slots = torch.arange(tokens)  # in order: full blocks sealed, the last one left filling
+    assert cpu_native.write_int4(k, v, caches[0], slots)
+    reference.write_kv_cache(k, v, caches[1], slots)
+    assert torch.equal(caches[0].data, caches[1].data)
+    assert torch.equal(caches[0].k_meta, caches[1].k_meta)
+    assert torch.equal(caches[0].v_meta.view(torch.int16), caches[1].v_meta.view(torch.int16))  # NaN bits too
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [5, 3000])  # 3000: split over the threads
+def test_round_query_gives_the_references_values(dtype, rows):
+    """INT4R's query rounding in one C pass against quant_reference.round_query, bit for bit in
+    fp32 and after the bf16 rounding the prefill kernel reads: rows of very different magnitudes,
+    an all-zero row, exact ties (halves of a step), a row holding a NaN (all NaN out), one holding
+    an infinity."""
+    from llmbus.kernels import quant_reference as qr
+
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, 4, 64, generator=g) * torch.logspace(-20, 20, rows)[:, None, None]
+    q[1, 0] = 0.0
+    q[1, 1] = torch.arange(64) - 31.5  # amax 31.5: codes at exact halves
+    q[2, 2, 7] = float("nan")
+    q[3, 3, 0] = float("inf")
+    q = q.to(dtype)
+    want = qr.round_query(q)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = cpu_native.round_query(q, out_dtype)
+        assert got.dtype == out_dtype and got.shape == q.shape
+        ref = want.to(out_dtype)
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got[~ref.isnan()], ref[~ref.isnan()])
+    assert got[2, 2].isnan().all() and not got[2, 1].isnan().any()
+    assert cpu_native.round_query(q.to(torch.float16), torch.float32) is None  # the reference's path serves
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 

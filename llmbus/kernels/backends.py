@@ -181,18 +181,18 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         qsl = qsl.to(torch.int32)
         # NOTE: INT4R's rounded query (fp32) goes to SDPA as it is; the C kernel takes it in bf16,
         # as it takes the context (a bf16 rounding of each, within the model dtype's tolerance)
-        q, dtype = reference.cache_query(q, cache), q.dtype
+        dtype = q.dtype
         if dtype == torch.bfloat16 and cpu_native.available() and cpu_native.prefill_supports(
                 dtype, q.shape[1], lay.num_kv_heads, lay.head_dim, lay.block_size):
             # the C prefill kernel reads bf16 (as the GPU kernels round the context to fp16)
-            q = q.to(dtype)
+            q = _cache_query(q, cache, dtype)
             if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
                 q = q.contiguous()
             out = torch.empty(q.shape, dtype=dtype)
             cpu_native.prefill_into(out, q, kv.to(torch.bfloat16), tables, qsl[:-1].contiguous(),
                                     (qsl[1:] - qsl[:-1]).contiguous(), seq_lens.to(torch.int32).contiguous(), scale)
             return out
-        return _sdpa_chunks(q, kv, tables, seq_lens, qsl, scale, dtype)
+        return _sdpa_chunks(_cache_query(q, cache), kv, tables, seq_lens, qsl, scale, dtype)
 
     @staticmethod
     def _decode(q, cache, block_tables, seq_lens, scale, tail_rows=None, max_seq_len=None):
@@ -212,7 +212,18 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         dequantize = cpu_native.dequantize_int4_blocks if cache.fmt.int4_codes else None
         kv, tables = reference.dequantized_context(cache, block_tables, seq_lens, zero_past_end=False,
                                                    tail_rows=tail_rows, dequantize=dequantize)
-        return cpu_native.paged_decode(reference.cache_query(q, cache).float(), kv, tables, seq_lens, scale).to(q.dtype)
+        return cpu_native.paged_decode(_cache_query(q, cache, torch.float32), kv, tables, seq_lens, scale).to(q.dtype)
+
+
+def _cache_query(q: torch.Tensor, cache: kv_cache.PagedKVCache, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``reference.cache_query`` (in ``dtype`` where given): INT4R's rounding in one C pass where
+    the library serves (``cpu_native.round_query``: the same values)."""
+    if cache.fmt.rotates_keys:
+        out = cpu_native.round_query(q, dtype or torch.float32)
+        if out is not None:
+            return out
+    q = reference.cache_query(q, cache)
+    return q if dtype is None else q.to(dtype)
 
 
 class TritonAttentionBackend(_PagedBackend):

@@ -513,65 +513,110 @@ static inline float clampf(float x, float lo, float hi) { return x != x ? 0.0f :
 static inline float min_nan(float a, float b) { return b != b ? NAN : (b < a ? b : a); }
 static inline float max_nan(float a, float b) { return b != b ? NAN : (b > a ? b : a); }
 
+/* The minimum and maximum of x[0:n] into *lo, *hi (a NaN wins both, as in torch's amin / amax). NOTE: written to vectorize (a NaN flag beside plain reductions):
+   min_nan / max_nan's NaN test in the chain kept these loops scalar, a quarter of an INT4 write. */
+static inline void min_max(const float *x, int64_t n, float *lo, float *hi) {
+    float a = INFINITY, b = -INFINITY;
+    int nan = 0;
+    _Pragma("omp simd reduction(min : a) reduction(max : b) reduction(| : nan)")
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];
+        nan |= v != v;
+        a = v < a ? v : a;
+        b = v > b ? v : b;
+    }
+    if (nan) a = b = NAN;
+    *lo = a;
+    *hi = b;
+}
+
+/* Codes q[0:n] (0..15, one a byte) packed two a byte into p[0:n/2], the even channel in the low nibble. */
+static inline void pack_nibbles(const uint8_t *q, int64_t n, uint8_t *p) {
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < n / 2; j++) p[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
+}
+
+/* clampf(floorf(x + 0.5f), 0, 15) as a code (NaN -> 0): round half up, as quant_reference does. */
+static inline uint8_t nibble_code(float x) {
+    const float r = floorf(x + 0.5f);
+    return (uint8_t)(r != r ? 0.0f : (r < 0.0f ? 0.0f : (r > 15.0f ? 15.0f : r)));
+}
+
 /* quant_reference.int4_group_quantize of one row x[0:d]: codes packed into p[0:d/2], (scale, min)
    fp16 bits per group of g at meta[0], meta[1], meta[2], ... */
 static void int4_quantize_row(const float *x, int64_t d, int64_t g, uint8_t *p, uint16_t *meta) {
     for (int64_t k = 0; k < d / g; k++) {
         const float *xg = x + k * g;
-        float lo = INFINITY, hi = -INFINITY;
-        for (int64_t i = 0; i < g; i++) {
-            lo = min_nan(lo, xg[i]);
-            hi = max_nan(hi, xg[i]);
-        }
+        float lo, hi;
+        min_max(xg, g, &lo, &hi);
         const uint16_t mn16 = f16_store(lo);
         const float mn = f16_load(mn16);
         const uint16_t sc16 = f16_store((hi - mn) / 15.0f);
         const float sc = f16_load(sc16);
         meta[2 * k] = sc16;
         meta[2 * k + 1] = mn16;
-        for (int64_t i = 0; i < g; i += 2) {
-            const uint8_t q0 = (uint8_t)clampf(floorf(safe_div(xg[i] - mn, sc) + 0.5f), 0.0f, 15.0f);
-            const uint8_t q1 = (uint8_t)clampf(floorf(safe_div(xg[i + 1] - mn, sc) + 0.5f), 0.0f, 15.0f);
-            p[(k * g + i) / 2] = (uint8_t)(q0 | q1 << 4);
+        if (!(sc > 0.0f)) { /* safe_div: 0, so every code 0 */
+            memset(p + k * g / 2, 0, (size_t)(g / 2));
+            continue;
         }
+        uint8_t q[MAX_D];
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < g; i++) q[i] = nibble_code((xg[i] - mn) / sc);
+        pack_nibbles(q, g, p + k * g / 2);
     }
 }
 
 /* quant_reference.int4_key_block_quantize of one full block's keys x [bs, hkv, d]: codes packed into
-   p [bs, hkv, d/2], per head k_meta rows km [hkv, key_slots] (codes m | M << 8, then lo, hi). */
+   p [bs, hkv, d/2], per head k_meta rows km [hkv, key_slots] (codes m | M << 8, then lo, hi). The
+   channels' ranges gather a token row at a time (NaN flags beside them), so every loop runs along
+   contiguous channels. */
 static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int64_t d, uint8_t *p, uint16_t *km,
                                     int64_t key_slots) {
     const float pad = 1.0f / 512.0f; /* quant_reference.RANGE_PAD */
     for (int64_t h = 0; h < hkv; h++) {
-        float lo = INFINITY, hi = -INFINITY;
-        for (int64_t t = 0; t < bs; t++)
+        float cmn[MAX_D], cmx[MAX_D], cmin[MAX_D], cscale[MAX_D];
+        int nan[MAX_D];
+        for (int64_t i = 0; i < d; i++) cmn[i] = INFINITY, cmx[i] = -INFINITY, nan[i] = 0;
+        for (int64_t t = 0; t < bs; t++) {
+            const float *xt = x + (t * hkv + h) * d;
+            _Pragma("omp simd")
             for (int64_t i = 0; i < d; i++) {
-                const float v = x[(t * hkv + h) * d + i];
-                lo = min_nan(lo, v);
-                hi = max_nan(hi, v);
+                const float v = xt[i];
+                nan[i] |= v != v;
+                cmn[i] = v < cmn[i] ? v : cmn[i];
+                cmx[i] = v > cmx[i] ? v : cmx[i];
             }
+        }
+        float lo = INFINITY, hi = -INFINITY; /* the head's range: its channels' */
+        for (int64_t i = 0; i < d; i++) {
+            if (nan[i]) cmn[i] = cmx[i] = NAN;
+            lo = min_nan(lo, cmn[i]);
+            hi = max_nan(hi, cmx[i]);
+        }
         const uint16_t lo16 = f16_store(lo - fabsf(lo) * pad), hi16 = f16_store(hi + fabsf(hi) * pad);
         const float lo_f = f16_load(lo16), step = (f16_load(hi16) - lo_f) / 255.0f;
         uint16_t *row = km + h * key_slots;
+        const int ranged = step > 0.0f; /* safe_div's case, the same for every channel */
+        _Pragma("omp simd")
         for (int64_t i = 0; i < d; i++) {
-            float cmn = INFINITY, cmx = -INFINITY;
-            for (int64_t t = 0; t < bs; t++) {
-                const float v = x[(t * hkv + h) * d + i];
-                cmn = min_nan(cmn, v);
-                cmx = max_nan(cmx, v);
-            }
-            const float m = clampf(floorf(safe_div(cmn - lo_f, step)), 0.0f, 255.0f);
-            const float big = clampf(ceilf(safe_div(cmx - lo_f, step)), 0.0f, 255.0f);
-            const float cmin = lo_f + m * step, cscale = (big - m) * step / 15.0f;
+            const float m = ranged ? clampf(floorf((cmn[i] - lo_f) / step), 0.0f, 255.0f) : 0.0f;
+            const float big = ranged ? clampf(ceilf((cmx[i] - lo_f) / step), 0.0f, 255.0f) : 0.0f;
+            cmin[i] = lo_f + m * step;
+            cscale[i] = (big - m) * step / 15.0f;
             row[i] = (uint16_t)((int32_t)m | (int32_t)big << 8);
-            for (int64_t t = 0; t < bs; t++) {
-                const float q = clampf(floorf(safe_div(x[(t * hkv + h) * d + i] - cmin, cscale) + 0.5f), 0.0f, 15.0f);
-                uint8_t *b = p + (t * hkv + h) * (d / 2) + i / 2;
-                *b = (uint8_t)(i % 2 ? (*b & 0x0fu) | (uint8_t)q << 4 : (*b & 0xf0u) | (uint8_t)q);
-            }
         }
         row[d] = lo16;
         row[d + 1] = hi16;
+        for (int64_t t = 0; t < bs; t++) {
+            const float *xt = x + (t * hkv + h) * d;
+            uint8_t q[MAX_D];
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < d; i++) {
+                const float s = cscale[i], y = (xt[i] - cmin[i]) / (s > 0.0f ? s : 1.0f);
+                q[i] = nibble_code(s > 0.0f ? y : 0.0f);
+            }
+            pack_nibbles(q, d, p + (t * hkv + h) * (d / 2));
+        }
     }
 }
 
@@ -591,7 +636,6 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
             if (slots[i] < 0 || slots[i] >= num_blocks * bs) return 1;                                  \
         const int64_t half = d / 2, row = hkv * half;                                                   \
         uint8_t *vdata = data + num_blocks * bs * row;                                                  \
-        float x[MAX_D];                                                                                 \
         /* sealed blocks, each with the list of this call's tokens in it, latest first: head[b] 0 for a  \
            block not sealed by this call, else 1 + its latest token (negated once done), nxt[i] the  \
            token before i in the same block (-1: none) */                                              \
@@ -618,14 +662,19 @@ static void int4_quantize_key_block(const float *x, int64_t bs, int64_t hkv, int
             }                                                                                           \
         for (int64_t i = 0; i < t_count; i++)                                                           \
             if (slots[i] % bs == bs - 1) head[slots[i] / bs] = -1;                                      \
-        for (int64_t i = 0; i < t_count; i++) {                                                         \
+        for (int64_t i = 0; i < t_count && !per_token; i++) { /* list each sealed block's tokens */    \
             const int64_t b = slots[i] / bs;                                                            \
-            if (head[b] && !per_token) {                                                                \
-                nxt[i] = head[b] > 0 ? head[b] - 1 : -1;                                                \
-                head[b] = (int32_t)i + 1;                                                               \
-                continue;                                                                               \
-            }                                                                                           \
+            if (!head[b]) continue;                                                                     \
+            nxt[i] = head[b] > 0 ? head[b] - 1 : -1;                                                    \
+            head[b] = (int32_t)i + 1;                                                                   \
+        }                                                                                               \
+        /* the other keys per token (INT4R: all), split over the threads by slot as the values */       \
+        _Pragma("omp parallel if (t_count * hkv * d >= 32768)")                                        \
+        for (int64_t i = 0, nt = omp_get_num_threads(), tid = omp_get_thread_num(); i < t_count; i++) {  \
+            const int64_t b = slots[i] / bs;                                                            \
+            if ((head[b] && !per_token) || slots[i] % nt != tid) continue;                              \
             for (int64_t h = 0; h < hkv; h++) {                                                         \
+                float x[MAX_D];                                                                         \
                 for (int64_t c = 0; c < d; c++) x[c] = LOADQ(key[(i * hkv + h) * d + c]);               \
                 int4_quantize_row(x, d, gk, data + slots[i] * row + h * half,                           \
                                   k_meta + (b * hkv + h) * key_slots + slots[i] % bs * 2 * (d / gk));   \
@@ -743,6 +792,38 @@ DEFINE_WRITE_INT8(write_int8_bf16_f16, uint16_t, bf16_load, uint16_t, f16_store,
 DEFINE_WRITE_INT8(write_int8_bf16_f32, uint16_t, bf16_load, float, f32_store, f32_load)
 DEFINE_WRITE_INT4(write_int4_f32, float, f32_load)
 DEFINE_WRITE_INT4(write_int4_bf16, uint16_t, bf16_load)
+
+/* quant_reference.round_query of rows x [rows, d] (QT) into y (OT: fp32, or bf16 rounded as torch's
+   .to() rounds): each row's codes floor(x * 127 / amax + 0.5) times amax / 127, amax its largest
+   magnitude (at least 127e-30; a NaN wins it, so the row comes out NaN). The same fp32 operations
+   in the same order as the reference's torch ops, so the same values; one pass where torch makes
+   seven over INT4R's prefill queries (~10% of its prefill on the large demo model). */
+#define DEFINE_ROUND_QUERY(NAME, QT, LOADQ, OT, STOREO)                                                 \
+    void NAME(const QT *x, int64_t rows, int64_t d, OT *y, int threads) {                               \
+        const float tiny = (float)(127.0 * 1e-30); /* torch casts the double bound to fp32 */          \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * d >= 32768)")        \
+        for (int64_t r = 0; r < rows; r++) {                                                            \
+            const QT *xr = x + r * d;                                                                   \
+            float amax = 0.0f;                                                                          \
+            int nan = 0;                                                                                \
+            _Pragma("omp simd reduction(max : amax) reduction(| : nan)")                               \
+            for (int64_t c = 0; c < d; c++) {                                                           \
+                const float a = fabsf(LOADQ(xr[c]));                                                    \
+                nan |= a != a;                                                                          \
+                amax = a > amax ? a : amax;                                                             \
+            }                                                                                           \
+            amax = nan ? NAN : (amax < tiny ? tiny : amax);                                             \
+            const float step = amax / 127.0f;                                                           \
+            OT *yr = y + r * d;                                                                         \
+            _Pragma("omp simd")                                                                         \
+            for (int64_t c = 0; c < d; c++) yr[c] = STOREO(floorf(LOADQ(xr[c]) * 127.0f / amax + 0.5f) * step); \
+        }                                                                                               \
+    }
+
+DEFINE_ROUND_QUERY(round_query_f32_f32, float, f32_load, float, f32_store)
+DEFINE_ROUND_QUERY(round_query_f32_bf16, float, f32_load, uint16_t, bf16_store)
+DEFINE_ROUND_QUERY(round_query_bf16_f32, uint16_t, bf16_load, float, f32_store)
+DEFINE_ROUND_QUERY(round_query_bf16_bf16, uint16_t, bf16_load, uint16_t, bf16_store)
 #ifdef __clang__
 #pragma STDC FP_CONTRACT ON
 #endif

@@ -151,6 +151,10 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                            ctypes.c_int]
+        for src in ("f32", "bf16"):
+            for dst in ("f32", "bf16"):
+                fn = getattr(lib, f"round_query_{src}_{dst}")
+                fn.restype, fn.argtypes = None, [ptr, i64, i64, ptr, ctypes.c_int]
         lib.dequant_int4.restype = ctypes.c_int
         lib.dequant_int4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
         lib.prefill_attn_bf16.restype = lib.have_bf16_dot.restype = lib.linear_bf16.restype = ctypes.c_int
@@ -401,6 +405,20 @@ def dequantize_int4_blocks(cache, block_ids: torch.Tensor, full: torch.Tensor) -
         raise ValueError(f"block ids must lie in [0, {cache.num_blocks}), got {ids.tolist()}")
     if rc != 0:
         return reference.dequantize_blocks(cache, block_ids, full)  # a head_dim the C pass does not take
+    return out
+
+
+def round_query(q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``quant_reference.round_query(q).to(out_dtype)`` in one C pass (the same fp32 operations,
+    so the same values; ``out_dtype`` float32 or bfloat16). None where it does not apply (no
+    library, ``q`` not a float32 or bfloat16 CPU tensor): the caller's path serves."""
+    if (_load() is None or q.dtype not in _SUFFIX or out_dtype not in _SUFFIX or q.device.type != "cpu"
+            or q.dim() == 0 or q.shape[-1] == 0):
+        return None
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=out_dtype)
+    getattr(_lib, f"round_query_{_SUFFIX[q.dtype]}_{_SUFFIX[out_dtype]}")(
+        q.data_ptr(), q.numel() // q.shape[-1], q.shape[-1], out.data_ptr(), torch.get_num_threads())
     return out
 
 
