@@ -224,9 +224,11 @@ def test_int4_blocks_dequantize_as_the_reference(fmt, d, bs, hkv, threads, monke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d,bs,hq,hkv", [(64, 16, 8, 2), (128, 32, 4, 4), (32, 8, 16, 2)])
 @pytest.mark.parametrize("tails", [False, True], ids=["codes", "tail-rows"])
-def test_int4_cache_decodes_inside_the_kernel(dtype, d, bs, hq, hkv, tails, threads):
+@pytest.mark.parametrize("fmt", ["int4", "int4r"])
+def test_int4_cache_decodes_inside_the_kernel(fmt, dtype, d, bs, hq, hkv, tails, threads):
     """INT4 blocks widened inside the kernel: full blocks per channel, a partial last block per
-    token or from its sequence's exact tail row; equal to the reference up to fused multiply-adds."""
+    token or from its sequence's exact tail row; equal to the reference up to fused multiply-adds.
+    INT4R: every block per token, the queries rounded to int8 as the reference rounds them."""
     from llmbus.kernels import kv_cache
     from llmbus.kv.formats import KVFormat
     from llmbus.kv.layout import KVLayout
@@ -234,7 +236,7 @@ def test_int4_cache_decodes_inside_the_kernel(dtype, d, bs, hq, hkv, tails, thre
     lay = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=bs, dtype=str(dtype).removeprefix("torch."))
     lens = [0, 1, bs - 1, bs, bs + 1, 3 * bs + 5, 130]
     _, _, tables, lens_t = _case(lens, hq, hkv, d, bs, dtype)
-    cache = kv_cache.allocate_cache(KVFormat("int4"), lay, int(tables.max()) + 1, "cpu", tail_rows=8 if tails else 0)
+    cache = kv_cache.allocate_cache(KVFormat(fmt), lay, int(tables.max()) + 1, "cpu", tail_rows=8 if tails else 0)
     g = torch.Generator().manual_seed(d + bs)
     slots = torch.tensor([lay.slot(tables[b].tolist(), t) for b, n in enumerate(lens) for t in range(n)])
     k = (torch.randn(len(slots), hkv, d, generator=g) * torch.linspace(0.2, 4, d)).to(dtype)

@@ -204,8 +204,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             # NOTE: int8 dequantizes inside the kernel, reading half the bytes of a bf16 cache (a
             # head-major cache takes the dequantized copy below: the kernel would copy it whole)
             return cpu_native.paged_decode(q, cache.data, block_tables, seq_lens, scale, scales=cache.scale)
-        if cache.fmt.name == "int4":
-            # NOTE: int4 widens its blocks inside the kernel; the dequantized copy below is the fallback
+        if cache.fmt.int4_codes:
+            # NOTE: int4 (and int4r) widen their blocks inside the kernel; the dequantized copy below is the fallback
             out = cpu_native.paged_decode_int4(q, cache, block_tables, seq_lens, scale, tail_rows)
             if out is not None:
                 return out

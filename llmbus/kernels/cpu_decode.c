@@ -141,6 +141,7 @@ typedef struct {
     const void *k_tail, *v_tail;
     const int32_t *rows;
     int64_t num_blocks, bs, hkv, d, key_slots, gk, gv;
+    int per_token; /* INT4R: every block's keys per token */
 } int4_src;
 
 /* Whether the int4 entries take this shape: even groups dividing head_dim (a byte's two nibbles
@@ -312,7 +313,7 @@ static inline __attribute__((always_inline)) void int4_values(const int4_src *c,
                     for (int64_t t = 0; t < n; t++)                                                     \
                         for (int64_t i = 0; i < d; i++) buf[t][i4_col(i, d / 2, 1)] = LOADQ(kt[t * hkv * d + i]); \
                 else if (I4)                                                                            \
-                    int4_keys(i4, blk, h, (j + 1) * bs <= len, n, buf[0], MAX_D, 1);                    \
+                    int4_keys(i4, blk, h, !i4->per_token && (j + 1) * bs <= len, n, buf[0], MAX_D, 1);  \
                 else if (!raw)                                                                          \
                     for (int64_t t = 0; t < n; t++)                                                     \
                         for (int64_t i = 0; i < d; i++) buf[t][i] = LOADK(kb[t * tok + i]);             \
@@ -434,16 +435,17 @@ DEFINE_DECODE_INT8(paged_decode_int8_bf16_f32, uint16_t, float, task_i8_bf16_f)
 /* int4 caches (int4_src): data uint8 [2, N, bs, Hkv, D/2] with k_meta, v_meta; k_tail, v_tail of
    q's type [rows * bs, Hkv, D] and tail_rows [B] (or all null: no tail rows). The blocks are
    widened in the task, head by head, into the buffer that stays in L1: no fp32 copy of the context
-   goes through memory. */
+   goes through memory. per_token (INT4R): every block's keys per token (q as the caller rotated
+   and rounded it). */
 #define DEFINE_DECODE_INT4(NAME, QT, TASK)                                                              \
     int NAME(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_meta, const QT *k_tail,    \
              const QT *v_tail, const int32_t *tail_rows, int64_t key_slots, int64_t gk, int64_t gv,     \
              const QT *q, QT *out, const int32_t *tables, int64_t table_stride, const int32_t *lens,    \
              int64_t batch, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t num_blocks,         \
-             float scale, int threads) {                                                                \
-        if (!int4_shape_ok(d, bs, key_slots, gk, gv)) return -1;                                        \
+             float scale, int threads, int per_token) {                                                 \
+        if (!(per_token ? int4_token_shape_ok : int4_shape_ok)(d, bs, key_slots, gk, gv)) return -1;    \
         const int4_src src = {data, k_meta, v_meta, k_tail, v_tail, tail_rows, num_blocks, bs, hkv, d,  \
-                              key_slots, gk, gv};                                                       \
+                              key_slots, gk, gv, per_token};                                            \
         const float *none = 0;                                                                          \
         RUN_TASKS(TASK, QT, data, data + num_blocks * bs * hkv * (d / 2), none, none, &src)             \
     }
@@ -464,7 +466,7 @@ int dequant_int4(const uint8_t *data, const uint16_t *k_meta, const uint16_t *v_
         any_full |= full[i];
     }
     if (!(any_full ? int4_shape_ok : int4_token_shape_ok)(d, bs, key_slots, gk, gv)) return 2;
-    const int4_src c = {data, k_meta, v_meta, 0, 0, 0, num_blocks, bs, hkv, d, key_slots, gk, gv};
+    const int4_src c = {data, k_meta, v_meta, 0, 0, 0, num_blocks, bs, hkv, d, key_slots, gk, gv, 0};
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++)
         for (int64_t h = 0; h < hkv; h++) {
@@ -1796,7 +1798,7 @@ DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
         return paged_decode_int4_##SFX((const uint8_t *)c[0], (const uint16_t *)c[1], (const uint16_t *)c[2], \
                                        tails ? (const T *)c[3] : 0, tails ? (const T *)c[4] : 0, tail_rows, key_slots, \
                                        gk, gv, q, attn, tables, table_stride, lens, batch, hq, hkv, d, bs, num_blocks, \
-                                       scale, threads);                                                 \
+                                       scale, threads, 0);                                              \
     }
 DEFINE_DECODE_LAYER_QUANTIZED(bf16, uint16_t)
 DEFINE_DECODE_LAYER_QUANTIZED(f32, float)

@@ -142,7 +142,7 @@ def _load() -> ctypes.CDLL | None:
         for fn in (lib.paged_decode_int4_f32, lib.paged_decode_int4_bf16):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64,
-                           i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
+                           i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
         for fn in _WRITE_INT8.values():
             fn = getattr(lib, fn)
             fn.restype = ctypes.c_int
@@ -424,14 +424,15 @@ def round_query(q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
 
 def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       tail_rows: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``reference.paged_decode_attention_cache`` over an INT4 ``PagedKVCache`` in one call, its
-    blocks widened inside the kernel (equal to the reference up to fused multiply-adds and summation
-    order); ``tail_rows`` ([B], -1: none) as there. None where it does not apply (q not float32 or
-    bfloat16 or not the cache's model dtype, a shape the kernel does not take, no library): the
-    caller's path serves."""
+    """``reference.paged_decode_attention_cache`` over an INT4 or INT4R ``PagedKVCache`` in one call,
+    its blocks widened inside the kernel (equal to the reference up to fused multiply-adds and
+    summation order; INT4R's rounded queries, ``round_query``, enter in the model dtype: a bf16
+    rounding of each); ``tail_rows`` ([B], -1: none) as there. INT4R's ``q`` comes rotated, as the
+    reference takes it. None where it does not apply (q not float32 or bfloat16 or not the cache's
+    model dtype, a shape the kernel does not take, no library): the caller's path serves."""
     lay = cache.layout
     b, hq, d = q.shape if q.dim() == 3 else (0, 0, 0)
-    if (not INT4_FUSED or _load() is None or cache.fmt.name != "int4" or q.dim() != 3 or d != lay.head_dim or q.dtype != cache.model_dtype
+    if (not INT4_FUSED or _load() is None or not cache.fmt.int4_codes or q.dim() != 3 or d != lay.head_dim or q.dtype != cache.model_dtype
             or not supports(q.dtype, hq, lay.num_kv_heads, d, lay.block_size) or cache.data.device.type != "cpu"):
         return None
     tails = tail_rows is not None and cache.k_tail is not None
@@ -439,14 +440,15 @@ def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_le
         return None
     tables, lens = prepare_tables(block_tables, seq_lens, lay.block_size)
     rows = _int4_tail_rows(cache, tail_rows, b)
-    q = q.contiguous()
+    q = round_query(q, q.dtype) if cache.fmt.rotates_keys else q.contiguous()
     out = torch.empty_like(q)
     _check_batch(q, tables, lens, out, *((rows,) if tails else ()))
     fn = _lib.paged_decode_int4_bf16 if q.dtype == torch.bfloat16 else _lib.paged_decode_int4_f32
     rc = fn(cache.data.data_ptr(), cache.k_meta.data_ptr(), cache.v_meta.data_ptr(),
             cache.k_tail.data_ptr() if tails else None, cache.v_tail.data_ptr() if tails else None,
             rows.data_ptr() if tails else None, *_int4_meta_shape(cache), q.data_ptr(), out.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            b, hq, lay.num_kv_heads, d, lay.block_size, cache.num_blocks, float(scale), torch.get_num_threads())  # fmt: skip
+            b, hq, lay.num_kv_heads, d, lay.block_size, cache.num_blocks, float(scale), torch.get_num_threads(),
+            int(cache.fmt.rotates_keys))  # fmt: skip
     if rc == 1:
         raise ValueError(f"a block table names a block outside the cache's {cache.num_blocks}")
     return out if rc == 0 else None
