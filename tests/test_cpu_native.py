@@ -444,6 +444,29 @@ def test_round_query_gives_the_references_values(dtype, rows):
     assert cpu_native.round_query(q.to(torch.float16), torch.float32) is None  # the reference's path serves
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rotate_gives_the_references_bits(dtype):
+    """INT4R's rotation in one C pass against quant_reference.rotate (the butterflies define it), bit
+    for bit, at every power-of-two head dim up to 256 and in a prefill's many rows (split over the
+    threads); a NaN spreads over its row only; other head dims are left to the reference."""
+    from llmbus.kernels import quant_reference as qr
+
+    g = torch.Generator().manual_seed(3)
+    for d in (1, 2, 8, 64, 128, 256):
+        for rows in (3, 4096):
+            x = (torch.randn(rows, 2, d, generator=g) * torch.logspace(-3, 3, rows)[:, None, None]).to(dtype)
+            if d == 64:
+                x[1, 0, 5] = float("nan")
+            got, want = cpu_native.rotate(x), qr.rotate(x)
+            assert got.dtype == dtype and got.shape == x.shape
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])
+            if d == 64:
+                assert got[1, 0].isnan().all() and not got[1, 1].isnan().any() and not got[0].isnan().any()
+    for bad in (torch.randn(3, 48), torch.randn(3, 512), torch.randn(3, 64).half()):
+        assert cpu_native.rotate(bad) is None
+
+
 # --- the element-wise fusions around the GEMMs (RMSNorm, SwiGLU) ------------------------------
 
 

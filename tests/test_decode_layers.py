@@ -266,12 +266,13 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
     return [t for t in (cache.data, cache.scale, cache.k_meta, cache.v_meta, cache.k_tail, cache.v_tail) if t is not None]
 
 
-@pytest.mark.parametrize("kv_format,env", [("int8", {}), ("int4", {}), ("int4", {"LLMBUS_KV_TAILS": "0"})])
+@pytest.mark.parametrize("kv_format,env", [("int8", {}), ("int4", {}), ("int4", {"LLMBUS_KV_TAILS": "0"}), ("int4r", {})])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_layers_over_quantized_caches_equal_the_layer_modules(tmp_path, monkeypatch, kv_format, env, dtype):
-    """int8 and int4 caches (int4 with and without exact tail rows) in one C call per step: the same
-    greedy tokens and logprobs and the same cache bytes (metadata and tail rows included) as the layer
-    modules, which call the same quantizing writes and decodes one layer at a time."""
+    """int8, int4 and int4r caches (int4 with and without exact tail rows) in one C call per step: the
+    same greedy tokens and logprobs and the same cache bytes (metadata and tail rows included) as the
+    layer modules, which call the same quantizing writes and decodes one layer at a time (int4r: and
+    the same rotations and query rounding)."""
     model_dir = write_random_model(tmp_path, {"num_hidden_layers": 3, "dtype": dtype}, seed=9)
     counted = _Counted(monkeypatch)
     fused, fused_caches = _engine_run(model_dir, monkeypatch, "1", kv_format, dtype, **env)
@@ -280,19 +281,20 @@ def test_fused_layers_over_quantized_caches_equal_the_layer_modules(tmp_path, mo
     assert calls >= 20 and counted.calls == calls  # the fused run's decode steps; none in the plain run
     assert fused == plain
     assert fused_caches[0].fmt.name == kv_format
-    if kv_format == "int4":
+    if kv_format.startswith("int4"):
         assert (fused_caches[0].k_tail is None) == ("LLMBUS_KV_TAILS" in env)
     for a, b in zip(fused_caches, plain_caches):
         assert all(torch.equal(x, y) for x, y in zip(_cache_tensors(a), _cache_tensors(b)))
 
 
-QUANTIZED = {"int8": KVFormat("int8"), "int8_fp32_scales": KVFormat("int8", "float32"), "int4": KVFormat("int4")}
+QUANTIZED = {"int8": KVFormat("int8"), "int8_fp32_scales": KVFormat("int8", "float32"), "int4": KVFormat("int4"),
+             "int4r": KVFormat("int4r")}
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_layers_over_quantized_caches_step_by_step(tmp_path, monkeypatch, name, dtype):
-    """Every quantized cache kind (int8 with fp16 or fp32 scales, int4) in one call per decode step:
+    """Every quantized cache kind (int8 with fp16 or fp32 scales, int4, int4r) in one call per decode step:
     the same logits and cache bytes as the modules, step by step."""
     model = _packed_model(write_random_model(tmp_path, {"num_hidden_layers": 3}, seed=5), dtype)
     model.backend = backend = CpuPagedAttentionBackend(QUANTIZED[name])

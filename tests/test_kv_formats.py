@@ -239,6 +239,12 @@ def test_hadamard_rotation_is_orthonormal_and_its_own_inverse():
     torch.testing.assert_close((qr.rotate(q) * qr.rotate(k)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="power-of-two head_dim, got 48"):
         qr.hadamard(48)
+    with pytest.raises(ValueError, match="power-of-two head_dim, got 48"):
+        qr.rotate(torch.randn(2, 48))
+    # the butterflies are the matrix product, up to the product's roundings
+    for d in (1, 2, 64, 256):
+        x = torch.randn(9, d)
+        torch.testing.assert_close(qr.rotate(x), x @ qr.hadamard(d), atol=1e-5, rtol=1e-5)
     # first built inside inference mode (as in an engine step), the matrix still serves autograd
     qr._hadamard.cache_clear()
     with torch.inference_mode():

@@ -35,6 +35,7 @@ def head_major(device) -> bool:
 
 class _PagedBackend:
     name = "paged"
+    _rotate = staticmethod(qr.rotate)  # INT4R's rotation of queries and keys
 
     def __init__(self, kv_format: str | KVFormat = "model") -> None:
         self.kv_format = kv_format if isinstance(kv_format, KVFormat) else parse_kv_format(kv_format)
@@ -63,7 +64,7 @@ class _PagedBackend:
         chunk attends to its own keys and values as computed (``reference.exact_chunks``), to its
         prefix as the cache holds it."""
         if self.kv_format.rotates_keys:
-            q, k = qr.rotate(q), qr.rotate(k)
+            q, k = self._rotate(q), self._rotate(k)
         self._write(k, v, cache, meta.slot_mapping, meta.tail_slots)
         nd, b = meta.num_decodes, meta.seq_lens.shape[0]
         rows = meta.tail_rows
@@ -134,6 +135,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     name = "cpu-paged"
 
     @staticmethod
+    def _rotate(x: torch.Tensor) -> torch.Tensor:
+        # NOTE: one C pass, the reference's bits (torch's butterflies take three passes a stage)
+        out = cpu_native.rotate(x)
+        return qr.rotate(x) if out is None else out
+
+    @staticmethod
     def _write(k, v, cache, slot_mapping, tail_slots=None):
         # NOTE: the quantizing writes in one C call, the same bytes as the reference's torch ops
         if cache.fmt.int4_codes and cpu_native.write_int4(k, v, cache, slot_mapping, tail_slots):
@@ -145,19 +152,18 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     def native_decode_tables(self, cache, meta, num_q_heads: int) -> NativeDecodes | None:
         """The step's tables for ``cpu_native.decode_layers`` (which runs every layer of a step in
         one C call) when every row of the step is a decode whose quantizing write and attention the
-        C kernels do, over an int8 or int4 cache in the model dtype; None otherwise (the layers run
+        C kernels do, over an int8, int4 or int4r cache in the model dtype; None otherwise (the layers run
         one by one, each through ``forward``). ``cache`` is the first layer's; the others must
         match it (``decode_layers`` raises otherwise: the engine allocates them alike)."""
-        # NOTE: no C kernel rotates keys (INT4R): such steps run layer by layer through forward
         lay, nd = cache.layout, meta.num_decodes
-        if (cache.fmt.name == "model" or cache.fmt.rotates_keys or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
+        if (cache.fmt.name == "model" or nd == 0 or nd != meta.seq_lens.shape[0] or not cpu_native.available()
                 or not cpu_native.supports(cache.model_dtype, num_q_heads, lay.num_kv_heads, lay.head_dim,
                                            lay.block_size)):
             return None
         if cache.fmt.name == "int8" and not cpu_native.int8_tensors_fit(cache):
             return None
-        if cache.fmt.name == "int4" and not (cpu_native.INT4_FUSED
-                                             and cpu_native.int4_tensors_fit(cache, cache.model_dtype, tails=True)):
+        if cache.fmt.int4_codes and not (cpu_native.INT4_FUSED
+                                         and cpu_native.int4_tensors_fit(cache, cache.model_dtype, tails=True)):
             return None
         plan = meta.backend_plans.get(self.name)
         if plan is None:

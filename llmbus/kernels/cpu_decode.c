@@ -826,6 +826,43 @@ DEFINE_ROUND_QUERY(round_query_f32_f32, float, f32_load, float, f32_store)
 DEFINE_ROUND_QUERY(round_query_f32_bf16, float, f32_load, uint16_t, bf16_store)
 DEFINE_ROUND_QUERY(round_query_bf16_f32, uint16_t, bf16_load, float, f32_store)
 DEFINE_ROUND_QUERY(round_query_bf16_bf16, uint16_t, bf16_load, uint16_t, bf16_store)
+
+/* quant_reference.rotate of rows x [rows, d] (d a power of two, at most MAX_D) into y (may be x):
+   the fast Walsh-Hadamard transform's butterflies in the reference's order (h = 1, 2, .. d/2), in
+   fp32, times the fp32 1 / sqrt(d) (quant_reference.rotation_scale), stored as T. Returns -1 for a
+   d it does not take. NOTE: ROT_ROWS rows at a time, transposed, so every butterfly is one vector
+   op across the rows: run along a row, the first stages' pairs (h = 1, 2, 4) left it scalar, slower
+   than torch's matrix product. */
+#define ROT_ROWS 16
+#define DEFINE_ROTATE(NAME, T, LOAD, STORE)                                                             \
+    int NAME(const T *x, int64_t rows, int64_t d, T *y, int threads) {                                  \
+        if (d < 1 || d > MAX_D || (d & (d - 1))) return -1;                                             \
+        const float scale = (float)(1.0 / sqrt((double)d));                                             \
+        const int64_t tiles = (rows + ROT_ROWS - 1) / ROT_ROWS;                                         \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * d >= 32768)")        \
+        for (int64_t tile = 0; tile < tiles; tile++) {                                                  \
+            const int64_t r0 = tile * ROT_ROWS, nr = rows - r0 < ROT_ROWS ? rows - r0 : ROT_ROWS;       \
+            float a[MAX_D][ROT_ROWS] __attribute__((aligned(64)));                                      \
+            for (int64_t r = 0; r < ROT_ROWS; r++)                                                      \
+                for (int64_t c = 0; c < d; c++) a[c][r] = r < nr ? LOAD(x[(r0 + r) * d + c]) : 0.0f;    \
+            for (int64_t h = 1; h < d; h *= 2)                                                          \
+                for (int64_t i = 0; i < d; i += 2 * h)                                                  \
+                    for (int64_t j = i; j < i + h; j++) {                                               \
+                        _Pragma("omp simd")                                                             \
+                        for (int64_t r = 0; r < ROT_ROWS; r++) {                                        \
+                            const float u = a[j][r], v = a[j + h][r];                                   \
+                            a[j][r] = u + v;                                                            \
+                            a[j + h][r] = u - v;                                                        \
+                        }                                                                               \
+                    }                                                                                   \
+            for (int64_t r = 0; r < nr; r++)                                                            \
+                for (int64_t c = 0; c < d; c++) y[(r0 + r) * d + c] = STORE(a[c][r] * scale);           \
+        }                                                                                               \
+        return 0;                                                                                       \
+    }
+
+DEFINE_ROTATE(rotate_f32, float, f32_load, f32_store)
+DEFINE_ROTATE(rotate_bf16, uint16_t, bf16_load, bf16_store)
 #ifdef __clang__
 #pragma STDC FP_CONTRACT ON
 #endif
@@ -1758,7 +1795,7 @@ int have_linear_bf16(void) { return HAVE_LINEAR_BF16 + 0; }
    memory. */
 #define DL_PTRS 10
 #define DC_PTRS 5
-enum { DC_MODEL = 0, DC_INT8_F16 = 1, DC_INT8_F32 = 2, DC_INT4 = 3 };
+enum { DC_MODEL = 0, DC_INT8_F16 = 1, DC_INT8_F32 = 2, DC_INT4 = 3, DC_INT4R = 4 };
 
 #define DEFINE_ADD_INTO(NAME, T, LOAD, STORE)                                                          \
     static void NAME(T *h, const T *x, int64_t n) {                                                     \
@@ -1769,11 +1806,12 @@ DEFINE_ADD_INTO(add_into_bf16, uint16_t, bf16_load, bf16_store)
 DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
 
 /* One layer's quantizing write of the step's keys and values (k, v: [B, Hkv, D], contiguous) into
-   a quantized cache c (DC_PTRS addresses of kind DC_INT8_* or DC_INT4), then its decode into attn.
+   a quantized cache c (DC_PTRS addresses of kind DC_INT8_*, DC_INT4 or DC_INT4R: k and q come
+   rotated, and q is rounded here as paged_decode_int4's caller rounds it), then its decode into attn.
    Returns as decode_layers: 0, 1 (a table names a block outside the cache), 2 (a slot outside
    it), 3 (out of memory), -1 (a shape the kernels do not take). */
 #define DEFINE_DECODE_LAYER_QUANTIZED(SFX, T)                                                           \
-    static int decode_layer_quantized_##SFX(const uint64_t *c, int kind, const T *k, const T *v, const T *q, \
+    static int decode_layer_quantized_##SFX(const uint64_t *c, int kind, const T *k, const T *v, T *q,     \
                                             T *attn, const int64_t *tail_slots, const int32_t *tail_rows, \
                                             int64_t key_slots, int64_t gk, int64_t gv, const int64_t *slots, \
                                             const int32_t *tables, int64_t table_stride, const int32_t *lens, \
@@ -1791,14 +1829,17 @@ DEFINE_ADD_INTO(add_into_f32, float, f32_load, f32_store)
             return paged_decode_int8_##SFX##_f32((const int8_t *)c[0], (const float *)c[1], q, attn, tables, \
                                                 table_stride, lens, batch, hq, hkv, d, bs, num_blocks, scale, threads); \
         }                                                                                               \
+        const int per_token = kind == DC_INT4R;                                                         \
         const int rc = write_int4_##SFX(k, v, batch, slots, tail_slots, (uint8_t *)c[0], (uint16_t *)c[1],     \
-                                        (uint16_t *)c[2], (T *)c[3], (T *)c[4], num_blocks, bs, hkv, d, key_slots, gk, gv, 0); \
+                                        (uint16_t *)c[2], (T *)c[3], (T *)c[4], num_blocks, bs, hkv, d, key_slots, gk, gv, \
+                                        per_token);                                                     \
         if (rc != 0) return rc == 1 ? 2 : rc == 2 ? -1 : 3;                                             \
+        if (per_token) round_query_##SFX##_##SFX(q, batch * hq, d, q, threads);                        \
         const int tails = tail_rows != 0;                                                               \
         return paged_decode_int4_##SFX((const uint8_t *)c[0], (const uint16_t *)c[1], (const uint16_t *)c[2], \
                                        tails ? (const T *)c[3] : 0, tails ? (const T *)c[4] : 0, tail_rows, key_slots, \
                                        gk, gv, q, attn, tables, table_stride, lens, batch, hq, hkv, d, bs, num_blocks, \
-                                       scale, threads, 0);                                              \
+                                       scale, threads, per_token);                                      \
     }
 DEFINE_DECODE_LAYER_QUANTIZED(bf16, uint16_t)
 DEFINE_DECODE_LAYER_QUANTIZED(f32, float)
@@ -1824,7 +1865,8 @@ static int linear_bf16_best(const uint16_t *x, int64_t x_stride, const uint16_t 
         const int64_t q_n = hq * d, kv_n = hkv * d, qkv_n = q_n + 2 * kv_n;                             \
         if (!(HAVE) || batch < 1 || d % 2 || hidden % LIN_N || qkv_n % LIN_N || (2 * inter) % LIN_N     \
             || q_n % 2 || inter % 2 || hkv < 1 || hq % hkv || hq / hkv > MAX_ROWS || d > MAX_D || bs > MAX_BS \
-            || kind < DC_MODEL || kind > DC_INT4 || (kind == DC_INT4 && !int4_shape_ok(d, bs, key_slots, gk, gv))) \
+            || kind < DC_MODEL || kind > DC_INT4R || (kind == DC_INT4 && !int4_shape_ok(d, bs, key_slots, gk, gv)) \
+            || (kind == DC_INT4R && (!int4_token_shape_ok(d, bs, key_slots, gk, gv) || (d & (d - 1)))))   \
             return -1;                                                                                  \
         for (int64_t b = 0; b < batch; b++)                                                             \
             if (slots[b] < 0 || slots[b] >= num_blocks * bs) return 2;                                  \
@@ -1849,6 +1891,10 @@ static int linear_bf16_best(const uint16_t *x, int64_t x_stride, const uint16_t 
             linear_##SFX(x, hidden, qkv_w, qkv_b, qkv, batch, qkv_n, hidden, threads);                  \
             rope_##SFX(qkv, qkv_n, cos_, sin_, q, batch, hq, d, threads);                               \
             rope_##SFX(qkv + q_n, qkv_n, cos_, sin_, k, batch, hkv, d, threads);                        \
+            if (kind == DC_INT4R) { /* as the backend's forward: queries and keys rotated */           \
+                rotate_##SFX(q, batch * hq, d, q, threads);                                             \
+                rotate_##SFX(k, batch * hkv, d, k, threads);                                            \
+            }                                                                                           \
             if (kind == DC_MODEL) {                                                                     \
                 T *kc = (T *)c[0], *vc = kc + num_blocks * bs * kv_n;                                   \
                 for (int64_t b = 0; b < batch; b++) { /* the new keys and values into their slots */   \

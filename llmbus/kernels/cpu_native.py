@@ -151,6 +151,8 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64,
                            ctypes.c_int]
+        for fn in (lib.rotate_f32, lib.rotate_bf16):
+            fn.restype, fn.argtypes = ctypes.c_int, [ptr, i64, i64, ptr, ctypes.c_int]
         for src in ("f32", "bf16"):
             for dst in ("f32", "bf16"):
                 fn = getattr(lib, f"round_query_{src}_{dst}")
@@ -422,6 +424,21 @@ def round_query(q: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
     return out
 
 
+def rotate(x: torch.Tensor) -> torch.Tensor | None:
+    """``quant_reference.rotate(x)`` in one C pass (the same butterflies in the same order: the
+    same bits). None where it does not apply (no library, ``x`` not a float32 or bfloat16 CPU
+    tensor, a last dimension not a power of two up to ``MAX_HEAD_DIM``)."""
+    if _load() is None or x.dtype not in _SUFFIX or x.device.type != "cpu" or x.dim() == 0:
+        return None
+    d = x.shape[-1]
+    if d < 1 or d > MAX_HEAD_DIM or d & (d - 1):
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    getattr(_lib, f"rotate_{_SUFFIX[x.dtype]}")(x.data_ptr(), x.numel() // d, d, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def paged_decode_int4(q: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       tail_rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """``reference.paged_decode_attention_cache`` over an INT4 or INT4R ``PagedKVCache`` in one call,
@@ -679,7 +696,7 @@ def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None) ->
 
 DECODE_LAYER_PTRS = 10  # addresses per layer in ``decode_layers``'s table (DL_PTRS in the source)
 DECODE_CACHE_PTRS = 5  # addresses per layer's cache (DC_PTRS)
-_CACHE_KINDS = {"model": 0, ("int8", torch.float16): 1, ("int8", torch.float32): 2, "int4": 3}  # DC_*
+_CACHE_KINDS = {"model": 0, ("int8", torch.float16): 1, ("int8", torch.float32): 2, "int4": 3, "int4r": 4}  # DC_*
 
 
 def _cache_rows(caches: list, dtype: torch.dtype) -> tuple[int, list[list[int]], tuple[int, int, int, int]]:
@@ -703,14 +720,14 @@ def _cache_rows(caches: list, dtype: torch.dtype) -> tuple[int, list[list[int]],
             if not int8_tensors_fit(c) or c.scale.dtype != first.scale.dtype:
                 raise ValueError("decode_layers needs int8 caches' data and scales contiguous, of their layout")
             rows.append([c.data.data_ptr(), c.scale.data_ptr(), 0, 0, 0])
-        elif fmt == "int4":
+        elif fmt in ("int4", "int4r"):
             if not int4_tensors_fit(c, dtype, tails=True) or c.num_tail_rows != first.num_tail_rows:
                 raise ValueError("decode_layers needs int4 caches' tensors contiguous, of their layout, with "
                                  "as many tail rows each")
             tails = [c.k_tail.data_ptr(), c.v_tail.data_ptr()] if c.k_tail is not None else [0, 0]
             rows.append([c.data.data_ptr(), c.k_meta.data_ptr(), c.v_meta.data_ptr(), *tails])
         else:
-            raise ValueError("decode_layers takes model-dtype caches as [2, N, bs, Hkv, D] tensors, int8 and int4 "
+            raise ValueError("decode_layers takes model-dtype caches as [2, N, bs, Hkv, D] tensors, int8 and int4(r) "
                              f"ones as PagedKVCache; got a {fmt} PagedKVCache")
     kind = _CACHE_KINDS[(fmt, first.scale.dtype) if fmt == "int8" else fmt]
     return kind, rows, (first.num_blocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
@@ -745,8 +762,9 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     addresses per layer (input norm weight, qkv blocked weight, qkv bias, o weight, o bias,
     post-attention norm weight, gate_up weight, gate_up bias, down weight, down bias; 0 for no bias),
     which the caller keeps alive, all of h's dtype. ``caches``: L contiguous ``[2, N, bs, Hkv, D]``
-    tensors, or L int8 / int4 ``PagedKVCache`` (written and read by the kernels the per-layer path
-    calls, ``write_int8`` / ``write_int4`` and their decodes: the same bytes); for int4,
+    tensors, or L int8 / int4 / int4r ``PagedKVCache`` (written and read by the kernels the per-layer
+    path calls, ``write_int8`` / ``write_int4`` and their decodes, INT4R's rotations and query rounding
+    by ``rotate`` / ``round_query``'s: the same bytes); for int4 and int4r,
     ``tail_slots`` / ``tail_rows`` as ``write_int4`` / ``paged_decode_int4`` take them. ``slots``
     ``[B]``; tables/lens from ``prepare_tables``; cos/sin ``B x D/2``."""
     lib = _load()
@@ -775,7 +793,7 @@ def decode_layers(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers:
     _check_layer_addresses(layers)
     ts = tr = None
     key_slots = gk = gv = 0
-    if kind == _CACHE_KINDS["int4"]:
+    if kind in (_CACHE_KINDS["int4"], _CACHE_KINDS["int4r"]):
         key_slots, gk, gv = _int4_meta_shape(caches[0])
         ts = _int4_tail_slots(caches[0], slots, tail_slots)
         tr = _int4_tail_rows(caches[0], tail_rows, b)

@@ -9,6 +9,7 @@ dequantization uses exactly the numbers quantization used.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -113,10 +114,30 @@ def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return _hadamard(d, torch.device(device))
 
 
+def rotation_scale(d: int) -> float:
+    """The fp32 factor that makes ``d``'s butterflies orthonormal: ``1 / sqrt(d)`` (as the matrix's entries)."""
+    return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32))  # NOTE: sqrt, as the C kernels take it
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., D]`` times the Hadamard matrix (computed in fp32, returned in ``x``'s dtype): how
-    INT4R stores keys and meets them with queries. Rotating twice gives ``x`` back."""
-    return (x.float() @ hadamard(x.shape[-1], x.device)).to(x.dtype)
+    """``x [..., D]`` times the Hadamard matrix (``hadamard``), returned in ``x``'s dtype: how INT4R
+    stores keys and meets them with queries. Rotating twice gives ``x`` back. Computed in fp32 as the
+    fast Walsh-Hadamard transform defines it: stages h = 1, 2, 4, .. D/2, each turning every pair
+    ``(x_j, x_{j+h})`` (j in the lower half of its run of 2h) into ``(x_j + x_{j+h}, x_j - x_{j+h})``,
+    then times ``rotation_scale``. NOTE: these roundings are the definition, so the C kernels
+    (``cpu_native.rotate``, the fused decode layers) give the same bits; a matrix product's sums
+    would round by its library's order."""
+    d = x.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    y = x.float()
+    h = 1
+    while h < d:
+        y = y.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = y.select(-2, 0), y.select(-2, 1)
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * rotation_scale(d)).to(x.dtype)
 
 
 def round_query(q: torch.Tensor) -> torch.Tensor:

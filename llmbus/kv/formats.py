@@ -20,7 +20,8 @@ Four formats, all on the paged layout of ``llmbus.kv.layout`` (per layer, ``N`` 
   the same ``k_meta`` slots: slot ``2 * (offset * D / key_group + g)`` is the scale, the next the min.
 
 - ``int4r`` (INT4 with rotated keys, per token): keys are first rotated by the head_dim's
-  orthonormal Hadamard matrix ``Hd`` (Sylvester's, scaled by ``1/sqrt(D)``: ``k' = k Hd``), which
+  orthonormal Hadamard matrix ``Hd`` (Sylvester's, scaled by ``1/sqrt(D)``: ``k' = k Hd``, computed
+  in fp32 by the fast Walsh-Hadamard butterflies, ``quant_reference.rotate``), which
   spreads the outlier channels that KIVI's per-channel ranges exist for, then stored as INT4's
   partial-block keys are, per token, in every block, full or not, but in one group of all ``D``
   channels: ``k_meta`` int16 ``[N, H, 2 * bs]``, slot ``2 * offset`` the fp16 scale, the next
