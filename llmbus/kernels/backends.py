@@ -238,6 +238,12 @@ class TritonAttentionBackend(_PagedBackend):
     name = "triton"
 
     @staticmethod
+    def _rotate(x: torch.Tensor) -> torch.Tensor:
+        # NOTE: one matrix product (the reference's butterflies are three small ops a stage, ~20
+        # launches a tensor and layer in an eager prefill); equal up to rounding, as the kernels are
+        return (x.float() @ qr.hadamard(x.shape[-1], x.device)).to(x.dtype)
+
+    @staticmethod
     def _write(k, v, cache, slot_mapping, tail_slots=None):
         from llmbus.kernels.write_kv import write_kv
 
