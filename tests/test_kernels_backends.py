@@ -380,3 +380,41 @@ def test_dequantized_context_holds_each_sequences_own_blocks(fmt):
         kv, table = reference.dequantized_context(cache, tables, lens, tail_rows=torch.tensor([-1, 1, -1, -1]))
         assert (kv[0, table[1, 0], :7] == 3.0).all() and (kv[1, table[1, 0], :7] == -2.0).all()
         assert (kv[:, table[1, 0], 7:] == 0).all()
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the native CPU library did not build")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4r"])
+def test_cpu_backend_lays_fresh_prompts_out_from_their_chunks(fmt, dtype, monkeypatch):
+    """A prefill of fresh prompts alone (no cached prefix) attends over a context laid out from its
+    chunks' own keys and values: the bytes the kernels read (every position below each sequence's
+    end) and the table equal the dequantized context's with the chunks written over it, no block is
+    dequantized, and the output is the reference's."""
+    from llmbus.kernels import backends
+
+    lay = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    lens, tables = [37, 16, 1, 50], [[3, 5, 0], [6], [1], [2, 4, 7, 8]]
+    meta = _meta(lay, tables, lens, lens, 0, "cpu")
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(lens), h, 64, generator=g).to(getattr(torch, dtype)) for h in (8, 2, 2))
+    ours, ref = CpuPagedAttentionBackend(fmt), TorchPagedAttentionBackend(fmt)
+    cache, ref_cache = ours.allocate_cache(lay, 10, "cpu")[0], ref.allocate_cache(lay, 10, "cpu")[0]
+    want = ref.forward(q, k, v, ref_cache, meta, 0.125)
+
+    ours._write(k, v, cache, meta.slot_mapping)  # the codes the slow path would have read
+    qsl = meta.query_start_loc
+    slow, slow_table = reference.dequantized_context(cache, meta.block_tables, meta.seq_lens, zero_past_end=False)
+    reference.exact_chunks(slow, slow_table, k, v, meta.seq_lens, qsl)
+    fast, table = backends._chunk_context(k, v, qsl, 16, torch.float32)
+    assert torch.equal(table, slow_table)
+    for i, n in enumerate(lens):
+        def rows(kv):
+            return kv[:, table[i, : -(-n // 16)].long()].flatten(1, 2)[:, :n]
+        assert torch.equal(rows(fast), rows(slow))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fresh prompt's context was dequantized")
+
+    monkeypatch.setattr(reference, "dequantized_context", refuse)
+    got = ours.forward(q, k, v, cache, meta, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == "bfloat16" else 2e-5, rtol=1e-3)

@@ -90,11 +90,12 @@ def test_a_prompts_pass_attends_to_its_own_kv_exactly(model_dir, model_dtype_fir
     computed (llmbus.kernels.reference.exact_chunks, as KIVI's prefill does): its first token's logprobs
     are the model-dtype cache's (INT4R's within its int8 query rounding), where reading the
     prompt back from its codes moved them (INT4's by ~8e-3, INT8's by ~6e-4 on this prompt)."""
-    from llmbus.kernels import reference
+    from llmbus.kernels import backends, reference
 
     want = model_dtype_first_logprobs
     exact = _gap(_first_logprobs(model_dir, kv_format), want)
     monkeypatch.setattr(reference, "exact_chunks", lambda *args: None)  # the chunk read back from its codes
+    monkeypatch.setattr(backends, "FRESH_FROM_CHUNKS", False)  # (which a fresh prompt's pass skips on CPU)
     read_back = _gap(_first_logprobs(model_dir, kv_format), want)
     assert exact < 1e-3 and exact < 0.25 * read_back, (exact, read_back)
 
