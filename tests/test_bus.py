@@ -370,3 +370,41 @@ def test_a_second_signal_hurries_the_stop():
     assert ctx.stop.is_set() and not ctx.hurry.is_set()
     ctx.signalled()
     assert ctx.hurry.is_set()
+
+
+def test_a_service_s_shutdown_ends_even_if_its_connection_never_reports_closed(tmp_path):
+    """A service's drain and close of its NATS connection are bounded. Caught mid-reconnect (its
+    server gone), nats-py refuses the drain at once and its close awaits the transport's
+    wait_closed, which need never finish (a kvpool once outlived two SIGTERMs for minutes in CI):
+    here that transport never reports closed, and the shutdown still ends within its bounds."""
+    import time
+
+    from llmbus.bus import service
+
+    async def body(server):
+        nc = await connect(server.url)
+        await nc.flush()
+        server.stop()  # the client starts reconnecting, for ever
+        for _ in range(100):
+            if nc.is_reconnecting:
+                break
+            await asyncio.sleep(0.05)
+        never = asyncio.get_running_loop().create_future()
+
+        async def hang():
+            await never
+
+        if nc._transport is not None:  # noqa: SLF001
+            nc._transport.wait_closed = hang  # noqa: SLF001
+        start = time.monotonic()
+        # NOTE: the test's own bound, so that a hang fails it instead of the suite
+        await asyncio.wait_for(service._drain(nc, drain_s=0.5, close_s=0.5), 10)  # noqa: SLF001
+        return time.monotonic() - start, nc.is_reconnecting
+
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    try:
+        took, _ = asyncio.run(body(server))
+    finally:
+        server.stop()
+    assert took < 3.0, took

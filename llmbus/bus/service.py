@@ -201,12 +201,15 @@ async def _answer_metrics(ctx: ServiceContext) -> None:
     ctx.stack.push_async_callback(sub.unsubscribe)
 
 
-async def _drain(nc) -> None:
+async def _drain(nc, drain_s: float = 10.0, close_s: float = 5.0) -> None:
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.drain(), 10)
+        await asyncio.wait_for(nc.drain(), drain_s)
     if not nc.is_closed:
+        # NOTE: bounded as the drain is: nats-py's close waits for its transport to report closed,
+        # which a connection caught mid-reconnect may never do (a CI run's kvpool outlived its
+        # SIGTERM, and a second, for minutes); the process is exiting either way
         with contextlib.suppress(Exception):
-            await nc.close()
+            await asyncio.wait_for(nc.close(), close_s)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
