@@ -192,7 +192,16 @@ def test_work_left_for_a_worker_that_went_away_goes_back_to_the_lane(nats_server
                         break
                     await asyncio.sleep(0.05)
                 assert router.rescued.values == {(): 1}
-                with pytest.raises(NotFoundError):  # and the gone worker's consumer with it
+                # and the gone worker's consumer with it: NOTE: the router counts the move before it
+                # deletes the consumer (or, the ack still pending, at its next sweep), so wait for it
+                for _ in range(200):
+                    try:
+                        await js.consumer_info(subjects.PREFILL_STREAMS["short"],
+                                               subjects.direct_consumer("prefill-gone"))
+                    except NotFoundError:
+                        break
+                    await asyncio.sleep(0.05)
+                with pytest.raises(NotFoundError):
                     await js.consumer_info(subjects.PREFILL_STREAMS["short"], subjects.direct_consumer("prefill-gone"))
         await nc.drain()
 
