@@ -98,14 +98,15 @@ def _models(args, data_dir: Path) -> list[tuple[str, str]]:
 
 
 def _block_bytes(models, args) -> int:
-    from llmbus.engine.engine import kv_block_bytes
+    # NOTE: not engine.kv_block_bytes: `up` supervises and never imports torch (~150 MB resident,
+    # and seconds of start and exit on a busy machine)
+    from llmbus.kv.formats import parse_kv_format
     from llmbus.model.config import ModelConfig
 
-    most = 0
+    fmt, most = parse_kv_format(args.kv_format), 0
     for _, path in models:
         cfg = ModelConfig.from_file(Path(path) / "config.json")
-        layout = cfg.kv_layout(16, args.dtype or cfg.dtype)
-        most = max(most, kv_block_bytes(layout, args.kv_format))
+        most = max(most, fmt.bytes_per_block(cfg.kv_layout(16, args.dtype or cfg.dtype)))
     return most
 
 
@@ -204,13 +205,16 @@ def _stop(children: list[Child], timeout: float = 30.0) -> None:
         live = [c for c in group if c.proc and c.proc.poll() is None]
         for c in live:
             c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         for c in live:
             try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
+                c.proc.wait(max(0.1, start + timeout - time.monotonic()))
+                print(f"llmbus up: {c.name} stopped in {time.monotonic() - start:.1f}s", flush=True)
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+                print(f"llmbus up: {c.name} did not stop within {timeout:.0f}s of SIGTERM; killed", file=sys.stderr,
+                      flush=True)
 
 
 def drop_tls_settings() -> list[str]:

@@ -28,17 +28,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
-
-from llmbus.engine.attention import torch_dtype
 from llmbus.model.config import ModelConfig, normalize_dtype
 from llmbus.model.demo_tokenizer import (BOS, ENDOFTEXT, EOS, IM_END, SP_SPECIAL_TOKENS, SPECIAL_TOKENS,
                                          TOKENIZER_KINDS, sentencepiece_tokenizer_json, tokenizer_config,
                                          train_sentencepiece, train_tokenizer_json)
-from llmbus.model.loader import expected_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 _END_ID, _IM_END_ID = SPECIAL_TOKENS.index(ENDOFTEXT), SPECIAL_TOKENS.index(IM_END)
@@ -108,6 +106,13 @@ def _gain(name: str, gains: dict[str, Any], num_layers: int) -> float:
 
 
 def _random_weights(cfg: ModelConfig, std: float, seed: int, gains: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    # NOTE: torch here, not at the top: `llmbus up` finds an existing demo model through this module
+    # and never imports torch
+    import torch
+
+    from llmbus.engine.attention import torch_dtype
+    from llmbus.model.loader import expected_tensors
+
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in expected_tensors(cfg).items():
@@ -160,6 +165,8 @@ def write_random_model(out_dir: str | Path, config_overrides: dict[str, Any] | N
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", raw)
     std = float(raw.get("initializer_range", 0.08))
+    from safetensors.torch import save_file
+
     save_file(_random_weights(cfg, std, seed, gains), str(out / "model.safetensors"), metadata={"format": "pt"})
     if sp_model:
         (out / "tokenizer.model").write_bytes(sp_model)

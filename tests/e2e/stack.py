@@ -4,6 +4,7 @@ separate processes) for end-to-end tests, and read its state back from the bus."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -18,6 +19,18 @@ from llmbus.bus.connection import connect
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.streams import read_registry
 from llmbus.protocol import InstanceInfo
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # NOTE: after the last ')': a command name may hold spaces and parentheses
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
 
 
 class Stack:
@@ -48,14 +61,23 @@ class Stack:
                 self._ready.set()
         self._ready.set()
 
-    def stop(self, timeout: float = 90) -> int:
+    def stop(self, timeout: float = 150) -> int:
+        """SIGINT `llmbus up`, as Ctrl-C does; its exit code. ``timeout`` covers up's own bounds (each
+        of four service groups gets 30 s before SIGKILL, then NATS 10 s); past it ``up`` and its
+        services are killed. Unless it exits 0, its log's end goes to stderr (shown with a failure)."""
         if self.proc.poll() is None:
+            services = _children(self.proc.pid)
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                for pid in services:  # each in a process group of its own, which `up` no longer stops
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+        if self.proc.returncode != 0:
+            print(f"llmbus up exited {self.proc.returncode}; its log's end:\n" + "".join(self.lines[-60:]), file=sys.stderr)
         return self.proc.returncode
 
     def log(self) -> str:
