@@ -338,6 +338,16 @@ def test_backends_attend_to_a_filling_blocks_exact_kv_through_the_metadata(backe
     assert pairs[0] != pairs[1]  # the sequences hold their own rows
 
 
+def test_context_table_names_each_sequences_blocks_in_turn():
+    """The table both context builders share (the quantized read-back and fresh prompts' chunks)."""
+    starts, table = reference.context_table(torch.tensor([2, 0, 3]))
+    assert starts.tolist() == [0, 2, 2]
+    assert table.dtype == torch.int32 and table.tolist() == [[0, 1, 0], [0, 0, 0], [2, 3, 4]]
+    starts, table = reference.context_table(torch.tensor([0, 0]))  # all empty: zeros, one column
+    assert starts.tolist() == [0, 0] and table.tolist() == [[0], [0]]
+    assert reference.context_table(torch.zeros(0, dtype=torch.int64))[1].shape == (0, 1)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_dequantized_context_holds_each_sequences_own_blocks(fmt):
     """One long sequence beside short and empty ones: the context holds each sequence's own blocks

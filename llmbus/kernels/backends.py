@@ -244,15 +244,13 @@ def _chunk_context(key: torch.Tensor, value: torch.Tensor, qsl: torch.Tensor, bs
     qsl = qsl.to(torch.int64)
     lens = qsl[1:] - qsl[:-1]
     counts = (lens + bs - 1) // bs
-    starts = torch.cumsum(counts, 0) - counts
+    starts, table = reference.context_table(counts)
     total = max(1, int(counts.sum()))  # NOTE: all empty: one block, so the table's zeros point into it
     kv = torch.empty(2, total * bs, *key.shape[1:], dtype=dtype)
     # NOTE: a slice copy a chunk (an index_put of every row took twice as long)
     for row, n, at in zip((qsl[:-1] - qsl[0]).tolist(), lens.tolist(), (starts * bs).tolist()):
         kv[0, at : at + n] = key[row : row + n]
         kv[1, at : at + n] = value[row : row + n]
-    col = torch.arange(max(1, int(counts.max())) if lens.numel() else 1)
-    table = torch.where(col[None, :] < counts[:, None], starts[:, None] + col[None, :], 0).to(torch.int32)
     return kv.view(2, total, bs, *key.shape[1:]), table
 
 

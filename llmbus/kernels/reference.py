@@ -286,6 +286,15 @@ def dequantize_blocks(
     return torch.stack((k, v))
 
 
+def context_table(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a context holding each sequence's ``counts[i]`` blocks one after another: where each
+    sequence's blocks start, and the int32 block table into it (row i: consecutive ids; entries
+    past a sequence's blocks, and the rows of sequences with none: 0)."""
+    col = torch.arange(max(1, int(counts.max())) if counts.numel() else 1, device=counts.device)
+    starts = torch.cumsum(counts, 0) - counts
+    return starts, torch.where(col[None, :] < counts[:, None], starts[:, None] + col[None, :], 0).to(torch.int32)
+
+
 def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         zero_past_end: bool = True, tail_rows: torch.Tensor | None = None,
                         dequantize=None):
@@ -315,13 +324,11 @@ def dequantized_context(cache: "PagedKVCache", block_tables: torch.Tensor, seq_l
         seqs = ((rows >= 0) & (lens % bs > 0)).nonzero().flatten()
         full[seqs, lens[seqs] // bs] = True  # NOTE: their keys come from the rows: skip per-token codes
     kv = (dequantize or dequantize_blocks)(cache, block_tables[:, :nblk].long()[own], full[own])
-    held = own.sum(1)
-    starts = torch.cumsum(held, 0) - held
+    starts, table = context_table(counts)  # (all empty: its zeros point at the one block)
     if seqs is not None and seqs.numel():
         at = starts[seqs] + lens[seqs] // bs
         for i, tail in enumerate((cache.k_tail, cache.v_tail)):
             kv[i, at] = tail.view(-1, bs, *tail.shape[1:])[rows[seqs]].float()
-    table = torch.where(own, starts[:, None] + col[None, :], 0).to(torch.int32)
     if not zero_past_end:
         return kv, table
     # NOTE: slots past a sequence's end may hold another encoding's bytes (a reused block, table
