@@ -205,16 +205,14 @@ async def _answer_metrics(ctx: ServiceContext) -> None:
 async def _drain(nc, drain_s: float = 10.0, close_s: float = 5.0) -> None:
     """Let the subscriptions finish the messages they hold and the publishes reach the server (within
     ``drain_s``), then close the connection (within ``close_s``): the process is exiting either way."""
-    cut = await _bounded(nc.drain(), drain_s)  # (refused at once mid-reconnect)
+    await _bounded(nc.drain(), drain_s)  # (refused at once mid-reconnect)
     if not nc.is_closed:
-        cut |= await _bounded(nc.close(), close_s)
-    if cut:
-        _collect_quietly()
+        await _bounded(nc.close(), close_s)
 
 
-async def _bounded(coro, timeout: float) -> bool:
-    """Run ``coro`` for ``timeout`` seconds at most, then cancel it until it ends; whether it had to
-    be cut short (what it raises is dropped).
+async def _bounded(coro, timeout: float) -> None:
+    """Run ``coro`` for ``timeout`` seconds at most, then cancel it until it ends; what it raises is
+    dropped.
 
     NOTE: not asyncio.wait_for, which waits out the cancelled coroutine: nats-py's drain swallows
     the first cancel and goes on to a flush (10 s) and a close that awaits the transport's
@@ -225,7 +223,8 @@ async def _bounded(coro, timeout: float) -> bool:
     if task.done():
         if not task.cancelled():
             task.exception()  # retrieved, so asyncio does not log it
-        return False
+        return
+    _quiet_cancelled()
     for _ in range(20):  # (two do for a drain)
         task.cancel()
         await asyncio.wait({task}, timeout=0.1)
@@ -233,14 +232,16 @@ async def _bounded(coro, timeout: float) -> bool:
             break
     else:
         log.warning("gave up waiting for %s at shutdown", getattr(coro, "__qualname__", coro))
-    return True
+    del task
+    gc.collect()
 
 
-def _collect_quietly() -> None:
-    """Collect what a cut-short drain left: nats-py's gather of its subscriptions' drains, cancelled,
-    never retrieved, in a reference cycle. Now and without its "exception was never retrieved", not
-    at some later allocation: a finalizer that runs Python code in the middle of a compile trips
-    CPython 3.11's AST recursion check (pytest stopped with an INTERNALERROR)."""
+def _quiet_cancelled() -> None:
+    """From here on (the process is exiting) drop a cancelled future's "exception was never
+    retrieved": a cut-short drain leaves nats-py's gather of its subscriptions' drains so. It can
+    sit in a reference cycle, which ``_bounded`` then collects at once, not at some later allocation:
+    a finalizer that runs Python code in the middle of a compile trips CPython 3.11's AST recursion
+    check (pytest stopped with an INTERNALERROR)."""
     loop = asyncio.get_running_loop()
     handler = loop.get_exception_handler()
 
@@ -253,10 +254,6 @@ def _collect_quietly() -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(quiet)
-    try:
-        gc.collect()
-    finally:
-        loop.set_exception_handler(handler)
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
