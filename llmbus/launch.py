@@ -98,7 +98,7 @@ def _models(args, data_dir: Path) -> list[tuple[str, str]]:
 
 
 def _block_bytes(models, args) -> int:
-    # NOTE: not engine.kv_block_bytes: `up` supervises and never imports torch (~150 MB resident,
+    # NOTE: not engine.kv_block_bytes: `up` supervises and never imports torch (~200 MB resident,
     # and seconds of start and exit on a busy machine)
     from llmbus.kv.formats import parse_kv_format
     from llmbus.model.config import ModelConfig

@@ -39,7 +39,7 @@ def test_a_service_that_ignores_sigterm_is_killed_and_named(capsys):
 
 def test_up_plans_the_stack_without_importing_torch(tmp_path, monkeypatch):
     """`up` only supervises: kvpool's block size comes from the model's config and the KV format,
-    not through the engine (torch: ~150 MB resident, and seconds to start and exit on a busy
+    not through the engine (torch: ~200 MB resident, and seconds to start and exit on a busy
     machine). The size is the engine's own figure, computed after the check."""
     monkeypatch.setenv("LLMBUS_DATA_DIR", str(tmp_path))
     model = ensure_demo_model("small")  # the model `up` serves by default, under $LLMBUS_DATA_DIR
