@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 
 
-def _children_map() -> dict[int, list[int]]:
+def children_map() -> dict[int, list[int]]:
+    """Each live process's children, by parent pid."""
     kids: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -35,7 +36,7 @@ def tree_cpu_s(pids: list[int]) -> float:
     """
     if not os.path.isdir("/proc"):
         raise ValueError("CPU accounting of server processes needs /proc (Linux)")
-    kids = _children_map()
+    kids = children_map()
     seen: set[int] = set()
     stack = list(pids)
     total = 0.0

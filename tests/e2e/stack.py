@@ -14,23 +14,12 @@ import threading
 import time
 from pathlib import Path
 
+from llmbus.bench.cputime import children_map
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.streams import read_registry
 from llmbus.protocol import InstanceInfo
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                # NOTE: after the last ')': a command name may hold spaces and parentheses
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-    return found
 
 
 class Stack:
@@ -66,7 +55,7 @@ class Stack:
         of four service groups gets 30 s before SIGKILL, then NATS 10 s); past it ``up`` and its
         services are killed. Unless it exits 0, its log's end goes to stderr (shown with a failure)."""
         if self.proc.poll() is None:
-            services = _children(self.proc.pid)
+            services = children_map().get(self.proc.pid, [])
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout)
