@@ -98,15 +98,15 @@ def _models(args, data_dir: Path) -> list[tuple[str, str]]:
 
 
 def _block_bytes(models, args) -> int:
-    # NOTE: not engine.kv_block_bytes: `up` supervises and never imports torch (~200 MB resident,
-    # and seconds of start and exit on a busy machine)
-    from llmbus.kv.formats import parse_kv_format
+    # NOTE: from llmbus.kv, not the engine: `up` supervises and never imports torch (~200 MB
+    # resident, and seconds of start and exit on a busy machine)
+    from llmbus.kv.formats import kv_block_bytes
     from llmbus.model.config import ModelConfig
 
-    fmt, most = parse_kv_format(args.kv_format), 0
+    most = 0
     for _, path in models:
         cfg = ModelConfig.from_file(Path(path) / "config.json")
-        most = max(most, fmt.bytes_per_block(cfg.kv_layout(16, args.dtype or cfg.dtype)))
+        most = max(most, kv_block_bytes(cfg.kv_layout(16, args.dtype or cfg.dtype), args.kv_format))
     return most
 
 

@@ -16,7 +16,8 @@ from llmbus.bus.connection import connect
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.streams import ensure_streams
 from llmbus.engine.config import EngineConfig
-from llmbus.engine.engine import Engine, kv_block_bytes
+from llmbus.engine.engine import Engine
+from llmbus.kv.formats import kv_block_bytes
 from llmbus.model.demo import make_demo_model
 from llmbus.protocol import GenerateRequest, SamplingSpec, TokenEvent, WorkerLoad, decode, encode
 from llmbus.protocol.messages import BlockRemovedEvent, BlockStoredEvent, KVEvents

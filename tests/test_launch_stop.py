@@ -40,7 +40,8 @@ def test_a_service_that_ignores_sigterm_is_killed_and_named(capsys):
 def test_up_plans_the_stack_without_importing_torch(tmp_path, monkeypatch):
     """`up` only supervises: kvpool's block size comes from the model's config and the KV format,
     not through the engine (torch: ~200 MB resident, and seconds to start and exit on a busy
-    machine). The size is the engine's own figure, computed after the check."""
+    machine). The size is the one the workers' kvpool clients use (``kv_block_bytes``), for the
+    model's layout."""
     monkeypatch.setenv("LLMBUS_DATA_DIR", str(tmp_path))
     model = ensure_demo_model("small")  # the model `up` serves by default, under $LLMBUS_DATA_DIR
     code = f"""
@@ -56,7 +57,7 @@ plan = _plan(args, "nats://127.0.0.1:4222", _models(args, None))
 assert "torch" not in sys.modules, "up imported torch"
 argv = next(c.argv for c in plan if c.name == "kvpool")
 print(argv[argv.index("--block-bytes") + 1])
-from llmbus.engine.engine import kv_block_bytes
+from llmbus.kv.formats import kv_block_bytes
 from llmbus.model.config import ModelConfig
 cfg = ModelConfig.from_file(Path("{model}") / "config.json")
 print(kv_block_bytes(cfg.kv_layout(16, cfg.dtype), "int4r"))

@@ -18,7 +18,8 @@ from llmbus.bus.connection import connect
 from llmbus.bus.service import READY_PREFIX, ServiceOptions, run_service
 from llmbus.bus.streams import ensure_decode_consumer, ensure_streams
 from llmbus.engine.config import EngineConfig
-from llmbus.engine.engine import Engine, kv_block_bytes
+from llmbus.engine.engine import Engine
+from llmbus.kv.formats import kv_block_bytes
 from llmbus.model.demo import make_demo_model
 from llmbus.protocol import Abort, GenerateRequest, Handoff, SamplingSpec, TokenEvent, WorkerLoad, decode, encode
 from llmbus.protocol.messages import LANES

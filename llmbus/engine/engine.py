@@ -60,11 +60,6 @@ class StepOutput:
     error: str = ""  # finish_reason "error": what the step raised on this sequence alone
 
 
-def kv_block_bytes(layout: KVLayout, kv_format: str) -> int:
-    """Bytes one block takes across all layers in ``kv_format`` (scales included)."""
-    return parse_kv_format(kv_format).bytes_per_block(layout)
-
-
 def _pick_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -175,3 +175,8 @@ class KVFormat:
 def parse_kv_format(name: str) -> KVFormat:
     """``"model" | "int8" | "int4" | "int4r"`` (the ``--kv-format`` option) -> KVFormat."""
     return KVFormat(name=name.strip().lower() if isinstance(name, str) else name)
+
+
+def kv_block_bytes(layout: KVLayout, kv_format: str) -> int:
+    """Bytes one block takes across all layers in ``kv_format`` (scales included)."""
+    return parse_kv_format(kv_format).bytes_per_block(layout)

@@ -36,7 +36,8 @@ from llmbus.bus.kvclient import KVPoolError
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, ensure_prefill_consumer, ensure_urgent_consumer
 from llmbus.bus.worker import PullWorker, read_job
-from llmbus.engine.engine import Engine, StepOutput, kv_block_bytes
+from llmbus.engine.engine import Engine, StepOutput
+from llmbus.kv.formats import kv_block_bytes
 from llmbus.protocol import GenerateRequest, Handoff, TokenEvent, WorkerLoad, encode
 from llmbus.protocol.messages import LANES
 from llmbus.worker.base import DRAIN_S, EngineWorker
