@@ -402,6 +402,7 @@ def test_a_service_s_shutdown_ends_even_if_its_connection_never_reports_closed(t
         _never_closes(nc)
         # NOTE: the test's own bound, so that a hang fails it instead of the suite
         await asyncio.wait_for(service._drain(nc, drain_s=0.5, close_s=0.5), 10)  # noqa: SLF001
+        assert nc.is_closed
 
     server = EmbeddedNats(tmp_path / "nats")
     server.start()
@@ -471,6 +472,7 @@ def test_a_service_stops_while_its_nats_server_does_not_answer(tmp_path, caplog)
             await asyncio.wait_for(service._drain(nc, drain_s=0.5, close_s=0.5), 10)  # noqa: SLF001
         finally:
             os.kill(server.pid, signal.SIGCONT)
+        assert nc.is_closed
 
     with EmbeddedNats(tmp_path / "nats") as server:
         asyncio.run(body(server))
