@@ -462,3 +462,20 @@ def test_warmup_runs_each_kind_of_step_and_leaves_nothing_behind(model_dir, prom
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1)
     got, want = warm.generate(prompts[:3], params), cold.generate(prompts[:3], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_two_checkpoints_of_one_shape_never_share_a_cached_block(model_dir, tmp_path):
+    """A block's hash roots at the checkpoint's identity (``LoadedModel.model_id``), not its
+    directory's name: another model of the same shapes, in a directory of the same name, names
+    the same prompt's blocks differently, so neither tier 0 nor kvpool hands it this model's KV."""
+    from llmbus.engine.config import EngineConfig
+    from llmbus.engine.engine import Engine
+
+    other = write_random_model(tmp_path / model_dir.name, CONFIG, seed=2, architecture="llama")
+    config = EngineConfig(dtype="float32", device="cpu", num_blocks=16)
+    a, b = (Engine.from_model_dir(str(d), config) for d in (model_dir, other))
+    prompt = list(range(3, 3 + 4 * a.block_manager.block_size))
+    assert a.block_manager.model_id == a.loaded.model_id != b.block_manager.model_id
+    assert not set(a.prefix_hashes(prompt)) & set(b.prefix_hashes(prompt))
+    again = Engine.from_model_dir(str(model_dir), config)
+    assert again.prefix_hashes(prompt) == a.prefix_hashes(prompt)

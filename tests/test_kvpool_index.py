@@ -95,3 +95,26 @@ def test_pinned_block_outlives_its_last_location():
     assert idx.entry(h[0]) is not None and idx.pinned(h[0]) and idx.lookup(h) == {}
     idx.unpin(pin)
     assert idx.entry(h[0]) is None
+
+
+def test_block_hashes_are_what_the_bus_contract_says():
+    """docs/architecture.md (InstanceInfo) spells the hashes out for tools that compute them:
+    this is that text, written again with hashlib and struct, against llmbus.kv.hashing."""
+    import hashlib
+    import struct
+
+    def spelled(model: str, kv_format: str, salt: str, tokens: list[int], bs: int) -> list[bytes]:
+        root = hashlib.blake2b(digest_size=16, person=b"llmbus-root")
+        for part in (model, kv_format, salt):
+            root.update(struct.pack("<I", len(part.encode())) + part.encode())
+        out, parent = [], root.digest()
+        for start in range(0, len(tokens) - bs + 1, bs):
+            block = struct.pack(f"<{bs}I", *tokens[start:start + bs])
+            parent = hashlib.blake2b(parent + block, digest_size=16, person=b"llmbus-block").digest()
+            out.append(parent)
+        return out
+
+    tokens = [0, 1, 70000, 2**32 - 1, 5, 6, 7, 8, 9, 10]  # two full blocks of 4 and a partial one
+    assert chain_hashes(root_hash("llama-0123456789abcdef", "int8", "tenant-é"), tokens, 4) == \
+        spelled("llama-0123456789abcdef", "int8", "tenant-é", tokens, 4)
+    assert len(chain_hashes(root_hash("m", "model"), tokens, 4)) == 2

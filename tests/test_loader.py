@@ -48,6 +48,29 @@ def test_sharded_checkpoint_with_index_loads_the_same_weights(model_dir, scratch
     assert torch.equal(_logits(whole, ids), _logits(sharded, ids))
 
 
+def test_model_id_names_the_weights_not_the_directory(model_dir, scratch, tmp_path):
+    """The prefix caches key on ``model_id``: every copy of a checkpoint (moved, re-sharded) has
+    the same one; the same shapes with other weights, or another config, never do."""
+    base = load_model(model_dir).model_id
+    assert base.startswith("llama-")
+    assert load_model(scratch).model_id == base
+    shard_checkpoint(scratch, 3)
+    assert load_model(scratch).model_id == base
+    other = write_random_model(tmp_path / "other" / model_dir.name, {}, seed=4)  # the same name and shapes
+    assert load_model(other).model_id != base
+
+    tuned = shutil.copytree(model_dir, tmp_path / "tuned")
+    weights = load_file(tuned / "model.safetensors")
+    name = "model.layers.1.self_attn.v_proj.weight"
+    weights[name] = weights[name] + 1e-3 * torch.randn_like(weights[name])  # one tensor retrained
+    save_file(weights, tuned / "model.safetensors")
+    assert load_model(tuned).model_id != base
+
+    rope = shutil.copytree(model_dir, tmp_path / "rope")
+    _edit_config(rope, rope_theta=20000.0)
+    assert load_model(rope).model_id != base
+
+
 def test_loaded_metadata(model_dir):
     loaded = load_model(model_dir)
     assert loaded.model_name == model_dir.name

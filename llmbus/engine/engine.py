@@ -122,7 +122,7 @@ class Engine:
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            model_id=self.model_name,
+            model_id=loaded.model_id,
             kv_format=config.kv_format,
         )
         self.scheduler = Scheduler(

@@ -1,6 +1,6 @@
 """Prefix identity: a chained hash per full block.
 
-``h_0 = H(model, kv_format, salt)`` and ``h_i = H(h_{i-1}, token ids of block i)``. Two blocks
+``h_0 = H(model, kv_format, salt)`` (``model``: the checkpoint's identity, ``LoadedModel.model_id``) and ``h_i = H(h_{i-1}, token ids of block i)``. Two blocks
 share a hash only if their whole prefix, model, KV format and tenant salt agree, so a hash names
 the block's bytes. The salt is derived by the server from the tenant, never taken from a client.
 """

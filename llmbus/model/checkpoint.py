@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
+SAMPLE_BYTES = 4096  # what ``fingerprint`` reads of each end of a tensor
 
 
 class Checkpoint:
@@ -72,3 +75,40 @@ class Checkpoint:
                 for name in shard_names:
                     out[name] = f.get_tensor(name)
         return out
+
+    def fingerprint(self, names: list[str], context: bytes = b"") -> str:
+        """A digest naming the weights ``names`` wherever they are copied or however they are
+        sharded: each tensor's name, dtype and shape and the first and last ``SAMPLE_BYTES`` of its
+        data, read from the files without loading them. Retraining a tensor changes its ends, so a
+        fine-tune of the same shapes gets another digest (the prefix caches key on it: llmbus.kv.hashing).
+        ``context`` joins the digest: what else decides the weights' outputs (the model config)."""
+        digest = hashlib.blake2b(context, digest_size=8)
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        samples: dict[str, bytes] = {}
+        for shard, shard_names in by_file.items():
+            with open(shard, "rb") as f:
+                header, base = _header(f, shard)
+                for name in shard_names:
+                    info = header[name]
+                    begin, end = (base + int(x) for x in info["data_offsets"])
+                    f.seek(begin)
+                    head = f.read(min(SAMPLE_BYTES, end - begin))
+                    f.seek(max(begin, end - SAMPLE_BYTES))
+                    tail = f.read(min(SAMPLE_BYTES, end - begin))
+                    meta = json.dumps([name, info["dtype"], info["shape"]]).encode()
+                    samples[name] = meta + head + tail
+        for name in sorted(samples):
+            digest.update(samples[name])
+        return digest.hexdigest()
+
+
+def _header(f, shard: Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where its data
+    starts: an 8-byte little-endian length, then that many bytes of JSON."""
+    try:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size
+    except (struct.error, ValueError) as exc:
+        raise ValueError(f"{shard}: not a readable safetensors header ({exc})") from None

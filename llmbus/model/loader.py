@@ -28,7 +28,10 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None when the directory has no tokenizer.json
     generation_config: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
-    model_name: str = ""
+    model_name: str = ""  # the directory's name
+    # NOTE: what the prefix caches key on (``root_hash``), so two checkpoints never share a block:
+    # "<model_type>-<Checkpoint.fingerprint>", the same for every copy of the same weights
+    model_id: str = ""
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -121,4 +124,5 @@ def load_model(model_dir: str | Path, *, dtype: str | None = None, device: str |
     generation = _read_json(gen_path) if gen_path.is_file() else {}
     eos = token_ids(generation.get("eos_token_id"), "generation_config.json: eos_token_id") or cfg.eos_token_ids
     tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
-    return LoadedModel(cfg, model, tokenizer, generation, eos, root.resolve().name)
+    model_id = f"{cfg.model_type}-{ckpt.fingerprint(list(shapes), repr(cfg).encode())}"
+    return LoadedModel(cfg, model, tokenizer, generation, eos, root.resolve().name, model_id)

@@ -460,7 +460,8 @@ class InstanceInfo:
     pid: int = 0
     total_blocks: int = 0  # size of the worker's KV pool; free_blocks == total_blocks when nothing is held
     # a prefill worker's prefix-cache identity, for routing by cached prefix: its block hashes are
-    # ``chain_hashes(root_hash(prefix_model, kv_format, salt), tokens, block_size)``; 0: no prefix cache
+    # ``chain_hashes(root_hash(prefix_model, kv_format, salt), tokens, block_size)``; 0: no prefix cache.
+    # prefix_model is the checkpoint's identity (``LoadedModel.model_id``), not the served name
     block_size: int = 0
     kv_format: str = ""
     prefix_model: str = ""
