@@ -82,6 +82,34 @@ def test_tokenizer_matches_transformers(demo_dir, tokenizer):
     assert tokenizer.eos_token_id == hf.eos_token_id
 
 
+def test_encoding_lets_other_threads_run(tokenizer):
+    """The gateway tokenizes in a worker thread so its event loop goes on serving; that is only
+    so if the encode releases the GIL (``tokenizers``' ``encode`` holds it for the whole call, its
+    ``encode_batch`` does not). A thread that counts while a large text is encoded must count."""
+    import threading
+
+    text = "the model the cache the token 你好 " * 15_000
+    encoding, done, ticks = threading.Event(), threading.Event(), []
+
+    def count():
+        while not done.is_set():
+            if encoding.is_set():
+                ticks.append(1)
+            threading.Event().wait(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        encoding.set()
+        ids = tokenizer.encode(text)
+        encoding.clear()
+    finally:
+        done.set()
+        counter.join()
+    assert ids == tokenizer.backend.encode(text).ids
+    assert len(ticks) >= 20  # (holding the GIL: 2)
+
+
 def test_chat_template_renders_chatml(tokenizer):
     text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}])
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"

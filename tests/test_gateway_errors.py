@@ -234,6 +234,44 @@ def test_prompt_too_long(http):
     assert err["param"] == "text.format.name" and "response_format" not in err["message"]
 
 
+def test_a_huge_prompt_is_refused_from_its_head(model_dir, http, monkeypatch):
+    """A prompt of many times the context's characters is refused once its head alone is over
+    twice the context: the rest (here ~60x the head) is never tokenized, so a megabyte prompt
+    costs the gateway milliseconds, not seconds of a thread and a core."""
+    from services.gateway import prepare
+    from services.gateway.config import ModelSpec
+    from services.gateway.models import ServedModel
+    from services.gateway.openai_request import parse_chat, parse_completion
+
+    model = ServedModel.load(ModelSpec("demo", str(model_dir), MAX_MODEL_LEN))
+    encoded: list[int] = []
+    real = type(model.tokenizer).encode
+    monkeypatch.setattr(type(model.tokenizer), "encode",
+                        lambda self, text, **kw: encoded.append(len(text)) or real(self, text, **kw))
+    head_chars = prepare.HEAD_CHARS_PER_TOKEN * MAX_MODEL_LEN
+    text = "a word or two, " * (4 * head_chars)
+    for req in (parse_completion({"model": "demo", "prompt": text}, 4),
+                parse_chat({"model": "demo", "messages": [{"role": "user", "content": text}]}, 4)):
+        with pytest.raises(APIError) as exc:
+            prepare.prepare(req, model, 60.0)
+        assert exc.value.code == "context_length_exceeded" and "alone are" in exc.value.message
+        assert encoded == [head_chars]
+        encoded.clear()
+    # a long text whose head is not enough (the vocabulary's longest word again and again: ~11
+    # characters a token) gets its exact count
+    tok = model.tokenizer
+    dense = max((tok.decode([i]) for i in range(tok.vocab_size)), key=len)
+    long = dense * (head_chars // len(dense) + 1) + " word" * MAX_MODEL_LEN
+    assert len(real(tok, long[:head_chars], add_special_tokens=True)) <= 2 * MAX_MODEL_LEN
+    with pytest.raises(APIError) as exc:
+        prepare.prepare(parse_completion({"model": "demo", "prompt": long}, 4), model, 60.0)
+    assert exc.value.code == "context_length_exceeded" and "alone are" not in exc.value.message
+    assert encoded == [head_chars, len(long)]
+    # and through HTTP, the same OpenAI error
+    err = _error(http.post(COMP, json={"model": "demo", "prompt": text[:MAX_BODY_BYTES - 100]}), 400)
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded") and "alone are" in err["message"]
+
+
 def test_body_too_large_is_json_413(http):
     big = {"model": "demo", "prompt": "x" * (MAX_BODY_BYTES + 10)}
     err = _error(http.post(COMP, json=big), 413)

@@ -148,7 +148,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: encode holds the GIL for the whole call (seconds for a
+        # megabyte prompt, every other coroutine of the gateway stalled); encode_batch releases it
+        ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
                 ids.insert(0, self.bos_token_id)

@@ -82,9 +82,9 @@ def _prompt_ids(req: OpenAIRequest, prompt: str | tuple[int, ...] | None, model:
         except ValueError as exc:
             raise invalid(f"The messages cannot be rendered with this model's chat template: {exc}",
                           "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = _encode(tok, text, False, model.max_model_len, where)
     elif isinstance(prompt, str):
-        ids = tok.encode(prompt, add_special_tokens=True)
+        ids = _encode(tok, prompt, True, model.max_model_len, where)
     else:
         vocab = model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
@@ -94,6 +94,24 @@ def _prompt_ids(req: OpenAIRequest, prompt: str | tuple[int, ...] | None, model:
     if not ids:
         raise invalid("The prompt is empty after tokenization.", where)
     return list(ids)
+
+
+# NOTE: a text of more than HEAD_CHARS_PER_TOKEN characters a context token is judged by its head
+# first. Tokenizing all of it only to refuse it takes seconds a megabyte, and a few such requests
+# would tie up the gateway's threads and cores. A head that alone is over twice the context (BPE over
+# the longer text cannot merge more than half of that away) proves the whole cannot fit.
+HEAD_CHARS_PER_TOKEN = 16
+
+
+def _encode(tok, text: str, add_special_tokens: bool, limit: int, where: str) -> list[int]:
+    head_chars = HEAD_CHARS_PER_TOKEN * limit
+    if len(text) > head_chars:
+        head = len(tok.encode(text[:head_chars], add_special_tokens=add_special_tokens))
+        if head > 2 * limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                           f"more: its first {head_chars} characters alone are {head} tokens. Shorten the prompt.",
+                           param=where, code="context_length_exceeded")  # fmt: skip
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _sampling(req: OpenAIRequest, max_tokens: int, model: ServedModel) -> SamplingSpec:
