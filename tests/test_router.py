@@ -87,9 +87,14 @@ def test_router_forwards_by_lane_and_fails_unknown_models(nats_server):
             assert unknown.seq == 0 and unknown.prompt_tokens == 2
             assert "deadline" in events["r-late"][0].error
             assert "malformed request" in events["r-bad"][0].error and "model" in events["r-bad"][0].error
+            # the request's own fault is invalid_request, as a worker's refusals are; a lapsed deadline is not
+            assert [events[r][0].error_code for r in ("r-unknown", "r-bad", "r-late")] == [
+                "invalid_request", "invalid_request", ""]
 
         router = await _with_router(nats_server, ("rt",), 4, scenario)
         assert router.routed == 2 and router.failed == 3
+        # a client's made-up model name mints no metric series of its own
+        assert {model for model, _, _ in router.requests.values} == {"rt", "unknown"}
         assert (await js.stream_info(subjects.REQUESTS_STREAM)).state.messages == 0  # all acked or termed
         await nc.close()
 

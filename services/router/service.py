@@ -36,7 +36,7 @@ from llmbus.bus.tokens import TokenPublisher
 from llmbus.bus.worker import PullWorker, RecentIds, read_job
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
-from llmbus.protocol.messages import MetricFamily
+from llmbus.protocol.messages import INVALID_REQUEST, MetricFamily
 from llmbus.protocol import (LANES, GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
                              check_token_subject, decode, encode)
 from services.router.policy import (Backlog, Load, Placement, Route, RouteError, RoutingPolicy, live_models,
@@ -142,7 +142,7 @@ class Router:
             req = decode(GenerateRequest, msg.data)
         except ProtocolError as exc:
             log.warning("dropping malformed request: %s", exc)
-            await self._fail_unreadable(msg.data, f"malformed request: {exc}")
+            await self._fail_unreadable(msg.data, f"malformed request: {exc}", INVALID_REQUEST)
             await _settle(msg.term())
             return
         if req.request_id in self._settled:
@@ -159,11 +159,11 @@ class Router:
     async def _route(self, worker: PullWorker, msg, req: GenerateRequest, span) -> None:
         try:
             if req.deadline is not None and req.deadline < time.time():
-                raise RouteError("the request's deadline passed before it was routed")
+                raise TimeoutError("the request's deadline passed before it was routed")
             route = self.policy.route(req.model, len(req.prompt_token_ids), live_models(self.instances))
-        except RouteError as exc:
+        except (RouteError, TimeoutError) as exc:  # a RouteError is the request's own fault (no such model...)
             tracing.fail(span, str(exc))
-            await self._fail(req, str(exc))
+            await self._fail(req, str(exc), INVALID_REQUEST if isinstance(exc, RouteError) else "")
             await _settle(msg.ack())
             return
         to_decode = whole(self.policy, route.model, len(req.prompt_token_ids), self.instances)
@@ -271,14 +271,17 @@ class Router:
         self.loads[load.instance_id] = (load, time.time())
         self.backlog.taken(load.instance_id, load.taken)
 
-    async def _fail(self, req: GenerateRequest, message: str) -> None:
-        self.requests.add(1, req.model, "none", "failed")
+    async def _fail(self, req: GenerateRequest, message: str, code: str = "") -> None:
+        """``code``: the event's ``error_code`` (``INVALID_REQUEST`` when the request is at fault)."""
+        # NOTE: a label only for a model served: a client's made-up names must not mint series
+        served = req.model in self.policy.served(live_models(self.instances))
+        self.requests.add(1, req.model if served else "unknown", "none", "failed")
         self._settled.add(req.request_id)
         event = TokenEvent.failure(req.request_id, message, worker=self.ctx.instance_id,
-                                   prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
+                                   prompt_tokens=len(req.prompt_token_ids), code=code)  # fmt: skip
         await self.tokens.publish(req.token_subject or subjects.tokens(req.request_id), event)
 
-    async def _fail_unreadable(self, data: bytes, message: str) -> None:
+    async def _fail_unreadable(self, data: bytes, message: str, code: str = "") -> None:
         """Best effort: tell the client when the payload at least names its request."""
         try:
             raw = msgpack.unpackb(data, raw=False)
@@ -286,7 +289,7 @@ class Router:
             subject = subjects.tokens(rid)
             with contextlib.suppress(ValueError):  # a subject it cannot have asked for: its own
                 subject = check_token_subject(raw.get("token_subject") or subject, rid)
-            event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id)
+            event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id, code=code)
         except Exception:
             return
         self.requests.add(1, "unknown", "none", "failed")  # (a name nothing checked: not a label)
