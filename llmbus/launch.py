@@ -10,6 +10,7 @@ requests, lets streams finish), then router, workers, kvpool, and NATS last; exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -196,25 +197,34 @@ def _start(child: Child) -> None:
     threading.Thread(target=pump, daemon=True).start()
 
 
+def _signal_group(child: Child, sig: int) -> None:
+    """``sig`` to ``child``'s process group (its own, ``_start``'s): the service and whatever it
+    started, such as a C compiler building the CPU kernels, which would outlive it otherwise."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.proc.pid, sig)
+
+
 def _stop(children: list[Child], timeout: float = 30.0) -> None:
-    """Gateway first, kvpool last: each gets SIGTERM and ``timeout`` seconds before SIGKILL."""
+    """Gateway first, kvpool last: each group gets SIGTERM and ``timeout`` seconds before SIGKILL;
+    what a service leaves of its process group when it exits is killed with it."""
     order = [c for c in children if c.name == "gateway"] + [c for c in children if c.name == "router"]
     order += [c for c in children if c.name.startswith("prefill")] + [c for c in children if c.name.startswith("decode")]
     order += [c for c in children if c.name == "kvpool"]
     for group in (order[:1], order[1:2], [c for c in order if c.name.startswith(("prefill", "decode"))], order[-1:]):
         live = [c for c in group if c.proc and c.proc.poll() is None]
         for c in live:
-            c.proc.send_signal(signal.SIGTERM)
+            _signal_group(c, signal.SIGTERM)
         start = time.monotonic()
         for c in live:
             try:
                 c.proc.wait(max(0.1, start + timeout - time.monotonic()))
                 print(f"llmbus up: {c.name} stopped in {time.monotonic() - start:.1f}s", flush=True)
             except subprocess.TimeoutExpired:
-                c.proc.kill()
+                _signal_group(c, signal.SIGKILL)
                 c.proc.wait()
                 print(f"llmbus up: {c.name} did not stop within {timeout:.0f}s of SIGTERM; killed", file=sys.stderr,
                       flush=True)
+            _signal_group(c, signal.SIGKILL)  # its group's leftovers, if any
 
 
 def drop_tls_settings() -> list[str]:

@@ -99,7 +99,14 @@ def _python(code: str, data_dir: Path, **env) -> str:
 @needs_kernel
 def test_build_is_cached_per_machine_and_can_be_switched_off(tmp_path):
     probe = "from llmbus.kernels import cpu_native; print(cpu_native.available())"
+    # what builds killed mid-compile left: one older than any build may take, one maybe still going
+    (tmp_path / "native").mkdir()
+    abandoned, recent = tmp_path / "native" / "tmpdead.so", tmp_path / "native" / "tmpbusy.so"
+    abandoned.touch(), recent.touch()
+    os.utime(abandoned, (1e9, 1e9))
     assert _python(probe, tmp_path) == "True"
+    assert not abandoned.exists() and recent.exists()
+    recent.unlink()
     built = sorted((tmp_path / "native").glob("cpu_decode-*.so"))
     assert len(built) == 1
     inode = built[0].stat().st_ino

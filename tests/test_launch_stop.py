@@ -3,8 +3,12 @@ then SIGKILL, and says which service needed it; and `up` itself stays a small pr
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from llmbus.launch import Child, _start, _stop
 from llmbus.model.demo import ensure_demo_model
@@ -35,6 +39,37 @@ def test_a_service_that_ignores_sigterm_is_killed_and_named(capsys):
             if c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
+
+
+def test_what_a_service_started_stops_with_it(tmp_path):
+    """A service's children (a C compiler building the CPU kernels, say) are in its process group:
+    they get its SIGTERM, and one that outlives it is killed; none is left running after `up`."""
+    pids = tmp_path / "pids"
+    code = (f"import subprocess, sys, time; kids = [subprocess.Popen([sys.executable, '-c', c]) for c in ("
+            "'import time; time.sleep(120)', "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)')]; "
+            f"open({str(pids)!r}, 'w').write(' '.join(str(k.pid) for k in kids)); time.sleep(1); "
+            "print('llmbus-ready probe x', flush=True); time.sleep(120)")  # fmt: skip
+    worker = _started("prefill-0", code)
+    kids = [int(p) for p in pids.read_text().split()]
+    try:
+        _stop([worker], timeout=5.0)
+        assert worker.proc.returncode == -15
+        for pid in kids:  # gone, or a zombie its dead parent left to init
+            for _ in range(100):
+                try:
+                    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                except FileNotFoundError:
+                    break
+                if state == "Z":
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"child {pid} of the stopped service is still running")
+    finally:
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_up_plans_the_stack_without_importing_torch(tmp_path, monkeypatch):

@@ -50,6 +50,7 @@ if platform.machine() in ("x86_64", "AMD64"):
 # kernel limits (MAX_G, MAX_D, MAX_BS in the source): larger shapes use the torch path
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 32, 256, 64
 STALE_BUILD_S = 7 * 24 * 3600  # builds of other source versions older than this are removed
+BUILD_TIMEOUT_S = 120  # the compiler's limit
 
 # int8 caches: entry point per (query dtype, scale dtype)
 _WRITE_INT8 = {(q, sc): f"write_int8_{qn}_{sn}" for q, qn in ((torch.float32, "f32"), (torch.bfloat16, "bf16"))
@@ -93,11 +94,12 @@ def _build(force: bool = False) -> Path:
             os.utime(out)  # in use: not stale
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
         subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
+                       timeout=BUILD_TIMEOUT_S)  # fmt: skip
         os.chmod(tmp, 0o644)  # NOTE: mkstemp's 0600 would lock out other users of a shared data dir
         os.replace(tmp, out)
         stale = time.time() - STALE_BUILD_S
@@ -110,6 +112,16 @@ def _build(force: bool = False) -> Path:
     finally:
         Path(tmp).unlink(missing_ok=True)
     return out
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Temporary outputs of builds whose process was killed mid-compile (its ``finally`` never ran):
+    older than any build may take, so no build still running owns them."""
+    old = time.time() - 2 * BUILD_TIMEOUT_S
+    for tmp in folder.glob("tmp*.so"):
+        with contextlib.suppress(OSError):
+            if tmp.stat().st_mtime < old:
+                tmp.unlink()
 
 
 def _load() -> ctypes.CDLL | None:
