@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
                    help="workers draft up to K tokens per decode by n-gram lookup and check them in the same step "
-                        "(0: off; the workers' --speculative-ngram and --speculative-max-batch via --worker-arg)")
+                        "(0: off; the workers' --speculative-ngram and --speculative-max-rows via --worker-arg)")
     p.add_argument("--kvpool-blocks", type=int, default=4096, help="blocks in kvpool's shared-memory CPU tier")
     p.add_argument("--kvpool-arg", action="append", default=[],
                    help="extra kvpool option, e.g. --kvpool-arg=--ssd-bytes=1000000000 (see python -m services.kvpool -h)")

@@ -76,6 +76,7 @@ def test_generate_reads_a_prompt_from_standard_input(model_dir):
     [
         (["--model", "/nonexistent/model", "--prompt", "hi"], "/nonexistent/model"),
         (["--prompt-ids", "1,x"], "--prompt-ids"),
+        (["--prompt-ids", "1,,2"], "--prompt-ids must be comma-separated integers"),
         (["--prompt", "hi", "--temperature", "-1"], "--temperature must be"),
         (["--prompt", "hi", "--top-p", "0"], "--top-p must be"),
         (["--prompt", "hi", "--max-tokens", "0"], "--max-tokens must be"),
@@ -118,7 +119,11 @@ def test_generate_without_a_tokenizer_takes_token_ids_and_says_so_for_text(model
     assert proc.returncode == 2 and "no tokenizer.json" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     proc = run_cli("generate", "--model", str(bare), "--prompt-ids", "5,6", "--max-tokens", "2", "--json")
     assert proc.returncode == 0, proc.stderr
-    assert len(json.loads(proc.stdout)["token_ids"]) == 2
+    ids = json.loads(proc.stdout)["token_ids"]
+    assert len(ids) == 2
+    # without --json the output is the ids (there is no text to show), not an empty line
+    proc = run_cli("generate", "--model", str(bare), "--prompt-ids", "5,6", "--max-tokens", "2")
+    assert proc.returncode == 0 and proc.stdout == ",".join(map(str, ids)) + "\n", (proc.stdout, proc.stderr)
 
 
 def test_up_and_demo_model_bad_paths_are_clear_errors(model_dir, tmp_path):

@@ -83,7 +83,7 @@ def test_unknown_keys_ignored_and_missing_appended_fields_defaulted():
 @pytest.mark.parametrize(
     "payload, message",
     [
-        (b"\xc1", "not valid MessagePack"),
+        (b"\xc1", r"not valid MessagePack \(FormatError\)"),
         (msgpack.packb([1, 2]), "expected a map, got list"),
         (msgpack.packb({"request_id": "r", "prompt_token_ids": [1]}), "missing required field 'model'"),
         (msgpack.packb({"request_id": "r", "model": "m", "prompt_token_ids": "abc"}), "prompt_token_ids: expected a list"),

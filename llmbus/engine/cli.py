@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in text.replace(" ", "").split(",")]  # ("1,,2": an error, not [1, 2])
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
                     {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs
                 ]
             sys.stdout.write(orjson.dumps(record).decode() + "\n")
+        elif llm.tokenizer is None:  # no tokenizer.json: no text to show, so the token ids
+            sys.stdout.write(",".join(map(str, out.token_ids)) + "\n")
         else:
             sys.stdout.write(out.text + "\n")
         if out.error:

@@ -46,7 +46,8 @@ def decode(cls: type[T], data: bytes | bytearray | memoryview) -> T:
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"{name}: payload is not valid MessagePack ({exc})") from None
+        # (some say nothing: FormatError for a reserved byte such as 0xc1)
+        raise ProtocolError(f"{name}: payload is not valid MessagePack ({str(exc) or type(exc).__name__})") from None
     return _from_wire(cls, raw, name)
 
 
