@@ -359,6 +359,9 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
 
             await asyncio.wait_for(failed(), 30)
             await _submit(js, model, "too-long", [7] * engine.max_model_len, 4)
+            # another model's request on this model's queue (a tool's, past the router's check)
+            other = GenerateRequest("other-model", "zzz", [7, 8], token_subject=subjects.tokens("other-model"))
+            await js.publish(subjects.lane_subject("short", model, 0), encode(other))
             await _submit(js, model, "next", list(range(7, 47)), 4)
             await asyncio.wait_for(done.wait(), 30)
             assert worker.jobs == {}
@@ -368,6 +371,8 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
         (failure,) = events["too-long"]
         assert failure.finish_reason == "error" and "context" in failure.error
         assert failure.error_code == "invalid_request"  # the request's: the gateway answers 400
+        (failure,) = events["other-model"]
+        assert "serves model 'takefails', not 'zzz'" in failure.error and failure.error_code == "invalid_request"
         assert [len(e.token_ids) for e in events["next"]] == [1, 1, 1, 1]
         name = subjects.prefill_consumer("short", model)
         info = await js.consumer_info(subjects.PREFILL_STREAMS["short"], name)

@@ -109,12 +109,16 @@ def test_a_whole_request_refused_or_aborted_ends_cleanly(nats_server, tmp_path):
         events, done = await _events(nc)
         async with serving(nats_server, "decode", MODEL, lambda ctx: DecodeWorker(ctx, engine, MODEL)) as worker:
             bad = _request("whole-bad", [5, 6, 10**6], 4)  # a token id past the vocabulary
+            other = dataclasses.replace(_request("whole-other", [5, 6], 4), model="zzz")  # on MODEL's queue
             long = _request("whole-long", list(range(5, 25)), 500)
-            for req in (bad, long):
+            for req in (bad, other, long):
                 await js.publish(subjects.whole_subject("short", MODEL), encode(req), headers={subjects.MSG_ID_HEADER: req.request_id})
             await _finished(done, "whole-bad")
             (ev,) = events["whole-bad"]
             assert (ev.finish_reason, ev.error_code) == ("error", "invalid_request") and "invalid request" in ev.error
+            await _finished(done, "whole-other")
+            (ev,) = events["whole-other"]
+            assert ev.error_code == "invalid_request" and f"serves model {MODEL!r}, not 'zzz'" in ev.error
             while "whole-long" not in events:
                 await asyncio.sleep(0.02)
             await nc.publish(subjects.abort("whole-long"), encode(Abort("whole-long")))

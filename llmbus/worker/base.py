@@ -229,6 +229,12 @@ class EngineWorker(abc.ABC):
         self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=self.held,
                         total_blocks=self.engine.runner.num_blocks, prefix=prefix)  # fmt: skip
 
+    def check_model(self, req: GenerateRequest) -> None:
+        """A request names the model this worker serves: one published to its subjects for
+        another (by a tool, not the router, which checks) is refused, not served by the wrong model."""
+        if req.model != self.model:
+            raise ValueError(f"this worker serves model {self.model!r}, not {req.model!r}")
+
     async def refuse(self, req: GenerateRequest, msg, exc: Exception) -> None:
         """End a job the engine would not take: its span and a final error event (``invalid_request``
         when the request is at fault, a ValueError), then ``term``."""

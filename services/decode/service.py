@@ -262,6 +262,7 @@ class DecodeWorker(EngineWorker):
                               output_token_ids=req.resume_token_ids)
 
         try:
+            self.check_model(req)
             await self.loop.call(admit)
         except Exception as exc:  # ValueError: the request's fault; anything else: ours, but it ends it too
             if self.active.pop(rid, None) is None:  # aborted meanwhile: its end is out

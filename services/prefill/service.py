@@ -199,6 +199,7 @@ class PrefillWorker(EngineWorker):
         job.stack.callback(self.end_span, rid)  # whatever ends the job ends its span
         await job.stack.enter_async_context(worker.working(msg))
         try:
+            self.check_model(req)
             params = req.sampling.to_params()
             hashes, local, kv = await self._cached_prefix(req)
             job.cached_tokens = (local + (0 if kv is None else kv.shape[0])) * self.engine.layout.block_size
