@@ -341,6 +341,16 @@ def test_logprobs_name_split_characters_by_their_bytes(http, worker, tokenizer):
     # at that character, not at the text held back with its first bytes
     chars = [len(b"".join(raws[:i]).decode("utf-8", errors="ignore")) for i in range(len(ids))]
     assert lp["text_offset"] == chars
+    # a byte that can never complete a character (a lone continuation byte) stays U+FFFD in the
+    # text; the token after it starts after that U+FFFD, not at it
+    lone = next(t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == b"\xa2")
+    tail = _ids(tokenizer, "é")  # a character split over two tokens: both start where it does
+    ids = [lone, *_ids(tokenizer, ".x"), *tail]
+    worker.script = reply_script(ids, per_event=1, logprobs=entries)
+    r = http.post(COMP, json={"model": "demo", "prompt": "x", "logprobs": 1, "max_tokens": 20}).json()
+    text, lp = r["choices"][0]["text"], r["choices"][0]["logprobs"]
+    assert text == "\ufffd.xé" and len(tail) == 2
+    assert lp["text_offset"] == [0, 1, 2, 3, 3]
 
 
 @pytest.mark.parametrize("path", [CHAT, COMP])

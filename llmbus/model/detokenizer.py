@@ -42,14 +42,20 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         return now[len(before):]
 
-    def held_chars(self) -> int:
-        """How many whole characters ``add`` is holding back before a split one: where the text of
-        the next id starts, when that id completes the split character."""
+    def start_of(self, token_id: int) -> int:
+        """Where the text of ``token_id``, added next, starts, in characters after the text emitted
+        so far: past the held ids' text that stays as it is with it. A token completing a split
+        character starts where that character does; one after bytes that can never complete one
+        (a lone continuation byte, shown as U+FFFD) starts after that U+FFFD."""
         if self._read == len(self._ids):
             return 0
         before = self._decode(self._ids[self._prefix:self._read])
-        now = self._decode(self._ids[self._prefix:])
-        return max(0, len(now.rstrip(_REPLACEMENT)) - len(before))
+        held = self._decode(self._ids[self._prefix:])[len(before):]
+        after = self._decode(self._ids[self._prefix:] + [token_id])[len(before):].rstrip(_REPLACEMENT)
+        n = 0
+        while n < min(len(held), len(after)) and held[n] == after[n]:
+            n += 1
+        return n
 
     def finish(self) -> str:
         """Everything not yet emitted, incomplete characters included."""

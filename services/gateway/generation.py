@@ -42,7 +42,7 @@ class Echo:
         detok = IncrementalDetokenizer(tokenizer, [])
         names, offsets, chars = [], [], 0
         for tid in ids:
-            offsets.append(min(chars + detok.held_chars(), len(text)))
+            offsets.append(min(chars + detok.start_of(tid), len(text)))
             chars += len(detok.add([tid]))
             raw = tokenizer.token_bytes(tid)
             names.append((token_text(raw), raw))
@@ -189,7 +189,7 @@ class Generation:
     def _tokens(self, event: TokenEvent, text: list[str]) -> Piece:
         for i, tid in enumerate(event.token_ids):
             self.completion_tokens += 1
-            offset = self._chars + (self._detok.held_chars() if self._logprobs else 0)
+            offset = self._chars + (self._detok.start_of(tid) if self._logprobs else 0)
             text.append(self._feed(self._detok.add([tid])))
             if self._logprobs and event.logprobs is not None:
                 self._held.append(self._entry(event.logprobs[i], offset))
