@@ -151,6 +151,16 @@ def test_chat_specific_rules(http):
         assert _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "tools": [t]}), 400)["param"].startswith("tools[0]")
     msgs = MSGS + [{"role": "tool", "content": "sunny"}]  # a tool result names its call
     assert _error(http.post(CHAT, json={"model": "demo", "messages": msgs}), 400)["param"] == f"messages[{len(MSGS)}].tool_call_id"
+    # audio output is refused however it is asked for; text alone is what every request gets
+    err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, "modalities": ["text", "audio"]}), 400)
+    assert (err["param"], err["code"]) == ("modalities", "unsupported_parameter")
+    from services.gateway.openai_request import parse_chat
+
+    assert parse_chat({"model": "demo", "messages": MSGS, "modalities": ["text"]}, 4).kind == "chat"
+    # an integer past 64 bits (which the JSON parser reads as a float) is called too large, not "a number"
+    for name in ("seed", "max_tokens"):
+        err = _error(http.post(CHAT, json={"model": "demo", "messages": MSGS, name: 2**64}), 400)
+        assert err["param"] == name and "too large" in err["message"], err
 
 
 def test_guided_output_requests_that_cannot_be_served(http):

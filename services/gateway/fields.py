@@ -36,6 +36,9 @@ def get_int(body: dict, name: str, *, lo: int | None = None, hi: int | None = No
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        # (the JSON parser reads an integer past 64 bits as a float: say what it was)
+        raise invalid(f"Invalid value for '{name}': {value:.0f} is too large (integers must fit in 64 bits).", name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise wrong_type(name, "an integer", value)
     _check_range(name, value, lo, hi)

@@ -66,6 +66,10 @@ def parse_chat(body: Any, max_stop: int) -> OpenAIRequest:
     body = _common_checks(body)
     for name in ("functions", "audio"):
         f.reject_unsupported(body, name)
+    modalities = body.get("modalities")
+    if isinstance(modalities, list) and any(m != "text" for m in modalities):  # (["text"] is what we do)
+        raise invalid(f"'modalities' {modalities!r} is not supported by this server: only ['text'].", "modalities",
+                      code="unsupported_parameter")
     f.reject_unsupported(body, "function_call", (None, "none"))
     tools, forced = _tools(body)
     shared = _shared(body, max_stop)
