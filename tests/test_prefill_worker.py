@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import msgpack
+
 from llmbus.bus import subjects
 from llmbus.bus.connection import connect
 from llmbus.bus.service import READY_PREFIX, ServiceOptions, run_service
@@ -362,6 +364,9 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
             # another model's request on this model's queue (a tool's, past the router's check)
             other = GenerateRequest("other-model", "zzz", [7, 8], token_subject=subjects.tokens("other-model"))
             await js.publish(subjects.lane_subject("short", model, 0), encode(other))
+            # a payload that is no request but names one: its client hears why, as from the router
+            garbage = msgpack.packb({"request_id": "garbled", "model": model, "prompt_token_ids": "seven"})
+            await js.publish(subjects.lane_subject("short", model, 0), garbage)
             await _submit(js, model, "next", list(range(7, 47)), 4)
             await asyncio.wait_for(done.wait(), 30)
             assert worker.jobs == {}
@@ -373,6 +378,9 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
         assert failure.error_code == "invalid_request"  # the request's: the gateway answers 400
         (failure,) = events["other-model"]
         assert "serves model 'takefails', not 'zzz'" in failure.error and failure.error_code == "invalid_request"
+        (failure,) = events["garbled"]
+        assert failure.error.startswith("malformed request: GenerateRequest.prompt_token_ids")
+        assert failure.error_code == "invalid_request"
         assert [len(e.token_ids) for e in events["next"]] == [1, 1, 1, 1]
         name = subjects.prefill_consumer("short", model)
         info = await js.consumer_info(subjects.PREFILL_STREAMS["short"], name)

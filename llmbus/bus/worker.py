@@ -18,13 +18,16 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgpack
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from llmbus.protocol import ProtocolError, decode
+from llmbus.bus import subjects
+from llmbus.protocol import ProtocolError, TokenEvent, check_token_subject, decode
+from llmbus.protocol.messages import INVALID_REQUEST
 
 log = logging.getLogger("llmbus.worker")
 
@@ -33,13 +36,33 @@ log = logging.getLogger("llmbus.worker")
 _READY_WAIT_S = 0.05
 
 
-async def read_job(record: type, msg: Msg, what: str):
-    """``msg``'s ``record``, or None once it is termed: a malformed payload never gets better."""
+async def read_job(record: type, msg: Msg, what: str,
+                   on_malformed: Callable[[ProtocolError], Awaitable[None]] | None = None):  # fmt: skip
+    """``msg``'s ``record``, or None once it is termed: a malformed payload never gets better.
+    ``on_malformed(exc)`` runs first (to tell the request's client, ``malformed_failure``)."""
     try:
         return decode(record, msg.data)
     except ProtocolError as exc:
         log.warning("dropping malformed %s: %s", what, exc)
+        if on_malformed is not None:
+            with contextlib.suppress(Exception):
+                await on_malformed(exc)
         await msg.term()
+        return None
+
+
+def malformed_failure(data: bytes, message: str, worker: str) -> tuple[str, TokenEvent] | None:
+    """For a payload that is no valid GenerateRequest but names its request: the subject its
+    client listens on (its ``token_subject`` when that is one it may ask for) and the final error
+    event to send there (``invalid_request``: the request's fault). None when it names none."""
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+        rid = raw["request_id"]
+        subject = subjects.tokens(rid)
+        with contextlib.suppress(ValueError):  # a subject it cannot have asked for: its own
+            subject = check_token_subject(raw.get("token_subject") or subject, rid)
+        return subject, TokenEvent.failure(rid, message, worker=worker, code=INVALID_REQUEST)
+    except Exception:
         return None
 
 

@@ -18,7 +18,7 @@ from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.tokens import TokenPublisher
-from llmbus.bus.worker import PullWorker, RecentIds
+from llmbus.bus.worker import PullWorker, RecentIds, malformed_failure
 from llmbus.engine.engine import Engine, StepOutput
 from llmbus.metrics import labelled, scalar
 from llmbus.protocol import Abort, GenerateRequest, MetricFamily, ProtocolError, StoreReply, TokenEvent, decode, encode
@@ -228,6 +228,15 @@ class EngineWorker(abc.ABC):
         prefix = (bm.model_id, bm.kv_format, bm.block_size) if bm.enable_prefix_caching else ("", "", 0)
         self.ctx.report(free_blocks=self.engine.num_free_blocks, queue_depth=self.held,
                         total_blocks=self.engine.runner.num_blocks, prefix=prefix)  # fmt: skip
+
+    def tell_malformed(self, msg) -> Callable[[Exception], Awaitable[None]]:
+        """``read_job``'s ``on_malformed`` for a GenerateRequest job: the request's client, when the
+        payload names its request, gets a final ``invalid_request`` error (as the router's would)."""
+        async def tell(exc: Exception) -> None:
+            if (told := malformed_failure(msg.data, f"malformed request: {exc}", self.ctx.instance_id)) is not None:
+                await self.tokens.publish(*told)
+
+        return tell
 
     def check_model(self, req: GenerateRequest) -> None:
         """A request names the model this worker serves: one published to its subjects for

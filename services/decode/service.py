@@ -245,7 +245,7 @@ class DecodeWorker(EngineWorker):
 
     async def _take_whole(self, msg) -> None:
         """A short prompt to prefill and decode here (no handoff)."""
-        if (req := await read_job(GenerateRequest, msg, "request")) is None:
+        if (req := await read_job(GenerateRequest, msg, "request", self.tell_malformed(msg))) is None:
             return
         rid = req.request_id
         if rid in self.recent_aborts or rid in self.active or rid in self._taking:

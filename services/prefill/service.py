@@ -183,7 +183,7 @@ class PrefillWorker(EngineWorker):
         self.check_engine()
 
     async def _take(self, worker: PullWorker, msg) -> None:
-        if (req := await read_job(GenerateRequest, msg, "job")) is None:
+        if (req := await read_job(GenerateRequest, msg, "job", self.tell_malformed(msg))) is None:
             return
         rid = req.request_id
         if msg.subject.endswith(f".at.{self.ctx.instance_id}"):  # sent here by name: routers count it till told

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import time
 
-import msgpack
 
 from llmbus import tracing
 from llmbus.bus import subjects
@@ -33,12 +32,12 @@ from llmbus.bus.kvclient import KVPoolClient
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import ensure_direct_consumer, read_registry
 from llmbus.bus.tokens import TokenPublisher
-from llmbus.bus.worker import PullWorker, RecentIds, read_job
+from llmbus.bus.worker import PullWorker, RecentIds, malformed_failure, read_job
 from llmbus.kv.hashing import chain_hashes, root_hash
 from llmbus.metrics import Metric
 from llmbus.protocol.messages import INVALID_REQUEST, MetricFamily
 from llmbus.protocol import (LANES, GenerateRequest, InstanceInfo, ProtocolError, TokenEvent, WorkerLoad,
-                             check_token_subject, decode, encode)
+                             decode, encode)
 from services.router.policy import (Backlog, Load, Placement, Route, RouteError, RoutingPolicy, live_models,
                                    place, whole)
 
@@ -283,17 +282,11 @@ class Router:
 
     async def _fail_unreadable(self, data: bytes, message: str, code: str = "") -> None:
         """Best effort: tell the client when the payload at least names its request."""
-        try:
-            raw = msgpack.unpackb(data, raw=False)
-            rid = raw["request_id"]
-            subject = subjects.tokens(rid)
-            with contextlib.suppress(ValueError):  # a subject it cannot have asked for: its own
-                subject = check_token_subject(raw.get("token_subject") or subject, rid)
-            event = TokenEvent.failure(rid, message, worker=self.ctx.instance_id, code=code)
-        except Exception:
+        if (told := malformed_failure(data, message, self.ctx.instance_id)) is None:
             return
+        subject, event = told
         self.requests.add(1, "unknown", "none", "failed")  # (a name nothing checked: not a label)
-        await self.tokens.publish(subject, event)
+        await self.tokens.publish(subject, dataclasses.replace(event, error_code=code))
 
     async def _watch_registry(self, live: set[str] | None) -> None:
         """Refresh the live-instance snapshot once per heartbeat period (``live``: the first read's)."""
