@@ -238,13 +238,22 @@ def run(args: argparse.Namespace) -> int:
 
     data_dir = Path(args.data_dir or os.environ.get("LLMBUS_DATA_DIR") or Path.home() / ".cache" / "llmbus")
     data_dir.mkdir(parents=True, exist_ok=True)
-    if args.prefill < 1 or args.decode < 1:
+    if args.prefill < 1 or (args.decode < 1 and not args.colocated):  # (--colocated starts no decode workers)
         raise ValueError("--prefill and --decode must be >= 1")
-    if args.tenant_limits:  # NOTE: read now, so a bad file is one line before anything starts
+    # NOTE: what the gateway would refuse, checked now: one line before anything starts, not after
+    # NATS, kvpool, the router and the workers have (the workers' first start compiles for seconds)
+    if args.tenant_limits:
         from services.gateway.limits import TenantLimits
 
         TenantLimits.load(args.tenant_limits)
+    if args.api_keys_file:
+        from services.gateway.tenants import Tenants
+
+        Tenants.load(args.api_keys_file)
     models = _models(args, data_dir)
+    from services.gateway.listen import bind
+
+    bind(args.host, args.port).close()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

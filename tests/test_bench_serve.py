@@ -197,8 +197,11 @@ def test_cli_exits_1_when_no_request_succeeds(tmp_path, capsys):
     rc = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", "--tokenizer", str(tmp_path),
                "--num-prompts", "2", "--no-progress", "--out", str(out)])
     assert rc == 1
-    assert "0 ok / 2 failed" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "0 ok / 2 failed" in captured.out
     assert json.loads(out.read_text())["summary"]["failed"] == 2
+    # and why: the first failure's error, not just that there were failures
+    assert "no request succeeded; the first failed with:" in captured.err and "Connect" in captured.err
 
 
 def test_max_concurrency_caps_in_flight_requests(server_url):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -148,6 +149,19 @@ def test_up_and_demo_model_bad_paths_are_clear_errors(model_dir, tmp_path):
     assert proc.returncode == 2 and str(a_file) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     proc = run_cli("demo-model", "--seed", "7")  # would have replaced the cached model `llmbus up` serves
     assert proc.returncode == 2 and "--seed other than 0 needs --out" in proc.stderr, proc.stderr
+    # what the gateway would refuse is refused before NATS starts: a port in use, a bad API keys
+    # file (and --colocated needs no decode workers)
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"short": "t"}')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for extra, message in ((["--port", port, "--colocated", "--decode", "0"], f"cannot listen on 127.0.0.1:{port}"),
+                               (["--api-keys-file", str(keys)], "8 or more printable characters")):
+            proc = run_cli("up", "--model", f"m={model_dir}", "--data-dir", str(data), "--host", "127.0.0.1", *extra)
+            assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+            assert not (data / "nats").exists()
 
 
 @pytest.mark.parametrize("command", [["generate", "--model", "m", "--prompt", "hi"],

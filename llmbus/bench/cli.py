@@ -133,7 +133,9 @@ def _finish(args, kind: str, label: str, config: dict, records, summary) -> int:
         msg = draw([report], args.chart)
         print(msg or f"chart: {args.chart}", file=sys.stderr if msg else sys.stdout)
     if not summary["completed"]:
-        print(f"llmbus bench {kind}: no request succeeded", file=sys.stderr)
+        first = next((r.error for r in records if r.error), "")  # e.g. the server unreachable, an unknown model
+        print(f"llmbus bench {kind}: no request succeeded" + (f"; the first failed with: {first[:500]}" if first else ""),
+              file=sys.stderr)
         return 1
     return 0
 

@@ -25,6 +25,7 @@ from services.gateway.limits import keep_buckets, load_buckets, share_usage
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.handlers import Gateway
 from services.gateway.limits import TenantLimits
+from services.gateway.listen import bind
 from services.gateway.tools import PARSERS
 from services.gateway.models import ModelRegistry
 from services.gateway.stored import ResponseStore
@@ -79,23 +80,6 @@ class _Server(uvicorn.Server):
 
     def capture_signals(self):
         return contextlib.nullcontext()
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound before the bus is touched: a port in use or a host that is not this
-    machine's is a one-line error (uvicorn's own bind failure exits from inside its task, in tracebacks)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
 
 
 async def serve_http(gw: Gateway, ctx: ServiceContext, sock: socket.socket) -> None:
