@@ -186,6 +186,8 @@ def test_sampling_spec_mirrors_sampling_params():
     assert params == SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=(2,), logprobs=2, seed=9)
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingSpec(top_p=0.0).to_params()
+    with pytest.raises(ValueError, match=r"stop_token_ids must be token ids >= 0, got \[2, -1\]"):
+        SamplingSpec(stop_token_ids=[2, -1]).to_params()  # (a tool's, over the bus: the gateway checks its own)
 
 
 # -- the codec's checks, one per kind of annotation, on records defined here ----------------------
