@@ -97,15 +97,19 @@ class Stack:
 
         return asyncio.run(read())
 
-    def kvpool_leased_blocks(self) -> int:
+    def kvpool_stats(self):
+        """kvpool's ``PoolStats``."""
         async def read():
             nc = await connect(self.nats_url)
             try:
-                return (await KVPoolClient(nc).stats()).leased_blocks
+                return await KVPoolClient(nc).stats()
             finally:
                 await nc.close()
 
         return asyncio.run(read())
+
+    def kvpool_leased_blocks(self) -> int:
+        return self.kvpool_stats().leased_blocks
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Wait until kvpool leases nothing and every worker holds no request and no KV block."""

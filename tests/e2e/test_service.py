@@ -590,6 +590,38 @@ def test_tenants_never_share_cached_prompts(model_dir, tmp_path):
         assert s.stop() == 0
 
 
+def test_two_models_of_one_shape_never_share_cached_blocks(tmp_path):
+    """Two checkpoints of the same shapes, in directories of the same name, on one stack: the
+    second never reads the first's blocks from kvpool (their hashes root at each checkpoint's
+    digest), and answers as it does alone; each still reuses its own prompts."""
+    from llmbus.model.demo import make_demo_model
+
+    dirs = [make_demo_model(tmp_path / side / "final", "small", seed=seed) for side, seed in (("a", 0), ("b", 1))]
+    # NOTE: prefill workers store a prompt's blocks in kvpool's CPU tier as they hand it off
+    s = Stack("m1", dirs[0], tmp_path / "data", "--model", f"m2={dirs[1]}", "--router-arg=--whole-threshold=0",
+              "--token-timeout", "30")  # fmt: skip
+    try:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+        prompt = list(range(100, 400))
+
+        def ask(model: str):
+            r = c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+            return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text
+
+        assert ask("m1")[0] == 0
+        deadline = time.monotonic() + 60
+        while sum(t.blocks for t in s.kvpool_stats().tiers) < len(prompt) // 16 - 1:  # m1's prompt in kvpool
+            assert time.monotonic() < deadline, s.kvpool_stats()
+            time.sleep(0.2)
+        cached, text = ask("m2")
+        assert cached == 0
+        alone = LLM(dirs[1], dtype="float32", device="cpu").generate([prompt], greedy(6))[0].text
+        assert text == alone
+        assert ask("m2")[0] > 0 and ask("m1")[0] > 0  # each model's own blocks are reused
+    finally:
+        assert s.stop() == 0
+
+
 def test_a_short_prompt_is_served_whole_by_the_decode_worker(model_dir, tmp_path):
     """`llmbus up` as it comes: a short prompt skips prefill and the handoff (the router's
     --whole-threshold), and the decode worker's own prefill gives the in-process engine's greedy
