@@ -408,6 +408,21 @@ def test_native_top_k_edges():
     assert (filtered > float("-inf")).all()
 
 
+@needs_native
+@pytest.mark.parametrize("k", [33, 34, 35, 40, 49])
+def test_native_top_k_past_the_finite_entries_keeps_them_all(k):
+    """top_k above the number of finite logits (a guide masks the rest to -inf) keeps every finite
+    one, as transformers' TopKLogitsWarper does: the radix selection walked into the smallest
+    bucket with the leftover count and cut finite entries there (8 of 34 at k=35)."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50) * 3
+    logits[0, torch.randperm(50)[:16]] = float("-inf")  # 34 finite
+    filtered = torch.empty_like(logits)
+    _native(logits, [SamplingParams(top_k=k)], [1], filtered)
+    ref = hf_warp(logits.clone(), SamplingParams(top_k=k))
+    assert torch.equal(filtered > float("-inf"), ref > float("-inf"))
+
+
 def test_huge_top_k_samples_on_every_path(sampler_path):
     out = Sampler(seed=0)(torch.randn(2, 50), [seq(SamplingParams(top_k=2**70), rid=str(i)) for i in range(2)])
     assert all(0 <= t < 50 for t in out.token_ids)

@@ -1967,7 +1967,7 @@ static inline uint32_t order_key(float f) {
 }
 
 /* The key at which, walking x's values from the largest down, the weight w (NULL: 1 per entry)
-   first reaches `target` (at least the smallest entry's key). Entries of -inf are skipped. */
+   first reaches `target`; the smallest entry's key when it never does. Entries of -inf are skipped. */
 static uint32_t select_from_top(const float *x, const float *w, int64_t n, double target) {
     uint32_t prefix = 0, mask = 0;
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -1982,7 +1982,10 @@ static uint32_t select_from_top(const float *x, const float *w, int64_t n, doubl
             if (hist[b] > 0 && hist[b] >= target) break;
             target -= hist[b];
         }
-        if (b < 0) b = last < 0 ? 0 : last; /* rounding left the target unreached: the smallest bucket */
+        if (b < 0) { /* the target is past every entry (top_k over the finite count, or rounding): the */
+            b = last < 0 ? 0 : last; /* smallest bucket, and within it, at the next digits, its smallest */
+            target = last < 0 ? 0.0 : hist[last];
+        }
         prefix |= (uint32_t)b << shift;
         mask |= 255u << shift;
     }
