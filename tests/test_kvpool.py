@@ -196,6 +196,33 @@ def test_a_new_segment_is_reserved_up_front_and_a_full_dev_shm_is_a_clear_error(
         shm.attach(name)
 
 
+def test_segments_left_by_a_killed_kvpool_are_swept_and_live_ones_kept():
+    """A SIGKILLed creator cannot unlink its segment; the next kvpool on the host removes it (no
+    process maps it), but never one a live process maps, nor one written just now."""
+    from llmbus.bus import shm
+
+    code = ("import sys, time; from llmbus.bus import shm; seg = shm.create(shm.new_segment_name('llmbus_kvtest'), 8192); "
+            "print(seg.name, flush=True); time.sleep(120)")  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(3)]
+    names = [p.stdout.readline().strip() for p in procs]
+    live, killed, recent = names
+    try:
+        for p in procs[1:]:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        for name in (live, killed):  # last written long ago
+            os.utime(shm.SHM_DIR / name, (1e9, 1e9))
+        removed = dict(shm.sweep_orphans(min_age_s=30))
+        assert killed in removed and removed[killed] == 8192
+        assert live not in removed and recent not in removed
+        assert (shm.SHM_DIR / live).exists() and (shm.SHM_DIR / recent).exists() and not (shm.SHM_DIR / killed).exists()
+    finally:
+        procs[0].kill()
+        procs[0].wait()
+        for name in names:
+            (shm.SHM_DIR / name).unlink(missing_ok=True)
+
+
 def test_a_lease_naming_shared_memory_kvpool_did_not_make_is_refused(nats_server):
     """A Lease's shm_name comes off the bus: a forged one must not map another program's segment."""
     from llmbus.bus import shm

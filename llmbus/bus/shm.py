@@ -12,7 +12,9 @@ import os
 import re
 import secrets
 import sys
+import time
 from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
 
 
 def new_segment_name(prefix: str = "llmbus_kv") -> str:
@@ -56,6 +58,54 @@ def destroy(segment: shared_memory.SharedMemory | None) -> None:
 
 
 _OURS = re.compile(r"llmbus_kv[a-z]*_[0-9a-f]{12}")  # what new_segment_name makes
+SHM_DIR = Path("/dev/shm")
+ORPHAN_AGE_S = 60.0
+
+
+def sweep_orphans(min_age_s: float = ORPHAN_AGE_S) -> list[tuple[str, int]]:
+    """Unlink the segments a creator left behind: a kvpool killed (SIGKILL, the OOM killer) cannot
+    unlink its own, and each keeps its memory (hundreds of MiB) until the host restarts. An orphan
+    is one of this user's segments that no process maps (a live kvpool maps its own; a worker
+    still attached keeps it too) and that has not been written for ``min_age_s`` (so one being
+    created now is left alone). Returns (name, bytes) of each removed."""
+    if not SHM_DIR.is_dir():
+        return []
+    candidates = {}
+    for path in SHM_DIR.iterdir():
+        if _OURS.fullmatch(path.name):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            if st.st_uid == os.getuid() and time.time() - st.st_mtime >= min_age_s:
+                candidates[path.name] = st.st_size
+    if not candidates:
+        return []
+    mapped = _mapped_segments()
+    removed = []
+    for name, size in candidates.items():
+        if name not in mapped:
+            try:
+                (SHM_DIR / name).unlink()
+            except OSError:
+                continue
+            removed.append((name, size))
+    return removed
+
+
+def _mapped_segments() -> set[str]:
+    """The names under /dev/shm that some process this user can inspect maps (another user's
+    process cannot open this user's 0600 segments)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in text.splitlines():
+            if "/dev/shm/llmbus_kv" in line:
+                mapped.add(line.rsplit("/", 1)[-1].removesuffix(" (deleted)"))
+    return mapped
 
 
 def attach(name: str) -> shared_memory.SharedMemory:

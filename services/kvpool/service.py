@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 
-from llmbus.bus import subjects
+from llmbus.bus import shm, subjects
 from llmbus.bus.service import ServiceContext
 from llmbus.bus.streams import read_registry
 from llmbus.metrics import Metric, scalar
@@ -78,6 +78,9 @@ class KVPool:
         ctx.add_metrics(self.metric_families)
 
     async def run(self) -> None:
+        if orphans := shm.sweep_orphans():  # (what killed kvpools on this host left)
+            log.warning("removed %d shared-memory segments left by kvpools that were killed (%.0f MiB): %s",
+                        len(orphans), sum(n for _, n in orphans) / 2**20, ", ".join(name for name, _ in orphans))
         self.tier = CpuTier(self.config.block_bytes, self.config.capacity_blocks)
         self.ctx.stack.callback(self.tier.close)
         if self.config.prefix is not None:
