@@ -69,6 +69,9 @@ def test_model_id_names_the_weights_not_the_directory(model_dir, scratch, tmp_pa
     rope = shutil.copytree(model_dir, tmp_path / "rope")
     _edit_config(rope, rope_theta=20000.0)
     assert load_model(rope).model_id != base
+    # run in another dtype, the same weights make other KV: another identity
+    ids = {load_model(model_dir, dtype=d).model_id for d in ("float32", "bfloat16", "float16")}
+    assert len(ids) == 3
 
 
 def test_loaded_metadata(model_dir):

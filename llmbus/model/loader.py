@@ -30,7 +30,8 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...] = ()
     model_name: str = ""  # the directory's name
     # NOTE: what the prefix caches key on (``root_hash``), so two checkpoints never share a block:
-    # "<model_type>-<Checkpoint.fingerprint>", the same for every copy of the same weights
+    # "<model_type>-<Checkpoint.fingerprint>" of the weights, the config and the dtype they run in,
+    # the same for every copy of the same weights run the same way
     model_id: str = ""
 
 
@@ -124,5 +125,6 @@ def load_model(model_dir: str | Path, *, dtype: str | None = None, device: str |
     generation = _read_json(gen_path) if gen_path.is_file() else {}
     eos = token_ids(generation.get("eos_token_id"), "generation_config.json: eos_token_id") or cfg.eos_token_ids
     tokenizer = Tokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
-    model_id = f"{cfg.model_type}-{ckpt.fingerprint(list(shapes), repr(cfg).encode())}"
+    # (the dtype the weights run in joins the config: bf16 and fp16 runs of one checkpoint make other KV)
+    model_id = f"{cfg.model_type}-{ckpt.fingerprint(list(shapes), f'{cfg!r} {dt}'.encode())}"
     return LoadedModel(cfg, model, tokenizer, generation, eos, root.resolve().name, model_id)
