@@ -118,6 +118,60 @@ def test_corrupt_ssd_block_is_dropped_not_served(tmp_path):
     pc.close()
 
 
+def test_a_valid_ssd_file_under_another_block_s_name_is_not_served(tmp_path):
+    """A file's checksum covers the hash it is named by: one block's file copied over another's
+    (a restore or rsync gone wrong) is dropped, at read and at the next start's scan."""
+    pc = cache(tmp_path, cpu_blocks=0, ssd_blocks=6)
+    a, b = chain(1, 2), chain(2, 2)
+    xa, xb = kv(2, 1), kv(2, 2)
+    pc.store(a, rows(xa)), pc.store(b, rows(xb))
+    pc.ssd.path(a[1]).write_bytes(pc.ssd.path(b[1]).read_bytes())
+    out, served = pc.fetch(a)
+    assert torch.equal(out, rows(xa[:1])) and served["ssd"] == 1  # b's bytes never come back as a's
+    assert pc.ssd.dropped_corrupt == 1 and not pc.ssd.path(a[1]).exists()
+    pc.ssd.path(a[0]).write_bytes(pc.ssd.path(b[0]).read_bytes())
+    pc.close()
+    again = cache(tmp_path, cpu_blocks=0, ssd_blocks=6)
+    assert again.restore() == 2 and again.index.lookup(a) == {} and again.index.lookup(b) == {("ssd", ""): 2}
+    again.close()
+
+
+def test_ssd_blocks_of_another_layout_are_dropped_not_served(tmp_path):
+    """A restart under another layout of the same format name (another dtype: bf16 then fp16, or
+    fp32's twice the bytes) finds files of another size: dropped at restore, not fetched."""
+    pc = cache(tmp_path, cpu_blocks=0, ssd_blocks=3)
+    a = chain(1, 2)
+    pc.store(a, rows(kv(2, 1)))
+    pc.close()
+    half = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+    other = PrefixCache(PrefixConfig(half, cpu_bytes=0, ssd_bytes=10**6, ssd_dir=tmp_path / "ssd"), clock=Clock())
+    assert other.restore() == 0 and not any((tmp_path / "ssd").glob("*/*.kvb"))
+    other.close()
+
+
+def test_a_failing_ssd_write_drops_the_block_and_the_tier_goes_on(tmp_path, monkeypatch, caplog):
+    """The SSD directory removed under a running kvpool is made again; a write that fails (a full
+    disk) drops its block with a warning, and stores go on, without an exception to the caller."""
+    import errno
+    import shutil
+
+    pc = cache(tmp_path, cpu_blocks=1, ssd_blocks=4)
+    a, b, c = chain(1, 1), chain(2, 1), chain(3, 1)
+    pc.store(a, rows(kv(1, 1)))
+    shutil.rmtree(tmp_path / "ssd")
+    assert pc.store(b, rows(kv(1, 2))) == (1, 0)  # a demoted into a directory made anew
+    assert pc.index.lookup(a) == {("ssd", ""): 1} and pc.ssd.path(a[0]).exists()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(pc.ssd), "put", full)
+    assert pc.store(c, rows(kv(1, 3))) == (1, 0)  # b's demotion failed: b is dropped, c stored
+    assert pc.index.lookup(b) == {} and pc.index.lookup(c) == {("cpu", ""): 1} and pc.ssd_errors == 1
+    assert "could not write a block" in caplog.text
+    pc.close()
+
+
 def test_imported_blocks_are_cache_hits_for_the_next_request_and_protect_the_chain():
     from llmbus.engine.block_manager import BlockManager
     from llmbus.engine.sampling_params import SamplingParams

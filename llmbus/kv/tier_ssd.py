@@ -2,17 +2,18 @@
 
 File ``<dir>/<hash hex[:2]>/<hash hex>.kvb``: a fixed header, then the block's bytes.
 
-    magic  b"LLKVBLK1"                       8
+    magic  b"LLKVBLK2"                       8
     format name, NUL padded                  8
     payload length (uint64 LE)               8
     token count (uint32 LE), flags (uint32)  8
     parent hash (16 bytes, zeros = root)    16
-    blake2b-128 of everything above + payload 16
+    blake2b-128 of the block's own hash, everything above and the payload   16
 
 NOTE: a block is written to a temporary name, fsynced, renamed into place and its directory
 fsynced BEFORE ``put`` returns, so anything the index learns about survives power loss. ``get``
 re-checks the checksum on every read; a corrupt or truncated file is deleted and reported as a
-miss, never served. ``scan`` (start-up) rebuilds the list of valid blocks the same way.
+miss, never served. The checksum covers the block's hash, which the file is named by: a valid file
+under another block's name (restored or copied to the wrong place) fails it too. ``scan`` (start-up) rebuilds the list of valid blocks the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"LLKVBLK1"
+MAGIC = b"LLKVBLK2"  # 1: checksums without the block's hash (such files are dropped at scan)
 _HEAD = struct.Struct("<8s8sQII16s")  # magic, format, length, token count, flags, parent
 _SUM = 16
 HEADER_BYTES = _HEAD.size + _SUM
@@ -38,8 +39,8 @@ class SsdBlock:
     size: int  # file bytes (what the budget counts)
 
 
-def _checksum(head: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(head, digest_size=_SUM, person=b"llmbus-ssd")
+def _checksum(block_hash: bytes, head: bytes, payload: bytes | memoryview) -> bytes:
+    h = hashlib.blake2b(block_hash + head, digest_size=_SUM, person=b"llmbus-ssd")
     h.update(payload)
     return h.digest()
 
@@ -77,15 +78,19 @@ class SsdTier:
         payload = memoryview(data).cast("B")
         head = _HEAD.pack(MAGIC, kv_format.encode(), len(payload), token_count, 0, parent or bytes(16))
         final = self.path(h)
-        final.parent.mkdir(exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)  # (the whole directory, if it was removed)
         tmp = final.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(head)
-            f.write(payload)
-            f.write(_checksum(head, payload))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(payload)
+                f.write(_checksum(h, head, payload))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError:  # a full disk, say: no half-written file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(final.parent)
         size = self.size_for(len(payload))
         self.used_bytes += size - self._sizes.get(h, 0)
@@ -149,7 +154,7 @@ class SsdTier:
         if magic != MAGIC or len(raw) != HEADER_BYTES + length:
             return None
         payload = raw[_HEAD.size : _HEAD.size + length]
-        if _checksum(head, payload) != raw[-_SUM:]:
+        if _checksum(h, head, payload) != raw[-_SUM:]:
             return None
         meta = SsdBlock(h, fmt.rstrip(b"\0").decode(), None if parent == bytes(16) else parent, tokens, len(raw))
         return meta, payload

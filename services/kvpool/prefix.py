@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from llmbus.kv.tier_format import BlockCodec, parse_tier_format
 from llmbus.kv.tier_ssd import SsdTier
 from services.kvpool.config import PrefixConfig
 
+log = logging.getLogger("llmbus.kvpool")
 
 @dataclass
 class TierCounters:
@@ -52,6 +54,7 @@ class PrefixCache:
         self.ssd = SsdTier(config.ssd_dir, config.ssd_bytes) if config.ssd_bytes else None
         self.counters = {t: TierCounters() for t in POOL_TIERS}
         self.rejected = 0  # blocks not stored because every resident block was pinned
+        self.ssd_errors = 0  # SSD writes that failed (their blocks dropped)
 
     def close(self) -> None:
         self.cpu.close()
@@ -61,8 +64,9 @@ class PrefixCache:
         if self.ssd is None:
             return 0
         blocks = self.ssd.scan()
+        size = self.ssd.size_for(self.codec.block_bytes(self.fmt["ssd"]))
         for b in blocks:
-            if b.kv_format != self.fmt["ssd"].name:  # written under another configuration
+            if b.kv_format != self.fmt["ssd"].name or b.size != size:  # written under another configuration
                 self.ssd.delete(b.block_hash)
                 continue
             self.index.add(b.block_hash, "ssd", parent=b.parent, token_count=b.token_count)
@@ -110,7 +114,13 @@ class PrefixCache:
         while self.ssd.free_bytes < need:
             if not self._evict("ssd"):
                 return False
-        self.ssd.put(h, data.numpy().data, self.fmt["ssd"].name, parent=parent, token_count=tokens)
+        try:
+            self.ssd.put(h, data.numpy().data, self.fmt["ssd"].name, parent=parent, token_count=tokens)
+        except OSError as exc:  # the disk full, the directory gone: the block is dropped, not stored
+            self.ssd_errors += 1
+            if self.ssd_errors == 1 or self.ssd_errors % 1000 == 0:
+                log.warning("SSD tier: could not write a block (%d so far): %s", self.ssd_errors, exc)
+            return False
         self.index.add(h, "ssd", parent=parent, token_count=tokens)
         return True
 
@@ -165,6 +175,9 @@ class PrefixCache:
             return "cpu", torch.frombuffer(bytearray(self.cpu.get(h)), dtype=torch.uint8)
         if tier == "ssd":
             got = self.ssd.get(h)
+            if got is not None and len(got[0]) != self.codec.block_bytes(self.fmt["ssd"]):  # another layout's
+                self.ssd.delete(h)
+                got = None
             if got is None:  # corrupt or truncated: dropped by the SSD tier
                 self.index.remove(h, "ssd")
                 return None
