@@ -161,8 +161,9 @@ def test_no_kvpool_means_a_clear_error(tmp_path):
 
     async def body(url):
         nc = await connect(url)
-        with pytest.raises(KVPoolError, match="kvpool stats got no answer"):
+        with pytest.raises(KVPoolError, match="kvpool stats got no answer") as exc:
             await KVPoolClient(nc, timeout=0.5).stats()
+        assert exc.value.code == "unavailable"
         await nc.close()
 
     with EmbeddedNats(tmp_path) as server:

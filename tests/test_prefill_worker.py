@@ -392,6 +392,34 @@ def test_a_job_that_fails_for_any_reason_ends_with_an_error_and_frees_its_place(
     assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
 
 
+def test_a_handoff_without_a_kvpool_fails_its_job_in_one_line(tmp_path, caplog):
+    """No kvpool answering (down, restarting): each job fails at once with a clear error to its
+    client and one warning line in the log, not a traceback per job."""
+    from llmbus.bus.server import EmbeddedNats
+
+    model = "nopool"
+    engine = _engine(tmp_path)
+
+    async def body(url):
+        nc, js = await _bus(url)
+        await ensure_decode_consumer(js, model)
+        events, done = await _token_events(nc, lambda ev: ev.finish_reason is not None)
+        async with _colocated_worker(url, engine, model, colocated=False):
+            await _submit(js, model, "lonely", list(range(7, 47)), 4)
+            await asyncio.wait_for(done.wait(), 60)
+        await nc.close()
+        return events
+
+    with EmbeddedNats(tmp_path / "nats") as server, caplog.at_level(logging.WARNING, "llmbus"):
+        events = asyncio.run(body(server.url))
+    last = events["lonely"][-1]
+    assert last.finish_reason == "error" and "kvpool allocate got no answer" in last.error
+    (record,) = [r for r in caplog.records if "prefill of lonely failed" in r.getMessage()]
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    leaks = engine.leak_check()
+    assert leaks["requests"] == 0 and leaks["free_blocks"] == leaks["total_blocks"]
+
+
 def test_a_job_aborted_during_its_handoff_ends_quietly(nats_server, tmp_path, caplog):
     """A gateway aborts a request as soon as a stop string ends it, often on its first token, while
     the prefill worker is handing it off: the worker stops there, without a failure event, an ERROR

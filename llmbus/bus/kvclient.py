@@ -44,7 +44,8 @@ TRANSPORTS = ("auto", "shm", "bus")
 
 
 class KVPoolError(RuntimeError):
-    """kvpool refused an operation. ``code``: "bad_request" | "exhausted" | "unknown_lease" | "internal"."""
+    """kvpool refused an operation. ``code``: "bad_request" | "exhausted" | "unknown_lease" | "internal",
+    or "unavailable" when no kvpool answered at all (none running, or too slow)."""
 
     def __init__(self, message: str, code: str = "internal") -> None:
         super().__init__(message)
@@ -70,7 +71,7 @@ class KVPoolClient:
         try:
             msg = await self.nc.request(subjects.kvpool(op), encode(request), timeout=self.timeout)
         except Exception as exc:  # NoRespondersError, TimeoutError
-            raise KVPoolError(f"kvpool {op} got no answer: {type(exc).__name__} {exc}".strip()) from None
+            raise KVPoolError(f"kvpool {op} got no answer: {type(exc).__name__} {exc}".strip(), "unavailable") from None
         if msg.headers and subjects.ERROR_HEADER in msg.headers:
             err = decode(ErrorReply, msg.data)
             raise KVPoolError(f"kvpool {op}: {err.error}", err.code)

@@ -353,7 +353,10 @@ class PrefillWorker(EngineWorker):
             if self._aborted(job):  # e.g. the export found the sequence gone: nothing failed
                 log.debug("prefill of %s ended by its abort: %r", rid, exc)
                 return
-            log.exception("prefill of %s failed", rid)
+            if isinstance(exc, KVPoolError) and exc.code == "unavailable":  # kvpool down: one line a job, no traceback
+                log.warning("prefill of %s failed: %s", rid, exc)
+            else:
+                log.exception("prefill of %s failed", rid)
             await self.publish(req, TokenEvent.failure(rid, f"prefill failed: {exc}", seq=first + 1,
                                                         worker=self.ctx.instance_id,
                                                         prompt_tokens=len(req.prompt_token_ids)))  # fmt: skip
