@@ -104,10 +104,13 @@ def render(families: Iterable[MetricFamily]) -> str:
 
 
 def labelled(family: MetricFamily, **labels: str) -> MetricFamily:
-    """``family`` with ``labels`` (name=value) put before its own, on every sample."""
+    """``family`` with ``labels`` (name=value) put before its own, on every sample. A label of its
+    own of the same name becomes ``exported_<name>``, as Prometheus renames a target's clashing
+    labels: a name twice in one sample makes Prometheus refuse the whole scrape."""
     names = list(labels)
     values = [labels[n] for n in names]
-    return MetricFamily(family.name, family.help, family.kind, names + list(family.labels), list(family.bounds),
+    own = [f"exported_{n}" if n in labels else n for n in family.labels]
+    return MetricFamily(family.name, family.help, family.kind, names + own, list(family.bounds),
                         [MetricSample(values + list(s.labels), s.value, list(s.counts), s.sum, s.count)
                          for s in family.samples])  # fmt: skip
 

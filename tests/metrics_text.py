@@ -10,7 +10,7 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 def parse(text: str) -> dict[str, float]:
     """Every sample as ``name{labels}`` -> value; checks the format line by line: each sample's
-    family typed before it, no family typed twice, no sample twice."""
+    family typed before it, no family typed twice, no label twice in a sample, no sample twice."""
     samples: dict[str, float] = {}
     typed: set[str] = set()
     for line in text.splitlines():
@@ -25,6 +25,8 @@ def parse(text: str) -> dict[str, float]:
         assert m, f"not a sample line: {line!r}"
         assert re.sub(r"_(bucket|sum|count)$", "", m.group(1)) in typed or m.group(1) in typed, f"untyped {line!r}"
         key = m.group(1) + (m.group(2) or "")
+        names = [n for n, _ in _LABEL.findall(m.group(2) or "")]
+        assert len(names) == len(set(names)), f"a label twice (Prometheus refuses the whole scrape): {line!r}"
         assert key not in samples, f"sample {key} twice"
         samples[key] = float(m.group(3))
     return samples

@@ -62,6 +62,19 @@ def test_families_of_one_name_from_several_instances_render_as_one():
     assert "# HELP up a \"quoted\"\\nhelp" in text
 
 
+def test_a_family_s_own_label_named_as_the_scrape_s_becomes_exported():
+    """A service's family with its own ``role`` label (the router's workers gauge had one) scraped
+    with the answering service's ``role``: a name twice in a sample makes Prometheus refuse the
+    whole scrape, so the family's own is renamed ``exported_role``, as Prometheus renames a
+    target's clashing labels."""
+    g = Metric("workers", "Workers.", "gauge", ("model", "role"))
+    g.set(2, "m", "decode")
+    text = render([labelled(g.family(), instance="r1", role="router")])
+    assert parse(text) == {'workers{instance="r1",role="router",model="m",exported_role="decode"}': 2}
+    with pytest.raises(AssertionError, match="a label twice"):  # the test parser refuses what Prometheus does
+        parse('# TYPE w gauge\nw{role="a",role="b"} 1\n')
+
+
 def test_label_values_are_escaped_and_odd_numbers_written_as_prometheus_reads_them():
     g = Metric("g", "g", "gauge", ("name",))
     g.set(math.inf, 'a"b\\c\nd')

@@ -203,9 +203,10 @@ class Router:
         return [i for i in self.instances if i.role == "prefill" and model in i.models and i.block_size > 0]
 
     def _candidates(self) -> MetricFamily:
+        # NOTE: worker_role, not role: the gateway labels every sample with the answering service's role
         gauge = Metric("llmbus_router_workers", "Live workers the router sees (its last registry read), by model and "
-                       "role: it routes by cached prefix between two or more prefill workers, and sends short "
-                       "prompts whole to a decode pool.", "gauge", ("model", "role"))  # fmt: skip
+                       "worker role: it routes by cached prefix between two or more prefill workers, and sends "
+                       "short prompts whole to a decode pool.", "gauge", ("model", "worker_role"))  # fmt: skip
         for model in self.policy.served(live_models(self.instances)):
             for role in ("prefill", "decode"):
                 gauge.add(sum(i.role == role and model in i.models for i in self.instances), model, role)

@@ -30,7 +30,7 @@ def test_each_turn_goes_where_its_conversation_is_cached(stack):
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
     metrics_url = stack.base_url.removesuffix("/v1") + "/metrics"
     deadline = time.monotonic() + 60
-    while total(parse(httpx.get(metrics_url, timeout=30).text), "llmbus_router_workers", model=MODEL, role="prefill") < 2:
+    while total(parse(httpx.get(metrics_url, timeout=30).text), "llmbus_router_workers", model=MODEL, worker_role="prefill") < 2:
         assert time.monotonic() < deadline, "the router never saw both prefill workers"
         time.sleep(0.2)
     rng = random.Random(11)

@@ -631,7 +631,7 @@ def test_a_short_prompt_is_served_whole_by_the_decode_worker(model_dir, tmp_path
         client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
         metrics_url = s.base_url.removesuffix("/v1") + "/metrics"
         deadline = time.monotonic() + 60
-        while total(parse(httpx.get(metrics_url, timeout=30).text), "llmbus_router_workers", model=MODEL, role="decode") < 1:
+        while total(parse(httpx.get(metrics_url, timeout=30).text), "llmbus_router_workers", model=MODEL, worker_role="decode") < 1:
             assert time.monotonic() < deadline, "the router never saw the workers"  # its registry read: every 2 s
             time.sleep(0.2)
         prompt = "The quick brown fox jumps over the lazy dog"
