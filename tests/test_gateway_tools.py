@@ -49,6 +49,22 @@ def test_calls_are_read_however_the_text_is_split(seed):
     assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_tag_or_semicolon_inside_an_argument_string_is_the_argument_s(seed):
+    """An argument may spell ``</tool_call>`` (hermes) or ``;`` (llama3_json): only one outside
+    a JSON string ends a call. A forced call with such an argument came back as text."""
+    split = _splitter(seed)
+    tricky = {"sql": "select 1; select 2", "note": 'ends with </tool_call> and a \\" quote'}
+    block = "<tool_call>\n" + json.dumps({"name": "run", "arguments": tricky}) + "\n</tool_call>"
+    content, calls = _run(split("Sure. " + block + " done"))
+    assert content == "Sure.  done" and [json.loads(c["function"]["arguments"]) for c in calls] == [tricky]
+    two = json.dumps({"name": "run", "parameters": tricky}) + " ; " + json.dumps({"name": "f", "parameters": {}})
+    content, calls = _run(split(two), Llama3JsonParser())
+    assert content == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [tricky, {}]
+    for text in ('{"name": "f", "parameters": {}} oops', '{"name": "f", "parameters": {}};;'):  # not calls
+        assert _run(split(text), Llama3JsonParser()) == (text, [])
+
+
 def test_what_is_not_a_call_stays_text():
     for block in ("<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
                   '<tool_call>["get_time"]</tool_call>'):

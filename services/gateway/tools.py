@@ -87,7 +87,7 @@ class ToolCallParser:
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
             content.append(self._buf[:start])
-            end = self._buf.find(CLOSE, start)
+            end = _block_end(self._buf, start + len(OPEN))
             if end < 0:
                 self._buf = self._buf[start:]
                 break
@@ -105,6 +105,48 @@ class ToolCallParser:
         """What is held at the end (an unclosed block, a partial tag) goes out as text."""
         rest, self._buf = self._buf, ""
         return rest, []
+
+
+def _block_end(text: str, i: int) -> int:
+    """Where the ``CLOSE`` tag that ends a block begins, scanning from ``i``: the first one outside a
+    JSON string (an argument's text may spell the tag); -1 while there is none."""
+    in_string = escaped = False
+    for j in range(i, len(text)):
+        c = text[j]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c == "<" and text.startswith(CLOSE, j):
+            return j
+    return -1
+
+
+def _json_values(text: str) -> list | None:
+    """The JSON values of ``text``, joined by ``;`` (whitespace around them allowed); None when it is
+    not that. A ``;`` inside a string is the string's."""
+    decoder, values, i, n = json.JSONDecoder(), [], 0, len(text)
+    while True:
+        while i < n and text[i].isspace():
+            i += 1
+        if i == n:
+            return values
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+        while i < n and text[i].isspace():
+            i += 1
+        if i < n:
+            if text[i] != ";":
+                return None
+            i += 1
 
 
 class _WholeAnswerParser:
@@ -157,8 +199,9 @@ class Llama3JsonParser(_WholeAnswerParser):
     def _calls_start(self, head: str) -> bool | None:
         return head.startswith("{") if head else None
 
-    def _read(self, rest: str) -> list[dict | None]:
-        return [_call(part.strip()) for part in rest.split(";") if part.strip()]
+    def _read(self, rest: str) -> list[dict | None] | None:
+        values = _json_values(rest)
+        return None if values is None else [_call(v) for v in values]
 
 
 class MistralParser(_WholeAnswerParser):
