@@ -290,6 +290,33 @@ def test_number_bounds_are_enforced_on_the_decimal_text(bounds):
             assert ok, doc  # and it takes every plain spelling of a valid value ("-0.0" aside)
 
 
+def test_keywords_beside_a_combinator_hold_for_every_option():
+    """JSON Schema applies a schema's keywords beside anyOf/oneOf/allOf too, and an enum's type:
+    the "at least one of these" object, a string allOf with a length, an enum of mixed types."""
+    at_least_one = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                    "additionalProperties": False, "anyOf": [{"required": ["x"]}, {"required": ["y"]}]}
+    cases = [(at_least_one, ['{"x":1}', '{"y":2}', '{"y":2,"x":1}'], ["{}", "5", '{"z":1}', '{"x":"1"}']),
+             ({"allOf": [{"type": "string"}], "maxLength": 2}, ['"ab"', '""'], ['"abc"', "1"]),
+             ({"type": "integer", "enum": [1, 2, "three"]}, ["1", "2"], ['"three"']),
+             ({"anyOf": [{"type": "integer"}, {"type": "number"}], "minimum": 3}, ["3", "4.5"], ["2", "2.5"])]  # fmt: skip
+    for schema, good, bad in cases:
+        grammar = compile_guide(guide_spec(schema))
+        for text in good:
+            assert grammar.matches(text.encode()) and _valid(schema, text), (schema, text)
+        for text in bad:
+            assert not grammar.matches(text.encode()), (schema, text)
+
+
+def test_a_date_is_a_calendar_day():
+    """format date (and date-time's date) takes only days that exist: the 31st of a 30-day month and
+    February's 29th outside leap years were taken, and jsonschema's format checker refuses them."""
+    grammar = compile_guide(guide_spec({"type": "string", "format": "date"}))
+    for day, real in (("2024-02-29", True), ("2000-02-29", True), ("2023-02-29", False), ("1900-02-29", False),
+                      ("3333-11-31", False), ("2023-04-30", True), ("2023-12-31", True), ("2023-02-28", True)):  # fmt: skip
+        assert grammar.matches(json.dumps(day).encode()) == real, day
+        assert _valid({"type": "string", "format": "date"}, json.dumps(day)) == real, day
+
+
 def test_string_formats_are_enforced():
     for fmt, good, bad in (("date", "2024-02-29", "2024-13-01"), ("date-time", "2024-02-29T23:59:59.5+01:00", "2024-02-29 23:59:59"),
                            ("time", "08:30:00Z", "8:30"), ("uuid", "123e4567-e89b-12d3-a456-426614174000", "123e4567"),
@@ -315,6 +342,14 @@ def test_string_formats_are_enforced():
     ({"type": "string", "minLength": 3, "maxLength": 2}, "'maxLength' (2) is below 'minLength' (3)"),
     ({"allOf": [{}, {}]}, "'allOf' is supported with exactly one"),
     ({"enum": []}, "'enum' must be a non-empty array"),
+    # keywords beside enum, const and $ref were ignored (outputs broke them); now refused by name
+    ({"type": "integer", "enum": [1, 2, 3, 4], "minimum": 3}, "'minimum' beside 'enum'"),
+    ({"type": "string", "enum": ["abcdef", "ab"], "maxLength": 3}, "'maxLength' beside 'enum'"),
+    ({"type": "string", "const": 5}, "no value of 'const' is of type 'string'"),
+    ({"$defs": {"N": {"type": "string"}}, "$ref": "#/$defs/N", "maxLength": 3}, "'maxLength' beside '$ref'"),
+    # ... and beside anyOf / allOf, merged into each option where one schema can hold both
+    ({"type": "string", "anyOf": [{"type": "integer"}]}, "'type' both beside and inside"),
+    ({"additionalProperties": False, "anyOf": [{"properties": {"z": {}}}]}, "different sides"),
     # choices that lead back to themselves before a value begins: reading a byte would never end
     ({"$ref": "#"}, "refers to itself before any value begins"),
     ({"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}, "refers to itself"),

@@ -62,7 +62,9 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_FRACTION = 16  # digits after the point of a bounded number
 MAX_DIGITS = 18  # an integer bounded on one side only is bounded here on the other
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-_DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+# a calendar day: 31 days in seven months, 30 in four, February's 29th in leap years only
+_DATE = (r"(\d{4}-((0[13578]|1[02])-(0[1-9]|[12]\d|3[01])|(0[469]|11)-(0[1-9]|[12]\d|30)|02-(0[1-9]|1\d|2[0-8]))"
+         r"|(\d\d(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)")
 _TIME = r"([01]\d|2[0-3]):[0-5]\d:[0-5]\d(\.\d{1,9})?"
 _OFFSET = r"(Z|[+-]([01]\d|2[0-3]):[0-5]\d)"
 _OCTET = r"(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
@@ -191,6 +193,57 @@ def _dump(value) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
+# the keywords this matcher enforces (any other is refused, _REFUSED, or says nothing of the value:
+# title, description, default, OpenAPI's nullable, ...)
+_CONSTRAINING = frozenset(("type", "enum", "const", "properties", "required", "additionalProperties", "items",
+                           "minItems", "maxItems", "minLength", "maxLength", "pattern", "format", "minimum",
+                           "maximum", "exclusiveMinimum", "exclusiveMaximum", "anyOf", "oneOf", "allOf", "$ref"))
+
+
+def _no_siblings(schema: dict, key: str, where: str, allowed: tuple = ()) -> None:
+    """Refuse the keywords beside ``key`` that would otherwise go unenforced."""
+    beside = [k for k in schema if k != key and k in _CONSTRAINING and k not in allowed]
+    if beside:
+        raise GuideError(f"{where}: '{beside[0]}' beside '{key}' is not supported in guided JSON (it would not be "
+                         f"enforced); put it inside the {'referenced schema' if key == '$ref' else 'subschemas'}")
+
+
+def _merged(rest: dict, option, where: str) -> dict:
+    """``option`` with the keywords ``rest`` of the schema around it, when both can hold at once
+    as one schema: keys of one side only, equal values, or ``required`` lists (joined). Otherwise a
+    GuideError: the two would need checking apart, which one matcher cannot do."""
+    if not rest:
+        return option
+    if option is True or option == {}:
+        return dict(rest)
+    if not isinstance(option, dict):
+        raise GuideError(f"{where}: a schema must be an object, got {type(option).__name__}")
+    out = dict(option)
+    for k, v in rest.items():
+        if k == "required" and k in out and isinstance(v, list) and isinstance(out[k], list):
+            out[k] = list(dict.fromkeys(out[k] + v))
+        elif k in out and out[k] != v:
+            raise GuideError(f"{where}: '{k}' both beside and inside it is not supported in guided JSON")
+        else:
+            out[k] = v
+    # NOTE: additionalProperties counts only the properties of its own schema: merged across, it
+    # would allow what one side forbids
+    sides = (rest, option)
+    if any("additionalProperties" in a and "properties" in b and "properties" not in a for a, b in (sides, sides[::-1])):
+        raise GuideError(f"{where}: 'additionalProperties' and 'properties' on different sides of it are not "
+                         "supported in guided JSON")
+    return out
+
+
+def _is_type(value, kind) -> bool:
+    """Whether a JSON value is of JSON Schema type ``kind``."""
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    return {"null": value is None, "boolean": isinstance(value, bool), "string": isinstance(value, str),
+            "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "object": isinstance(value, dict), "array": isinstance(value, list)}.get(kind, False)  # fmt: skip
+
+
 class _Compiler:
     def __init__(self, root: dict) -> None:
         self.root = root
@@ -224,29 +277,37 @@ class _Compiler:
             if key in schema:
                 raise GuideError(f"{where}: '{key}' is not supported in guided JSON (it cannot be enforced "
                                  "while decoding); remove it or check the value after generation")
-        bounds = [k for k in _BOUNDS if k in schema]
-        if bounds and schema.get("type") not in ("integer", "number"):
-            raise GuideError(f"{where}: '{bounds[0]}' is supported with type 'integer' or 'number' only")
         if "$ref" in schema:
+            _no_siblings(schema, "$ref", where)
             return self.ref(schema["$ref"], where)
-        if "const" in schema:
-            return LiteralNode((self.literal(schema["const"], where),))
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise GuideError(f"{where}: 'enum' must be a non-empty array")
-            return LiteralNode(tuple(dict.fromkeys(self.literal(v, where) for v in values)))
-        for key in ("anyOf", "oneOf"):  # NOTE: oneOf as anyOf: exclusivity is not enforced
+        for key in ("const", "enum"):
+            if key in schema:
+                values = [schema["const"]] if key == "const" else schema["enum"]
+                if not isinstance(values, list) or not values:
+                    raise GuideError(f"{where}: 'enum' must be a non-empty array")
+                _no_siblings(schema, key, where, allowed=("type",))
+                if "type" in schema:  # the values of the types allowed
+                    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+                    values = [v for v in values if any(_is_type(v, k) for k in kinds)]
+                    if not values:
+                        raise GuideError(f"{where}: no value of '{key}' is of type {schema['type']!r}")
+                return LiteralNode(tuple(dict.fromkeys(self.literal(v, where) for v in values)))
+        for key in ("anyOf", "oneOf", "allOf"):  # NOTE: oneOf as anyOf: exclusivity is not enforced
             if key in schema:
                 options = schema[key]
                 if not isinstance(options, list) or not options:
                     raise GuideError(f"{where}: '{key}' must be a non-empty array")
+                if key == "allOf" and len(options) != 1:
+                    raise GuideError(f"{where}: 'allOf' is supported with exactly one subschema")
+                # the keywords beside it hold for every option: each option is merged with them
+                rest = {k: v for k, v in schema.items() if k != key and k in _CONSTRAINING}
+                options = [_merged(rest, o, f"{where}.{key}[{i}]") for i, o in enumerate(options)]
+                if key == "allOf":
+                    return self.node(options[0], f"{where}.allOf[0]")
                 return UnionNode(tuple(self.node(o, f"{where}.{key}[{i}]") for i, o in enumerate(options)))
-        if "allOf" in schema:
-            parts = schema["allOf"]
-            if not isinstance(parts, list) or len(parts) != 1:
-                raise GuideError(f"{where}: 'allOf' is supported with exactly one subschema")
-            return self.node(parts[0], f"{where}.allOf[0]")
+        bounds = [k for k in _BOUNDS if k in schema]
+        if bounds and schema.get("type") not in ("integer", "number"):
+            raise GuideError(f"{where}: '{bounds[0]}' is supported with type 'integer' or 'number' only")
         kind = schema.get("type")
         if kind is None:
             kind = ("object" if "properties" in schema or "additionalProperties" in schema
