@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-timeout", type=float, default=60.0, help="gateway: seconds of stream silence before failing "
                    "(while the model's workers are busy: queued, waits up to the request deadline)")
     p.add_argument("--api-keys-file", default=None,
-                   help="gateway: JSON {api key: tenant}; /v1 answers only listed keys and tenants never share "
+                   help="gateway: JSON {api key: tenant} (keys of 8+ printable characters, no spaces); /v1 answers only listed keys and tenants never share "
                         "prefix-cache blocks (default: open)")
     p.add_argument("--tenant-limits", default=None, metavar="FILE",
                    help="gateway: JSON per-tenant limits (requests_per_minute, tokens_per_minute, _per_day, "

@@ -82,10 +82,10 @@ def exporter_from(env) -> SpanExporter | None:
     url = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
     if not url and (base := env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()):
         url = base.rstrip("/") + "/v1/traces"
+    if kind not in ("", "otlp"):  # (checked with or without an endpoint: zipkin alone must not mean off)
+        raise TracingConfigError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {kind!r}")
     if not url:
         return None
-    if kind not in ("", "otlp"):
-        raise TracingConfigError(f"OTEL_TRACES_EXPORTER must be otlp, console or none, got {kind!r}")
     protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "").strip()
     if protocol and not protocol.startswith("http/"):  # NOTE: a collector's HTTP receiver reads JSON too
         raise TracingConfigError(f"llmbus sends OTLP over HTTP (JSON), not {protocol!r}: unset "

@@ -246,6 +246,18 @@ def test_a_tenant_over_its_limits_gets_openai_429s_and_others_do_not(limited, wo
     assert got['llmbus_gateway_tenant_tokens_total{tenant="other",kind="completion"}'] > 0
 
 
+def test_a_prompt_over_the_tenants_token_limit_names_its_own_field(limited):
+    """A prompt that can never fit the tenant's tokens a minute is a 400 naming the field the
+    prompt came in (a completions one said 'messages')."""
+    headers = {"Authorization": "Bearer sk-wide-000001"}
+    r = httpx.post(limited + COMP, json={"model": "demo", "prompt": [5] * 1100, "max_tokens": 1}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(limited + "/v1/chat/completions", headers=headers, json={
+        "model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "word " * 1100}]})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
 def test_the_priority_a_request_carries_is_its_tenants_floor_or_what_it_asks(limited, worker, tokenizer):
     worker.script = reply_script(_ids(tokenizer, "ok"))
     for key, asked, runs in (("sk-urgent-0001", None, -2), ("sk-urgent-0001", -50, -2), ("sk-urgent-0001", 4, 4),

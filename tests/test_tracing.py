@@ -47,8 +47,10 @@ def test_the_exporter_follows_opentelemetrys_variables():
     with pytest.raises(tracing.TracingConfigError, match="not 'grpc'"):
         tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     assert tracing.exporter_from({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
-    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
-        tracing.exporter_from({"OTEL_TRACES_EXPORTER": "zipkin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"})
+    for env in ({"OTEL_TRACES_EXPORTER": "zipkin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"},
+                {"OTEL_TRACES_EXPORTER": "zipkin"}):  # without an endpoint too: not silently off
+        with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+            tracing.exporter_from(env)
 
 
 def test_off_nothing_is_recorded_and_nothing_travels():

@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[GatewayConfig, str, str]:
                    help="request deadline in seconds: a request still generating this long after it was "
                         "accepted is ended by its worker (503 aborted)")
     p.add_argument("--api-keys-file", default=None,
-                   help="JSON {api key: tenant}: /v1 answers only listed keys (Authorization: Bearer KEY), and "
+                   help="JSON {api key: tenant} (keys of 8+ printable characters, no spaces): /v1 answers only listed keys (Authorization: Bearer KEY), and "
                         "tenants never share prefix-cache blocks (default: open, one shared cache)")
     p.add_argument("--tool-parser", default=None, choices=PARSERS,
                    help="read tool calls in chat output (hermes: <tool_call>{json}</tool_call>, Qwen2.5 and "

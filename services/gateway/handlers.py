@@ -107,7 +107,9 @@ async def _serve(gw: Gateway, http: Request, req: OpenAIRequest, tenant: str, ar
     if gw.limiter is not None:  # NOTE: after tokenizing: the tokens a request reserves are its prompt's
         new = [r.sampling.max_tokens if req.max_tokens is not None else min(r.sampling.max_tokens, UNSET_RESERVE)
                for r in prepared.requests]  # fmt: skip
-        admission = gw.limiter.admit(tenant, sum(len(r.prompt_token_ids) for r in prepared.requests), sum(new) * req.n)
+        where = "input" if responses else "messages" if req.kind == "chat" else "prompt"
+        admission = gw.limiter.admit(tenant, sum(len(r.prompt_token_ids) for r in prepared.requests), sum(new) * req.n,
+                                     where)  # fmt: skip
     try:
         return await _answer(gw, http, req, model, prepared, span, arrival, admission, responses)
     except BaseException:

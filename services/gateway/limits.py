@@ -216,10 +216,11 @@ class RateLimiter:
         requests per minute or day), so a refused request costs no tokenizing. Charges nothing."""
         self._check(tenant, None)
 
-    def admit(self, tenant: str, prompt_tokens: int, max_new_tokens: int) -> Admission:
+    def admit(self, tenant: str, prompt_tokens: int, max_new_tokens: int, param: str = "messages") -> Admission:
         """Charge one request of ``prompt_tokens`` that may generate ``max_new_tokens`` (all choices);
-        RateLimited (429) when a limit has no room yet, APIError 400 when its prompt can never fit."""
-        state, reserved = self._check(tenant, (prompt_tokens, max_new_tokens))
+        RateLimited (429) when a limit has no room yet, APIError 400 (naming ``param``, the field
+        that holds the prompt) when its prompt can never fit."""
+        state, reserved = self._check(tenant, (prompt_tokens, max_new_tokens), param)
         for _, unit, bucket in state.buckets:
             bucket.level -= 1 if unit == "requests" else reserved
         state.in_flight += 1
@@ -276,7 +277,7 @@ class RateLimiter:
                 bucket.level = min(bucket.capacity, bucket.level - (u.requests if unit == "requests" else u.tokens))
             state.remote[gateway] = (u.in_flight, now)
 
-    def _check(self, tenant: str, size: tuple[int, int] | None) -> tuple[_TenantState, int]:
+    def _check(self, tenant: str, size: tuple[int, int] | None, param: str = "messages") -> tuple[_TenantState, int]:
         """Refill every bucket, then refuse when any limit lacks room (Retry-After: the longest
         wait); the request's token reservation otherwise. ``size`` None: token buckets unchecked."""
         state = self._state(tenant)
@@ -293,7 +294,7 @@ class RateLimiter:
                 if prompt_tokens > least:
                     raise APIError(400, f"The prompt has {prompt_tokens} tokens, more than this tenant's token limit "
                                    f"({least} a {'minute' if least == lim.tokens_per_minute else 'day'}): it can never "
-                                   "run.", param="messages", code="request_too_large")  # fmt: skip
+                                   "run.", param=param, code="request_too_large")  # fmt: skip
                 reserved = min(reserved, least)
         if lim.max_concurrent_requests is not None and state.in_flight + state.others_in_flight(now) >= lim.max_concurrent_requests:
             self._refuse(tenant, state, "concurrent", 1.0,

@@ -24,7 +24,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         m = ("model",)
         self.http = Metric("llmbus_gateway_http_requests_total",
-                           "Completion and chat requests answered, by endpoint and HTTP status.", "counter",
+                           "Completion, chat and Responses API requests answered, by endpoint and HTTP status.", "counter",
                            ("endpoint", "status"))
         self.outcomes = Metric("llmbus_gateway_requests_total",
                                "Generation requests that ended, by outcome: ok (every choice finished), "

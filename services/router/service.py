@@ -60,7 +60,7 @@ class Router:
         self.requests = Metric("llmbus_router_requests_total",
                                "Requests the router settled, by the model and lane it chose and outcome: routed "
                                "(forwarded to prefill) or failed (the client was told why). A failed one's lane is "
-                               "none, and its model the one asked for.", "counter", ("model", "lane", "outcome"))
+                               "none, and its model 'unknown' unless it names a served one.", "counter", ("model", "lane", "outcome"))
         self.directed = Metric("llmbus_router_directed_total",
                                "Requests sent to one prefill worker for the prefix its cache holds, by model.",
                                "counter", ("model",))  # fmt: skip
