@@ -307,6 +307,19 @@ def test_keywords_beside_a_combinator_hold_for_every_option():
             assert not grammar.matches(text.encode()), (schema, text)
 
 
+def test_a_declared_property_comes_once_even_beside_additional_ones():
+    """With additionalProperties a schema, a declared name typed again went down the extra-key
+    path: {"a":11,"a":""} passed, and a parser keeps the last "a", a string where an integer is
+    due. An escaped spelling of a declared name ("\\u0061") is refused with it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "": {"type": "integer"}},
+              "additionalProperties": {"type": "string", "maxLength": 1}}
+    grammar = compile_guide(guide_spec(schema))
+    for text in ('{"a":1,"b":"x"}', '{"b":"x","a":2}', '{"ab":"x","a":3,"":4}', '{"aa":"y"}'):
+        assert grammar.matches(text.encode()) and _valid(schema, text), text
+    for text in ('{"a":11,"a":""}', '{"a":1,"a":2}', '{"":1,"":2}', '{"\\u0061":"x"}', '{"a":"x"}'):
+        assert not grammar.matches(text.encode()), text
+
+
 def test_a_date_is_a_calendar_day():
     """format date (and date-time's date) takes only days that exist: the 31st of a 30-day month and
     February's 29th outside leap years were taken, and jsonschema's format checker refuses them."""

@@ -776,25 +776,35 @@ def _object(rest: tuple, top: tuple, b: int) -> list[tuple]:
 
 
 def _key(rest: tuple, top: tuple, b: int) -> list[tuple]:
+    """A key's byte. ``partial``: the key so far while it may still be a declared name (seen or
+    not), else None. A declared name is taken once, with its own schema: never again, nor as an
+    additional property with theirs (a duplicate a parser would read as the last one)."""
     _, partial, esc, utf8 = top
     parent = rest[-1]
     node, seen = parent[1], parent[3]
     if b == _QUOTE and not esc and not utf8:
         if partial is not None and partial in node.props:
+            if partial in seen:
+                return []
             name = partial
         elif node.extra is not None:
             name = None
         else:
             return []
         return [rest[:-1] + (("O", node, _COLON, seen, name, 0),)]
+    # NOTE: no escapes in the keys of an object with both declared names and additional properties:
+    # an escaped spelling ("\u0061") of a declared name would pass as another key
+    if b == _BACKSLASH and not esc and node.props and node.extra is not None:
+        return []
     step = _string_byte(esc, utf8, b)
     if step is None:
         return []
-    if partial is not None:  # NOTE: only names not yet seen: a key is never repeated
+    if partial is not None:
         partial += bytes((b,))
-        if not any(name.startswith(partial) for name in node.props if name not in seen):
+        if not any(name.startswith(partial) for name in node.props):
             partial = None
-    if partial is None and node.extra is None:
+    if node.extra is None and (partial is None or not any(
+            name.startswith(partial) for name in node.props if name not in seen)):  # fmt: skip
         return []
     return [rest + (("K", partial, step[0], step[1]),)]
 
