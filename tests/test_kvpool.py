@@ -204,12 +204,16 @@ def test_segments_left_by_a_killed_kvpool_are_swept_and_live_ones_kept():
 
     code = ("import sys, time; from llmbus.bus import shm; seg = shm.create(shm.new_segment_name('llmbus_kvtest'), 8192); "
             "print(seg.name, flush=True); time.sleep(120)")  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(3)]
+    # NOTE: each in a process group of its own, killed whole: Python's resource tracker (a child of
+    # each) unlinks what a process alone killed leaves; killed with it, as by `up` or a container's
+    # end, nothing does
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              process_group=0) for _ in range(3)]  # fmt: skip
     names = [p.stdout.readline().strip() for p in procs]
     live, killed, recent = names
     try:
         for p in procs[1:]:
-            p.send_signal(signal.SIGKILL)
+            os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         for name in (live, killed):  # last written long ago
             os.utime(shm.SHM_DIR / name, (1e9, 1e9))
@@ -218,7 +222,7 @@ def test_segments_left_by_a_killed_kvpool_are_swept_and_live_ones_kept():
         assert live not in removed and recent not in removed
         assert (shm.SHM_DIR / live).exists() and (shm.SHM_DIR / recent).exists() and not (shm.SHM_DIR / killed).exists()
     finally:
-        procs[0].kill()
+        os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait()
         for name in names:
             (shm.SHM_DIR / name).unlink(missing_ok=True)
