@@ -298,7 +298,9 @@ def test_keywords_beside_a_combinator_hold_for_every_option():
     cases = [(at_least_one, ['{"x":1}', '{"y":2}', '{"y":2,"x":1}'], ["{}", "5", '{"z":1}', '{"x":"1"}']),
              ({"allOf": [{"type": "string"}], "maxLength": 2}, ['"ab"', '""'], ['"abc"', "1"]),
              ({"type": "integer", "enum": [1, 2, "three"]}, ["1", "2"], ['"three"']),
-             ({"anyOf": [{"type": "integer"}, {"type": "number"}], "minimum": 3}, ["3", "4.5"], ["2", "2.5"])]  # fmt: skip
+             ({"anyOf": [{"type": "integer"}, {"type": "number"}], "minimum": 3}, ["3", "4.5"], ["2", "2.5"]),
+             # a nullable integer written as a type list (OpenAPI 3.1's way): the bounds hold for the integers
+             ({"type": ["integer", "null"], "minimum": 2}, ["2", "null"], ["1", '"x"'])]  # fmt: skip
     for schema, good, bad in cases:
         grammar = compile_guide(guide_spec(schema))
         for text in good:

@@ -306,7 +306,8 @@ class _Compiler:
                     return self.node(options[0], f"{where}.allOf[0]")
                 return UnionNode(tuple(self.node(o, f"{where}.{key}[{i}]") for i, o in enumerate(options)))
         bounds = [k for k in _BOUNDS if k in schema]
-        if bounds and schema.get("type") not in ("integer", "number"):
+        kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+        if bounds and not {"integer", "number"} & set(kinds):  # (["integer", "null"]: bounds the integers)
             raise GuideError(f"{where}: '{bounds[0]}' is supported with type 'integer' or 'number' only")
         kind = schema.get("type")
         if kind is None:
