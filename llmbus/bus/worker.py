@@ -51,17 +51,19 @@ async def read_job(record: type, msg: Msg, what: str,
         return None
 
 
-def malformed_failure(data: bytes, message: str, worker: str) -> tuple[str, TokenEvent] | None:
+def malformed_failure(data: bytes, message: str, worker: str,
+                      code: str = INVALID_REQUEST) -> tuple[str, TokenEvent] | None:  # fmt: skip
     """For a payload that is no valid GenerateRequest but names its request: the subject its
     client listens on (its ``token_subject`` when that is one it may ask for) and the final error
-    event to send there (``invalid_request``: the request's fault). None when it names none."""
+    event to send there (``code``: by default ``invalid_request``, the request's fault). None when
+    it names none."""
     try:
         raw = msgpack.unpackb(data, raw=False)
         rid = raw["request_id"]
         subject = subjects.tokens(rid)
         with contextlib.suppress(ValueError):  # a subject it cannot have asked for: its own
             subject = check_token_subject(raw.get("token_subject") or subject, rid)
-        return subject, TokenEvent.failure(rid, message, worker=worker, code=INVALID_REQUEST)
+        return subject, TokenEvent.failure(rid, message, worker=worker, code=code)
     except Exception:
         return None
 

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import time
 
-
 from llmbus import tracing
 from llmbus.bus import subjects
 from llmbus.bus.kvclient import KVPoolClient
@@ -283,11 +282,10 @@ class Router:
 
     async def _fail_unreadable(self, data: bytes, message: str, code: str = "") -> None:
         """Best effort: tell the client when the payload at least names its request."""
-        if (told := malformed_failure(data, message, self.ctx.instance_id)) is None:
+        if (told := malformed_failure(data, message, self.ctx.instance_id, code)) is None:
             return
-        subject, event = told
         self.requests.add(1, "unknown", "none", "failed")  # (a name nothing checked: not a label)
-        await self.tokens.publish(subject, dataclasses.replace(event, error_code=code))
+        await self.tokens.publish(*told)
 
     async def _watch_registry(self, live: set[str] | None) -> None:
         """Refresh the live-instance snapshot once per heartbeat period (``live``: the first read's)."""
