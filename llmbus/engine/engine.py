@@ -101,7 +101,6 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.model_name
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.vocab_size = loaded.config.vocab_size
         self.device = next(self.model.parameters()).device
