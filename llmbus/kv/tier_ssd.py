@@ -46,12 +46,15 @@ def _checksum(block_hash: bytes, head: bytes, payload: bytes | memoryview) -> by
 
 
 class SsdTier:
-    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+    def __init__(self, directory: str | Path, capacity_bytes: int, payload_bytes: int | None = None) -> None:
+        """``payload_bytes``: every block's size, when known (a file of another size, written under
+        another layout such as another dtype, is dropped as a corrupt one is)."""
         if capacity_bytes < 0:
             raise ValueError(f"SSD tier capacity must be >= 0 bytes, got {capacity_bytes}")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
+        self.payload_bytes = payload_bytes
         self.used_bytes = 0
         self._sizes: dict[bytes, int] = {}
         self.dropped_corrupt = 0
@@ -141,8 +144,7 @@ class SsdTier:
         self.used_bytes = sum(self._sizes.values())
         return [b for _, b in found]
 
-    @staticmethod
-    def _read(path: Path, h: bytes) -> tuple[SsdBlock, bytes] | None:
+    def _read(self, path: Path, h: bytes) -> tuple[SsdBlock, bytes] | None:
         try:
             raw = path.read_bytes()
         except OSError:
@@ -152,6 +154,8 @@ class SsdTier:
         head = raw[: _HEAD.size]
         magic, fmt, length, tokens, _flags, parent = _HEAD.unpack(head)
         if magic != MAGIC or len(raw) != HEADER_BYTES + length:
+            return None
+        if self.payload_bytes is not None and length != self.payload_bytes:  # another layout's block
             return None
         payload = raw[_HEAD.size : _HEAD.size + length]
         if _checksum(h, head, payload) != raw[-_SUM:]:

@@ -51,7 +51,8 @@ class PrefixCache:
         self.block_bytes = self.codec.block_bytes()
         self.index = PrefixIndex(clock=clock)
         self.cpu = CpuTier(config.cpu_bytes, self.codec.block_bytes(self.fmt["cpu"]))
-        self.ssd = SsdTier(config.ssd_dir, config.ssd_bytes) if config.ssd_bytes else None
+        self.ssd = (SsdTier(config.ssd_dir, config.ssd_bytes, self.codec.block_bytes(self.fmt["ssd"]))
+                    if config.ssd_bytes else None)  # fmt: skip
         self.counters = {t: TierCounters() for t in POOL_TIERS}
         self.rejected = 0  # blocks not stored because every resident block was pinned
         self.ssd_errors = 0  # SSD writes that failed (their blocks dropped)
@@ -64,9 +65,8 @@ class PrefixCache:
         if self.ssd is None:
             return 0
         blocks = self.ssd.scan()
-        size = self.ssd.size_for(self.codec.block_bytes(self.fmt["ssd"]))
         for b in blocks:
-            if b.kv_format != self.fmt["ssd"].name or b.size != size:  # written under another configuration
+            if b.kv_format != self.fmt["ssd"].name:  # written under another configuration (its size: scan drops it)
                 self.ssd.delete(b.block_hash)
                 continue
             self.index.add(b.block_hash, "ssd", parent=b.parent, token_count=b.token_count)
@@ -175,10 +175,7 @@ class PrefixCache:
             return "cpu", torch.frombuffer(bytearray(self.cpu.get(h)), dtype=torch.uint8)
         if tier == "ssd":
             got = self.ssd.get(h)
-            if got is not None and len(got[0]) != self.codec.block_bytes(self.fmt["ssd"]):  # another layout's
-                self.ssd.delete(h)
-                got = None
-            if got is None:  # corrupt or truncated: dropped by the SSD tier
+            if got is None:  # corrupt, truncated or another layout's: dropped by the SSD tier
                 self.index.remove(h, "ssd")
                 return None
             return "ssd", torch.frombuffer(bytearray(got[0]), dtype=torch.uint8)
