@@ -235,6 +235,12 @@ def _merged(rest: dict, option, where: str) -> dict:
     return out
 
 
+def _kinds(schema: dict) -> list:
+    """A schema's ``type`` as a list (one name, or a list of them; [None] when it has none)."""
+    kind = schema.get("type")
+    return kind if isinstance(kind, list) else [kind]
+
+
 def _is_type(value, kind) -> bool:
     """Whether a JSON value is of JSON Schema type ``kind``."""
     if kind == "integer":
@@ -287,8 +293,7 @@ class _Compiler:
                     raise GuideError(f"{where}: 'enum' must be a non-empty array")
                 _no_siblings(schema, key, where, allowed=("type",))
                 if "type" in schema:  # the values of the types allowed
-                    kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-                    values = [v for v in values if any(_is_type(v, k) for k in kinds)]
+                    values = [v for v in values if any(_is_type(v, k) for k in _kinds(schema))]
                     if not values:
                         raise GuideError(f"{where}: no value of '{key}' is of type {schema['type']!r}")
                 return LiteralNode(tuple(dict.fromkeys(self.literal(v, where) for v in values)))
@@ -306,8 +311,7 @@ class _Compiler:
                     return self.node(options[0], f"{where}.allOf[0]")
                 return UnionNode(tuple(self.node(o, f"{where}.{key}[{i}]") for i, o in enumerate(options)))
         bounds = [k for k in _BOUNDS if k in schema]
-        kinds = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
-        if bounds and not {"integer", "number"} & set(kinds):  # (["integer", "null"]: bounds the integers)
+        if bounds and not {"integer", "number"} & set(_kinds(schema)):  # (["integer", "null"]: bounds the integers)
             raise GuideError(f"{where}: '{bounds[0]}' is supported with type 'integer' or 'number' only")
         kind = schema.get("type")
         if kind is None:
